@@ -1,0 +1,138 @@
+"""`elastic-trainer`: the only place that parses arguments.
+
+    elastic-trainer train --model gpt-tiny --layout 2,1,2 --micro-batch 2 --global-batch 8 --steps 20
+
+Run it as one plain process for layout 1,1,1, or under torchrun for more ranks:
+
+    torchrun --standalone --nproc-per-node 4 -m elastic_trainer.cli train --layout 2,1,2 ...
+
+Bad input (unknown model, a layout that does not match the world size, tp not dividing n_heads, a global
+batch that cannot be split) fails with one line naming the value and the valid choices, exit code 2,
+before any process group is created.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+from elastic_trainer.config import ConfigError, ModelConfig, TrainConfig, load_model_config, load_run_config
+from elastic_trainer.plan.layout import Layout, parse_degrees, split_batch
+
+EXIT_BAD_INPUT = 2
+
+# CLI flag -> TrainConfig field, for flags that override a run config
+_TRAIN_FLAGS = ("global_batch", "seq_len", "steps", "seed", "lr", "warmup_steps", "decay_steps", "dtype",
+                "metrics_file", "log_every", "data_cache", "grad_clip", "weight_decay")
+
+
+def _add_train_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a GPT on this process group (one process, or under torchrun)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="model preset name (configs/models/NAME.toml) or a model TOML file")
+    src.add_argument("--config", help="run TOML file with a model, [train] and optional [layout]")
+    p.add_argument("--layout", help="DP,TP,PP degrees; their product must equal the world size "
+                                    "(default: DP = world size)")
+    p.add_argument("--micro-batch", type=int, help="samples per micro-batch (default: the whole dp share)")
+    p.add_argument("--dp-mode", choices=("fsdp", "ddp"), help="sharded (FSDP2, default) or replicated")
+    p.add_argument("--recompute", action="store_true", default=None, help="recompute block activations")
+    p.add_argument("--global-batch", type=int, help="samples per optimizer step (default 8)")
+    p.add_argument("--seq-len", type=int, help="tokens per sample (default 128)")
+    p.add_argument("--steps", type=int, help="train until this global step (default 10)")
+    p.add_argument("--seed", type=int, help="seed of initialization and sample order")
+    p.add_argument("--lr", type=float, help="peak learning rate")
+    p.add_argument("--warmup-steps", type=int)
+    p.add_argument("--decay-steps", type=int, help="length of the cosine schedule (default: --steps)")
+    p.add_argument("--grad-clip", type=float, help="clip the global gradient norm (0: off)")
+    p.add_argument("--weight-decay", type=float)
+    p.add_argument("--dtype", choices=("auto", "fp32", "bf16"))
+    p.add_argument("--data", nargs="+", help="'sotu' (default) or .txt/.jsonl/.json/.parquet files or folders")
+    p.add_argument("--data-cache", help="folder for tokenized corpora (default ~/.cache/elastic_trainer)")
+    p.add_argument("--metrics-file", help="append one JSON object per step to this file")
+    p.add_argument("--log-every", type=int, help="progress line every N steps (default 1)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="elastic-trainer", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_train_parser(sub)
+    return parser
+
+
+def world_size_from_env() -> int:
+    value = os.environ.get("WORLD_SIZE", "1")
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"WORLD_SIZE={value!r} is not a positive integer")
+    return int(value)
+
+
+def resolve_train_args(args: argparse.Namespace, world_size: int) -> tuple[ModelConfig, TrainConfig, Layout]:
+    """Configs and a validated Layout from the command line; raises ConfigError on bad input."""
+    if args.config:
+        run = load_run_config(args.config)
+        model, train, layout_table = run.model, run.train, run.layout
+    else:
+        model, train, layout_table = load_model_config(args.model or "gpt-tiny"), TrainConfig(), {}
+    overrides = {k: getattr(args, k) for k in _TRAIN_FLAGS if getattr(args, k) is not None}
+    if args.data:
+        overrides["data"] = tuple(args.data)
+    try:
+        train = dataclasses.replace(train, **overrides)
+    except TypeError as e:
+        raise ConfigError(str(e)) from None
+    if train.seq_len > model.context_length:
+        raise ConfigError(f"seq_len={train.seq_len} exceeds {model.name}'s context_length={model.context_length}")
+    if args.layout:
+        dp, tp, pp = parse_degrees(args.layout)
+    elif {"dp", "tp", "pp"} <= set(layout_table):
+        dp, tp, pp = layout_table["dp"], layout_table["tp"], layout_table["pp"]
+    else:
+        dp, tp, pp = world_size, 1, 1
+    micro = args.micro_batch if args.micro_batch is not None else layout_table.get("micro_batch")
+    micro_batch, num_microbatches = split_batch(train.global_batch, dp, micro)
+    layout = Layout(dp, tp, pp, micro_batch, num_microbatches,
+                    dp_mode=args.dp_mode or layout_table.get("dp_mode", "fsdp"),
+                    recompute=bool(args.recompute if args.recompute is not None
+                                   else layout_table.get("recompute", False)))
+    return model, train, layout.validate(world_size, model, train.global_batch)
+
+
+def run_train(model: ModelConfig, train: TrainConfig, layout: Layout) -> int:
+    import torch.distributed as dist
+
+    from elastic_trainer.parallel import build_mesh, default_device, init_process_group
+    from elastic_trainer.train import MetricsLog, Trainer
+
+    device = default_device()
+    init_process_group(device)
+    try:
+        rank = dist.get_rank()
+        log = MetricsLog(train.metrics_file, enabled=rank == 0, log_every=train.log_every,
+                         total_steps=train.steps)
+        log.info(f"[train] {model.name} ({model.num_params() / 1e6:.1f} M parameters) on "
+                 f"{layout.world_size} rank(s), {device.type}: {layout.describe()}; "
+                 f"global batch {train.global_batch} x {train.seq_len} tokens, {train.steps} steps")
+        trainer = Trainer(model, train, layout, build_mesh(layout, device.type), device)
+        trainer.fit(log)
+        log.close()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            model, train, layout = resolve_train_args(args, world_size_from_env())
+            return run_train(model, train, layout)
+    except ConfigError as e:
+        print(f"elastic-trainer: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

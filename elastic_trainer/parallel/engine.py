@@ -1,0 +1,167 @@
+"""The parallel engine: one rank's part of a GPT laid out by a Layout, and the forward/backward of a step.
+
+Build order (no rank ever holds the full model): GPT on the meta device -> keep this rank's pipeline stage
+-> tensor parallel -> activation recompute -> data parallel -> allocate on the device -> initialize from
+the seed (layout-independent, model/init.py) -> pipeline schedule.
+
+A step's loss is the token mean over the whole global batch: every micro-batch's summed cross-entropy is
+divided by the global token count and gradients are summed over micro-batches and dp ranks. So the
+gradient, the loss and the update are the same for every layout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from elastic_trainer.config import ModelConfig
+from elastic_trainer.data.order import microbatch_slices
+from elastic_trainer.model.gpt import GPT, lm_loss_sum
+from elastic_trainer.model.init import materialize
+from elastic_trainer.parallel.data_parallel import apply_data_parallel, set_gradient_sync
+from elastic_trainer.parallel.mesh import Coords
+from elastic_trainer.parallel.pipeline import build_schedule, split_stage, tied_embedding_group
+from elastic_trainer.parallel.tensor import apply_tensor_parallel
+from elastic_trainer.plan.layout import Layout
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' is bf16 mixed precision on GPUs and fp32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+class Engine:
+    """This rank's stage of the model and the collectives around it."""
+
+    def __init__(self, model_cfg: ModelConfig, layout: Layout, mesh: DeviceMesh, device: torch.device,
+                 *, seed: int, global_batch: int, seq_len: int, param_dtype: torch.dtype = torch.float32):
+        layout.validate(mesh.size(), model_cfg, global_batch)
+        self.layout, self.mesh, self.device = layout, mesh, device
+        self.coords = Coords.of(mesh)
+        self.first = self.coords.pp == 0
+        self.last = self.coords.pp == layout.pp - 1
+        self.inv_tokens = 1.0 / (global_batch * seq_len)
+        self.model = self._build(model_cfg, param_dtype, seed)
+        self.tied_group = tied_embedding_group(mesh, layout)
+        self.schedule = None
+        if layout.pp > 1:
+            self.schedule = build_schedule(self.model, self.coords.pp, layout, mesh.get_group("pp"),
+                                           device, self.loss_fn)
+
+    def _build(self, model_cfg: ModelConfig, param_dtype: torch.dtype, seed: int) -> nn.Module:
+        layout = self.layout
+        with torch.device("meta"):
+            model = GPT(model_cfg)
+        if layout.pp > 1:
+            split_stage(model, layout.stages(model_cfg.n_layers)[self.coords.pp], self.first, self.last)
+        if layout.tp > 1:
+            apply_tensor_parallel(model, self.mesh["tp"])
+        if layout.recompute:
+            for block in model.layers.values():
+                block.recompute = True
+        if layout.dp > 1 or param_dtype != torch.float32:
+            # With pp > 1 every micro-batch runs forward then backward later: keep blocks gathered.
+            apply_data_parallel(model, self.mesh["dp"], layout.dp_mode, param_dtype,
+                                reshard_after_forward=layout.pp == 1)
+        return materialize(model, self.device, seed)
+
+    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """This micro-batch's share of the global-batch token mean."""
+        return lm_loss_sum(logits, targets) * self.inv_tokens
+
+    def forward_backward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Run this rank's micro-batches of `tokens` (local_batch, seq_len + 1); gradients accumulate in
+        .grad. Returns this rank's summed loss contribution (zero except on the last stage)."""
+        tokens = tokens.to(self.device, non_blocking=True)
+        if self.schedule is not None:
+            return self._pipelined(tokens)
+        total = torch.zeros((), device=self.device)
+        slices = microbatch_slices(tokens.shape[0], self.layout.micro_batch)
+        for j, rows in enumerate(slices):
+            if self.layout.dp_mode == "ddp":  # reduce once, after the last micro-batch
+                set_gradient_sync(self.model, j == len(slices) - 1)
+            mb = tokens[rows]
+            loss = self.loss_fn(self.model(mb[:, :-1]), mb[:, 1:])
+            loss.backward()
+            total += loss.detach()
+        return total
+
+    def _pipelined(self, tokens: torch.Tensor) -> torch.Tensor:
+        losses: list[torch.Tensor] = []
+        if self.first:
+            self.schedule.step(tokens[:, :-1], return_outputs=False)
+        elif self.last:
+            self.schedule.step(target=tokens[:, 1:], losses=losses, return_outputs=False)
+        else:
+            self.schedule.step(return_outputs=False)
+        if losses:
+            return torch.stack([l.detach() for l in losses]).sum()
+        return torch.zeros((), device=self.device)
+
+    # -- after backward -------------------------------------------------------------------------------
+
+    @property
+    def tied_copy(self) -> nn.Parameter | None:
+        """The last stage's copy of the tied embedding (None when one stage holds both uses)."""
+        if self.layout.pp > 1 and self.last:
+            return self.model.tok_emb.weight
+        return None
+
+    @torch.no_grad()
+    def reduce_tied_grads(self) -> None:
+        """Sum the tied embedding's gradient between the first and the last stage."""
+        if self.tied_group is None or not (self.first or self.last):
+            return
+        grad = self.model.tok_emb.weight.grad
+        dist.all_reduce(_local(grad), group=self.tied_group)
+
+    def _replicas(self, grad: torch.Tensor) -> int:
+        """On how many ranks of one stage this rank's piece of `grad` also lives."""
+        layout = self.layout
+        if not isinstance(grad, DTensor):
+            return layout.dp * layout.tp
+        names = grad.device_mesh.mesh_dim_names or ()
+        n = 1
+        for i, placement in enumerate(grad.placements):
+            if placement.is_replicate():
+                n *= grad.device_mesh.size(i)
+        for dim in ("dp", "tp"):
+            if dim not in names:
+                n *= getattr(layout, dim)
+        return n
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The true global gradient norm over all unique parameters of all stages; clip to max_norm."""
+        tied = self.tied_copy
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        sq = torch.zeros((), device=self.device, dtype=torch.float32)
+        for p in self.model.parameters():
+            if p.grad is not None and p is not tied:
+                sq += _local(p.grad).float().pow(2).sum() / self._replicas(p.grad)
+        dist.all_reduce(sq)
+        norm = sq.sqrt()
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for g in grads:
+                _local(g).mul_(coef.to(g.dtype))
+        return norm
+
+    def global_loss(self, local: torch.Tensor) -> float:
+        """Sum the last stage's per-dp-rank losses into the global-batch mean, on every rank."""
+        contributes = self.last and self.coords.tp == 0
+        value = local.detach().float() if contributes else torch.zeros((), device=self.device)
+        value = value.clone()
+        dist.all_reduce(value)
+        return float(value)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t

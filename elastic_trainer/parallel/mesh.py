@@ -1,0 +1,56 @@
+"""The ("pp", "dp", "tp") device mesh of a Layout, and the rank coordinates in it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from elastic_trainer.plan.layout import Layout
+
+MESH_DIMS = ("pp", "dp", "tp")
+
+
+def default_device() -> torch.device:
+    """cuda:LOCAL_RANK when GPUs are present, else cpu."""
+    if torch.cuda.is_available():
+        import os
+
+        index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
+    """tp innermost (neighbouring ranks, one host), then dp, then pp outermost."""
+    return init_device_mesh(device_type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=MESH_DIMS)
+
+
+@dataclass(frozen=True)
+class Coords:
+    """This rank's position in the mesh."""
+
+    pp: int
+    dp: int
+    tp: int
+
+    @classmethod
+    def of(cls, mesh: DeviceMesh) -> "Coords":
+        return cls(*(mesh.get_local_rank(d) for d in MESH_DIMS))
+
+
+def init_process_group(device: torch.device) -> None:
+    """Join the job's process group: torchrun's (env://) when launched by it, else a group of one."""
+    import os
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)

@@ -1,0 +1,70 @@
+"""The training loop: build the engine and optimizer, then steps. One step consumes global samples
+[s * B, (s + 1) * B) of the fixed order; this rank takes its dp share."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from elastic_trainer.config import ModelConfig, TrainConfig
+from elastic_trainer.data import TokenSamples, load_tokens, samples_for
+from elastic_trainer.parallel.engine import Engine, resolve_dtype
+from elastic_trainer.plan.layout import Layout
+from elastic_trainer.train.metrics import MetricsLog
+from elastic_trainer.train.optim import build_optimizer, lr_at, set_lr
+
+
+class Trainer:
+    def __init__(self, model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout, mesh: DeviceMesh,
+                 device: torch.device, *, tokens: np.ndarray | None = None):
+        if cfg.seq_len > model_cfg.context_length:
+            raise ValueError(f"seq_len={cfg.seq_len} exceeds the model's context_length={model_cfg.context_length}")
+        self.model_cfg, self.cfg, self.layout, self.device = model_cfg, cfg, layout, device
+        self.engine = Engine(model_cfg, layout, mesh, device, seed=cfg.seed, global_batch=cfg.global_batch,
+                             seq_len=cfg.seq_len, param_dtype=resolve_dtype(cfg.dtype, device))
+        self.optimizer = build_optimizer(self.engine.model, cfg)
+        if tokens is None:
+            tokens = load_tokens(cfg.data, cfg.data_cache)
+        self.samples = TokenSamples(tokens, cfg.seq_len, cfg.seed)
+        self.step = 0
+        """Optimizer steps completed; the next step has 0-based index `step`."""
+        self.last_sample_ids: np.ndarray | None = None
+        """Sample ids of this rank's share in the last step."""
+
+    @property
+    def consumed_samples(self) -> int:
+        return self.step * self.cfg.global_batch
+
+    def train_step(self) -> dict:
+        cfg, engine = self.cfg, self.engine
+        t0 = time.perf_counter()
+        positions = samples_for(self.step, cfg.global_batch, engine.coords.dp, self.layout.dp)
+        self.last_sample_ids, tokens = self.samples.batch(positions)
+        self.optimizer.zero_grad(set_to_none=True)
+        local_loss = engine.forward_backward(tokens)
+        engine.reduce_tied_grads()
+        grad_norm = engine.clip_grad_norm_(cfg.grad_clip)
+        lr = lr_at(self.step, cfg)
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        loss = engine.global_loss(local_loss)  # a collective: every rank has finished its step
+        self.step += 1
+        dt = time.perf_counter() - t0
+        return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
+                "step_time_s": dt, "tokens_per_s": cfg.global_batch * cfg.seq_len / dt,
+                "samples": [self.consumed_samples - cfg.global_batch, self.consumed_samples],
+                "world_size": self.layout.world_size, "layout": self.layout.describe(),
+                "time": time.time()}
+
+    def fit(self, log: MetricsLog, until: int | None = None) -> list[dict]:
+        """Train until global step `until` (default cfg.steps); return the step records."""
+        until = self.cfg.steps if until is None else until
+        records = []
+        while self.step < until:
+            record = self.train_step()
+            log.write(record)
+            records.append(record)
+        return records

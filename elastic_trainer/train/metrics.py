@@ -1,0 +1,42 @@
+"""Progress lines on stdout and one JSON object per step in a metrics file (rank 0 only)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+
+class MetricsLog:
+    def __init__(self, path: str | None, enabled: bool, log_every: int = 1, total_steps: int | None = None):
+        self.enabled = enabled
+        self.log_every = log_every
+        self.total_steps = total_steps
+        self._file = None
+        if enabled and path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "a", buffering=1)
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        step = record["step"]
+        if step % self.log_every == 0 or step == self.total_steps:
+            of = f"/{self.total_steps}" if self.total_steps else ""
+            print(f"step {step}{of} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+                  f"grad_norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
+                  f"{record['step_time_s']:.3f} s/step", file=sys.stdout, flush=True)
+
+    def info(self, message: str) -> None:
+        if self.enabled:
+            print(message, flush=True)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -1,0 +1,52 @@
+# Sourced by run.sh and scripts/test.sh: make a virtual environment that can run the project.
+#
+#   source scripts/setup.sh [EXTRAS]      # EXTRAS: "", "dev", "bench" or "dev,bench"
+#
+# Afterwards $ET_PY is the interpreter to use. What it does, each step only when needed:
+#   1. create $ET_VENV (default .venv) with access to the system's packages, so a GPU machine's
+#      own CUDA torch is used as it is;
+#   2. when that interpreter has no torch, install the CPU wheel torch==2.13.0 (a pinned version,
+#      so pip takes the local wheel instead of downloading a multi-GB CUDA build);
+#   3. install this project (editable) with EXTRAS, again only when pyproject.toml changed.
+# Environment: PYTHON (interpreter that creates the venv, default python3), ET_VENV.
+
+ET_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ET_VENV="${ET_VENV:-$ET_ROOT/.venv}"
+_et_extras="${1:-}"
+
+_et_log() { echo "[setup] $*" >&2; }
+
+_et_setup() {
+    local base_py="${PYTHON:-python3}"
+    if ! command -v "$base_py" >/dev/null 2>&1; then
+        _et_log "error: '$base_py' not found; install Python >= 3.10 or set PYTHON=/path/to/python"
+        return 1
+    fi
+    if ! "$base_py" -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
+        _et_log "error: $("$base_py" --version 2>&1) is too old; Python >= 3.10 is required"
+        return 1
+    fi
+    if [ ! -x "$ET_VENV/bin/python" ]; then
+        _et_log "creating virtual environment $ET_VENV"
+        "$base_py" -m venv --system-site-packages "$ET_VENV" || return 1
+    fi
+    ET_PY="$ET_VENV/bin/python"
+    if ! "$ET_PY" -c 'import torch' >/dev/null 2>&1; then
+        _et_log "no torch found: installing the CPU wheel torch==2.13.0"
+        "$ET_PY" -m pip install -q "torch==2.13.0" || return 1
+    fi
+    local spec="$ET_ROOT"
+    [ -n "$_et_extras" ] && spec="$ET_ROOT[$_et_extras]"
+    local stamp="$ET_VENV/.elastic_trainer.${_et_extras:-core}.sha256"
+    local want
+    want="$(cat "$ET_ROOT/pyproject.toml" | sha256sum | cut -c1-64)"
+    if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] \
+        || ! "$ET_PY" -c 'import elastic_trainer' >/dev/null 2>&1; then
+        _et_log "installing elastic-trainer${_et_extras:+[$_et_extras]} (editable)"
+        "$ET_PY" -m pip install -q -e "$spec" || return 1
+        echo "$want" >"$stamp"
+    fi
+}
+
+_et_setup || { _et_log "set-up failed"; return 1 2>/dev/null || exit 1; }
+export ET_PY ET_ROOT

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up what the tests need (first run only), then run the whole test suite.
+# Extra arguments go to pytest, e.g. ./scripts/test.sh tests/unit -x
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/setup.sh dev
+exec "$ET_PY" -m pytest -q "$@"

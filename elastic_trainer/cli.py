@@ -19,6 +19,7 @@ import os
 import sys
 
 from elastic_trainer.config import ConfigError, ModelConfig, TrainConfig, load_model_config, load_run_config
+from elastic_trainer.data.corpus import resolve_files
 from elastic_trainer.plan.layout import Layout, parse_degrees, split_batch
 
 EXIT_BAD_INPUT = 2
@@ -84,6 +85,7 @@ def resolve_train_args(args: argparse.Namespace, world_size: int) -> tuple[Model
         raise ConfigError(str(e)) from None
     if train.seq_len > model.context_length:
         raise ConfigError(f"seq_len={train.seq_len} exceeds {model.name}'s context_length={model.context_length}")
+    resolve_files(train.data)  # a missing or unsupported data source fails here, not on every rank later
     if args.layout:
         dp, tp, pp = parse_degrees(args.layout)
     elif {"dp", "tp", "pp"} <= set(layout_table):

@@ -1,0 +1,47 @@
+"""Bad input fails with one line naming the value and the valid choices, before any process group."""
+
+import pytest
+import torch.distributed as dist
+
+from elastic_trainer import cli
+
+
+@pytest.fixture(autouse=True)
+def no_training(monkeypatch):
+    monkeypatch.setattr(cli, "run_train", lambda *a: pytest.fail("bad input reached training"))
+
+
+@pytest.mark.parametrize("world, argv, message", [
+    (4, ["--layout", "2,1,1"], "layout dp*tp*pp = 2*1*1 = 2 does not match world size 4 (valid DP,TP,PP: 4,1,1"),
+    (3, ["--layout", "1,3,1"], "tp=3 does not divide n_heads=4 (valid: 1, 2, 4)"),
+    (5, ["--layout", "1,1,5"], "pp=5 exceeds n_layers=4 (valid: 1..4)"),
+    (4, ["--global-batch", "10"], "global batch 10 is not divisible by dp=4 (valid dp: 1, 2, 5, 10)"),
+    (2, ["--micro-batch", "3"], "micro_batch=3 does not divide the per-replica batch 8/2 = 4 (valid: 1, 2, 4)"),
+    (1, ["--model", "gpt-5"], "unknown model 'gpt-5' (valid: gpt-tiny, gpt3-medium, gpt3-small, gpt3-xl)"),
+    (1, ["--seq-len", "300"], "seq_len=300 exceeds gpt-tiny's context_length=256"),
+    (1, ["--layout", "2,x,1"], "--layout '2,x,1' must be three positive integers DP,TP,PP"),
+    (1, ["--config", "/nonexistent/run.toml"], "config file '/nonexistent/run.toml' does not exist"),
+    (1, ["--data", "/nonexistent/corpus.txt"], "is neither 'sotu' nor an existing file or folder"),
+    (1, ["--dp-mode", "ddp", "--steps", "-1"], "train.steps=-1 must be a non-negative integer"),
+])
+def test_bad_input_is_one_line_before_any_process_group(monkeypatch, capsys, world, argv, message):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    assert cli.main(["train", *argv]) == cli.EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert err.count("\n") == 1 and err.startswith("elastic-trainer: error: ")
+    assert not dist.is_initialized()
+
+
+def test_good_input_resolves_layout(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    args = cli.build_parser().parse_args(["train", "--layout", "2,2,2", "--micro-batch", "2", "--dp-mode", "ddp"])
+    model, train, layout = cli.resolve_train_args(args, 8)
+    assert (layout.dp, layout.tp, layout.pp, layout.micro_batch, layout.num_microbatches) == (2, 2, 2, 2, 2)
+    assert layout.dp_mode == "ddp" and model.name == "gpt-tiny" and train.global_batch == 8
+
+
+def test_default_layout_is_data_parallel(monkeypatch):
+    args = cli.build_parser().parse_args(["train"])
+    _, _, layout = cli.resolve_train_args(args, 4)
+    assert (layout.dp, layout.tp, layout.pp, layout.micro_batch) == (4, 1, 1, 2)

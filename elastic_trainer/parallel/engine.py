@@ -50,6 +50,7 @@ class Engine:
         self.inv_tokens = 1.0 / (global_batch * seq_len)
         self.model = self._build(model_cfg, param_dtype, seed)
         self.tied_group = tied_embedding_group(mesh, layout)
+        self._groups: dict[int, list[nn.Parameter]] | None = None
         self.schedule = None
         if layout.pp > 1:
             self.schedule = build_schedule(self.model, self.coords.pp, layout, mesh.get_group("pp"),
@@ -122,36 +123,47 @@ class Engine:
         grad = self.model.tok_emb.weight.grad
         dist.all_reduce(_local(grad), group=self.tied_group)
 
-    def _replicas(self, grad: torch.Tensor) -> int:
-        """On how many ranks of one stage this rank's piece of `grad` also lives."""
+    def _replicas(self, param: torch.Tensor) -> int:
+        """On how many ranks of one stage this rank's piece of `param` (and of its gradient) also lives."""
         layout = self.layout
-        if not isinstance(grad, DTensor):
+        if not isinstance(param, DTensor):
             return layout.dp * layout.tp
-        names = grad.device_mesh.mesh_dim_names or ()
+        names = param.device_mesh.mesh_dim_names or ()
         n = 1
-        for i, placement in enumerate(grad.placements):
+        for i, placement in enumerate(param.placements):
             if placement.is_replicate():
-                n *= grad.device_mesh.size(i)
+                n *= param.device_mesh.size(i)
         for dim in ("dp", "tp"):
             if dim not in names:
                 n *= getattr(layout, dim)
         return n
 
+    def _norm_groups(self) -> dict[int, list[nn.Parameter]]:
+        """Parameters grouped by replica count, the tied copy left out (it is counted on the first stage)."""
+        if self._groups is None:
+            tied, groups = self.tied_copy, {}
+            for p in self.model.parameters():
+                if p is not tied:
+                    groups.setdefault(self._replicas(p), []).append(p)
+            self._groups = groups
+        return self._groups
+
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """The true global gradient norm over all unique parameters of all stages; clip to max_norm."""
-        tied = self.tied_copy
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        # Sums of squares, not torch's norm kernels: on CPU those accumulate in fp32 naively (6e-5 relative
+        # error on a 3M-element embedding gradient), which would make the norm depend on the sharding.
         sq = torch.zeros((), device=self.device, dtype=torch.float32)
-        for p in self.model.parameters():
-            if p.grad is not None and p is not tied:
-                sq += _local(p.grad).float().pow(2).sum() / self._replicas(p.grad)
+        for replicas, params in self._norm_groups().items():
+            squares = [_local(p.grad).float().square().sum() for p in params if p.grad is not None]
+            if squares:
+                sq += torch.stack(squares).sum() / replicas
         dist.all_reduce(sq)
         norm = sq.sqrt()
         if max_norm > 0:
+            grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for g in grads:
-                _local(g).mul_(coef.to(g.dtype))
+            torch._foreach_mul_(grads, coef)
         return norm
 
     def global_loss(self, local: torch.Tensor) -> float:

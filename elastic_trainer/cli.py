@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 
-from elastic_trainer.config import ConfigError, ModelConfig, TrainConfig, load_model_config, load_run_config
+from elastic_trainer.config import (CheckpointConfig, CheckpointError, ConfigError, ModelConfig, TrainConfig,
+                                    load_model_config, load_run_config)
 from elastic_trainer.data.corpus import resolve_files
 from elastic_trainer.plan.layout import Layout, parse_degrees, split_batch
 
@@ -53,12 +55,36 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-cache", help="folder for tokenized corpora (default ~/.cache/elastic_trainer)")
     p.add_argument("--metrics-file", help="append one JSON object per step to this file")
     p.add_argument("--log-every", type=int, help="progress line every N steps (default 1)")
+    c = p.add_argument_group("checkpoints")
+    c.add_argument("--checkpoint-dir", help="save here; with --resume auto, continue from the newest "
+                                            "complete checkpoint in it, in whatever layout this run has")
+    c.add_argument("--resume", default="auto", help="auto (default), never, or one checkpoint folder")
+    c.add_argument("--save-every", type=int, default=0, help="save every K steps (default: only at the end "
+                                                             "and on stop requests)")
+    c.add_argument("--save-interval-s", type=float, default=0.0, help="also save every S seconds")
+    c.add_argument("--keep", type=int, default=3, help="keep the newest K checkpoints (0: all)")
+    c.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
+    c.add_argument("--no-verify", action="store_true", help="skip checksum verification on load")
+    c.add_argument("--stop-file", help="stop (after saving) once this file exists; SIGTERM does the same")
+
+
+def _add_checkpoint_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("checkpoint", help="inspect or export checkpoints")
+    csub = p.add_subparsers(dest="checkpoint_command", required=True)
+    i = csub.add_parser("inspect", help="step, layout, model, tensors and bytes, integrity")
+    i.add_argument("dir", help="a checkpoint root (newest complete one) or one checkpoint folder")
+    i.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    i.add_argument("--no-verify", action="store_true", help="skip the checksum verification")
+    e = csub.add_parser("export-hf", help="write a Hugging Face GPT-2 folder (safetensors)")
+    e.add_argument("dir", help="a checkpoint root (newest complete one) or one checkpoint folder")
+    e.add_argument("out", help="output folder")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elastic-trainer", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train_parser(sub)
+    _add_checkpoint_parser(sub)
     return parser
 
 
@@ -67,6 +93,23 @@ def world_size_from_env() -> int:
     if not value.isdigit() or int(value) < 1:
         raise ConfigError(f"WORLD_SIZE={value!r} is not a positive integer")
     return int(value)
+
+
+def resolve_checkpoint_args(args: argparse.Namespace) -> CheckpointConfig | None:
+    if not args.checkpoint_dir:
+        if args.resume not in ("auto", "never"):
+            raise ConfigError("--resume PATH needs --checkpoint-dir (where this run saves)")
+        return None
+    cfg = CheckpointConfig(dir=args.checkpoint_dir, save_every=args.save_every,
+                           save_interval_s=args.save_interval_s, keep=args.keep, async_save=args.async_save,
+                           verify=not args.no_verify, resume=args.resume)
+    from elastic_trainer.checkpoint.storage import complete_checkpoints
+
+    existing = complete_checkpoints(cfg.dir)
+    if cfg.resume == "never" and existing:
+        raise ConfigError(f"--checkpoint-dir {cfg.dir} already holds checkpoints ({existing[0].name}, ...); "
+                          "resume them (--resume auto) or use an empty folder")
+    return cfg
 
 
 def resolve_train_args(args: argparse.Namespace, world_size: int) -> tuple[ModelConfig, TrainConfig, Layout]:
@@ -101,26 +144,55 @@ def resolve_train_args(args: argparse.Namespace, world_size: int) -> tuple[Model
     return model, train, layout.validate(world_size, model, train.global_batch)
 
 
-def run_train(model: ModelConfig, train: TrainConfig, layout: Layout) -> int:
+def run_train(model: ModelConfig, train: TrainConfig, layout: Layout, ckpt: CheckpointConfig | None = None,
+              stop_file: str | None = None) -> int:
     import torch.distributed as dist
 
+    from elastic_trainer.checkpoint import Checkpointer
+    from elastic_trainer.elastic import EXIT_STOPPED, StopRequest
     from elastic_trainer.parallel import build_mesh, default_device, init_process_group
     from elastic_trainer.train import MetricsLog, Trainer
 
     device = default_device()
     init_process_group(device)
+    stop = StopRequest(stop_file)
+    checkpointer = None
     try:
         rank = dist.get_rank()
         log = MetricsLog(train.metrics_file, enabled=rank == 0, log_every=train.log_every,
                          total_steps=train.steps)
         log.info(f"[train] {model.name} ({model.num_params() / 1e6:.1f} M parameters) on "
                  f"{layout.world_size} rank(s), {device.type}: {layout.describe()}; "
-                 f"global batch {train.global_batch} x {train.seq_len} tokens, {train.steps} steps")
+                 f"global batch {train.global_batch} x {train.seq_len} tokens, until step {train.steps}")
         trainer = Trainer(model, train, layout, build_mesh(layout, device.type), device)
-        trainer.fit(log)
+        if ckpt is not None:
+            checkpointer = Checkpointer(ckpt)
+            if ckpt.resume != "never":
+                checkpointer.load(trainer, ckpt.resume)
+            checkpointer.prepare_fresh_run(ckpt.resume if trainer.step == 0 else "auto")
+        status = trainer.fit(log, checkpointer=checkpointer, stop=stop)
         log.close()
     finally:
+        stop.close()
+        if checkpointer is not None:
+            checkpointer.close()
         dist.destroy_process_group()
+    return EXIT_STOPPED if status == "stopped" else 0
+
+
+def run_checkpoint(args: argparse.Namespace) -> int:
+    from elastic_trainer.checkpoint import inspect
+
+    if args.checkpoint_command == "inspect":
+        folder, complete = inspect.resolve(args.dir)
+        summary = inspect.summarize(folder, verify=not args.no_verify)
+        if args.json:
+            print(json.dumps({**summary, "complete": [str(p) for p in complete]}, indent=1))
+        else:
+            print(inspect.format_summary(summary, complete))
+        return 0 if not summary["integrity"].startswith("FAILED") else 1
+    out = inspect.export_hf(args.dir, args.out)
+    print(f"wrote {out}/config.json and model.safetensors (load with GPT2LMHeadModel.from_pretrained)")
     return 0
 
 
@@ -129,8 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             model, train, layout = resolve_train_args(args, world_size_from_env())
-            return run_train(model, train, layout)
-    except ConfigError as e:
+            return run_train(model, train, layout, resolve_checkpoint_args(args), args.stop_file)
+        if args.command == "checkpoint":
+            return run_checkpoint(args)
+    except (ConfigError, CheckpointError) as e:
         print(f"elastic-trainer: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return 0

@@ -23,6 +23,10 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message is one line meant for the user."""
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupted or unsafe; the message is one line."""
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -139,6 +143,36 @@ class TrainConfig:
     @property
     def schedule_steps(self) -> int:
         return self.decay_steps if self.decay_steps is not None else max(self.steps, 1)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Where and when checkpoints are written."""
+
+    dir: str
+    """Checkpoint root (shared by all hosts): complete checkpoints are DIR/step-NNNNNNNN."""
+    save_every: int = 0
+    """Save every this many steps (0: only on stop requests and at the end)."""
+    save_interval_s: float = 0.0
+    """Also save when this many seconds passed since the last save (0: off)."""
+    keep: int = 3
+    """Keep the newest K complete checkpoints (0 keeps all)."""
+    async_save: bool = False
+    """Write in the background; training continues after the state is staged in host memory."""
+    verify: bool = True
+    """Check every file's size and checksum before loading."""
+
+    resume: str = "auto"
+    """auto: continue from the newest complete checkpoint in dir, if any; never: start fresh (dir must hold
+    no checkpoints); or the path of one checkpoint folder."""
+
+    def __post_init__(self) -> None:
+        if self.save_every < 0 or self.save_interval_s < 0 or self.keep < 0:
+            raise ConfigError(f"checkpoint settings must be >= 0 (save_every={self.save_every}, "
+                              f"save_interval_s={self.save_interval_s}, keep={self.keep})")
+        if self.resume not in ("auto", "never") and not Path(self.resume).is_dir():
+            raise ConfigError(f"--resume {self.resume!r} is neither auto, never nor a checkpoint folder")
+
 
 
 def configs_dir() -> Path:

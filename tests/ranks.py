@@ -55,16 +55,30 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 300, **kwar
             if failed is not None or timed_out:
                 break
             time.sleep(0.02)
-        for p in procs:
+        reaped = set()
+        for r, p in enumerate(procs):
             if p.is_alive():
                 p.kill()
+                reaped.add(r)
             p.join()
         if timed_out:
             raise TimeoutError(f"{world} ranks did not finish within {timeout} s")
-        if failed is None:
-            failed = next((r for r, p in enumerate(procs) if p.exitcode != 0), None)
-        if failed is not None:
-            errors = sorted(f for f in os.listdir(tmp) if f.startswith("error"))
-            detail = open(os.path.join(tmp, errors[0])).read() if errors else f"exit code {procs[failed].exitcode}"
-            raise RuntimeError(f"rank {failed} of {world} failed:\n{detail}")
+        codes = {r: p.exitcode for r, p in enumerate(procs) if r not in reaped}
+        if any(c != 0 for c in codes.values()):
+            raise RuntimeError(_failure_report(tmp, world, codes))
         return [torch.load(os.path.join(tmp, f"result{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def _failure_report(tmp: str, world: int, codes: dict[int, int]) -> str:
+    """Blame a rank killed by a signal first (its peers then fail with 'connection closed'), else the
+    first rank that failed; append every rank's error."""
+    signalled = [r for r, c in codes.items() if c < 0]
+    culprit = signalled[0] if signalled else next(r for r, c in codes.items() if c != 0)
+    code = codes[culprit]
+    lines = [f"rank {culprit} of {world} failed with exit code {code}"
+             + (f" (killed by signal {-code})" if code < 0 else "")]
+    for r in sorted(codes, key=lambda r: r != culprit):
+        path = os.path.join(tmp, f"error{r}.txt")
+        if os.path.exists(path):
+            lines.append(f"--- rank {r}:\n" + open(path).read())
+    return "\n".join(lines)

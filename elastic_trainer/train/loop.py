@@ -1,12 +1,15 @@
 """The training loop: build the engine and optimizer, then steps. One step consumes global samples
-[s * B, (s + 1) * B) of the fixed order; this rank takes its dp share."""
+[s * B, (s + 1) * B) of the fixed order; this rank takes its dp share. `fit` adds periodic checkpoints
+and stop requests (signal or file) agreed by all ranks after each step."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from elastic_trainer.config import ModelConfig, TrainConfig
@@ -38,9 +41,21 @@ class Trainer:
     def consumed_samples(self) -> int:
         return self.step * self.cfg.global_batch
 
+    def restore(self, step: int, cfg: TrainConfig) -> None:
+        """After loading a checkpoint: continue at `step` (the data position follows from it)."""
+        self.step, self.cfg = step, cfg
+
+    def _reseed(self) -> None:
+        """The RNG state is a function of (seed, step, stage, dp rank), so resuming needs only the step.
+        tp ranks share it: their replicated computations must draw the same numbers."""
+        c = self.engine.coords
+        key = f"{self.cfg.seed}:{self.step}:{c.pp}:{c.dp}".encode()
+        torch.manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & ((1 << 63) - 1))
+
     def train_step(self) -> dict:
         cfg, engine = self.cfg, self.engine
         t0 = time.perf_counter()
+        self._reseed()
         positions = samples_for(self.step, cfg.global_batch, engine.coords.dp, self.layout.dp)
         self.last_sample_ids, tokens = self.samples.batch(positions)
         self.optimizer.zero_grad(set_to_none=True)
@@ -59,12 +74,34 @@ class Trainer:
                 "world_size": self.layout.world_size, "layout": self.layout.describe(),
                 "time": time.time()}
 
-    def fit(self, log: MetricsLog, until: int | None = None) -> list[dict]:
-        """Train until global step `until` (default cfg.steps); return the step records."""
+    def fit(self, log: MetricsLog, until: int | None = None, *, checkpointer=None, stop=None) -> str:
+        """Train until global step `until` (default cfg.steps), saving as `checkpointer` says and stopping
+        early (after a save) when `stop` is requested on any rank. Returns "finished" or "stopped"."""
         until = self.cfg.steps if until is None else until
-        records = []
+        self.records = []
+        status = "finished"
         while self.step < until:
             record = self.train_step()
             log.write(record)
-            records.append(record)
-        return records
+            self.records.append(record)
+            stop_now, save_due = self._agree(stop, checkpointer)
+            if checkpointer is not None and (save_due or stop_now):
+                checkpointer.save(self, blocking=True if stop_now else None)
+            if stop_now:
+                log.info(f"[train] stopped after step {self.step} ({stop.reason or 'requested on another rank'})")
+                status = "stopped"
+                break
+        if checkpointer is not None:
+            if checkpointer.last_saved_step != self.step:
+                checkpointer.save(self, blocking=True)
+            checkpointer.wait()
+        return status
+
+    def _agree(self, stop, checkpointer) -> tuple[bool, bool]:
+        """One all-reduce: does any rank want to stop; is a periodic save due (rank 0's clock decides)?"""
+        local_stop = stop is not None and stop.local()
+        local_save = checkpointer is not None and checkpointer.due(self.step) and (
+            dist.get_rank() == 0 or not checkpointer.cfg.save_interval_s)
+        flags = torch.tensor([float(local_stop), float(local_save)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # a CPU tensor: gloo, also beside NCCL
+        return bool(flags[0]), bool(flags[1])

@@ -1,0 +1,202 @@
+"""Save and load the whole training state, collectively, on every rank.
+
+Checkpoint collectives use their own gloo process group, so an asynchronous save (DCP `async_save`,
+writing in a background thread) never interleaves with the training step's collectives.
+
+Save: every rank writes its shards into a temporary folder with DCP, hashes the files it wrote, and sends
+the digests to rank 0, which writes meta.json and commits (storage.commit: manifest, atomic rename,
+`latest`, retention). Synchronous saves return once the checkpoint is visible; asynchronous ones return
+after the state is copied (staged) and finish in the background; `wait()` joins them.
+
+Load: the newest complete checkpoint whose files pass their checksums (each rank verifies a share) is
+resharded into this run's layout; a corrupted or truncated one is reported in one line and the previous
+complete one is used.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from elastic_trainer.checkpoint import state as ckpt_state
+from elastic_trainer.checkpoint import storage
+from elastic_trainer.config import CheckpointConfig, ConfigError
+
+
+@dataclass
+class SaveStats:
+    step: int
+    stall_s: float
+    """Time the training loop was blocked by the save."""
+    total_s: float | None = None
+    """Time until the checkpoint was committed (known once it is)."""
+    path: str | None = None
+
+
+class Checkpointer:
+    def __init__(self, cfg: CheckpointConfig, log=print):
+        self.cfg = cfg
+        self.root = Path(cfg.dir)
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.pg = dist.new_group(backend="gloo")  # checkpoint collectives only
+        self.log = log if self.rank == 0 else (lambda *a, **k: None)
+        run_id = [uuid.uuid4().hex[:8] if self.rank == 0 else None]
+        dist.broadcast_object_list(run_id, src=0, group=self.pg)
+        self.run_id = run_id[0]
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: concurrent.futures.Future | None = None
+        self.history: list[SaveStats] = []
+        self.last_saved_step: int | None = None
+        self._last_save_time = time.monotonic()
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+
+    # -- save -------------------------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        """Whether a periodic save is due after `step` (identical on every rank for step-based saves)."""
+        if self.cfg.save_every and step % self.cfg.save_every == 0:
+            return True
+        return bool(self.cfg.save_interval_s) and time.monotonic() - self._last_save_time >= self.cfg.save_interval_s
+
+    def save(self, trainer, *, blocking: bool | None = None) -> SaveStats:
+        """Checkpoint `trainer` at its current step (a collective: every rank calls it)."""
+        self.wait()
+        t0 = time.perf_counter()
+        step = trainer.step
+        tmp = self.root / f"{storage.TMP_PREFIX}{storage.step_dirname(step)}-{self.run_id}"
+        os.makedirs(tmp, exist_ok=True)
+        state = ckpt_state.tensor_state(trainer)
+        meta = ckpt_state.build_meta(trainer)
+        writer = dcp.FileSystemWriter(str(tmp))
+        stats = SaveStats(step=step, stall_s=0.0)
+        if blocking is False or (blocking is None and self.cfg.async_save):
+            upload = dcp.async_save(state, storage_writer=writer, process_group=self.pg)
+            stats.stall_s = time.perf_counter() - t0
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+            self._pending = self._executor.submit(self._finish, upload, tmp, meta, stats, t0)
+        else:
+            dcp.save(state, storage_writer=writer, process_group=self.pg)
+            self._finish(None, tmp, meta, stats, t0)
+            stats.stall_s = stats.total_s  # a synchronous save blocks until it is committed
+        self.history.append(stats)
+        self.last_saved_step = step
+        self._last_save_time = time.monotonic()
+        return stats
+
+    def _finish(self, upload, tmp: Path, meta: dict, stats: SaveStats, t0: float) -> None:
+        if upload is not None:
+            upload.result()  # this rank's files are written
+        mine = sorted(p.name for p in tmp.glob(f"__{self.rank}_*.distcp"))
+        digests = storage.describe_files(tmp, mine)
+        gathered = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(digests, gathered, dst=0, group=self.pg)
+        outcome = [None]
+        if self.rank == 0:
+            try:
+                storage.write_json_atomic(tmp / storage.META, meta)
+                files = {k: v for d in gathered for k, v in d.items()}
+                final = storage.commit(tmp, meta["step"], files)
+                removed = storage.remove_old(self.root, self.cfg.keep)
+                outcome = [str(final)]
+                note = f", removed {', '.join(p.name for p in removed)}" if removed else ""
+                self.log(f"[checkpoint] step {meta['step']} saved to {final} in "
+                         f"{time.perf_counter() - t0:.2f} s{note}", flush=True)
+            except OSError as e:
+                outcome = [f"error: {e}"]
+        dist.broadcast_object_list(outcome, src=0, group=self.pg)
+        if outcome[0].startswith("error: "):
+            raise storage.CheckpointError(f"committing step {meta['step']} failed: {outcome[0][7:]}")
+        stats.total_s = time.perf_counter() - t0
+        stats.path = outcome[0]
+
+    def wait(self) -> None:
+        """Join an in-flight asynchronous save (re-raising its error)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def close(self) -> None:
+        self.wait()
+        if self._executor is not None:
+            self._executor.shutdown()
+        dist.destroy_process_group(self.pg)
+
+    # -- load -------------------------------------------------------------------------------------
+
+    def candidates(self, source: str = "auto") -> list[Path]:
+        """Checkpoints to try, newest first: all complete ones ("auto") or one given folder."""
+        paths = [Path(source)] if source != "auto" else None
+        listing = [[str(p) for p in (paths or storage.complete_checkpoints(self.root))] if self.rank == 0 else None]
+        dist.broadcast_object_list(listing, src=0, group=self.pg)
+        return [Path(p) for p in listing[0]]
+
+    def verify(self, folder: Path) -> str | None:
+        """None if every file passes its checksum, else the one-line reason (checked in parallel)."""
+        try:
+            names = storage.manifest_files(folder)
+            storage.verify(folder, names[self.rank::self.world] if self.cfg.verify else [])
+            storage.read_dcp_metadata(folder / ".metadata")  # refuses unsafe metadata in one line
+            error = None
+        except storage.CheckpointError as e:
+            error = str(e)
+        errors = [None] * self.world
+        dist.all_gather_object(errors, error, group=self.pg)
+        return next((e for e in errors if e), None)
+
+    def load(self, trainer, source: str = "auto") -> dict | None:
+        """Reshard the newest good checkpoint into `trainer`; return its meta (None if there is none)."""
+        for folder in self.candidates(source):
+            error = self.verify(folder) if folder.is_dir() else f"{folder} is not a checkpoint folder"
+            if error:
+                if source != "auto":
+                    raise storage.CheckpointError(error)
+                self.log(f"[checkpoint] skipping {folder.name}: {error}", file=sys.stderr, flush=True)
+                continue
+            t0 = time.perf_counter()
+            meta = storage.read_meta(folder)
+            ckpt_state.check_compatible(meta, trainer.model_cfg, trainer.cfg, str(folder))
+            state = ckpt_state.tensor_state(trainer)
+            try:
+                dcp.load(state, storage_reader=storage.SafeReader(str(folder)),
+                         planner=storage.SafeLoadPlanner(), process_group=self.pg)
+            except CheckpointException as e:  # a BaseException carrying every rank's error
+                raise storage.CheckpointError(f"loading {folder.name} failed: {_first_failure(e)}") from None
+            ckpt_state.apply_tensor_state(trainer, state)
+            trainer.restore(meta["step"], ckpt_state.resumed_config(meta, trainer.cfg))
+            self.last_saved_step = meta["step"]
+            saved = meta["layout"]
+            self.log(f"[checkpoint] resumed step {meta['step']} from {folder} (saved with dp={saved['dp']} "
+                     f"tp={saved['tp']} pp={saved['pp']}) in {time.perf_counter() - t0:.2f} s", flush=True)
+            return meta
+        return None
+
+    def prepare_fresh_run(self, resume: str) -> None:
+        """Before the first save: drop abandoned temporary folders; refuse to mix with another run."""
+        existing = storage.complete_checkpoints(self.root)
+        if resume == "never" and existing:
+            raise ConfigError(f"{self.root} already holds checkpoints ({existing[0].name}, ...); "
+                              "resume them (--resume auto) or use an empty --checkpoint-dir")
+        if self.rank == 0:
+            storage.remove_abandoned(self.root)
+        dist.barrier(group=self.pg)
+
+
+def _first_failure(error: CheckpointException) -> str:
+    """The first rank's exception of a DCP CheckpointException, on one line."""
+    for failure in error.failures.values():
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        text = str(exc).strip().splitlines()
+        return text[-1] if text else type(exc).__name__
+    return str(error).splitlines()[0]

@@ -1,0 +1,91 @@
+"""What a checkpoint holds, and how it is taken from and put into a Trainer of any layout.
+
+Tensors (model weights, AdamW moments and step counts) go through torch.distributed.checkpoint with
+`get_state_dict`/`set_state_dict`: keys are global parameter names, shapes are global, and the optimizer
+state is flattened per parameter, so loading into another (dp, tp, pp), micro-batch split or dp mode is
+DCP's resharding at load time. Everything else is JSON in meta.json:
+- step and consumed samples (the data position: the next step reads global samples [step*B, (step+1)*B));
+- the model config, the trajectory-defining training config, the layout that saved it, time, versions;
+- the RNG scheme: every step reseeds torch from (seed, step, stage, dp rank), so the step is the RNG state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+import time
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from elastic_trainer import __version__
+from elastic_trainer.config import ConfigError, ModelConfig, TrainConfig
+
+FORMAT = 1
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# Training settings that define the loss trajectory: a resumed run must use the checkpoint's values.
+TRAJECTORY_FIELDS = ("global_batch", "seq_len", "seed", "lr", "min_lr_ratio", "warmup_steps", "weight_decay",
+                     "beta1", "beta2", "eps", "grad_clip", "data")
+
+
+def tensor_state(trainer) -> dict:
+    """{"model": ..., "optim": ...} of DTensors/tensors, keyed by global names (initializes AdamW state)."""
+    model_sd, optim_sd = get_state_dict(trainer.engine.model, trainer.optimizer, options=OPTIONS)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def apply_tensor_state(trainer, state: dict) -> None:
+    set_state_dict(trainer.engine.model, trainer.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"], options=OPTIONS)
+
+
+def build_meta(trainer) -> dict:
+    cfg, layout = trainer.cfg, trainer.layout
+    train = dataclasses.asdict(cfg)
+    train["data"] = list(cfg.data)
+    train["schedule_steps"] = cfg.schedule_steps
+    return {
+        "format": FORMAT,
+        "step": trainer.step,
+        "consumed_samples": trainer.consumed_samples,
+        "model": dataclasses.asdict(trainer.model_cfg),
+        "train": train,
+        "layout": layout.to_dict(),
+        "world_size": layout.world_size,
+        "data": {"num_samples": len(trainer.samples), "seq_len": cfg.seq_len},
+        "rng": {"scheme": "reseed every step from (seed, step, stage, dp rank)", "seed": cfg.seed},
+        "time": time.time(),
+        "saved_at": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "versions": {"elastic_trainer": __version__, "torch": torch.__version__,
+                     "python": platform.python_version()},
+    }
+
+
+def check_compatible(meta: dict, model_cfg: ModelConfig, cfg: TrainConfig, where: str) -> None:
+    """Raise ConfigError (one line) if resuming `meta` with these configs would change the trajectory."""
+    if meta.get("format") != FORMAT:
+        raise ConfigError(f"{where}: checkpoint format {meta.get('format')!r} is not supported (valid: {FORMAT})")
+    saved_model = ModelConfig(**meta["model"])
+    ours = dataclasses.asdict(model_cfg)
+    differ = [k for k, v in dataclasses.asdict(saved_model).items() if k != "name" and ours[k] != v]
+    if differ:
+        detail = ", ".join(f"{k}={ours[k]!r} (checkpoint: {meta['model'][k]!r})" for k in differ)
+        raise ConfigError(f"{where} holds a different model: {detail}")
+    saved = meta["train"]
+    current = dataclasses.asdict(cfg)
+    current["data"] = list(cfg.data)
+    differ = [k for k in TRAJECTORY_FIELDS if current[k] != saved[k]]
+    if cfg.decay_steps is not None and cfg.schedule_steps != saved["schedule_steps"]:
+        differ.append("decay_steps")
+    if differ:
+        detail = ", ".join(f"{k}={current.get(k)!r} (checkpoint: {saved.get(k, saved.get('schedule_steps'))!r})"
+                           for k in differ)
+        raise ConfigError(f"{where} was trained with other settings: {detail}; resuming would change the "
+                          "loss trajectory (use the checkpoint's values or another --checkpoint-dir)")
+
+
+def resumed_config(meta: dict, cfg: TrainConfig) -> TrainConfig:
+    """The schedule length is part of the trajectory: a resumed run keeps the checkpoint's unless set."""
+    if cfg.decay_steps is None:
+        return dataclasses.replace(cfg, decay_steps=meta["train"]["schedule_steps"])
+    return cfg

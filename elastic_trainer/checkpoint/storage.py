@@ -1,0 +1,236 @@
+"""Checkpoint files on disk: safe reading, integrity manifest, atomic commit, discovery and retention.
+
+A checkpoint directory DIR holds complete checkpoints and nothing half-written is ever visible:
+
+    DIR/step-00000030/     a complete checkpoint: DCP files (.metadata, __R_I.distcp), meta.json, manifest.json
+    DIR/.tmp-step-00000040-<id>/   a save in progress (or abandoned by a crash); never read
+    DIR/latest             "step-00000030", replaced atomically after each commit
+
+A save writes into a temporary folder; the commit records every file's size and xxh3-128 checksum in
+manifest.json, then renames the folder to its final name (atomic on POSIX), fsyncs, and replaces `latest`.
+Readers list `step-*` folders, so a crash at any point leaves at most an ignored temporary folder.
+
+Security: loading never unpickles arbitrary objects. DCP's own reader unpickles `.metadata` without
+restriction (pytorch issue 189308) and its load planner reads non-tensor items with
+`torch.load(weights_only=False)`; `SafeReader` and `SafeLoadPlanner` replace both with allowlisted loading.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import re
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from elastic_trainer.config import CheckpointError
+
+STEP_DIR = re.compile(r"^step-(\d{8})$")
+TMP_PREFIX = ".tmp-"
+MANIFEST = "manifest.json"
+META = "meta.json"
+LATEST = "latest"
+HASH = "xxh3_128"
+
+
+# -- safe loading ---------------------------------------------------------------------------------
+
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "Path"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata, refusing every global outside a fixed allowlist."""
+
+    def find_class(self, module: str, name: str):
+        if name in _METADATA_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
+
+
+def read_dcp_metadata(path: str | os.PathLike) -> Metadata:
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
+        raise CheckpointError(f"unsafe or corrupted checkpoint metadata {str(path)!r}: {e}") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{str(path)!r} does not hold DCP metadata")
+    return metadata
+
+
+class SafeReader(FileSystemReader):
+    """FileSystemReader whose metadata is read through the allowlisted unpickler.
+
+    DCP swallows a failing read and retries with rank-local metadata, wrapping both errors; callers that
+    want the one-line reason call `read_dcp_metadata` first (Checkpointer does)."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        if kwargs.get("rank") is not None:  # we never write rank-local metadata
+            raise CheckpointError("rank-local checkpoint metadata is not supported")
+        metadata = read_dcp_metadata(self._get_metadata_path())
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """Non-tensor items (optimizer hyper-parameters) are read with torch.load(weights_only=True)."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"refusing unsafe item {read_item.dest_index.fqn!r} in checkpoint: {first}") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+# -- integrity ------------------------------------------------------------------------------------
+
+def file_digest(path: str | os.PathLike, chunk: int = 16 << 20) -> str:
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def describe_files(folder: Path, names: list[str]) -> dict[str, dict]:
+    """{name: {"bytes", HASH}} for files in folder."""
+    return {n: {"bytes": (folder / n).stat().st_size, HASH: file_digest(folder / n)} for n in names}
+
+
+def verify(folder: Path, names: list[str] | None = None) -> None:
+    """Check sizes and checksums against manifest.json (all files, or `names`); raise CheckpointError."""
+    manifest_path = folder / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text())["files"]
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{folder.name}: unreadable manifest ({e})") from None
+    for name in names if names is not None else sorted(manifest):
+        expected = manifest[name]
+        path = folder / name
+        if not path.exists():
+            raise CheckpointError(f"{folder.name}: file {name} is missing")
+        size = path.stat().st_size
+        if size != expected["bytes"]:
+            raise CheckpointError(f"{folder.name}: file {name} has {size} bytes, expected {expected['bytes']} (truncated?)")
+        if file_digest(path) != expected[HASH]:
+            raise CheckpointError(f"{folder.name}: file {name} fails its {HASH} checksum (corrupted)")
+
+
+def manifest_files(folder: Path) -> list[str]:
+    try:
+        return sorted(json.loads((folder / MANIFEST).read_text())["files"])
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{folder.name}: unreadable manifest ({e})") from None
+
+
+# -- atomic commit, discovery, retention ----------------------------------------------------------
+
+def step_dirname(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def new_tmp_dir(root: Path, step: int) -> Path:
+    return root / f"{TMP_PREFIX}{step_dirname(step)}-{uuid.uuid4().hex[:8]}"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def commit(tmp: Path, step: int, file_info: dict[str, dict]) -> Path:
+    """Write the manifest, make the checkpoint visible under its final name, point `latest` at it."""
+    root = tmp.parent
+    info = dict(file_info)
+    for name in sorted(p.name for p in tmp.iterdir()):
+        if name not in info and name != MANIFEST:
+            info.update(describe_files(tmp, [name]))
+    write_json_atomic(tmp / MANIFEST, {"hash": HASH, "files": info, "committed": time.time()})
+    _fsync_dir(tmp)
+    final = root / step_dirname(step)
+    if final.exists():  # the same step saved again (e.g. a resumed run stopping at once): replace it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    latest = root / f".{LATEST}.{uuid.uuid4().hex[:8]}"
+    latest.write_text(final.name + "\n")
+    os.replace(latest, root / LATEST)
+    _fsync_dir(root)
+    return final
+
+
+def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """Committed checkpoints in root, newest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def remove_old(root: Path, keep: int) -> list[Path]:
+    """Keep the newest `keep` complete checkpoints (keep <= 0 keeps all); return what was removed."""
+    if keep <= 0:
+        return []
+    removed = complete_checkpoints(root)[keep:]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+def remove_abandoned(root: Path) -> None:
+    """Temporary folders of saves that never committed (a crash); called before a run saves anything."""
+    if root.is_dir():
+        for path in root.iterdir():
+            if path.name.startswith(TMP_PREFIX) and path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def read_meta(folder: Path) -> dict:
+    try:
+        return json.loads((folder / META).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{folder.name}: unreadable {META} ({e})") from None

@@ -94,8 +94,9 @@ class GradientAccumulation(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         state = self.optimizer.state_dict()
-        grads = {i: p.grad.detach().clone() for i, p in enumerate(self._params())
-                 if self._pending and p.grad is not None}
+        grads = {}
+        if self._pending:  # mid-cycle the partial sums live only in .grad: save them too
+            grads = {i: p.grad.detach().clone() for i, p in enumerate(self._params()) if p.grad is not None}
         state[STATE_KEY] = {"steps": self._steps, "pending": self._pending, "grads": grads}
         return state
 

@@ -44,13 +44,12 @@ def init(global_batch_size: int, max_gpu_batch_size: int, world_size: int | None
     Unlike Run:AI's `init`, this sets no module globals: it returns the result.
     Raises ConfigError (a ValueError) with a one-line message when the global batch cannot be met.
     """
-    detected_world, rank = _world_and_rank()
-    world = detected_world if world_size is None else positive_int("world_size", world_size)
+    world = _detected_world() if world_size is None else positive_int("world_size", world_size)
     _check_global_batch(global_batch_size, world)
     limit = positive_int("max_gpu_batch_size", max_gpu_batch_size)
     share = global_batch_size // world
     steps = next(s for s in _divisors(share) if share // s <= limit)  # s == share always fits
-    return ElasticConfig(global_batch_size, world, share // steps, steps, rank == 0)
+    return ElasticConfig(global_batch_size, world, share // steps, steps, master=_rank() == 0)
 
 
 def positive_int(name: str, value: object) -> int:
@@ -67,10 +66,16 @@ def _env_int(name: str, default: int, minimum: int) -> int:
     return int(value)
 
 
-def _world_and_rank() -> tuple[int, int]:
+def _detected_world() -> int:
     if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return _env_int("WORLD_SIZE", 1, minimum=1), _env_int("RANK", 0, minimum=0)
+        return dist.get_world_size()
+    return _env_int("WORLD_SIZE", 1, minimum=1)
+
+
+def _rank() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return _env_int("RANK", 0, minimum=0)
 
 
 def _check_global_batch(value: object, world: int) -> None:

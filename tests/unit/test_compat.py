@@ -288,6 +288,7 @@ def test_init_world_size_and_master_from_environment(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "four")
     with pytest.raises(ConfigError, match=r"^environment variable WORLD_SIZE='four' must be an integer >= 1$"):
         compat.init(256, 64)
+    assert compat.init(256, 64, world_size=2).steps == 2  # an explicit world size never reads WORLD_SIZE
 
 
 def test_init_prefers_the_process_group(monkeypatch):

@@ -24,7 +24,7 @@ def _delegate(name: str) -> Callable:
         return getattr(self.optimizer, name)(*args, **kwargs)
 
     method.__name__ = name
-    method.__doc__ = f"The inner optimizer's `{name}` (its hooks run on real updates only)."
+    method.__doc__ = f"`{name}` of the inner optimizer, which owns the parameters and the hooks."
     return method
 
 

@@ -142,11 +142,11 @@ class Checkpointer:
         dist.broadcast_object_list(listing, src=0, group=self.pg)
         return [Path(p) for p in listing[0]]
 
-    def verify(self, folder: Path) -> str | None:
+    def verify(self, folder: Path, checksums: bool = True) -> str | None:
         """None if every file passes its checksum, else the one-line reason (checked in parallel)."""
         try:
             names = storage.manifest_files(folder)
-            storage.verify(folder, names[self.rank::self.world] if self.cfg.verify else [])
+            storage.verify(folder, names[self.rank::self.world] if checksums else [])
             storage.read_dcp_metadata(folder / ".metadata")  # refuses unsafe metadata in one line
             error = None
         except storage.CheckpointError as e:
@@ -155,10 +155,12 @@ class Checkpointer:
         dist.all_gather_object(errors, error, group=self.pg)
         return next((e for e in errors if e), None)
 
-    def load(self, trainer, source: str = "auto") -> dict | None:
-        """Reshard the newest good checkpoint into `trainer`; return its meta (None if there is none)."""
+    def load(self, trainer, source: str = "auto", verify: bool | None = None) -> dict | None:
+        """Reshard the newest good checkpoint into `trainer`; return its meta (None if there is none).
+        `verify` overrides the config's checksum verification."""
+        checksums = self.cfg.verify if verify is None else verify
         for folder in self.candidates(source):
-            error = self.verify(folder) if folder.is_dir() else f"{folder} is not a checkpoint folder"
+            error = self.verify(folder, checksums) if folder.is_dir() else f"{folder} is not a checkpoint folder"
             if error:
                 if source != "auto":
                     raise storage.CheckpointError(error)

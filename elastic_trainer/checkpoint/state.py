@@ -28,8 +28,29 @@ TRAJECTORY_FIELDS = ("global_batch", "seq_len", "seed", "lr", "min_lr_ratio", "w
                      "beta1", "beta2", "eps", "grad_clip", "data")
 
 
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create Adam/AdamW's state (zeros) before its first step, as its own lazy initialization would.
+
+    DCP's get_state_dict would do it by allocating a zero gradient for every parameter and stepping with
+    lr=0: a transient copy of the whole model that a large model on a full device cannot afford.
+    """
+    if optimizer.state or not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        return
+    for group in optimizer.param_groups:
+        on_device = group.get("capturable") or group.get("fused")
+        for p in group["params"]:
+            state = optimizer.state[p]
+            state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if on_device
+                             else torch.tensor(0.0, dtype=torch.get_default_dtype()))
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
 def tensor_state(trainer) -> dict:
-    """{"model": ..., "optim": ...} of DTensors/tensors, keyed by global names (initializes AdamW state)."""
+    """{"model": ..., "optim": ...} of DTensors/tensors, keyed by global names."""
+    init_optimizer_state(trainer.optimizer)
     model_sd, optim_sd = get_state_dict(trainer.engine.model, trainer.optimizer, options=OPTIONS)
     return {"model": model_sd, "optim": optim_sd}
 

@@ -45,3 +45,20 @@ def test_default_layout_is_data_parallel(monkeypatch):
     args = cli.build_parser().parse_args(["train"])
     _, _, layout = cli.resolve_train_args(args, 4)
     assert (layout.dp, layout.tp, layout.pp, layout.micro_batch) == (4, 1, 1, 2)
+
+
+def test_checkpoint_flags_bad_input(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    cases = [
+        (["--resume", str(tmp_path / "missing")], "needs --checkpoint-dir"),
+        (["--checkpoint-dir", str(tmp_path), "--resume", "latest"], "--resume 'latest' is neither auto, never nor"),
+        (["--checkpoint-dir", str(tmp_path), "--keep", "-1"], "checkpoint settings must be >= 0"),
+    ]
+    (tmp_path / "step-00000004").mkdir()
+    cases.append((["--checkpoint-dir", str(tmp_path), "--resume", "never"],
+                  "already holds checkpoints (step-00000004, ...)"))
+    for argv, message in cases:
+        assert cli.main(["train", *argv]) == cli.EXIT_BAD_INPUT
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, (argv, err)
+    assert not dist.is_initialized()

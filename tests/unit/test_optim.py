@@ -32,3 +32,23 @@ def test_weight_decay_only_on_matrices():
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.ndim == 2 for p in decay["params"]) and all(p.ndim == 1 for p in no_decay["params"])
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_checkpoint_initializes_adamw_state_like_adamw_itself():
+    from elastic_trainer.checkpoint.state import init_optimizer_state
+
+    params = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(4))]
+    ours = torch.optim.AdamW(params, lr=0.1)
+    init_optimizer_state(ours)
+    theirs = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params], lr=0.0)
+    for p in theirs.param_groups[0]["params"]:
+        p.grad = torch.zeros_like(p)
+    theirs.step()  # AdamW's own lazy initialization (then one step with zero gradients)
+    for a, b in zip(params, theirs.param_groups[0]["params"]):
+        sa, sb = ours.state[a], theirs.state[b]
+        assert set(sa) == set(sb) == {"step", "exp_avg", "exp_avg_sq"}
+        for key in sa:
+            assert sa[key].dtype == sb[key].dtype and sa[key].shape == sb[key].shape
+            assert sa[key].device == sb[key].device
+        assert float(sa["step"]) == 0.0 and float(sb["step"]) == 1.0
+        assert not sa["exp_avg"].any() and not sa["exp_avg_sq"].any()

@@ -36,6 +36,7 @@ from elastic_trainer.plan.step_time import block_flops
 CPU_SHAPES = [(256, 128), (256, 512), (512, 128), (512, 512)]  # (d_model, tokens per micro-batch)
 GPU_SHAPES = [(1024, 1024), (2048, 1024), (2048, 4096), (4096, 2048)]
 SEQ_LEN = 128
+LINK_SIZES = [2**14, 2**18, 2**20, 2**22, 2**23]  # bytes per all-reduce
 
 
 def timed(fn: Callable[[], object], repeat: int, sync: Callable[[], None] = lambda: None) -> float:
@@ -188,7 +189,7 @@ def calibrate(base: Hardware, name: str, worlds: list[int], device: torch.device
 
 def _cpu_host(hw: Hardware, worlds: list[int]) -> Hardware:
     """Cores, memory and gloo links of this host; all ranks are processes sharing it."""
-    gbs, latency = measure_links(worlds, [2**14, 2**18, 2**20, 2**22, 2**23])
+    gbs, latency = measure_links(worlds, LINK_SIZES)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
     return dataclasses.replace(

@@ -10,7 +10,9 @@ work) with one intra-op thread per rank, as the trainer runs its ranks on a CPU:
 - a large in-place add (`memory_bandwidth_gbs`) and clipping + an AdamW step (`optimizer_ns_per_param`);
 - gloo all-reduces of several sizes on 2..N forked local ranks; a fit of the ring model
   t = 2 (n - 1) / n * bytes / B + 2 (n - 1) * L gives the bus bandwidth B and step latency L (one host:
-  the same figures serve intra- and inter-host links).
+  the same figures serve intra- and inter-host links; gloo's reduce-scatter costs an all-reduce);
+- the block again on as many forked ranks as there are cores at once: their speed-up over one rank is
+  `compute_units`, the parallel compute the host's ranks share.
 On a CUDA device the compute figures are measured on it and the link figures are kept from --base.
 """
 
@@ -20,6 +22,7 @@ import dataclasses
 import itertools
 import math
 import os
+import statistics
 import time
 from typing import Callable
 
@@ -157,6 +160,8 @@ def measure_links(worlds: list[int], sizes: list[int], repeat: int = 3) -> tuple
             rows.append([2 * (world - 1) / world * nbytes, 2 * (world - 1)])
             ys.append(max(r[i] for r in per_rank))
     inv_bw, latency = fit_nonneg(rows, ys)
+    if inv_bw <= 0:
+        raise RuntimeError(f"all-reduce times do not grow with size (try larger sizes): {list(zip(rows, ys))}")
     return 1e-9 / inv_bw, latency * 1e6
 
 
@@ -187,12 +192,28 @@ def calibrate(base: Hardware, name: str, worlds: list[int], device: torch.device
     return hw
 
 
+def _block_seconds(rank: int, world: int) -> float:
+    dist.barrier()
+    return measure_blocks(torch.device("cpu"), torch.float32, CPU_SHAPES[-1:], repeat=3)[0][2]
+
+
+def measure_parallel_units(cores: int) -> float:
+    """How many ranks' worth of block compute `cores` ranks deliver together (their speed-up over one)."""
+    from elastic_trainer.parallel.local_ranks import run_ranks
+
+    alone = run_ranks(_block_seconds, 1)[0]
+    together = statistics.median(run_ranks(_block_seconds, cores))
+    return min(float(cores), max(1.0, cores * alone / together))
+
+
 def _cpu_host(hw: Hardware, worlds: list[int]) -> Hardware:
     """Cores, memory and gloo links of this host; all ranks are processes sharing it."""
     gbs, latency = measure_links(worlds, LINK_SIZES)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
     return dataclasses.replace(
-        hw, shared_host=True, compute_units=cores, memory_gb=round(memory, 1), reserved_gb=4.0,
-        gpus_per_host=max(8, max(worlds)), overlap=0.0, ring_latency=True, intra_host_gbs=gbs, inter_host_gbs=gbs,
+        hw, shared_host=True, compute_units=round(measure_parallel_units(cores), 2), memory_gb=round(memory, 1),
+        reserved_gb=4.0,
+        gpus_per_host=max(8, max(worlds)), overlap=0.0, ring_latency=True, reduce_scatter_as_all_reduce=True,
+        intra_host_gbs=gbs, inter_host_gbs=gbs,
         intra_host_latency_us=latency, inter_host_latency_us=latency)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from elastic_trainer.config import DP_MODES, ModelConfig
 from elastic_trainer.plan.hardware import GIB, Hardware
 from elastic_trainer.plan.layout import Layout, LayoutError, divisors, factorizations
-from elastic_trainer.plan.memory import StageMemory, peak_memory, total_memory
+from elastic_trainer.plan.memory import StageMemory, stage_memories
 from elastic_trainer.plan.step_time import StepTime, group_within_host, step_time
 
 
@@ -40,6 +40,8 @@ class Request:
     recompute: tuple[bool, ...] = (False, True)
 
     def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "fp32", "bf16"):
+            raise PlanError(f"dtype={self.dtype!r} is not one of auto, fp32, bf16")
         for key in ("world_size", "global_batch", "seq_len", "gpus_per_host"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -123,12 +125,13 @@ def evaluate(req: Request, layout: Layout) -> Candidate:
     """Memory and step time of one layout, invalid (with the reason) when it does not fit."""
     dtype = req.compute_dtype
     hw = req.hardware
-    memory = peak_memory(req.model, layout, req.seq_len, dtype)
+    stages = stage_memories(req.model, layout, req.seq_len, dtype)
+    memory = max(stages, key=lambda m: m.total)
     time = step_time(req.model, layout, req.seq_len, dtype, hw, req.gpus_per_host)
     reason = None
-    if hw.shared_host:
+    if hw.shared_host:  # the host's ranks share its memory: every stage's dp * tp ranks, on one host or spread
         ranks = min(layout.world_size, req.gpus_per_host)
-        host = total_memory(req.model, layout, req.seq_len, dtype) * ranks / layout.world_size
+        host = sum(m.total for m in stages) * layout.dp * layout.tp * ranks / layout.world_size
         if host > hw.usable_bytes:
             reason = f"needs {host / GIB:.1f} GiB per host > {hw.usable_bytes / GIB:.1f} GiB usable"
     elif memory.total > hw.usable_bytes:

@@ -59,12 +59,15 @@ class Hardware:
     """Latency of one collective step across hosts."""
     ring_latency: bool = False
     """Collective latency grows with n - 1 steps (gloo's ring) rather than log2 n (NCCL's trees)."""
+    reduce_scatter_as_all_reduce: bool = False
+    """A reduce-scatter costs a whole all-reduce (gloo implements it that way)."""
     overlap: float = 0.8
     """Fraction of compute time that can hide data-parallel communication (0: none)."""
     shared_host: bool = False
     """True when a host's ranks share its compute units and memory (CPU processes); False for GPUs."""
-    compute_units: int = 0
-    """With `shared_host`: how many ranks can compute at full speed at once (cores)."""
+    compute_units: float = 0.0
+    """With `shared_host`: how many ranks' worth of compute the host delivers at once (measured speed-up of
+    ranks computing together; at most its cores)."""
 
     def __post_init__(self) -> None:
         if self.device not in ("cuda", "cpu"):
@@ -79,7 +82,7 @@ class Hardware:
         if not 0.0 <= self.overlap <= 1.0:
             raise ConfigError(f"hardware {self.name}: overlap={self.overlap} must be in [0, 1]")
         if self.shared_host and self.compute_units < 1:
-            raise ConfigError(f"hardware {self.name}: shared_host needs compute_units >= 1")
+            raise ConfigError(f"hardware {self.name}: shared_host needs compute_units >= 1, got {self.compute_units}")
 
     @property
     def usable_bytes(self) -> float:

@@ -223,12 +223,11 @@ def stage_memory(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, s
                        in_flight(layout, stage) * per_mb, transient)
 
 
+def stage_memories(model: ModelConfig, layout: Layout, seq_len: int, dtype: str) -> list[StageMemory]:
+    """Peak memory of a rank of every stage (dp rank 0, which holds the largest FSDP shards)."""
+    return [stage_memory(model, layout, seq_len, dtype, s) for s in range(layout.pp)]
+
+
 def peak_memory(model: ModelConfig, layout: Layout, seq_len: int, dtype: str) -> StageMemory:
-    """The stage with the largest peak (dp rank 0, which holds the largest FSDP shards)."""
-    return max((stage_memory(model, layout, seq_len, dtype, s) for s in range(layout.pp)), key=lambda m: m.total)
-
-
-def total_memory(model: ModelConfig, layout: Layout, seq_len: int, dtype: str) -> int:
-    """Sum of peaks over all ranks (for hosts whose ranks share one memory)."""
-    per_stage = sum(stage_memory(model, layout, seq_len, dtype, s).total for s in range(layout.pp))
-    return per_stage * layout.dp * layout.tp
+    """The stage with the largest peak."""
+    return max(stage_memories(model, layout, seq_len, dtype), key=lambda m: m.total)

@@ -11,14 +11,16 @@
   a step takes sum_i t_i + (a - 1) * max_i t_i, whose idle share is the bubble (pp - 1) / (a + pp - 1) for
   equal stages.
 - **Data parallel**: FSDP gathers the stage's parameters (compute dtype) and reduce-scatters fp32
-  gradients: every micro-batch without a pipeline (gather in forward and again in backward), once per step
-  with one (the schedule defers the reduction to the end); ddp all-reduces once per step. Bandwidth is
+  gradients, one collective per unit (each block, and the root): every micro-batch without a pipeline
+  (gather in forward and again in backward), once per step with one (the schedule defers the reduction to
+  the end); ddp all-reduces once per step. Bandwidth is
   intra-host when each dp group fits within a host. Communication hides behind `overlap` of the compute it
   can run under; the rest adds to the step. The tied embedding's gradient is all-reduced between the first
   and last stage.
 - **Optimizer**: `optimizer_ns_per_param` per local parameter (clipping + AdamW).
 - **Shared hosts** (CPU processes): ranks share `compute_units` cores, so a step also takes at least the
-  host's whole compute divided by its cores.
+  host's whole compute divided by its cores, and communication (which needs the CPU too) runs
+  ranks / compute_units times slower than measured on idle ranks.
 """
 
 from __future__ import annotations
@@ -77,11 +79,14 @@ class Links:
 
     @classmethod
     def of(cls, layout: Layout, hw: Hardware, gpus_per_host: int) -> "Links":
+        world = layout.world_size
         intra = Link(hw.intra_host_gbs, hw.intra_host_latency_us, hw.ring_latency)
         inter = Link(hw.inter_host_gbs, hw.inter_host_latency_us, hw.ring_latency)
-        world = layout.world_size
-        return cls(tp=intra if group_within_host(layout.tp, world, gpus_per_host) else inter,
-                   dp=intra if group_within_host(layout.dp * layout.tp, world, gpus_per_host) else inter,
+        dp = intra if group_within_host(layout.dp * layout.tp, world, gpus_per_host) else inter
+        if hw.shared_host:  # big data-parallel transfers need the CPU too, which the host's ranks share
+            slow = max(1.0, min(world, gpus_per_host) / hw.compute_units)
+            dp = Link(dp.gbs / slow, dp.latency_us * slow, dp.ring_latency)
+        return cls(tp=intra if group_within_host(layout.tp, world, gpus_per_host) else inter, dp=dp,
                    pp=intra if world <= gpus_per_host else inter)
 
 
@@ -135,19 +140,26 @@ def _exposed(comm: float, window: float, overlap: float) -> float:
     return max(0.0, comm - overlap * window)
 
 
+def _per_unit(collective, root: int, block: int, n: int, nbytes: int) -> float:
+    """One collective per data-parallel unit: every block is its own, the root (if it holds any) another."""
+    return (collective(root * nbytes) if root else 0.0) + n * collective(block * nbytes)
+
+
 def dp_comm_time(model: ModelConfig, layout: Layout, dtype: str, hw: Hardware, links: Links, stage: int,
                  t_mb: float) -> float:
     """Exposed data-parallel communication of one stage per step; t_mb is its time per micro-batch."""
     root, block, n = stage_elements(model, layout, stage)
-    elements = root + block * n
-    a = layout.num_microbatches
+    a, dp, e = layout.num_microbatches, layout.dp, DTYPE_BYTES[dtype]
+    if dp == 1:
+        return 0.0
     if layout.dp_mode == "ddp":
-        comm = links.dp.all_reduce(elements * 4, layout.dp)
+        comm = _per_unit(lambda b: links.dp.all_reduce(b, dp), root, block, n, 4)
         return _exposed(comm, 2 / 3 * t_mb if layout.pp == 1 else 0.0, hw.overlap)
-    gather = links.dp.gather(elements * DTYPE_BYTES[dtype], layout.dp)
-    scatter = links.dp.gather(elements * 4, layout.dp)
+    gather = _per_unit(lambda b: links.dp.gather(b, dp), root, block, n, e)
+    reduce_scatter = links.dp.all_reduce if hw.reduce_scatter_as_all_reduce else links.dp.gather
+    scatter = _per_unit(lambda b: reduce_scatter(b, dp), root, block, n, 4)
     if layout.pp == 1:  # blocks are gathered again for backward; the root stays gathered
-        regather = links.dp.gather(block * n * DTYPE_BYTES[dtype], layout.dp)
+        regather = _per_unit(lambda b: links.dp.gather(b, dp), 0, block, n, e)
         return a * _exposed(gather + regather + scatter, t_mb, hw.overlap)
     return _exposed(gather, t_mb / 3, hw.overlap) + scatter
 

@@ -56,7 +56,7 @@ def test_calibrate_writes_a_loadable_profile(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(calibrate, "CPU_SHAPES", [(64, 128), (128, 128), (64, 256)])
     monkeypatch.setattr(calibrate, "HEAD_SHAPES", [(64, 1024), (128, 1024), (64, 4096)])
-    monkeypatch.setattr(calibrate, "LINK_SIZES", [2**12, 2**16])
+    monkeypatch.setattr(calibrate, "LINK_SIZES", [2**16, 2**22])
     out = tmp_path / "here.toml"
     assert cli.main(["calibrate", "--output", str(out), "--ranks", "2"]) == 0
     hw = load_hardware(out)

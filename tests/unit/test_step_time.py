@@ -68,6 +68,16 @@ def test_fsdp_without_pipeline_gathers_twice_and_reduces_every_micro_batch():
         pytest.approx(2 * compute + all_reduce - 2 / 3 * compute)
 
 
+def test_fsdp_pays_latency_per_unit_and_gloo_reduce_scatter_costs_an_all_reduce():
+    layout = Layout(2, 1, 1, 2, 1)
+    slow = dataclasses.replace(HW, intra_host_latency_us=10.0)  # one tree step for 2 ranks
+    # per micro-batch: gather root + 4 blocks, gather the 4 blocks again for backward, reduce-scatter all 5
+    assert predicted_us(layout, slow) - predicted_us(layout) == pytest.approx((5 + 4 + 5) * 10.0)
+    gloo = dataclasses.replace(HW, reduce_scatter_as_all_reduce=True)
+    scatter = 0.5 * (4 * BLOCK_PARAMS + ROOT_PARAMS) * 4 / 1e3  # 2 (n-1)/n = 1 instead of (n-1)/n = 1/2
+    assert predicted_us(layout, gloo) - predicted_us(layout) == pytest.approx(scatter)
+
+
 def test_data_parallel_across_hosts_uses_the_slower_link():
     layout = Layout(4, 1, 1, 2, 1, dp_mode="ddp")
     within, across = predicted_us(layout, gpus_per_host=4), predicted_us(layout, gpus_per_host=2)
@@ -87,9 +97,11 @@ def test_optimizer_time_counts_local_parameters():
 def test_shared_host_bounds_the_step_by_total_work_over_cores():
     cpu = dataclasses.replace(HW, shared_host=True, compute_units=1)
     compute = 4 * BLOCK + HEAD + 2 * EMB
-    # 2 ranks on 1 core: the two replicas' work runs one after the other
-    assert predicted_us(Layout(2, 1, 1, 2, 1, dp_mode="ddp"), cpu) == \
-        pytest.approx(2 * compute + 2 * 0.5 * (4 * BLOCK_PARAMS + ROOT_PARAMS) * 4 / 1e3)
+    all_reduce = 2 * 0.5 * (4 * BLOCK_PARAMS + ROOT_PARAMS) * 4 / 1e3
+    # 2 ranks on 1 core: the two replicas' work runs one after the other, and so does their communication
+    assert predicted_us(Layout(2, 1, 1, 2, 1, dp_mode="ddp"), cpu) == pytest.approx(2 * compute + 2 * all_reduce)
+    two = dataclasses.replace(cpu, compute_units=2)
+    assert predicted_us(Layout(2, 1, 1, 2, 1, dp_mode="ddp"), two) == pytest.approx(compute + all_reduce)
 
 
 def test_link_latency_tree_or_ring():

@@ -13,6 +13,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import FormatStrFormatter  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -35,6 +36,9 @@ def main(src: Path, dst: Path) -> None:
         ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
         ax.set(xscale="log", yscale="log", xlabel="predicted s/step", ylabel="measured s/step",
                title=f"{world} ranks: chosen/best {s['chosen_over_best']:.2f}, Spearman {s['spearman']:.2f}")
+        for axis in (ax.xaxis, ax.yaxis):
+            axis.set_major_formatter(FormatStrFormatter("%g"))
+            axis.set_minor_formatter(FormatStrFormatter("%g"))
         ax.legend(fontsize=8)
     fig.suptitle(f"{result['model']}, batch {result['global_batch']} x {result['seq_len']}, "
                  f"{len(result['layouts'])} layouts, profile {result['hardware']}")

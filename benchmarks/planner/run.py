@@ -23,11 +23,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from elastic_trainer.config import TrainConfig, load_model_config
-from elastic_trainer.parallel import build_mesh
-from elastic_trainer.parallel.local_ranks import run_ranks
-from elastic_trainer.plan import Request, load_hardware, plan
-from elastic_trainer.train import Trainer
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from elastic_trainer.config import TrainConfig, load_model_config  # noqa: E402
+from elastic_trainer.parallel import build_mesh  # noqa: E402
+from elastic_trainer.plan import Request, load_hardware, plan  # noqa: E402
+from elastic_trainer.train import Trainer  # noqa: E402
+from tests.ranks import run_ranks  # noqa: E402  (the distributed tests' forked gloo ranks)
 
 HERE = Path(__file__).resolve().parent
 FIELDS = ["ranks", "dp", "tp", "pp", "micro_batch", "num_microbatches", "dp_mode", "predicted_s", "measured_s",
@@ -75,6 +77,9 @@ def ranks_of(values: list[float]) -> list[float]:
 
 
 def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation (nan for fewer than 2 layouts)."""
+    if len(a) < 2:
+        return float("nan")
     return float(np.corrcoef(ranks_of(a), ranks_of(b))[0, 1])
 
 

@@ -62,19 +62,24 @@ def _degrees_possible(req: Request) -> bool:
     return any(degree_reason(req, *d) is None for d in factorizations(req.world_size))
 
 
-def nearest_world(req: Request, limit: int, tries: int = 64) -> int | None:
-    """The GPU count nearest to the request's (at most `limit`) for which some layout is valid."""
-    n, seen = min(req.world_size, limit), 0
-    order = (m for k in range(limit) for m in ((n,) if k == 0 else (n - k, n + k)) if 1 <= m <= limit)
-    for m in order:
+def first_world_with_plan(req: Request, counts, tries: int = 64) -> int | None:
+    """The first GPU count of `counts` with a valid layout, planning at most `tries` of them in full."""
+    for m in counts:
         other = replace(req, world_size=m)
         if _degrees_possible(other):
-            seen += 1
             if plan_or_none(other) is not None:
                 return m
-            if seen >= tries:
+            tries -= 1
+            if tries == 0:
                 return None
     return None
+
+
+def nearest_world(req: Request, limit: int) -> int | None:
+    """The GPU count nearest to the request's (at most `limit`) for which some layout is valid."""
+    n = min(req.world_size, limit)
+    return first_world_with_plan(
+        req, (m for k in range(limit) for m in ((n,) if k == 0 else (n - k, n + k)) if 1 <= m <= limit))
 
 
 def nearest_batch(req: Request) -> int | None:
@@ -100,9 +105,7 @@ def why_no_plan(req: Request, rejected: tuple[Candidate, ...]) -> str:
         small = min(sized, key=lambda c: c.memory.total)
         why = (f"no layout of {n} GPU(s) fits in memory: the smallest (dp={small.dp} tp={small.tp} pp={small.pp} "
                f"micro_batch={small.micro_batch}{' recompute' if small.recompute else ''}) {small.reason}")
-        bigger = next((m for m in range(n + 1, min(limit, 64 * n) + 1)
-                       if _degrees_possible(replace(req, world_size=m))
-                       and plan_or_none(replace(req, world_size=m)) is not None), None)
+        bigger = first_world_with_plan(req, range(n + 1, limit + 1))
         return why + (f"; {bigger} GPUs would work" if bigger else "; use devices with more memory or a shorter sequence")
     if n > limit:
         why = (f"{n} GPUs are more than {model.name} with global batch {req.global_batch} can use: at most "

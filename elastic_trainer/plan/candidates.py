@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from elastic_trainer.config import DP_MODES, ModelConfig
+from elastic_trainer.config import DP_MODES, DTYPES, ModelConfig
 from elastic_trainer.plan.hardware import GIB, Hardware
 from elastic_trainer.plan.layout import Layout, LayoutError, divisors, factorizations
 from elastic_trainer.plan.memory import StageMemory, stage_memories
@@ -28,20 +28,25 @@ class Request:
 
     model: ModelConfig
     world_size: int
+    """GPUs (ranks) to lay the model out on."""
     global_batch: int
+    """Samples per optimizer step, kept by every candidate."""
     seq_len: int
     hardware: Hardware
     gpus_per_host: int
+    """Ranks per host: tp groups must stay within one; groups within a host use its faster links."""
     dtype: str = "auto"
     """fp32, bf16 (mixed) or auto (the hardware's compute dtype)."""
     micro_batch: int | None = None
     """Only this micro-batch size (None: any divisor of the per-replica batch)."""
     dp_modes: tuple[str, ...] = DP_MODES
+    """Data-parallel modes to consider."""
     recompute: tuple[bool, ...] = (False, True)
+    """Recompute settings to consider."""
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "fp32", "bf16"):
-            raise PlanError(f"dtype={self.dtype!r} is not one of auto, fp32, bf16")
+        if self.dtype not in DTYPES:
+            raise PlanError(f"dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
         for key in ("world_size", "global_batch", "seq_len", "gpus_per_host"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

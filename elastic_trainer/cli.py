@@ -6,6 +6,12 @@ Run it as one plain process for layout 1,1,1, or under torchrun for more ranks:
 
     torchrun --standalone --nproc-per-node 4 -m elastic_trainer.cli train --layout 2,1,2 ...
 
+Without --layout, train plans the layout for its world size. The planner on its own, and the command that
+measures this machine for it:
+
+    elastic-trainer plan --model gpt3-xl --gpus 16 --gpus-per-host 8 --hardware h100-80g --global-batch 128
+    elastic-trainer calibrate --output configs/hardware/cpu.toml
+
 Bad input (unknown model, a layout that does not match the world size, tp not dividing n_heads, a global
 batch that cannot be split) fails with one line naming the value and the valid choices, exit code 2,
 before any process group is created.
@@ -21,8 +27,9 @@ import sys
 
 from elastic_trainer.config import (CheckpointConfig, CheckpointError, ConfigError, ModelConfig, TrainConfig,
                                     load_model_config, load_run_config)
-from elastic_trainer.data.corpus import resolve_files
+from elastic_trainer.plan import Hardware, Request, hardware_for_device, load_hardware, plan
 from elastic_trainer.plan.layout import Layout, parse_degrees, split_batch
+from elastic_trainer.plan.report import format_table, plan_dict, summary
 
 EXIT_BAD_INPUT = 2
 
@@ -37,7 +44,8 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--model", help="model preset name (configs/models/NAME.toml) or a model TOML file")
     src.add_argument("--config", help="run TOML file with a model, [train] and optional [layout]")
     p.add_argument("--layout", help="DP,TP,PP degrees; their product must equal the world size "
-                                    "(default: DP = world size)")
+                                    "(default: planned for the world size, see `plan`)")
+    p.add_argument("--hardware", help="hardware profile for planning (default: cpu, or the one matching the GPU)")
     p.add_argument("--micro-batch", type=int, help="samples per micro-batch (default: the whole dp share)")
     p.add_argument("--dp-mode", choices=("fsdp", "ddp"), help="sharded (FSDP2, default) or replicated")
     p.add_argument("--recompute", action="store_true", default=None, help="recompute block activations")
@@ -80,11 +88,40 @@ def _add_checkpoint_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("out", help="output folder")
 
 
+def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="choose dp, tp, pp, micro-batch and accumulation for N GPUs")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="model preset name (configs/models/NAME.toml) or a model TOML file")
+    src.add_argument("--config", help="run TOML file with a model and [train]")
+    p.add_argument("--gpus", type=int, required=True, help="number of GPUs (ranks) to plan for")
+    p.add_argument("--gpus-per-host", type=int, help="GPUs per host (default: the hardware profile's)")
+    p.add_argument("--hardware", help="profile name (configs/hardware/) or TOML file (default: this machine's)")
+    p.add_argument("--global-batch", type=int, help="samples per optimizer step (default 8)")
+    p.add_argument("--seq-len", type=int, help="tokens per sample (default 128)")
+    p.add_argument("--dtype", choices=("auto", "fp32", "bf16"))
+    p.add_argument("--micro-batch", type=int, help="only this micro-batch size")
+    p.add_argument("--dp-mode", choices=("fsdp", "ddp"), help="only this data-parallel mode")
+    p.add_argument("--recompute", action="store_true", default=None, help="only layouts with recompute")
+    p.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--compare", help="DP,TP,PP: also show the predicted time of these degrees")
+
+
+def _add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("calibrate", help="measure this machine and write a hardware profile")
+    p.add_argument("--output", default="configs/hardware/cpu.toml", help="profile file to write")
+    p.add_argument("--name", help="profile name (default: the output file's stem)")
+    p.add_argument("--base", help="profile whose unmeasured fields to keep (default: built-in defaults)")
+    p.add_argument("--ranks", default="2,4,8", help="local rank counts for the collective measurements")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elastic-trainer", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train_parser(sub)
     _add_checkpoint_parser(sub)
+    _add_plan_parser(sub)
+    _add_calibrate_parser(sub)
     return parser
 
 
@@ -112,15 +149,15 @@ def resolve_checkpoint_args(args: argparse.Namespace) -> CheckpointConfig | None
     return cfg
 
 
-def resolve_train_args(args: argparse.Namespace, world_size: int) -> tuple[ModelConfig, TrainConfig, Layout]:
-    """Configs and a validated Layout from the command line; raises ConfigError on bad input."""
+def _job_configs(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig, dict]:
+    """Model, train settings (with command-line overrides) and the run config's [layout] table."""
     if args.config:
         run = load_run_config(args.config)
         model, train, layout_table = run.model, run.train, run.layout
     else:
         model, train, layout_table = load_model_config(args.model or "gpt-tiny"), TrainConfig(), {}
-    overrides = {k: getattr(args, k) for k in _TRAIN_FLAGS if getattr(args, k) is not None}
-    if args.data:
+    overrides = {k: getattr(args, k) for k in _TRAIN_FLAGS if getattr(args, k, None) is not None}
+    if getattr(args, "data", None):
         overrides["data"] = tuple(args.data)
     try:
         train = dataclasses.replace(train, **overrides)
@@ -128,13 +165,49 @@ def resolve_train_args(args: argparse.Namespace, world_size: int) -> tuple[Model
         raise ConfigError(str(e)) from None
     if train.seq_len > model.context_length:
         raise ConfigError(f"seq_len={train.seq_len} exceeds {model.name}'s context_length={model.context_length}")
+    return model, train, layout_table
+
+
+def resolve_hardware(name: str | None) -> Hardware:
+    """--hardware NAME, else this machine's profile: cpu without a GPU, else the one matching the GPU."""
+    if name:
+        return load_hardware(name)
+    from elastic_trainer.parallel.mesh import accelerator
+
+    return hardware_for_device(*accelerator())
+
+
+def _plan_request(args: argparse.Namespace, model: ModelConfig, train: TrainConfig, layout_table: dict,
+                  world_size: int, gpus_per_host: int | None) -> Request:
+    hw = resolve_hardware(args.hardware)
+    micro = args.micro_batch if args.micro_batch is not None else layout_table.get("micro_batch")
+    mode = args.dp_mode or layout_table.get("dp_mode")
+    recompute = args.recompute if args.recompute is not None else layout_table.get("recompute")
+    return Request(model, world_size, train.global_batch, train.seq_len, hw, gpus_per_host or hw.gpus_per_host,
+                   dtype=train.dtype, micro_batch=micro, dp_modes=(mode,) if mode else ("fsdp", "ddp"),
+                   recompute=(bool(recompute),) if recompute is not None else (False, True))
+
+
+def resolve_train_args(args: argparse.Namespace, world_size: int,
+                       say=None) -> tuple[ModelConfig, TrainConfig, Layout]:
+    """Configs and a validated Layout from the command line; raises ConfigError on bad input.
+
+    Without --layout (or degrees in the run config) the layout is planned for the world size; `say`
+    receives the plan's one-line summary."""
+    from elastic_trainer.data.corpus import resolve_files  # imports torch: not needed by `plan`
+
+    model, train, layout_table = _job_configs(args)
     resolve_files(train.data)  # a missing or unsupported data source fails here, not on every rank later
     if args.layout:
         dp, tp, pp = parse_degrees(args.layout)
     elif {"dp", "tp", "pp"} <= set(layout_table):
         dp, tp, pp = layout_table["dp"], layout_table["tp"], layout_table["pp"]
     else:
-        dp, tp, pp = world_size, 1, 1
+        per_host = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        result = plan(_plan_request(args, model, train, layout_table, world_size, per_host))
+        if say is not None:
+            say(summary(result))
+        return model, train, result.chosen.layout.validate(world_size, model, train.global_batch)
     micro = args.micro_batch if args.micro_batch is not None else layout_table.get("micro_batch")
     micro_batch, num_microbatches = split_batch(train.global_batch, dp, micro)
     layout = Layout(dp, tp, pp, micro_batch, num_microbatches,
@@ -196,14 +269,50 @@ def run_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_plan(args: argparse.Namespace) -> int:
+    model, train, layout_table = _job_configs(args)
+    result = plan(_plan_request(args, model, train, layout_table, args.gpus, args.gpus_per_host))
+    compare = result.best_for(*parse_degrees(args.compare)) if args.compare else None
+    if args.json:
+        print(json.dumps(plan_dict(result, compare), indent=1))
+    else:
+        print(format_table(result, args.top, compare))
+    return 0
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from elastic_trainer.parallel.calibrate import calibrate
+    from elastic_trainer.parallel.mesh import default_device
+
+    base = load_hardware(args.base) if args.base else Hardware(name="base")
+    ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
+    hw = calibrate(base, args.name or Path(args.output).stem, ranks, default_device())
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text("# Measured by `elastic-trainer calibrate` (elastic_trainer/parallel/calibrate.py).\n"
+                                 + hw.to_toml())
+    print(f"[calibrate] wrote {args.output}")
+    return 0
+
+
+def _rank0_print(line: str) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        print(line, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "train":
-            model, train, layout = resolve_train_args(args, world_size_from_env())
+            model, train, layout = resolve_train_args(args, world_size_from_env(), say=_rank0_print)
             return run_train(model, train, layout, resolve_checkpoint_args(args), args.stop_file)
         if args.command == "checkpoint":
             return run_checkpoint(args)
+        if args.command == "plan":
+            return run_plan(args)
+        if args.command == "calibrate":
+            return run_calibrate(args)
     except (ConfigError, CheckpointError) as e:
         print(f"elastic-trainer: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -23,6 +23,13 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def accelerator() -> tuple[str, str | None]:
+    """("cuda", device name) when GPUs are present, else ("cpu", None): what picks a hardware profile."""
+    if torch.cuda.is_available():
+        return "cuda", torch.cuda.get_device_name(0)
+    return "cpu", None
+
+
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
     """tp innermost (neighbouring ranks, one host), then dp, then pp outermost."""
     return init_device_mesh(device_type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=MESH_DIMS)

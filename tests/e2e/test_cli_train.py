@@ -36,6 +36,7 @@ def test_single_process_writes_progress_and_metrics(single):
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"} <= set(records[0])
     assert "step 4/4 | loss" in proc.stdout
+    assert proc.stdout.startswith("[plan] 1 x cpu (1 per host): dp=1 tp=1 pp=1")  # planned, no --layout given
 
 
 @pytest.mark.slow

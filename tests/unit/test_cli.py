@@ -15,7 +15,7 @@ def no_training(monkeypatch):
     (4, ["--layout", "2,1,1"], "layout dp*tp*pp = 2*1*1 = 2 does not match world size 4 (valid DP,TP,PP: 4,1,1"),
     (3, ["--layout", "1,3,1"], "tp=3 does not divide n_heads=4 (valid: 1, 2, 4)"),
     (5, ["--layout", "1,1,5"], "pp=5 exceeds n_layers=4 (valid: 1..4)"),
-    (4, ["--global-batch", "10"], "global batch 10 is not divisible by dp=4 (valid dp: 1, 2, 5, 10)"),
+    (4, ["--layout", "4,1,1", "--global-batch", "10"], "global batch 10 is not divisible by dp=4 (valid dp: 1, 2, 5, 10)"),
     (2, ["--micro-batch", "3"], "micro_batch=3 does not divide the per-replica batch 8/2 = 4 (valid: 1, 2, 4)"),
     (1, ["--model", "gpt-5"], "unknown model 'gpt-5' (valid: gpt-tiny, gpt3-medium, gpt3-small, gpt3-xl)"),
     (1, ["--seq-len", "300"], "seq_len=300 exceeds gpt-tiny's context_length=256"),
@@ -41,10 +41,16 @@ def test_good_input_resolves_layout(monkeypatch):
     assert layout.dp_mode == "ddp" and model.name == "gpt-tiny" and train.global_batch == 8
 
 
-def test_default_layout_is_data_parallel(monkeypatch):
+def test_default_layout_is_planned(monkeypatch):
+    from elastic_trainer.plan import Request, load_hardware, plan
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    said = []
     args = cli.build_parser().parse_args(["train"])
-    _, _, layout = cli.resolve_train_args(args, 4)
-    assert (layout.dp, layout.tp, layout.pp, layout.micro_batch) == (4, 1, 1, 2)
+    model, train, layout = cli.resolve_train_args(args, 4, say=said.append)
+    expected = plan(Request(model, 4, train.global_batch, train.seq_len, load_hardware("cpu"), 4)).chosen
+    assert layout == expected.layout and layout.global_batch == train.global_batch == 8
+    assert len(said) == 1 and said[0].startswith("[plan] 4 x cpu") and expected.layout.describe() in said[0]
 
 
 def test_checkpoint_flags_bad_input(monkeypatch, capsys, tmp_path):

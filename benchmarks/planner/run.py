@@ -1,0 +1,143 @@
+"""Planner quality: run every valid layout the planner enumerates, measure it, compare with its prediction.
+
+For each rank count, the planner (calibrated `cpu` profile) lists every valid layout of the benchmark model
+(recompute off: it only trades time for memory, and memory is plentiful here). Each layout trains a few
+steps on forked local gloo ranks, one thread each, on synthetic tokens; a step's time is the slowest rank's,
+the layout's time the fastest of its measured steps (the least disturbed by other work on a shared machine). Reported per rank count: measured throughput of the
+planner's choice / best measured throughput (target >= 0.95) and the Spearman rank correlation of
+predicted against measured step time.
+
+    python benchmarks/planner/run.py                       # 4 and 8 ranks, about 15 minutes on 2 cores
+    python benchmarks/planner/run.py --ranks 4 --limit 3   # a quick check of the harness
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from elastic_trainer.config import TrainConfig, load_model_config  # noqa: E402
+from elastic_trainer.parallel import build_mesh  # noqa: E402
+from elastic_trainer.plan import Request, load_hardware, plan  # noqa: E402
+from elastic_trainer.train import Trainer  # noqa: E402
+from tests.ranks import run_ranks  # noqa: E402  (the distributed tests' forked gloo ranks)
+
+HERE = Path(__file__).resolve().parent
+FIELDS = ["ranks", "dp", "tp", "pp", "micro_batch", "num_microbatches", "dp_mode", "predicted_s", "measured_s",
+          "measured_tokens_per_s", "predicted_rank", "measured_rank", "step_s"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(HERE / "bench-model.toml"), help="model preset or TOML file")
+    p.add_argument("--ranks", default="4,8", help="rank counts to plan and measure")
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--hardware", default="cpu", help="hardware profile the planner uses")
+    p.add_argument("--steps", type=int, default=2, help="measured steps per layout")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured steps per layout")
+    p.add_argument("--limit", type=int, default=0, help="measure only the first N layouts per rank count")
+    p.add_argument("--out", default=str(HERE / "results"), help="prefix of the .json and .csv written")
+    return p.parse_args(argv)
+
+
+def step_times(rank: int, world: int, model, cfg: TrainConfig, layout, tokens: np.ndarray) -> list[float]:
+    trainer = Trainer(model, cfg, layout, build_mesh(layout, "cpu"), torch.device("cpu"), tokens=tokens)
+    return [trainer.train_step()["step_time_s"] for _ in range(cfg.steps)]
+
+
+def measure(model, cfg: TrainConfig, layout, tokens, warmup: int) -> tuple[float, list[float]]:
+    per_rank = run_ranks(step_times, layout.world_size, model, cfg, layout, tokens, timeout=900)
+    steps = [max(r[i] for r in per_rank) for i in range(cfg.steps)][warmup:]
+    return min(steps), steps
+
+
+def ranks_of(values: list[float]) -> list[float]:
+    """1-based ranks, ties sharing their mean rank."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation (nan for fewer than 2 layouts)."""
+    if len(a) < 2:
+        return float("nan")
+    return float(np.corrcoef(ranks_of(a), ranks_of(b))[0, 1])
+
+
+def bench_ranks(world: int, args, model, hw, tokens) -> tuple[list[dict], dict]:
+    req = Request(model, world, args.global_batch, args.seq_len, hw, world, dtype="fp32", recompute=(False,))
+    result = plan(req)
+    cands = result.candidates[:args.limit] if args.limit else result.candidates
+    cfg = TrainConfig(global_batch=args.global_batch, seq_len=args.seq_len, steps=args.warmup + args.steps,
+                      seed=0, dtype="fp32", warmup_steps=1)
+    measure(model, cfg, cands[0].layout, tokens, args.warmup)  # unmeasured: the first run of a process is slow
+    rows = []
+    for i, c in enumerate(cands):
+        t0 = time.perf_counter()
+        measured, steps = measure(model, cfg, c.layout, tokens, args.warmup)
+        rows.append({"ranks": world, "dp": c.dp, "tp": c.tp, "pp": c.pp, "micro_batch": c.micro_batch,
+                     "num_microbatches": c.num_microbatches, "dp_mode": c.dp_mode,
+                     "predicted_s": round(c.step_time_s, 4), "measured_s": round(measured, 4),
+                     "measured_tokens_per_s": round(req.tokens / measured, 1), "predicted_rank": i + 1,
+                     "step_s": [round(s, 4) for s in steps]})
+        print(f"[bench] {world} ranks {i + 1}/{len(cands)} {c.layout.describe()}: predicted {c.step_time_s:.3f} s, "
+              f"measured {measured:.3f} s ({time.perf_counter() - t0:.0f} s wall)", flush=True)
+    for r, rank in zip(rows, ranks_of([r["measured_s"] for r in rows])):
+        r["measured_rank"] = rank
+    best = max(r["measured_tokens_per_s"] for r in rows)
+    summary = {"ranks": world, "layouts": len(rows), "chosen": {k: rows[0][k] for k in FIELDS[1:10]},
+               "best_measured": {k: max(rows, key=lambda r: r["measured_tokens_per_s"])[k] for k in FIELDS[1:10]},
+               "chosen_over_best": round(rows[0]["measured_tokens_per_s"] / best, 4),
+               "spearman": round(spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]), 4)}
+    return rows, summary
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    model, hw = load_model_config(args.model), load_hardware(args.hardware)
+    tokens = np.random.default_rng(0).integers(0, model.vocab_size, 200_000).astype(np.int64)
+    print(f"[bench] {model.name} ({model.num_params() / 1e6:.1f} M parameters), global batch {args.global_batch} x "
+          f"{args.seq_len}, hardware profile {hw.name}, {args.warmup} warm-up + {args.steps} measured steps", flush=True)
+    t0 = time.perf_counter()
+    rows, summaries = [], []
+    for world in [int(r) for r in args.ranks.split(",")]:
+        r, s = bench_ranks(world, args, model, hw, tokens)
+        rows += r
+        summaries.append(s)
+        print(f"[bench] {world} ranks: chosen/best measured throughput {s['chosen_over_best']:.3f} (target >= 0.95), "
+              f"Spearman {s['spearman']:.3f} over {s['layouts']} layouts", flush=True)
+    result = {"model": model.name, "params": model.num_params(), "global_batch": args.global_batch,
+              "seq_len": args.seq_len, "hardware": hw.name, "steps": args.steps, "warmup": args.warmup,
+              "torch": torch.__version__, "wall_s": round(time.perf_counter() - t0, 1), "summary": summaries,
+              "layouts": rows}
+    Path(args.out + ".json").write_text(json.dumps(result, indent=1) + "\n")
+    with open(args.out + ".csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({**r, "step_s": " ".join(map(str, r["step_s"]))})
+    return result
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

@@ -1,0 +1,238 @@
+"""`elastic-trainer calibrate`: measure this machine and write a hardware profile for the planner.
+
+What it times, each the best of a few repetitions (the machine's speed without interference from other
+work) with one intra-op thread per rank, as the trainer runs its ranks on a CPU:
+- one GPT block's forward + backward at several widths and micro-batch sizes; a non-negative least-squares
+  fit of t = F / R + (F / tokens) * h / R + c gives the sustained rate R (`tflops`), the size effect h
+  (`half_rate_tokens`) and the fixed time per block c (`layer_overhead_ms`);
+- the output head with softmax cross-entropy at two widths and vocabularies: a fit of
+  t = 6 * tokens * d * vocab / H + tokens * vocab * l gives `head_tflops` H and `logit_ns` l;
+- a large in-place add (`memory_bandwidth_gbs`) and clipping + an AdamW step (`optimizer_ns_per_param`);
+- gloo all-reduces of several sizes on 2..N forked local ranks; a fit of the ring model
+  t = 2 (n - 1) / n * bytes / B + 2 (n - 1) * L gives the bus bandwidth B and step latency L (one host:
+  the same figures serve intra- and inter-host links; gloo's reduce-scatter costs an all-reduce);
+- the block again on as many forked ranks as there are cores at once: their speed-up over one rank is
+  `compute_units`, the parallel compute the host's ranks share.
+On a CUDA device the compute figures are measured on it and the link figures are kept from --base.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import os
+import statistics
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from elastic_trainer.config import ModelConfig
+from elastic_trainer.model.gpt import Block
+from elastic_trainer.plan.hardware import GIB, Hardware
+from elastic_trainer.plan.step_time import block_flops
+
+CPU_SHAPES = [(256, 128), (256, 512), (512, 128), (512, 512)]  # (d_model, tokens per micro-batch)
+GPU_SHAPES = [(1024, 1024), (2048, 1024), (2048, 4096), (4096, 2048)]
+SEQ_LEN = 128
+LINK_SIZES = [2**14, 2**18, 2**20, 2**22, 2**23]  # bytes per all-reduce
+
+
+def timed(fn: Callable[[], object], repeat: int, sync: Callable[[], None] = lambda: None) -> float:
+    """Fastest seconds of fn() over `repeat` calls after one warm-up call."""
+    fn()
+    sync()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def fit_nonneg(rows: list[list[float]], ys: list[float]) -> list[float]:
+    """Least squares with every coefficient >= 0, by trying each subset of features (few features)."""
+    a, y = np.asarray(rows, dtype=float), np.asarray(ys, dtype=float)
+    best, best_err = [0.0] * a.shape[1], float("inf")
+    for k in range(1, a.shape[1] + 1):
+        for cols in itertools.combinations(range(a.shape[1]), k):
+            coef = np.linalg.lstsq(a[:, cols], y, rcond=None)[0]
+            if (coef < 0).any():
+                continue
+            err = float(((a[:, cols] @ coef - y) ** 2).sum())
+            if err < best_err:
+                best, best_err = [0.0] * a.shape[1], err
+                for c, v in zip(cols, coef):
+                    best[c] = float(v)
+    return best
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def measure_blocks(device: torch.device, dtype: torch.dtype, shapes, repeat: int = 3) -> list[tuple[float, int, float]]:
+    """[(forward+backward FLOPs, tokens, seconds)] of one block per (d_model, tokens) shape."""
+    out = []
+    for d, tokens in shapes:
+        cfg = ModelConfig(n_layers=1, d_model=d, n_heads=max(1, d // 64), context_length=SEQ_LEN)
+        block = Block(cfg).to(device, dtype)
+        x = torch.randn(tokens // SEQ_LEN, SEQ_LEN, d, device=device, dtype=dtype, requires_grad=True)
+        grad = torch.randn_like(x)
+        seconds = timed(lambda: block(x).backward(grad), repeat, _sync(device))
+        out.append((3 * block_flops(cfg, tokens, SEQ_LEN, 1), tokens, seconds))
+    return out
+
+
+def fit_compute(points: list[tuple[float, int, float]]) -> tuple[float, float, float]:
+    """(TFLOP/s, half-rate tokens, overhead ms) from block timings."""
+    inv_rate, size, overhead = fit_nonneg([[f, f / n, 1.0] for f, n, _ in points], [t for _, _, t in points])
+    if inv_rate <= 0:
+        raise RuntimeError(f"block timings do not grow with FLOPs: {points}")
+    return 1e-12 / inv_rate, size / inv_rate, overhead * 1e3
+
+
+HEAD_SHAPES = [(256, 8192), (512, 8192), (256, 32768), (512, 32768)]  # (d_model, vocab), 256 tokens
+
+
+def measure_head(device: torch.device, dtype: torch.dtype, tokens: int = 256, repeat: int = 3) -> tuple[float, float]:
+    """(head TFLOP/s, ns per logit) of head GEMM + softmax cross-entropy, forward + backward."""
+    rows, ys = [], []
+    for d, vocab in HEAD_SHAPES:
+        x = torch.randn(tokens, d, device=device, dtype=dtype, requires_grad=True)
+        w = (torch.randn(vocab, d, device=device, dtype=dtype) * 0.02).requires_grad_()
+        target = torch.randint(0, vocab, (tokens,), device=device)
+        ys.append(timed(lambda: F.cross_entropy(F.linear(x, w).float(), target).backward(), repeat, _sync(device)))
+        rows.append([6.0 * tokens * d * vocab, float(tokens * vocab)])
+    inv_rate, per_logit = fit_nonneg(rows, ys)
+    if inv_rate <= 0:
+        raise RuntimeError(f"head timings do not grow with FLOPs: {list(zip(HEAD_SHAPES, ys))}")
+    return 1e-12 / inv_rate, per_logit * 1e9
+
+
+def measure_memory_bandwidth(device: torch.device, numel: int = 32 * 2**20, repeat: int = 5) -> float:
+    """GB/s of a large in-place add (two reads, one write of fp32)."""
+    a, b = torch.ones(numel, device=device), torch.ones(numel, device=device)
+    return 3 * 4 * numel / timed(lambda: a.add_(b), repeat, _sync(device)) / 1e9
+
+
+def measure_optimizer(device: torch.device, numel: int = 8 * 2**20, repeat: int = 3) -> float:
+    """ns per parameter of gradient clipping + one AdamW step (the trainer's, foreach)."""
+    params = [torch.nn.Parameter(torch.randn(numel // 8, device=device)) for _ in range(8)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4)
+
+    def step():
+        norm = torch.stack([p.grad.square().sum() for p in params]).sum().sqrt()
+        torch._foreach_mul_([p.grad for p in params], torch.clamp(1.0 / (norm + 1e-6), max=1.0))
+        opt.step()
+
+    return timed(step, repeat, _sync(device)) / numel * 1e9
+
+
+def _rank_main(rank: int, world: int, tmp: str, fn: Callable, args: tuple) -> None:
+    torch.set_num_threads(1)
+    store = dist.FileStore(os.path.join(tmp, "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        torch.save(fn(rank, world, *args), os.path.join(tmp, f"{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def on_local_ranks(fn: Callable, world: int, *args) -> list:
+    """fn(rank, world, *args) on `world` gloo ranks forked from this process; the results by rank."""
+    import tempfile
+
+    import torch.multiprocessing as tmp_mp
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_mp.start_processes(_rank_main, args=(world, tmp, fn, args), nprocs=world, start_method="fork")
+        return [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(world)]
+
+
+def _all_reduce_times(rank: int, world: int, sizes: list[int], repeat: int) -> list[float]:
+    times = []
+    for nbytes in sizes:
+        t = torch.ones(nbytes // 4)
+        dist.all_reduce(t)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            dist.all_reduce(t)
+        times.append((time.perf_counter() - t0) / repeat)
+    return times
+
+
+def measure_links(worlds: list[int], sizes: list[int], repeat: int = 3) -> tuple[float, float]:
+    """(bus GB/s, latency us) of gloo all-reduce on forked local ranks, fitted to the ring model."""
+    rows, ys = [], []
+    for world in worlds:
+        per_rank = on_local_ranks(_all_reduce_times, world, sizes, repeat)
+        for i, nbytes in enumerate(sizes):
+            rows.append([2 * (world - 1) / world * nbytes, 2 * (world - 1)])
+            ys.append(max(r[i] for r in per_rank))
+    inv_bw, latency = fit_nonneg(rows, ys)
+    if inv_bw <= 0:
+        raise RuntimeError(f"all-reduce times do not grow with size (try larger sizes): {list(zip(rows, ys))}")
+    return 1e-9 / inv_bw, latency * 1e6
+
+
+def calibrate(base: Hardware, name: str, worlds: list[int], device: torch.device,
+              say: Callable[[str], None] = print) -> Hardware:
+    """Measure this machine; the fields not measured come from `base`."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    hw = dataclasses.replace(base, name=name, device=device.type, compute_dtype="bf16" if device.type == "cuda" else "fp32")
+    points = measure_blocks(device, dtype, GPU_SHAPES if device.type == "cuda" else CPU_SHAPES)
+    for f, n, t in points:
+        say(f"[calibrate] block fwd+bwd {f / 1e9:8.2f} GFLOP, {n:5d} tokens: {t * 1e3:8.2f} ms "
+            f"({f / t / 1e9:.1f} GFLOP/s)")
+    tflops, half, overhead = fit_compute(points)
+    hw = dataclasses.replace(hw, tflops=tflops, half_rate_tokens=half, layer_overhead_ms=overhead)
+    head_tflops, logit_ns = measure_head(device, dtype)
+    hw = dataclasses.replace(hw, head_tflops=head_tflops, logit_ns=logit_ns,
+                             memory_bandwidth_gbs=measure_memory_bandwidth(device),
+                             optimizer_ns_per_param=measure_optimizer(device))
+    if device.type == "cpu":
+        hw = _cpu_host(hw, worlds)
+    say(f"[calibrate] {hw.tflops * 1e3:.1f} GFLOP/s per rank (half rate at {hw.half_rate_tokens:.0f} tokens, "
+        f"{hw.layer_overhead_ms:.2f} ms per block), {hw.memory_bandwidth_gbs:.1f} GB/s memory, "
+        f"{hw.optimizer_ns_per_param:.2f} ns/param optimizer, head {hw.head_tflops * 1e3:.1f} GFLOP/s + "
+        f"{hw.logit_ns:.3f} ns/logit, "
+        f"links {hw.intra_host_gbs:.2f} GB/s + {hw.intra_host_latency_us:.0f} us")
+    return hw
+
+
+def _block_seconds(rank: int, world: int) -> float:
+    dist.barrier()
+    return measure_blocks(torch.device("cpu"), torch.float32, CPU_SHAPES[-1:], repeat=3)[0][2]
+
+
+def measure_parallel_units(cores: int) -> float:
+    """How many ranks' worth of block compute `cores` ranks deliver together (their speed-up over one)."""
+    alone = on_local_ranks(_block_seconds, 1)[0]
+    together = statistics.median(on_local_ranks(_block_seconds, cores))
+    return min(float(cores), max(1.0, cores * alone / together))
+
+
+def _cpu_host(hw: Hardware, worlds: list[int]) -> Hardware:
+    """Cores, memory and gloo links of this host; all ranks are processes sharing it."""
+    gbs, latency = measure_links(worlds, LINK_SIZES)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    return dataclasses.replace(
+        hw, shared_host=True, compute_units=round(measure_parallel_units(cores), 2), memory_gb=round(memory, 1),
+        reserved_gb=4.0,
+        gpus_per_host=max(8, max(worlds)), overlap=0.0, ring_latency=True, reduce_scatter_as_all_reduce=True,
+        intra_host_gbs=gbs, inter_host_gbs=gbs,
+        intra_host_latency_us=latency, inter_host_latency_us=latency)

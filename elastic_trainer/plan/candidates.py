@@ -1,0 +1,166 @@
+"""Candidates: every layout for N devices, each checked and given a predicted memory and step time.
+
+A candidate is (dp, tp, pp) with dp * tp * pp = N, a micro-batch m and num_microbatches a with
+dp * m * a = global batch, a data-parallel mode and recompute on or off. It is valid when tp divides
+n_heads and every tp group stays within one host, pp <= n_layers (stages balanced by `stage_layers`),
+dp divides the global batch and its peak memory fits (plan/memory.py); its step time comes from
+plan/step_time.py. Invalid candidates keep the reason. Pure Python, cheap: N = 1024 takes well under a second.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elastic_trainer.config import DP_MODES, DTYPES, ModelConfig
+from elastic_trainer.plan.hardware import GIB, Hardware
+from elastic_trainer.plan.layout import Layout, LayoutError, divisors, factorizations
+from elastic_trainer.plan.memory import StageMemory, stage_memories
+from elastic_trainer.plan.step_time import StepTime, group_within_host, step_time
+
+
+class PlanError(LayoutError):
+    """No layout works; the message is one line saying why and what would."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """What to plan for: a model and a batch on N devices of one hardware profile."""
+
+    model: ModelConfig
+    world_size: int
+    """GPUs (ranks) to lay the model out on."""
+    global_batch: int
+    """Samples per optimizer step, kept by every candidate."""
+    seq_len: int
+    hardware: Hardware
+    gpus_per_host: int
+    """Ranks per host: tp groups must stay within one; groups within a host use its faster links."""
+    dtype: str = "auto"
+    """fp32, bf16 (mixed) or auto (the hardware's compute dtype)."""
+    micro_batch: int | None = None
+    """Only this micro-batch size (None: any divisor of the per-replica batch)."""
+    dp_modes: tuple[str, ...] = DP_MODES
+    """Data-parallel modes to consider."""
+    recompute: tuple[bool, ...] = (False, True)
+    """Recompute settings to consider."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise PlanError(f"dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
+        for key in ("world_size", "global_batch", "seq_len", "gpus_per_host"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PlanError(f"{key}={value!r} must be a positive integer")
+        if self.seq_len > self.model.context_length:
+            raise PlanError(f"seq_len={self.seq_len} exceeds {self.model.name}'s context_length="
+                            f"{self.model.context_length}")
+
+    @property
+    def compute_dtype(self) -> str:
+        return self.hardware.compute_dtype if self.dtype == "auto" else self.dtype
+
+    @property
+    def tokens(self) -> int:
+        return self.global_batch * self.seq_len
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout with its predicted memory and step time, or the reason it cannot run."""
+
+    dp: int
+    tp: int
+    pp: int
+    micro_batch: int | None = None
+    """None when the degrees themselves are invalid."""
+    num_microbatches: int | None = None
+    dp_mode: str = "fsdp"
+    recompute: bool = False
+    memory: StageMemory | None = None
+    time: StepTime | None = None
+    reason: str | None = None
+    """Why this candidate is invalid; None when it is valid."""
+
+    @property
+    def valid(self) -> bool:
+        return self.reason is None
+
+    @property
+    def degrees(self) -> tuple[int, int, int]:
+        return self.dp, self.tp, self.pp
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.dp, self.tp, self.pp, self.micro_batch, self.num_microbatches,
+                      dp_mode=self.dp_mode, recompute=self.recompute)
+
+    @property
+    def memory_gb(self) -> float:
+        return self.memory.total / GIB
+
+    @property
+    def step_time_s(self) -> float:
+        return self.time.total
+
+    def rank_key(self) -> tuple:
+        """Fastest first; ties go to less memory, then fewer pipeline and tensor-parallel ranks."""
+        return (round(self.time.total, 12), self.memory.total, self.pp, self.tp, self.recompute,
+                self.dp_mode != "fsdp")
+
+
+def degree_reason(req: Request, dp: int, tp: int, pp: int) -> str | None:
+    """Why (dp, tp, pp) cannot run this model and batch, whatever the micro-batch; None when it can."""
+    model = req.model
+    if model.n_heads % tp:
+        return f"tp={tp} does not divide n_heads={model.n_heads}"
+    if not group_within_host(tp, req.world_size, req.gpus_per_host):
+        return f"tp={tp} groups would span hosts of {req.gpus_per_host} GPUs"
+    if pp > model.n_layers:
+        return f"pp={pp} exceeds n_layers={model.n_layers}"
+    if req.global_batch % dp:
+        return f"dp={dp} does not divide the global batch {req.global_batch}"
+    share = req.global_batch // dp
+    if req.micro_batch is not None and share % req.micro_batch:
+        return (f"micro_batch={req.micro_batch} does not divide the per-replica batch {req.global_batch}/{dp} = "
+                f"{share} (valid: {', '.join(map(str, divisors(share)))})")
+    return None
+
+
+def evaluate(req: Request, layout: Layout) -> Candidate:
+    """Memory and step time of one layout, invalid (with the reason) when it does not fit."""
+    dtype = req.compute_dtype
+    hw = req.hardware
+    stages = stage_memories(req.model, layout, req.seq_len, dtype)
+    memory = max(stages, key=lambda m: m.total)
+    time = step_time(req.model, layout, req.seq_len, dtype, hw, req.gpus_per_host)
+    reason = None
+    if hw.shared_host:  # the host's ranks share its memory: every stage's dp * tp ranks, on one host or spread
+        ranks = min(layout.world_size, req.gpus_per_host)
+        host = sum(m.total for m in stages) * layout.dp * layout.tp * ranks / layout.world_size
+        if host > hw.usable_bytes:
+            reason = f"needs {host / GIB:.1f} GiB per host > {hw.usable_bytes / GIB:.1f} GiB usable"
+    elif memory.total > hw.usable_bytes:
+        reason = f"needs {memory.total / GIB:.1f} GiB per GPU > {hw.usable_bytes / GIB:.1f} GiB usable"
+    return Candidate(layout.dp, layout.tp, layout.pp, layout.micro_batch, layout.num_microbatches,
+                     layout.dp_mode, layout.recompute, memory, time, reason)
+
+
+def candidates_for(req: Request, dp: int, tp: int, pp: int) -> list[Candidate]:
+    """Every micro-batch, mode and recompute setting of valid degrees (dp, tp, pp)."""
+    share = req.global_batch // dp
+    micros = [req.micro_batch] if req.micro_batch is not None else divisors(share)
+    modes = req.dp_modes if dp > 1 else req.dp_modes[:1]  # with dp = 1 the modes are the same
+    return [evaluate(req, Layout(dp, tp, pp, m, share // m, dp_mode=mode, recompute=rc))
+            for m in micros for mode in modes for rc in req.recompute]
+
+
+def enumerate_candidates(req: Request) -> list[Candidate]:
+    """All candidates for the request, valid or not (degree-level rejections once per degrees)."""
+    out: list[Candidate] = []
+    for dp, tp, pp in factorizations(req.world_size):
+        reason = degree_reason(req, dp, tp, pp)
+        if reason is not None:
+            out.append(Candidate(dp, tp, pp, reason=reason))
+        else:
+            out += candidates_for(req, dp, tp, pp)
+    return out

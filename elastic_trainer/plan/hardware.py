@@ -1,0 +1,143 @@
+"""`Hardware`: what the memory and step-time models know about a machine, loaded from
+`configs/hardware/NAME.toml` (written by hand from data sheets, or measured by `elastic-trainer calibrate`).
+
+Units: memory in GiB (2**30 bytes), bandwidth in GB/s (1e9 bytes/s) as a collective's *bus* bandwidth
+(the rate of the ring algorithm's per-link traffic, as nccl-tests reports it), throughput in TFLOP/s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from elastic_trainer.config import ConfigError, configs_dir, from_dict, read_toml
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One kind of device and the links between devices, within a host and across hosts."""
+
+    name: str
+    """Profile name (the TOML file's stem)."""
+    device: str = "cuda"
+    """torch device type: cuda or cpu."""
+    device_names: tuple[str, ...] = ()
+    """Substrings of torch.cuda.get_device_name() this profile is for (case-insensitive)."""
+    compute_dtype: str = "bf16"
+    """Precision of `dtype=auto` on this device: bf16 (mixed, fp32 master weights) or fp32."""
+    memory_gb: float = 80.0
+    """Memory per device in GiB; with `shared_host`, the host's memory shared by all its ranks."""
+    reserved_gb: float = 3.0
+    """Memory the planner never fills: runtime context, communication buffers, allocator slack."""
+    gpus_per_host: int = 8
+    """Devices per host (the default of --gpus-per-host)."""
+    tflops: float = 400.0
+    """Sustained matmul throughput of one rank on large GEMMs (TFLOP/s)."""
+    head_tflops: float = 0.0
+    """Throughput of the output head's GEMMs (narrow d_model x vocab); 0: the same as `tflops`."""
+    half_rate_tokens: float = 0.0
+    """Tokens per micro-batch at which a block's GEMMs run at half of `tflops` (0: no size effect)."""
+    layer_overhead_ms: float = 0.0
+    """Fixed time of one block's forward + backward (kernel launches, framework overhead)."""
+    memory_bandwidth_gbs: float = 2000.0
+    """Device memory bandwidth (GB/s), for memory-bound work: embedding gradients, loss."""
+    logit_ns: float = 0.0
+    """Time of softmax cross-entropy forward + backward per logit (ns), beyond the head's GEMM."""
+    optimizer_ns_per_param: float = 0.05
+    """Gradient clipping + AdamW step per local parameter (ns)."""
+    intra_host_gbs: float = 300.0
+    """Bus bandwidth of collectives within a host (GB/s)."""
+    inter_host_gbs: float = 40.0
+    """Bus bandwidth of collectives across hosts (GB/s)."""
+    intra_host_latency_us: float = 10.0
+    """Latency of one collective step within a host."""
+    inter_host_latency_us: float = 20.0
+    """Latency of one collective step across hosts."""
+    ring_latency: bool = False
+    """Collective latency grows with n - 1 steps (gloo's ring) rather than log2 n (NCCL's trees)."""
+    reduce_scatter_as_all_reduce: bool = False
+    """A reduce-scatter costs a whole all-reduce (gloo implements it that way)."""
+    overlap: float = 0.8
+    """Fraction of compute time that can hide data-parallel communication (0: none)."""
+    shared_host: bool = False
+    """True when a host's ranks share its compute units and memory (CPU processes); False for GPUs."""
+    compute_units: float = 0.0
+    """With `shared_host`: how many ranks' worth of compute the host delivers at once (measured speed-up of
+    ranks computing together; at most its cores)."""
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cuda", "cpu"):
+            raise ConfigError(f"hardware {self.name}: device={self.device!r} is not one of cuda, cpu")
+        if self.compute_dtype not in ("bf16", "fp32"):
+            raise ConfigError(f"hardware {self.name}: compute_dtype={self.compute_dtype!r} is not one of bf16, fp32")
+        for key in ("memory_gb", "tflops", "memory_bandwidth_gbs", "intra_host_gbs", "inter_host_gbs"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"hardware {self.name}: {key}={getattr(self, key)} must be positive")
+        if not isinstance(self.gpus_per_host, int) or self.gpus_per_host < 1:
+            raise ConfigError(f"hardware {self.name}: gpus_per_host={self.gpus_per_host!r} must be a positive integer")
+        if not 0.0 <= self.overlap <= 1.0:
+            raise ConfigError(f"hardware {self.name}: overlap={self.overlap} must be in [0, 1]")
+        if self.shared_host and self.compute_units < 1:
+            raise ConfigError(f"hardware {self.name}: shared_host needs compute_units >= 1, got {self.compute_units}")
+
+    @property
+    def usable_bytes(self) -> float:
+        return (self.memory_gb - self.reserved_gb) * GIB
+
+    def to_toml(self) -> str:
+        """The profile as TOML (flat keys), readable by `load_hardware`."""
+        lines = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, str):
+                text = f'"{value}"'
+            elif isinstance(value, tuple):
+                text = "[" + ", ".join(f'"{v}"' for v in value) + "]"
+            elif isinstance(value, float):
+                text = repr(float(f"{value:.6g}"))  # always has a '.' or an exponent: a TOML float
+            else:
+                text = str(value)
+            lines.append(f"{f.name} = {text}")
+        return "\n".join(lines) + "\n"
+
+
+def hardware_presets() -> list[str]:
+    return sorted(p.stem for p in (configs_dir() / "hardware").glob("*.toml"))
+
+
+def load_hardware(name_or_path: str | os.PathLike) -> Hardware:
+    """A profile by name (configs/hardware/NAME.toml) or a TOML file."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = configs_dir() / "hardware" / f"{name_or_path}.toml"
+        if not path.exists():
+            raise ConfigError(f"unknown hardware {str(name_or_path)!r} "
+                              f"(valid: {', '.join(hardware_presets()) or 'none found'})")
+    table = dict(read_toml(path))
+    table.setdefault("name", path.stem)
+    if "device_names" in table:
+        table["device_names"] = tuple(table["device_names"])
+    return from_dict(Hardware, table, f"hardware profile {str(path)!r}")
+
+
+def hardware_for_device(device_type: str, device_name: str | None = None) -> Hardware:
+    """The profile for this machine: `cpu` without a GPU, else the one whose device_names match."""
+    if device_type == "cpu":
+        return load_hardware("cpu")
+    name = (device_name or "").lower()
+    matches = []
+    for preset in hardware_presets():
+        hw = load_hardware(preset)
+        hits = [len(s) for s in hw.device_names if s.lower() in name]
+        if hw.device == device_type and hits:
+            matches.append((max(hits), preset, hw))
+    if not matches:
+        raise ConfigError(f"no hardware profile matches GPU {device_name!r}: pass --hardware NAME "
+                          f"(valid: {', '.join(hardware_presets())}) or write one with `elastic-trainer calibrate`")
+    return max(matches, key=lambda m: (m[0], m[1]))[2]

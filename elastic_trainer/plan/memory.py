@@ -1,0 +1,233 @@
+"""Memory of one rank under a Layout: parameters, gradients, AdamW state, working copies, activations.
+
+Pure arithmetic that mirrors what the engine allocates (parallel/engine.py):
+
+- **State** (exact; tests/distributed/test_memory_model.py counts the bytes on forked ranks): every
+  parameter of the rank's pipeline stage, in its tensor-parallel local shape, is kept in fp32 (the master
+  copy, also under bf16 mixed precision). With FSDP (`dp_mode="fsdp"`) each one is split along dim 0 like
+  `torch.chunk` into ceil(n / dp) rows per rank; FSDP2 pads every rank's parameter and gradient storage to
+  that size, while AdamW's exp_avg and exp_avg_sq take the rank's real, possibly shorter, slice, plus a
+  4-byte `step` per parameter. Replicated data parallelism (`"ddp"`) keeps everything whole.
+- **Working memory** (modeled): the compute-dtype copies FSDP2 gathers and the gradient buffers it reduces:
+
+  | case                       | parameter copies          | gradient buffers                  |
+  |----------------------------|---------------------------|-----------------------------------|
+  | no wrapper (dp=1, fp32)    | none                      | none                              |
+  | fsdp, pp=1                 | root + 2 blocks (e)       | root + 2 blocks (e + 4 fp32)      |
+  | fsdp, pp>1 (no resharding) | whole stage (e)           | whole stage (4, accumulated)      |
+  | ddp                        | whole stage (e)           | whole stage (4, accumulated)      |
+
+  where e is the compute dtype's size and the root is the embeddings and final LayerNorm.
+- **Activations** (checked against autograd's saved tensors in tests/unit/test_memory.py): a block keeps
+  b*s*d*(4 + 12/tp) elements (its input, both LayerNorm inputs and outputs, fused QKV, attention output,
+  MLP hidden before and after GELU) plus LayerNorm statistics and the attention log-sum-exp; with
+  recompute only its input. The last stage keeps the fp32 log-softmax of b*s*vocab logits (and, in a
+  pipeline, the logits themselves). A stage holds that for every micro-batch in flight: 1 without a
+  pipeline, pp - stage under 1F1B, all of them under GPipe (num_microbatches < pp).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elastic_trainer.config import ModelConfig
+from elastic_trainer.plan.layout import Layout, stage_layers
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+MASTER_BYTES = 4  # parameters, gradients and AdamW state stay fp32 under mixed precision
+INDEX_BYTES = 8  # int64 token ids and targets
+
+Shape = tuple[int, ...]
+
+
+def block_shapes(model: ModelConfig, layer: int, tp: int) -> list[tuple[str, Shape]]:
+    """(name, tensor-parallel local shape) of block `layer`'s parameters on one tp rank."""
+    d = model.d_model
+    p = f"layers.{layer}."
+    return [
+        (p + "ln_1.weight", (d,)), (p + "ln_1.bias", (d,)),
+        (p + "attn.qkv_proj.weight", (3 * d // tp, d)), (p + "attn.qkv_proj.bias", (3 * d // tp,)),
+        (p + "attn.o_proj.weight", (d, d // tp)), (p + "attn.o_proj.bias", (d,)),
+        (p + "ln_2.weight", (d,)), (p + "ln_2.bias", (d,)),
+        (p + "mlp.fc.weight", (4 * d // tp, d)), (p + "mlp.fc.bias", (4 * d // tp,)),
+        (p + "mlp.proj.weight", (d, 4 * d // tp)), (p + "mlp.proj.bias", (d,)),
+    ]
+
+
+def root_shapes(model: ModelConfig, first: bool, last: bool) -> list[tuple[str, Shape]]:
+    """Parameters outside the blocks: embeddings on the first stage, final LayerNorm and the tied head's
+    copy of the token embedding on the last (one shared tensor when a stage is both)."""
+    shapes = []
+    if first or last:
+        shapes.append(("tok_emb.weight", (model.vocab_size, model.d_model)))
+    if first:
+        shapes.append(("pos_emb.weight", (model.context_length, model.d_model)))
+    if last:
+        shapes += [("ln_f.weight", (model.d_model,)), ("ln_f.bias", (model.d_model,))]
+    return shapes
+
+
+def stage_shapes(model: ModelConfig, layout: Layout, stage: int) -> list[tuple[str, Shape]]:
+    """Every parameter held by one rank of pipeline stage `stage`, with its tensor-parallel local shape."""
+    shapes = root_shapes(model, stage == 0, stage == layout.pp - 1)
+    for layer in stage_layers(model.n_layers, layout.pp)[stage]:
+        shapes += block_shapes(model, layer, layout.tp)
+    return shapes
+
+
+def _numel(shape: Shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes of the persistent training state on one rank."""
+
+    params: int
+    grads: int
+    optimizer: int
+    """AdamW exp_avg + exp_avg_sq + one 4-byte step per parameter."""
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    def __add__(self, other: "StateBytes") -> "StateBytes":
+        return StateBytes(self.params + other.params, self.grads + other.grads, self.optimizer + other.optimizer)
+
+    def __mul__(self, k: int) -> "StateBytes":
+        return StateBytes(self.params * k, self.grads * k, self.optimizer * k)
+
+
+def shard_state(shapes: list[tuple[str, Shape]], shards: int, rank: int) -> StateBytes:
+    """State bytes of `shapes` split along dim 0 over `shards` ranks the way FSDP2 does, on `rank`."""
+    params = optimizer = 0
+    for _, shape in shapes:
+        rows, rest = shape[0], _numel(shape[1:])
+        chunk = -(-rows // shards)
+        mine = max(0, min(chunk, rows - rank * chunk))
+        params += chunk * rest * MASTER_BYTES
+        optimizer += 2 * mine * rest * MASTER_BYTES + 4
+    return StateBytes(params, params, optimizer)
+
+
+def state_bytes(model: ModelConfig, layout: Layout, stage: int, dp_rank: int = 0) -> StateBytes:
+    """Parameter, gradient and AdamW bytes held by data-parallel rank `dp_rank` of `stage` (any tp rank)."""
+    shards, rank = (layout.dp, dp_rank) if layout.dp_mode == "fsdp" else (1, 0)
+    layers = stage_layers(model.n_layers, layout.pp)[stage]
+    root = shard_state(root_shapes(model, stage == 0, stage == layout.pp - 1), shards, rank)
+    if not layers:
+        return root
+    return root + shard_state(block_shapes(model, layers[0], layout.tp), shards, rank) * len(layers)
+
+
+def stage_elements(model: ModelConfig, layout: Layout, stage: int) -> tuple[int, int, int]:
+    """(root elements, elements of one block, number of blocks) of a stage on one tp rank, unsharded."""
+    root = sum(_numel(s) for _, s in root_shapes(model, stage == 0, stage == layout.pp - 1))
+    block = sum(_numel(s) for _, s in block_shapes(model, 0, layout.tp))
+    return root, block, len(stage_layers(model.n_layers, layout.pp)[stage])
+
+
+def stage_numel(model: ModelConfig, layout: Layout, stage: int) -> int:
+    """Parameter elements of a stage on one tp rank, before data-parallel sharding."""
+    root, block, n = stage_elements(model, layout, stage)
+    return root + block * n
+
+
+def working_bytes(model: ModelConfig, layout: Layout, stage: int, dtype: str) -> int:
+    """Peak bytes of data-parallel working buffers: gathered compute copies and gradient buffers."""
+    e = DTYPE_BYTES[dtype]
+    if layout.dp == 1 and dtype == "fp32":
+        return 0  # the engine applies no data-parallel wrapper
+    root, block, n = stage_elements(model, layout, stage)
+    whole = root + block * n
+    if layout.dp_mode == "fsdp" and layout.pp == 1:
+        live = root + min(n, 2) * block
+        return live * e + live * (e + 4)
+    return whole * e + whole * 4
+
+
+def in_flight(layout: Layout, stage: int) -> int:
+    """Micro-batches whose activations a stage holds at once."""
+    if layout.pp == 1:
+        return 1
+    if layout.num_microbatches >= layout.pp:  # 1F1B
+        return min(layout.num_microbatches, layout.pp - stage)
+    return layout.num_microbatches  # GPipe: every forward before any backward
+
+
+def block_activation_bytes(model: ModelConfig, micro_batch: int, seq_len: int, tp: int, dtype: str,
+                           recompute: bool = False) -> int:
+    """Bytes one block keeps for backward per micro-batch (compute dtype; statistics in fp32)."""
+    e = DTYPE_BYTES[dtype]
+    tokens = micro_batch * seq_len
+    if recompute:
+        return tokens * model.d_model * e
+    d = model.d_model
+    return (tokens * (4 * d + 12 * (d // tp)) * e  # tp divides n_heads, hence d
+            + 2 * 2 * tokens * 4                   # two LayerNorms' mean and rstd
+            + tokens * (model.n_heads // tp) * 4)   # attention log-sum-exp
+
+
+def head_activation_bytes(model: ModelConfig, micro_batch: int, seq_len: int, dtype: str,
+                          pipelined: bool) -> int:
+    """Bytes the last stage keeps per micro-batch for the final LayerNorm, head and loss."""
+    e = DTYPE_BYTES[dtype]
+    tokens = micro_batch * seq_len
+    kept = 2 * tokens * model.d_model * e + 2 * tokens * 4 + tokens * model.vocab_size * 4 + tokens * INDEX_BYTES
+    if pipelined:  # the schedule caches the stage output (the logits) until its backward
+        kept += tokens * model.vocab_size * e
+    return kept
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Peak bytes on one rank of one pipeline stage."""
+
+    stage: int
+    state: StateBytes
+    working: int
+    """Data-parallel working buffers (gathered parameters, gradient reduction)."""
+    activations: int
+    """Saved activations of all micro-batches in flight."""
+    transient: int
+    """Short-lived peaks: one block's backward (and recomputation), the loss gradient, pipeline buffers."""
+
+    @property
+    def total(self) -> int:
+        return self.state.total + self.working + self.activations + self.transient
+
+
+def stage_memory(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, stage: int) -> StageMemory:
+    b, e = layout.micro_batch, DTYPE_BYTES[dtype]
+    first, last = stage == 0, stage == layout.pp - 1
+    n_blocks = len(stage_layers(model.n_layers, layout.pp)[stage])
+    per_mb = n_blocks * block_activation_bytes(model, b, seq_len, layout.tp, dtype, layout.recompute)
+    hidden = b * seq_len * model.d_model * e
+    if first:
+        per_mb += b * seq_len * INDEX_BYTES
+    if last:
+        per_mb += head_activation_bytes(model, b, seq_len, dtype, pipelined=layout.pp > 1)
+    elif layout.pp > 1:
+        per_mb += hidden  # the stage output cached by the schedule
+    full_block = block_activation_bytes(model, b, seq_len, layout.tp, dtype) if n_blocks else 0
+    transient = full_block * (2 if layout.recompute else 1)
+    if last:
+        transient += b * seq_len * model.vocab_size * (8 + e)  # fp32 loss gradients and the cast back
+    if layout.pp > 1:
+        transient += 2 * hidden  # receive buffers for activations and their gradients
+    return StageMemory(stage, state_bytes(model, layout, stage), working_bytes(model, layout, stage, dtype),
+                       in_flight(layout, stage) * per_mb, transient)
+
+
+def stage_memories(model: ModelConfig, layout: Layout, seq_len: int, dtype: str) -> list[StageMemory]:
+    """Peak memory of a rank of every stage (dp rank 0, which holds the largest FSDP shards)."""
+    return [stage_memory(model, layout, seq_len, dtype, s) for s in range(layout.pp)]
+
+
+def peak_memory(model: ModelConfig, layout: Layout, seq_len: int, dtype: str) -> StageMemory:
+    """The stage with the largest peak."""
+    return max(stage_memories(model, layout, seq_len, dtype), key=lambda m: m.total)

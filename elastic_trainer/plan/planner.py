@@ -1,0 +1,124 @@
+"""`plan(request) -> Plan`: the valid candidates ranked by predicted step time, or one line saying why
+none is valid and what would be (the nearest GPU count, global batch or memory that works)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from elastic_trainer.plan.candidates import Candidate, PlanError, Request, degree_reason, enumerate_candidates
+from elastic_trainer.plan.layout import divisors, factorizations
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Valid candidates, best first, and the rejected ones with their reasons."""
+
+    request: Request
+    candidates: tuple[Candidate, ...]
+    rejected: tuple[Candidate, ...]
+
+    @property
+    def chosen(self) -> Candidate:
+        return self.candidates[0]
+
+    def best_for(self, dp: int, tp: int, pp: int) -> Candidate:
+        """The fastest valid candidate with these degrees, or the reason none is valid."""
+        for c in self.candidates:
+            if c.degrees == (dp, tp, pp):
+                return c
+        if dp * tp * pp != self.request.world_size:
+            raise PlanError(f"layout {dp},{tp},{pp} has {dp * tp * pp} GPUs, not {self.request.world_size}")
+        rejected = [c for c in self.rejected if c.degrees == (dp, tp, pp)]
+        fits = [c for c in rejected if c.memory is not None]
+        if fits:
+            smallest = min(fits, key=lambda c: c.memory.total)
+            raise PlanError(f"layout {dp},{tp},{pp} does not fit: the smallest {smallest.reason}")
+        raise PlanError(f"layout {dp},{tp},{pp} is invalid: {rejected[0].reason}")
+
+
+def plan(req: Request) -> Plan:
+    """Rank every candidate for `req`; raise PlanError (why, and what would work) when none is valid."""
+    everything = enumerate_candidates(req)
+    valid = sorted((c for c in everything if c.valid), key=Candidate.rank_key)
+    rejected = tuple(c for c in everything if not c.valid)
+    if not valid:
+        raise PlanError(why_no_plan(req, rejected))
+    return Plan(req, tuple(valid), rejected)
+
+
+def plan_or_none(req: Request) -> Plan | None:
+    valid = sorted((c for c in enumerate_candidates(req) if c.valid), key=Candidate.rank_key)
+    return Plan(req, tuple(valid), ()) if valid else None
+
+
+def usable_degrees(req: Request) -> tuple[int, int, int]:
+    """The largest dp, tp, pp any layout of this job can have: dp divides the global batch, tp divides
+    n_heads and (across hosts) the host size, pp <= n_layers."""
+    tps = [t for t in divisors(req.model.n_heads) if req.gpus_per_host % t == 0]
+    return req.global_batch, max(tps), req.model.n_layers
+
+
+def _degrees_possible(req: Request) -> bool:
+    return any(degree_reason(req, *d) is None for d in factorizations(req.world_size))
+
+
+def first_world_with_plan(req: Request, counts, tries: int = 64) -> int | None:
+    """The first GPU count of `counts` with a valid layout, planning at most `tries` of them in full."""
+    for m in counts:
+        other = replace(req, world_size=m)
+        if _degrees_possible(other):
+            if plan_or_none(other) is not None:
+                return m
+            tries -= 1
+            if tries == 0:
+                return None
+    return None
+
+
+def nearest_world(req: Request, limit: int) -> int | None:
+    """The GPU count nearest to the request's (at most `limit`) for which some layout is valid."""
+    n = min(req.world_size, limit)
+    return first_world_with_plan(
+        req, (m for k in range(limit) for m in ((n,) if k == 0 else (n - k, n + k)) if 1 <= m <= limit))
+
+
+def nearest_batch(req: Request) -> int | None:
+    """The global batch nearest to the request's that some valid layout of its GPU count can split."""
+    options = []
+    for dp, tp, pp in factorizations(req.world_size):
+        batch = dp * max(1, round(req.global_batch / dp))
+        if degree_reason(replace(req, global_batch=batch), dp, tp, pp) is None:
+            options.append(batch)
+    for batch in sorted(set(options), key=lambda b: (abs(b - req.global_batch), b)):
+        if batch != req.global_batch and plan_or_none(replace(req, global_batch=batch)) is not None:
+            return batch
+    return None
+
+
+def why_no_plan(req: Request, rejected: tuple[Candidate, ...]) -> str:
+    """One line: why no layout works for `req`, and the nearest GPU count or global batch that does."""
+    n, model = req.world_size, req.model
+    dp, tp, pp = usable_degrees(req)
+    limit = dp * tp * pp
+    sized = [c for c in rejected if c.memory is not None]
+    if sized:
+        small = min(sized, key=lambda c: c.memory.total)
+        why = (f"no layout of {n} GPU(s) fits in memory: the smallest (dp={small.dp} tp={small.tp} pp={small.pp} "
+               f"micro_batch={small.micro_batch}{' recompute' if small.recompute else ''}) {small.reason}")
+        bigger = first_world_with_plan(req, range(n + 1, limit + 1))
+        return why + (f"; {bigger} GPUs would work" if bigger else "; use devices with more memory or a shorter sequence")
+    if n > limit:
+        why = (f"{n} GPUs are more than {model.name} with global batch {req.global_batch} can use: at most "
+               f"dp={dp} x tp={tp} x pp={pp} = {limit} (dp divides the global batch, tp divides n_heads="
+               f"{model.n_heads} and the host size {req.gpus_per_host}, pp <= n_layers={model.n_layers})")
+    else:
+        reasons = "; ".join(f"{c.dp},{c.tp},{c.pp}: {c.reason}" for c in rejected[:4])
+        why = f"no DP,TP,PP of {n} GPUs is valid ({reasons}{'; ...' if len(rejected) > 4 else ''})"
+    hints = []
+    world = nearest_world(req, limit)
+    if world is not None:
+        hints.append(f"nearest GPU count that works: {world}")
+    batch = nearest_batch(req)
+    if batch is not None:
+        hints.append(f"nearest global batch that works on {n} GPUs: {batch}")
+    return why + ("; " + ", ".join(hints) if hints else "")

@@ -1,0 +1,73 @@
+"""A Plan as people and programs read it: a table, a one-line summary, JSON."""
+
+from __future__ import annotations
+
+from elastic_trainer.plan.candidates import Candidate, Request
+from elastic_trainer.plan.planner import Plan
+
+COLUMNS = ("#", "dp", "tp", "pp", "micro", "accum", "mode", "recompute", "GiB/GPU", "step s", "tokens/s", "bubble")
+
+
+def tokens_per_s(c: Candidate, req: Request) -> float:
+    return req.tokens / c.step_time_s
+
+
+def candidate_dict(c: Candidate, req: Request) -> dict:
+    """JSON-ready fields of one candidate (valid or not)."""
+    out = {"dp": c.dp, "tp": c.tp, "pp": c.pp, "micro_batch": c.micro_batch, "num_microbatches": c.num_microbatches,
+           "dp_mode": c.dp_mode, "recompute": c.recompute}
+    if c.memory is not None:
+        out.update(memory_gb=round(c.memory_gb, 3), step_time_s=round(c.step_time_s, 6),
+                   tokens_per_s=round(tokens_per_s(c, req), 1), bubble=round(c.time.bubble, 4),
+                   breakdown={"state_gb": round(c.memory.state.total / 2**30, 3),
+                              "activations_gb": round(c.memory.activations / 2**30, 3),
+                              "pipeline_s": round(c.time.pipeline, 6), "dp_comm_s": round(c.time.dp_comm, 6),
+                              "optimizer_s": round(c.time.optimizer, 6)})
+    if c.reason is not None:
+        out["reason"] = c.reason
+    return out
+
+
+def plan_dict(plan: Plan, compare: Candidate | None = None) -> dict:
+    req = plan.request
+    out = {"model": req.model.name, "gpus": req.world_size, "gpus_per_host": req.gpus_per_host,
+           "hardware": req.hardware.name, "dtype": req.compute_dtype, "global_batch": req.global_batch,
+           "seq_len": req.seq_len, "chosen": candidate_dict(plan.chosen, req),
+           "candidates": [candidate_dict(c, req) for c in plan.candidates],
+           "rejected": [candidate_dict(c, req) for c in plan.rejected]}
+    if compare is not None:
+        out["compare"] = candidate_dict(compare, req)
+    return out
+
+
+def _row(rank: str, c: Candidate, req: Request) -> list[str]:
+    return [rank, str(c.dp), str(c.tp), str(c.pp), str(c.micro_batch), str(c.num_microbatches), c.dp_mode,
+            "yes" if c.recompute else "no", f"{c.memory_gb:.1f}", f"{c.step_time_s:.3f}",
+            f"{tokens_per_s(c, req):,.0f}", f"{100 * c.time.bubble:.1f}%"]
+
+
+def format_table(plan: Plan, top: int = 10, compare: Candidate | None = None) -> str:
+    req = plan.request
+    rows = [_row(str(i + 1), c, req) for i, c in enumerate(plan.candidates[:top])]
+    if compare is not None:
+        rows.append(_row("cmp", compare, req))
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(COLUMNS)]
+    lines = [f"{req.model.name} on {req.world_size} x {req.hardware.name} ({req.gpus_per_host} per host, "
+             f"{req.compute_dtype}), global batch {req.global_batch} x {req.seq_len} tokens: "
+             f"{len(plan.candidates)} valid layouts, {len(plan.rejected)} rejected"]
+    lines.append("  ".join(h.rjust(w) for h, w in zip(COLUMNS, widths)))
+    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
+    if compare is not None:
+        ratio = compare.step_time_s / plan.chosen.step_time_s
+        lines.append(f"compare {compare.dp},{compare.tp},{compare.pp}: predicted {compare.step_time_s:.3f} s/step, "
+                     f"{ratio:.2f}x the chosen layout's {plan.chosen.step_time_s:.3f} s")
+    return "\n".join(lines)
+
+
+def summary(plan: Plan) -> str:
+    """One line for logs: the chosen layout and its predictions."""
+    c, req = plan.chosen, plan.request
+    return (f"[plan] {req.world_size} x {req.hardware.name} ({req.gpus_per_host} per host): "
+            f"{c.layout.describe()}; {c.memory_gb:.1f} GiB/GPU, predicted {c.step_time_s:.3f} s/step, "
+            f"{tokens_per_s(c, req):,.0f} tokens/s, bubble {100 * c.time.bubble:.1f}% "
+            f"(best of {len(plan.candidates)} valid layouts)")

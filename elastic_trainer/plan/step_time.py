@@ -1,0 +1,204 @@
+"""Predicted time of one optimizer step under a Layout, from FLOPs and bytes on a `Hardware` profile.
+
+- **Compute**: a block's forward costs 24*t*d^2 + 2*t*s*d FLOPs for t tokens (its GEMMs, and causal
+  attention), split over tp ranks; backward costs twice that, recomputation once more. The output head
+  (2*t*d*vocab forward) runs on the last stage and is replicated across tp ranks, as in the engine. The
+  rate is `tflops` scaled by t / (t + half_rate_tokens) (small GEMMs run slower), plus a fixed time per
+  block and memory-bound work: softmax cross-entropy per logit, the embedding gradient.
+- **Tensor parallel**: 2 all-reduces of the (micro_batch, seq, d_model) activation per block in forward,
+  2 in backward (2 more when recomputing), at intra-host bandwidth, not overlapped.
+- **Pipeline**: stage i takes t_i per micro-batch (compute, tp all-reduces, point-to-point sends);
+  a step takes sum_i t_i + (a - 1) * max_i t_i, whose idle share is the bubble (pp - 1) / (a + pp - 1) for
+  equal stages.
+- **Data parallel**: FSDP gathers the stage's parameters (compute dtype) and reduce-scatters fp32
+  gradients, one collective per unit (each block, and the root): every micro-batch without a pipeline
+  (gather in forward and again in backward), once per step with one (the schedule defers the reduction to
+  the end); ddp all-reduces once per step. Bandwidth is
+  intra-host when each dp group fits within a host. Communication hides behind `overlap` of the compute it
+  can run under; the rest adds to the step. The tied embedding's gradient is all-reduced between the first
+  and last stage.
+- **Optimizer**: `optimizer_ns_per_param` per local parameter (clipping + AdamW).
+- **Shared hosts** (CPU processes): ranks share `compute_units` cores, so a step also takes at least the
+  host's whole compute divided by its cores, and communication (which needs the CPU too) runs
+  ranks / compute_units times slower than measured on idle ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from elastic_trainer.config import ModelConfig
+from elastic_trainer.plan.hardware import Hardware
+from elastic_trainer.plan.layout import Layout, stage_layers
+from elastic_trainer.plan.memory import DTYPE_BYTES, MASTER_BYTES, stage_elements, stage_numel
+
+
+def group_within_host(size: int, world: int, gpus_per_host: int) -> bool:
+    """Whether every group of `size` consecutive ranks (aligned at multiples of size) stays on one host."""
+    return world <= gpus_per_host or gpus_per_host % size == 0
+
+
+@dataclass(frozen=True)
+class Link:
+    """The connection a group of ranks communicates over."""
+
+    gbs: float
+    """Bus bandwidth, GB/s."""
+    latency_us: float
+    """Latency of one algorithm step."""
+    ring_latency: bool = False
+    """Latency steps grow like the ring's n - 1 (gloo) instead of a tree's log2 n (NCCL)."""
+
+    def _steps(self, n: int) -> int:
+        return n - 1 if self.ring_latency else math.ceil(math.log2(n))
+
+    def all_reduce(self, nbytes: float, n: int) -> float:
+        """Seconds of an all-reduce of an nbytes tensor over n ranks (ring bandwidth term)."""
+        if n <= 1:
+            return 0.0
+        return 2 * (n - 1) / n * nbytes / (self.gbs * 1e9) + 2 * self._steps(n) * self.latency_us * 1e-6
+
+    def gather(self, nbytes: float, n: int) -> float:
+        """Seconds of an all-gather into (or a reduce-scatter from) an nbytes tensor over n ranks."""
+        if n <= 1:
+            return 0.0
+        return (n - 1) / n * nbytes / (self.gbs * 1e9) + self._steps(n) * self.latency_us * 1e-6
+
+    def send(self, nbytes: float) -> float:
+        return nbytes / (self.gbs * 1e9) + self.latency_us * 1e-6
+
+
+@dataclass(frozen=True)
+class Links:
+    """The link each kind of group uses: intra-host when every such group fits within a host."""
+
+    tp: Link
+    dp: Link
+    pp: Link
+
+    @classmethod
+    def of(cls, layout: Layout, hw: Hardware, gpus_per_host: int) -> "Links":
+        world = layout.world_size
+        intra = Link(hw.intra_host_gbs, hw.intra_host_latency_us, hw.ring_latency)
+        inter = Link(hw.inter_host_gbs, hw.inter_host_latency_us, hw.ring_latency)
+        dp = intra if group_within_host(layout.dp * layout.tp, world, gpus_per_host) else inter
+        if hw.shared_host:  # big data-parallel transfers need the CPU too, which the host's ranks share
+            slow = max(1.0, min(world, gpus_per_host) / hw.compute_units)
+            dp = Link(dp.gbs / slow, dp.latency_us * slow, dp.ring_latency)
+        return cls(tp=intra if group_within_host(layout.tp, world, gpus_per_host) else inter, dp=dp,
+                   pp=intra if world <= gpus_per_host else inter)
+
+
+def block_flops(model: ModelConfig, tokens: int, seq_len: int, tp: int) -> float:
+    """Forward FLOPs of one block on one tp rank for a micro-batch of `tokens` tokens."""
+    d = model.d_model
+    return (24 * tokens * d * d + 2 * tokens * seq_len * d) / tp
+
+
+def head_flops(model: ModelConfig, tokens: int) -> float:
+    """Forward FLOPs of the output head (replicated across tp ranks)."""
+    return 2 * tokens * model.d_model * model.vocab_size
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """Seconds per micro-batch on one stage."""
+
+    compute: float
+    tp_comm: float
+    p2p: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tp_comm + self.p2p
+
+
+def stage_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw: Hardware, links: Links,
+               stage: int) -> StageTime:
+    """Forward + backward of one micro-batch on `stage`."""
+    tokens = layout.micro_batch * seq_len
+    rate = hw.tflops * 1e12 * tokens / (tokens + hw.half_rate_tokens)
+    head_rate = (hw.head_tflops or hw.tflops) * 1e12
+    n_blocks = len(stage_layers(model.n_layers, layout.pp)[stage])
+    passes = 4 if layout.recompute else 3  # forward, backward (2x), recomputed forward
+    compute = n_blocks * (passes * block_flops(model, tokens, seq_len, layout.tp) / rate + hw.layer_overhead_ms * 1e-3)
+    emb_grad = 2 * model.vocab_size * model.d_model * MASTER_BYTES / (hw.memory_bandwidth_gbs * 1e9)
+    if stage == 0:
+        compute += emb_grad
+    if stage == layout.pp - 1:
+        logits = tokens * model.vocab_size
+        compute += 3 * head_flops(model, tokens) / head_rate + logits * hw.logit_ns * 1e-9 + emb_grad
+    hidden = tokens * model.d_model * DTYPE_BYTES[dtype]
+    per_block = (6 if layout.recompute else 4) * links.tp.all_reduce(hidden, layout.tp)
+    sends = (stage > 0) + (stage < layout.pp - 1)  # activation forward, its gradient backward
+    p2p = sends * links.pp.send(hidden)
+    return StageTime(compute, n_blocks * per_block, p2p)
+
+
+def _exposed(comm: float, window: float, overlap: float) -> float:
+    return max(0.0, comm - overlap * window)
+
+
+def _per_unit(collective, root: int, block: int, n: int, nbytes: int) -> float:
+    """One collective per data-parallel unit: every block is its own, the root (if it holds any) another."""
+    return (collective(root * nbytes) if root else 0.0) + n * collective(block * nbytes)
+
+
+def dp_comm_time(model: ModelConfig, layout: Layout, dtype: str, hw: Hardware, links: Links, stage: int,
+                 t_mb: float) -> float:
+    """Exposed data-parallel communication of one stage per step; t_mb is its time per micro-batch."""
+    root, block, n = stage_elements(model, layout, stage)
+    a, dp, e = layout.num_microbatches, layout.dp, DTYPE_BYTES[dtype]
+    if dp == 1:
+        return 0.0
+    if layout.dp_mode == "ddp":
+        comm = _per_unit(lambda b: links.dp.all_reduce(b, dp), root, block, n, 4)
+        return _exposed(comm, 2 / 3 * t_mb if layout.pp == 1 else 0.0, hw.overlap)
+    gather = _per_unit(lambda b: links.dp.gather(b, dp), root, block, n, e)
+    reduce_scatter = links.dp.all_reduce if hw.reduce_scatter_as_all_reduce else links.dp.gather
+    scatter = _per_unit(lambda b: reduce_scatter(b, dp), root, block, n, 4)
+    if layout.pp == 1:  # blocks are gathered again for backward; the root stays gathered
+        regather = _per_unit(lambda b: links.dp.gather(b, dp), 0, block, n, e)
+        return a * _exposed(gather + regather + scatter, t_mb, hw.overlap)
+    return _exposed(gather, t_mb / 3, hw.overlap) + scatter
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds of one optimizer step and where they go."""
+
+    pipeline: float
+    """Forward/backward of all micro-batches through all stages (with tp all-reduces and p2p sends)."""
+    dp_comm: float
+    """Data-parallel and tied-embedding communication not hidden behind compute."""
+    optimizer: float
+    bubble: float
+    """Idle share of the pipeline, (pp - 1) / (num_microbatches + pp - 1)."""
+
+    @property
+    def total(self) -> float:
+        return self.pipeline + self.dp_comm + self.optimizer
+
+
+def step_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw: Hardware,
+              gpus_per_host: int) -> StepTime:
+    links = Links.of(layout, hw, gpus_per_host)
+    stages = [stage_time(model, layout, seq_len, dtype, hw, links, s) for s in range(layout.pp)]
+    a = layout.num_microbatches
+    pipeline = sum(t.total for t in stages) + (a - 1) * max(t.total for t in stages)
+    dp = max(dp_comm_time(model, layout, dtype, hw, links, s, t.total) for s, t in enumerate(stages))
+    shard = layout.dp if layout.dp_mode == "fsdp" else 1
+    if layout.pp > 1:
+        dp += links.pp.all_reduce(model.vocab_size * model.d_model * MASTER_BYTES / shard, 2)
+    local = [stage_numel(model, layout, s) / shard for s in range(layout.pp)]
+    optimizer = max(local) * hw.optimizer_ns_per_param * 1e-9
+    if hw.shared_host:
+        # ranks of a host share its cores: the host's whole work, spread over its cores, bounds the step
+        ranks = min(layout.world_size, gpus_per_host)
+        cores = min(hw.compute_units, ranks)
+        copies = layout.dp * layout.tp * ranks / layout.world_size  # ranks per stage on this host
+        work = a * sum(t.compute for t in stages) * copies
+        pipeline = max(pipeline, work / cores + a * max(t.tp_comm + t.p2p for t in stages))
+        optimizer = sum(local) * copies * hw.optimizer_ns_per_param * 1e-9 / cores
+    return StepTime(pipeline, dp, optimizer, (layout.pp - 1) / (a + layout.pp - 1))

@@ -1,0 +1,55 @@
+"""Hardware profiles: the shipped presets, matching a GPU by name, TOML round trip, calibration's fit."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic_trainer.config import ConfigError
+from elastic_trainer.plan.hardware import Hardware, hardware_for_device, hardware_presets, load_hardware
+
+
+def test_presets_load_and_describe_8_gpu_hosts():
+    assert {"a100-80g", "h100-80g", "cpu"} <= set(hardware_presets())
+    for name in ("a100-80g", "h100-80g"):
+        hw = load_hardware(name)
+        assert hw.name == name and hw.device == "cuda" and hw.gpus_per_host == 8
+        assert hw.intra_host_gbs > hw.inter_host_gbs and 70 < hw.memory_gb < 81
+    cpu = load_hardware("cpu")
+    assert cpu.device == "cpu" and cpu.shared_host and cpu.compute_units >= 1 and cpu.compute_dtype == "fp32"
+
+
+@pytest.mark.parametrize("gpu, profile", [("NVIDIA H100 80GB HBM3", "h100-80g"), ("NVIDIA A100-SXM4-80GB", "a100-80g")])
+def test_gpu_name_picks_profile(gpu, profile):
+    assert hardware_for_device("cuda", gpu).name == profile
+    assert hardware_for_device("cpu").name == "cpu"
+
+
+def test_unknown_gpu_asks_for_hardware_flag():
+    with pytest.raises(ConfigError) as err:
+        hardware_for_device("cuda", "Tesla T4")
+    assert "no hardware profile matches GPU 'Tesla T4': pass --hardware NAME (valid: a100-80g, cpu" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_unknown_profile_and_bad_values_name_the_choices():
+    with pytest.raises(ConfigError, match=r"unknown hardware 'tpu' \(valid: a100-80g, cpu, h100-80g"):
+        load_hardware("tpu")
+    with pytest.raises(ConfigError, match="overlap=2 must be in"):
+        Hardware(name="x", overlap=2)
+
+
+def test_toml_round_trip(tmp_path):
+    hw = Hardware(name="mine", device_names=("X 1",), tflops=123.5, memory_bandwidth_gbs=1e-3, shared_host=True,
+                  compute_units=3)
+    path = tmp_path / "mine.toml"
+    path.write_text(hw.to_toml())
+    assert load_hardware(path) == hw
+
+
+def test_calibration_fit_recovers_rate_size_effect_and_overhead():
+    from elastic_trainer.parallel.calibrate import fit_compute
+
+    rate, half, overhead = 50e9, 40.0, 2e-3  # 50 GFLOP/s, half rate at 40 tokens, 2 ms per block
+    points = [(f, n, f / (rate * n / (n + half)) + overhead) for f, n in [(1e9, 128), (4e9, 512), (4e9, 128),
+                                                                          (16e9, 512)]]
+    assert fit_compute(points) == pytest.approx((0.05, 40.0, 2.0), rel=1e-6)

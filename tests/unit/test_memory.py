@@ -1,0 +1,121 @@
+"""The memory model against independent references: the GPT's own parameters, hand-computed FSDP shards,
+and the bytes autograd really saves for backward (counted with saved-tensor hooks)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from elastic_trainer.config import load_model_config
+from elastic_trainer.model.gpt import GPT, Block, lm_loss_sum
+from elastic_trainer.parallel.pipeline import split_stage
+from elastic_trainer.plan.layout import Layout
+from elastic_trainer.plan.memory import (
+    StateBytes, block_activation_bytes, head_activation_bytes, in_flight, shard_state, stage_memory, stage_shapes,
+    state_bytes,
+)
+
+TINY = load_model_config("gpt-tiny")
+XL = load_model_config("gpt3-xl")
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3, 4])
+def test_stage_shapes_are_the_stage_modules_parameters(pp):
+    layout = Layout(1, 1, pp, 1, 1)
+    for stage, layers in enumerate(layout.stages(TINY.n_layers)):
+        with torch.device("meta"):
+            model = split_stage(GPT(TINY), layers, stage == 0, stage == pp - 1)
+        expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        assert dict(stage_shapes(TINY, layout, stage)) == expected
+
+
+def test_tensor_parallel_shapes_split_heads_and_mlp_columns():
+    shapes = dict(stage_shapes(XL, Layout(1, 4, 1, 1, 1), 0))
+    assert shapes["layers.0.attn.qkv_proj.weight"] == (1536, 2048)  # 3 * 2048 / 4 rows
+    assert shapes["layers.0.attn.o_proj.weight"] == (2048, 512)
+    assert shapes["layers.0.mlp.fc.bias"] == (2048,)
+    assert shapes["layers.0.mlp.proj.bias"] == (2048,)  # row-parallel bias: replicated
+    assert shapes["tok_emb.weight"] == (50257, 2048)  # embeddings: replicated
+
+
+def test_whole_model_state_is_16_bytes_per_parameter_plus_steps():
+    n_tensors = len(stage_shapes(XL, Layout(1, 1, 1, 1, 1), 0))
+    state = state_bytes(XL, Layout(1, 1, 1, 1, 1), 0)
+    assert state == StateBytes(4 * XL.num_params(), 4 * XL.num_params(), 8 * XL.num_params() + 4 * n_tensors)
+
+
+def test_shards_follow_torch_chunk_with_padding():
+    # 10 rows over 4 ranks: chunks of 3, 3, 3, 1; FSDP2 pads every rank's parameter and gradient to 3 rows
+    shapes = [("w", (10, 5))]
+    for rank, rows in enumerate([3, 3, 3, 1]):
+        assert shard_state(shapes, 4, rank) == StateBytes(3 * 5 * 4, 3 * 5 * 4, 2 * rows * 5 * 4 + 4)
+    # 2 rows over 4 ranks: the last two ranks hold empty slices but still padded storage
+    assert shard_state([("b", (2,))], 4, 3) == StateBytes(4, 4, 4)
+
+
+def test_ddp_replicates_and_pipeline_duplicates_the_tied_embedding():
+    fsdp = state_bytes(TINY, Layout(4, 1, 1, 1, 1), 0)
+    ddp = state_bytes(TINY, Layout(4, 1, 1, 1, 1, dp_mode="ddp"), 0)
+    assert ddp == state_bytes(TINY, Layout(1, 1, 1, 1, 1), 0) and fsdp.params < ddp.params / 3.9
+    pipe = Layout(1, 1, 2, 1, 2)
+    both = sum(state_bytes(TINY, pipe, s).params for s in range(2))
+    assert both == 4 * (TINY.num_params() + TINY.vocab_size * TINY.d_model)
+
+
+def _saved_bytes(fn, *args) -> tuple[int, set]:
+    """Bytes of the distinct storages autograd saves while running fn(*args)."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return storages
+
+
+@pytest.mark.parametrize("micro_batch, seq_len, recompute", [(2, 32, False), (3, 16, False), (2, 32, True)])
+def test_block_activations_equal_saved_tensors(micro_batch, seq_len, recompute):
+    block = Block(TINY)
+    block.recompute = recompute
+    x = torch.randn(micro_batch, seq_len, TINY.d_model, requires_grad=True)
+    saved = _saved_bytes(block, x)
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    activations = sum(n for ptr, n in saved.items() if ptr not in params)
+    assert activations == block_activation_bytes(TINY, micro_batch, seq_len, 1, "fp32", recompute)
+
+
+def test_head_activations_equal_saved_tensors():
+    model = GPT(TINY)
+    x = torch.randn(2, 16, TINY.d_model, requires_grad=True)
+    targets = torch.randint(0, TINY.vocab_size, (2, 16))
+    saved = _saved_bytes(lambda: lm_loss_sum(F.linear(model.ln_f(x), model.tok_emb.weight), targets))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    activations = sum(n for ptr, n in saved.items() if ptr not in params)
+    assert activations - 4 == head_activation_bytes(TINY, 2, 16, "fp32", pipelined=False)  # 4: nll_loss total weight
+
+
+def test_tensor_parallel_shrinks_only_the_split_activations():
+    full = block_activation_bytes(XL, 1, 1024, 1, "bf16")
+    tp8 = block_activation_bytes(XL, 1, 1024, 8, "bf16")
+    d = XL.d_model
+    assert full - tp8 == 1024 * 12 * (d - d // 8) * 2 + 1024 * (16 - 2) * 4  # 12 d/tp columns, heads' lse
+
+
+def test_in_flight_micro_batches():
+    assert in_flight(Layout(1, 1, 1, 1, 8), 0) == 1
+    assert [in_flight(Layout(1, 1, 4, 1, 8), s) for s in range(4)] == [4, 3, 2, 1]  # 1F1B
+    assert [in_flight(Layout(1, 1, 4, 1, 2), s) for s in range(4)] == [2, 2, 2, 2]  # GPipe: all of them
+
+
+def test_recompute_and_smaller_micro_batches_save_memory():
+    base = Layout(1, 1, 1, 8, 1)
+    big = stage_memory(XL, base, 1024, "bf16", 0)
+    assert stage_memory(XL, dataclasses.replace(base, recompute=True), 1024, "bf16", 0).total < big.total
+    assert stage_memory(XL, Layout(1, 1, 1, 1, 8), 1024, "bf16", 0).total < big.total
+    # the logits dominate the last stage: 8 x 1024 x 50257 fp32 log-probabilities
+    assert big.activations > 8 * 1024 * XL.vocab_size * 4

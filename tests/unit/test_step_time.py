@@ -1,0 +1,123 @@
+"""The step-time model against hand computations on a made-up device with round numbers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from elastic_trainer.config import ModelConfig
+from elastic_trainer.plan.hardware import Hardware
+from elastic_trainer.plan.layout import Layout
+from elastic_trainer.plan.step_time import Link, group_within_host, step_time
+
+# 1 TFLOP/s, 1 GB/s inside a host, 0.5 GB/s across, no latency, no overlap, 512 GB/s memory
+HW = Hardware(name="toy", tflops=1.0, memory_bandwidth_gbs=512.0, logit_ns=0.0, optimizer_ns_per_param=0.0,
+              intra_host_gbs=1.0, inter_host_gbs=0.5, intra_host_latency_us=0.0, inter_host_latency_us=0.0,
+              overlap=0.0, gpus_per_host=8)
+MODEL = ModelConfig(n_layers=4, d_model=64, n_heads=4, vocab_size=1000, context_length=32)
+SEQ = 32
+# By hand, micro-batch 2 (64 tokens), in microseconds:
+BLOCK = 3 * (24 * 64 * 64**2 + 2 * 64 * 32 * 64) / 1e6  # forward + backward of a block: 19.6608
+HEAD = 3 * 2 * 64 * 64 * 1000 / 1e6                    # output head: 24.576
+EMB = 2 * 1000 * 64 * 4 / 512e3                        # embedding gradient (zero + accumulate): 1.0
+HIDDEN = 64 * 64 * 4 / 1e3                             # one (2, 32, 64) fp32 activation at 1 GB/s: 16.384
+BLOCK_PARAMS = 12 * 64**2 + 13 * 64                    # 49984
+ROOT_PARAMS = 1000 * 64 + 32 * 64 + 2 * 64             # 66176
+
+
+def predicted_us(layout: Layout, hw: Hardware = HW, gpus_per_host: int = 8) -> float:
+    return step_time(MODEL, layout, SEQ, "fp32", hw, gpus_per_host).total * 1e6
+
+
+def test_single_device_is_flops_over_rate():
+    per_micro_batch = 4 * BLOCK + HEAD + 2 * EMB  # the one stage is first and last
+    assert predicted_us(Layout(1, 1, 1, 2, 3)) == pytest.approx(3 * per_micro_batch)
+
+
+def test_recompute_adds_a_forward():
+    plain = predicted_us(Layout(1, 1, 1, 2, 1))
+    assert predicted_us(Layout(1, 1, 1, 2, 1, recompute=True)) - plain == pytest.approx(4 * BLOCK / 3)
+
+
+def test_tensor_parallel_halves_blocks_and_adds_four_all_reduces_per_block():
+    all_reduce = 2 * (2 - 1) / 2 * HIDDEN
+    expected = 4 * BLOCK / 2 + HEAD + 2 * EMB + 4 * 4 * all_reduce  # the head is replicated, not split
+    assert predicted_us(Layout(1, 2, 1, 2, 1)) == pytest.approx(expected)
+
+
+def test_pipeline_is_sum_of_stages_plus_slowest_for_each_further_micro_batch():
+    first = 2 * BLOCK + EMB + HIDDEN          # sends activations forward
+    last = 2 * BLOCK + HEAD + EMB + HIDDEN    # sends their gradients backward
+    tied = 2 * (2 - 1) / 2 * 1000 * 64 * 4 / 1e3  # all-reduce of the tied embedding's gradient
+    result = step_time(MODEL, Layout(1, 1, 2, 2, 3), SEQ, "fp32", HW, 8)
+    assert result.total * 1e6 == pytest.approx(first + last + 2 * last + tied)
+    assert result.bubble == pytest.approx(1 / 4)
+
+
+def test_fsdp_without_pipeline_gathers_twice_and_reduces_every_micro_batch():
+    params = 4 * BLOCK_PARAMS + ROOT_PARAMS
+    gather, regather, scatter = (0.5 * n * 4 / 1e3 for n in (params, 4 * BLOCK_PARAMS, params))
+    compute = 4 * BLOCK + HEAD + 2 * EMB
+    assert predicted_us(Layout(2, 1, 1, 2, 2)) == pytest.approx(2 * (compute + gather + regather + scatter))
+    # ddp: one all-reduce per step; with overlap it hides behind 2/3 of the last micro-batch
+    all_reduce = 2 * 0.5 * params * 4 / 1e3
+    assert predicted_us(Layout(2, 1, 1, 2, 2, dp_mode="ddp")) == pytest.approx(2 * compute + all_reduce)
+    hidden = dataclasses.replace(HW, overlap=1.0)
+    assert predicted_us(Layout(2, 1, 1, 2, 2, dp_mode="ddp"), hidden) == \
+        pytest.approx(2 * compute + all_reduce - 2 / 3 * compute)
+
+
+def test_fsdp_pays_latency_per_unit_and_gloo_reduce_scatter_costs_an_all_reduce():
+    layout = Layout(2, 1, 1, 2, 1)
+    slow = dataclasses.replace(HW, intra_host_latency_us=10.0)  # one tree step for 2 ranks
+    # per micro-batch: gather root + 4 blocks, gather the 4 blocks again for backward, reduce-scatter all 5
+    assert predicted_us(layout, slow) - predicted_us(layout) == pytest.approx((5 + 4 + 5) * 10.0)
+    gloo = dataclasses.replace(HW, reduce_scatter_as_all_reduce=True)
+    scatter = 0.5 * (4 * BLOCK_PARAMS + ROOT_PARAMS) * 4 / 1e3  # 2 (n-1)/n = 1 instead of (n-1)/n = 1/2
+    assert predicted_us(layout, gloo) - predicted_us(layout) == pytest.approx(scatter)
+
+
+def test_data_parallel_across_hosts_uses_the_slower_link():
+    layout = Layout(4, 1, 1, 2, 1, dp_mode="ddp")
+    within, across = predicted_us(layout, gpus_per_host=4), predicted_us(layout, gpus_per_host=2)
+    all_reduce = 2 * 3 / 4 * (4 * BLOCK_PARAMS + ROOT_PARAMS) * 4 / 1e3
+    assert across - within == pytest.approx(all_reduce)  # half the bandwidth: twice the time
+
+
+def test_optimizer_time_counts_local_parameters():
+    hw = dataclasses.replace(HW, optimizer_ns_per_param=1000.0)  # 1 us per parameter
+    params = 4 * BLOCK_PARAMS + ROOT_PARAMS
+    base = predicted_us(Layout(2, 1, 1, 2, 1, dp_mode="ddp"))
+    assert predicted_us(Layout(2, 1, 1, 2, 1, dp_mode="ddp"), hw) - base == pytest.approx(params)
+    sharded = predicted_us(Layout(2, 1, 1, 2, 1), hw) - predicted_us(Layout(2, 1, 1, 2, 1))
+    assert sharded == pytest.approx(params / 2)
+
+
+def test_shared_host_bounds_the_step_by_total_work_over_cores():
+    cpu = dataclasses.replace(HW, shared_host=True, compute_units=1)
+    compute = 4 * BLOCK + HEAD + 2 * EMB
+    all_reduce = 2 * 0.5 * (4 * BLOCK_PARAMS + ROOT_PARAMS) * 4 / 1e3
+    # 2 ranks on 1 core: the two replicas' work runs one after the other, and so does their communication
+    assert predicted_us(Layout(2, 1, 1, 2, 1, dp_mode="ddp"), cpu) == pytest.approx(2 * compute + 2 * all_reduce)
+    two = dataclasses.replace(cpu, compute_units=2)
+    assert predicted_us(Layout(2, 1, 1, 2, 1, dp_mode="ddp"), two) == pytest.approx(compute + all_reduce)
+
+
+def test_link_latency_tree_or_ring():
+    tree, ring = Link(1.0, 10.0), Link(1.0, 10.0, ring_latency=True)
+    assert tree.all_reduce(0, 8) == pytest.approx(2 * 3 * 10e-6)
+    assert ring.all_reduce(0, 8) == pytest.approx(2 * 7 * 10e-6)
+    assert ring.gather(8e9, 8) == pytest.approx(7 + 7 * 10e-6)
+    assert tree.all_reduce(1e9, 1) == 0.0
+
+
+@pytest.mark.parametrize("size, world, per_host, within", [
+    (2, 16, 8, True), (8, 16, 8, True), (16, 16, 8, False), (3, 12, 8, False), (3, 6, 8, True), (6, 12, 8, False),
+    (4, 12, 8, True),
+])
+def test_groups_within_host(size, world, per_host, within):
+    assert group_within_host(size, world, per_host) is within
+    # reference: every aligned group of `size` consecutive ranks lies on one host
+    brute = all(len({r // per_host for r in range(g, g + size)}) == 1 for g in range(0, world, size))
+    assert brute is within

@@ -35,7 +35,7 @@ def main(src: Path, dst: Path) -> None:
         hi = max(max(r["predicted_s"], r["measured_s"]) for r in rows) * 1.1
         ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
         ax.set(xscale="log", yscale="log", xlabel="predicted s/step", ylabel="measured s/step",
-               title=f"{world} ranks: chosen/best {s['chosen_over_best']:.2f}, Spearman {s['spearman']:.2f}")
+               title=f"{world} ranks: chosen/best finalist {s['chosen_over_best']:.2f}, Spearman {s['spearman']:.2f}")
         for axis in (ax.xaxis, ax.yaxis):
             axis.set_major_formatter(FormatStrFormatter("%g"))
             axis.set_minor_formatter(FormatStrFormatter("%g"))

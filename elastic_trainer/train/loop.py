@@ -36,6 +36,8 @@ class Trainer:
         """Optimizer steps completed; the next step has 0-based index `step`."""
         self.last_sample_ids: np.ndarray | None = None
         """Sample ids of this rank's share in the last step."""
+        self.records: list[dict] = []
+        """Step records of the last `fit`."""
 
     @property
     def consumed_samples(self) -> int:

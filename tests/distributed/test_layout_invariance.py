@@ -4,9 +4,10 @@ Every layout below trains gpt-tiny (global batch 8, 5 steps, fp32, gloo) on fork
 with the single-process run (1,1,1):
 - per-step loss and global gradient norm: relative difference <= 1e-5;
 - final parameters, gathered by global name from all stages: relative L2 difference of the whole parameter
-  vector <= 1e-5 and of every tensor <= 1e-3 (measured: 2e-7 and 1.2e-4). The per-tensor bound is looser
-  because the attention key bias has an analytically zero gradient (a constant added to every key does not
-  change the softmax), so its value is rounding noise that Adam scales up to the learning rate;
+  vector <= 1e-5 and of every tensor <= 1e-4, with one exception. The key third of each attention bias has
+  an analytically zero gradient (a constant added to every key does not change the softmax), so its value is
+  rounding noise that Adam scales up towards the learning rate; it is compared on its own, relative to the
+  whole bias, within 1e-3 (measured: whole vector 2e-7, tensors 1e-6, key biases 1.2e-4);
 - copies of one parameter on several ranks (tp replicas, ddp replicas, the tied embedding on the first and
   last pipeline stage) are bitwise equal;
 - the set of sample ids consumed at each step is the same, and dp ranks' shares are disjoint.
@@ -68,6 +69,31 @@ def rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
+def split_key_bias(params: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Every tensor with the key third of the fused qkv biases taken out, and those key thirds on their own.
+
+    The fused projection is head-interleaved: its output dimension is (n_heads, 3 = q/k/v, head_dim).
+    """
+    rest, keys = {}, {}
+    for name, p in params.items():
+        if name.endswith("attn.qkv_proj.bias"):
+            heads = p.view(MODEL.n_heads, 3, MODEL.head_dim)
+            rest[name] = heads[:, 0::2].flatten()
+            keys[name] = heads[:, 1].flatten()
+        else:
+            rest[name] = p
+    return rest, keys
+
+
+def tensor_rel_diffs(result: dict, ref: dict) -> tuple[dict[str, float], dict[str, float]]:
+    """Relative L2 difference of every tensor (key biases excepted), and of the key biases against their bias."""
+    rest, keys = split_key_bias(result["params"])
+    ref_rest, ref_keys = split_key_bias(ref["params"])
+    tensors = {n: ((rest[n] - p).norm() / p.norm()).item() for n, p in ref_rest.items()}
+    key_biases = {n: ((keys[n] - p).norm() / ref["params"][n].norm()).item() for n, p in ref_keys.items()}
+    return tensors, key_biases
+
+
 def assert_matches(result: dict, ref: dict) -> None:
     for step, (a, b) in enumerate(zip(result["loss"], ref["loss"])):
         assert rel(a, b) <= 1e-5, f"step {step + 1}: loss {a} vs {b}"
@@ -77,8 +103,11 @@ def assert_matches(result: dict, ref: dict) -> None:
     num = sum((result["params"][n] - p).pow(2).sum() for n, p in ref["params"].items())
     den = sum(p.pow(2).sum() for p in ref["params"].values())
     assert (num / den).sqrt().item() <= 1e-5
-    for name, p in ref["params"].items():
-        assert ((result["params"][name] - p).norm() / p.norm()).item() <= 1e-3, name
+    tensors, key_biases = tensor_rel_diffs(result, ref)
+    for name, diff in tensors.items():
+        assert diff <= 1e-4, f"{name}: relative difference {diff:.1e}"
+    for name, diff in key_biases.items():
+        assert diff <= 1e-3, f"{name} (key third): relative difference {diff:.1e}"
     assert result["ids"] == ref["ids"]
 
 

@@ -26,7 +26,7 @@ import os
 import sys
 
 from elastic_trainer.config import (CheckpointConfig, CheckpointError, ConfigError, ModelConfig, TrainConfig,
-                                    load_model_config, load_run_config)
+                                    env_int, load_model_config, load_run_config)
 from elastic_trainer.plan import Hardware, Request, hardware_for_device, load_hardware, plan
 from elastic_trainer.plan.layout import Layout, parse_degrees, split_batch
 from elastic_trainer.plan.report import format_table, plan_dict, summary
@@ -126,10 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def world_size_from_env() -> int:
-    value = os.environ.get("WORLD_SIZE", "1")
-    if not value.isdigit() or int(value) < 1:
-        raise ConfigError(f"WORLD_SIZE={value!r} is not a positive integer")
-    return int(value)
+    return env_int("WORLD_SIZE", 1, minimum=1)
 
 
 def resolve_checkpoint_args(args: argparse.Namespace) -> CheckpointConfig | None:
@@ -203,7 +200,7 @@ def resolve_train_args(args: argparse.Namespace, world_size: int,
     elif {"dp", "tp", "pp"} <= set(layout_table):
         dp, tp, pp = layout_table["dp"], layout_table["tp"], layout_table["pp"]
     else:
-        per_host = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        per_host = env_int("LOCAL_WORLD_SIZE", world_size, minimum=1)
         result = plan(_plan_request(args, model, train, layout_table, world_size, per_host))
         if say is not None:
             say(summary(result))

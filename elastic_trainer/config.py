@@ -27,12 +27,30 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupted or unsafe; the message is one line."""
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def divisors(n: int) -> list[int]:
+    """Divisors of n in increasing order (O(sqrt n), so the planner stays fast for large N)."""
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
-def _fmt(values: list[int]) -> str:
+def fmt_values(values) -> str:
+    """"1, 2, 4": the valid choices in an error message."""
     return ", ".join(str(v) for v in values)
+
+
+def positive_int(name: str, value: object, error: type[ConfigError] = ConfigError) -> int:
+    """`value` if it is a positive int (not a bool); else `error` (a ConfigError) naming it."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise error(f"{name}={value!r} must be a positive integer")
+    return value
+
+
+def env_int(name: str, default: int, minimum: int) -> int:
+    """Integer environment variable `name` (default when unset); ConfigError when it is not one >= minimum."""
+    value = os.environ.get(name, str(default))
+    if not value.isdigit() or int(value) < minimum:
+        raise ConfigError(f"environment variable {name}={value!r} must be an integer >= {minimum}")
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -58,13 +76,11 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for key in ("n_layers", "d_model", "n_heads", "vocab_size", "context_length"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"model.{key}={value!r} must be a positive integer")
+            positive_int(f"model.{key}", getattr(self, key))
         if self.d_model % self.n_heads:
             raise ConfigError(
                 f"model.n_heads={self.n_heads} does not divide d_model={self.d_model} "
-                f"(valid n_heads: {_fmt(_divisors(self.d_model))})"
+                f"(valid n_heads: {fmt_values(divisors(self.d_model))})"
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
@@ -124,9 +140,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for key in ("global_batch", "seq_len", "log_every"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"train.{key}={value!r} must be a positive integer")
+            positive_int(f"train.{key}", getattr(self, key))
         if not isinstance(self.steps, int) or self.steps < 0:
             raise ConfigError(f"train.steps={self.steps!r} must be a non-negative integer")
         if self.warmup_steps < 0:

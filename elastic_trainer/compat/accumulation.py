@@ -12,8 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from elastic_trainer.compat.elastic import positive_int
-from elastic_trainer.config import ConfigError
+from elastic_trainer.config import ConfigError, positive_int
 
 STATE_KEY = "grad_accumulation"
 """Key of the accumulation entry that `state_dict()` adds beside the inner optimizer's own keys."""

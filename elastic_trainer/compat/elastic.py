@@ -8,12 +8,11 @@ read `cfg.steps` where Run:AI code reads `runai.elastic.steps`.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from elastic_trainer.config import ConfigError, _divisors
+from elastic_trainer.config import ConfigError, divisors, env_int, positive_int
 
 
 @dataclass(frozen=True)
@@ -48,34 +47,20 @@ def init(global_batch_size: int, max_gpu_batch_size: int, world_size: int | None
     _check_global_batch(global_batch_size, world)
     limit = positive_int("max_gpu_batch_size", max_gpu_batch_size)
     share = global_batch_size // world
-    steps = next(s for s in _divisors(share) if share // s <= limit)  # s == share always fits
+    steps = next(s for s in divisors(share) if share // s <= limit)  # s == share always fits
     return ElasticConfig(global_batch_size, world, share // steps, steps, master=_rank() == 0)
-
-
-def positive_int(name: str, value: object) -> int:
-    """`value` if it is a positive int (not a bool); else ConfigError naming it."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{name}={value!r} must be a positive integer")
-    return value
-
-
-def _env_int(name: str, default: int, minimum: int) -> int:
-    value = os.environ.get(name, str(default))
-    if not value.isdigit() or int(value) < minimum:
-        raise ConfigError(f"environment variable {name}={value!r} must be an integer >= {minimum}")
-    return int(value)
 
 
 def _detected_world() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
-    return _env_int("WORLD_SIZE", 1, minimum=1)
+    return env_int("WORLD_SIZE", 1, minimum=1)
 
 
 def _rank() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    return _env_int("RANK", 0, minimum=0)
+    return env_int("RANK", 0, minimum=0)
 
 
 def _check_global_batch(value: object, world: int) -> None:

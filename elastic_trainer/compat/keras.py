@@ -23,8 +23,7 @@ from typing import Any, Callable
 
 import keras
 
-from elastic_trainer.compat.elastic import positive_int
-from elastic_trainer.config import ConfigError
+from elastic_trainer.config import ConfigError, positive_int
 
 
 @keras.saving.register_keras_serializable(package="elastic_trainer")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from elastic_trainer.config import DP_MODES, DTYPES, ModelConfig
+from elastic_trainer.config import DP_MODES, DTYPES, ModelConfig, positive_int
 from elastic_trainer.plan.hardware import GIB, Hardware
 from elastic_trainer.plan.layout import Layout, LayoutError, divisors, factorizations
 from elastic_trainer.plan.memory import StageMemory, stage_memories
@@ -48,9 +48,7 @@ class Request:
         if self.dtype not in DTYPES:
             raise PlanError(f"dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
         for key in ("world_size", "global_batch", "seq_len", "gpus_per_host"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise PlanError(f"{key}={value!r} must be a positive integer")
+            positive_int(key, getattr(self, key), PlanError)
         if self.seq_len > self.model.context_length:
             raise PlanError(f"seq_len={self.seq_len} exceeds {self.model.name}'s context_length="
                             f"{self.model.context_length}")

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from elastic_trainer.config import ConfigError, configs_dir, from_dict, read_toml
+from elastic_trainer.config import ConfigError, configs_dir, from_dict, positive_int, read_toml
 
 GIB = 2**30
 
@@ -77,8 +77,7 @@ class Hardware:
         for key in ("memory_gb", "tflops", "memory_bandwidth_gbs", "intra_host_gbs", "inter_host_gbs"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"hardware {self.name}: {key}={getattr(self, key)} must be positive")
-        if not isinstance(self.gpus_per_host, int) or self.gpus_per_host < 1:
-            raise ConfigError(f"hardware {self.name}: gpus_per_host={self.gpus_per_host!r} must be a positive integer")
+        positive_int(f"hardware {self.name}: gpus_per_host", self.gpus_per_host)
         if not 0.0 <= self.overlap <= 1.0:
             raise ConfigError(f"hardware {self.name}: overlap={self.overlap} must be in [0, 1]")
         if self.shared_host and self.compute_units < 1:

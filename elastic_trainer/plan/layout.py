@@ -8,21 +8,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from elastic_trainer.config import DP_MODES, ConfigError, ModelConfig
+from elastic_trainer.config import DP_MODES, ConfigError, ModelConfig, divisors, fmt_values
 
 
 class LayoutError(ConfigError):
     """An invalid layout or batch split; the message is one line naming the value and the valid choices."""
-
-
-def divisors(n: int) -> list[int]:
-    """Divisors of n in increasing order (O(sqrt n), so the planner stays fast for large N)."""
-    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
-    return small + [n // d for d in reversed(small) if d * d != n]
-
-
-def _fmt(values) -> str:
-    return ", ".join(str(v) for v in values)
 
 
 def factorizations(world_size: int) -> list[tuple[int, int, int]]:
@@ -98,7 +88,7 @@ class Layout:
             )
         if model.n_heads % self.tp:
             raise LayoutError(
-                f"tp={self.tp} does not divide n_heads={model.n_heads} (valid: {_fmt(divisors(model.n_heads))})"
+                f"tp={self.tp} does not divide n_heads={model.n_heads} (valid: {fmt_values(divisors(model.n_heads))})"
             )
         if self.pp > model.n_layers:
             raise LayoutError(f"pp={self.pp} exceeds n_layers={model.n_layers} (valid: 1..{model.n_layers})")
@@ -145,7 +135,7 @@ def split_batch(global_batch: int, dp: int, micro_batch: int | None = None) -> t
     if global_batch % dp:
         raise LayoutError(
             f"global batch {global_batch} is not divisible by dp={dp} "
-            f"(valid dp: {_fmt(divisors(global_batch))})"
+            f"(valid dp: {fmt_values(divisors(global_batch))})"
         )
     share = global_batch // dp
     if micro_batch is None:
@@ -153,6 +143,6 @@ def split_batch(global_batch: int, dp: int, micro_batch: int | None = None) -> t
     if micro_batch < 1 or share % micro_batch:
         raise LayoutError(
             f"micro_batch={micro_batch} does not divide the per-replica batch {global_batch}/{dp} = {share} "
-            f"(valid: {_fmt(divisors(share))})"
+            f"(valid: {fmt_values(divisors(share))})"
         )
     return micro_batch, share // micro_batch

@@ -174,15 +174,23 @@ def resolve_hardware(name: str | None) -> Hardware:
     return hardware_for_device(*accelerator())
 
 
-def _plan_request(args: argparse.Namespace, model: ModelConfig, train: TrainConfig, layout_table: dict,
-                  world_size: int, gpus_per_host: int | None) -> Request:
-    hw = resolve_hardware(args.hardware)
+def _layout_settings(args: argparse.Namespace, layout_table: dict) -> tuple[int | None, str | None, bool | None]:
+    """(micro_batch, dp_mode, recompute) from the command line, else the run config's [layout]; None if unset."""
     micro = args.micro_batch if args.micro_batch is not None else layout_table.get("micro_batch")
     mode = args.dp_mode or layout_table.get("dp_mode")
     recompute = args.recompute if args.recompute is not None else layout_table.get("recompute")
-    return Request(model, world_size, train.global_batch, train.seq_len, hw, gpus_per_host or hw.gpus_per_host,
+    return micro, mode, None if recompute is None else bool(recompute)
+
+
+def _plan_request(args: argparse.Namespace, model: ModelConfig, train: TrainConfig, layout_table: dict,
+                  world_size: int, gpus_per_host: int | None) -> Request:
+    """What the planner considers: every setting the user left open."""
+    hw = resolve_hardware(args.hardware)
+    micro, mode, recompute = _layout_settings(args, layout_table)
+    return Request(model, world_size, train.global_batch, train.seq_len, hw,
+                   hw.gpus_per_host if gpus_per_host is None else gpus_per_host,
                    dtype=train.dtype, micro_batch=micro, dp_modes=(mode,) if mode else ("fsdp", "ddp"),
-                   recompute=(bool(recompute),) if recompute is not None else (False, True))
+                   recompute=(False, True) if recompute is None else (recompute,))
 
 
 def resolve_train_args(args: argparse.Namespace, world_size: int,
@@ -205,12 +213,9 @@ def resolve_train_args(args: argparse.Namespace, world_size: int,
         if say is not None:
             say(summary(result))
         return model, train, result.chosen.layout.validate(world_size, model, train.global_batch)
-    micro = args.micro_batch if args.micro_batch is not None else layout_table.get("micro_batch")
+    micro, mode, recompute = _layout_settings(args, layout_table)
     micro_batch, num_microbatches = split_batch(train.global_batch, dp, micro)
-    layout = Layout(dp, tp, pp, micro_batch, num_microbatches,
-                    dp_mode=args.dp_mode or layout_table.get("dp_mode", "fsdp"),
-                    recompute=bool(args.recompute if args.recompute is not None
-                                   else layout_table.get("recompute", False)))
+    layout = Layout(dp, tp, pp, micro_batch, num_microbatches, dp_mode=mode or "fsdp", recompute=bool(recompute))
     return model, train, layout.validate(world_size, model, train.global_batch)
 
 
@@ -269,7 +274,7 @@ def run_checkpoint(args: argparse.Namespace) -> int:
 def run_plan(args: argparse.Namespace) -> int:
     model, train, layout_table = _job_configs(args)
     result = plan(_plan_request(args, model, train, layout_table, args.gpus, args.gpus_per_host))
-    compare = result.best_for(*parse_degrees(args.compare)) if args.compare else None
+    compare = result.best_for(*parse_degrees(args.compare, "--compare")) if args.compare else None
     if args.json:
         print(json.dumps(plan_dict(result, compare), indent=1))
     else:
@@ -284,7 +289,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from elastic_trainer.parallel.mesh import default_device
 
     base = load_hardware(args.base) if args.base else Hardware(name="base")
-    ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
+    ranks = [r.strip() for r in args.ranks.split(",") if r.strip()]
+    if not ranks or not all(r.isdigit() and int(r) >= 2 for r in ranks):
+        raise ConfigError(f"--ranks {args.ranks!r} must be rank counts >= 2 separated by commas (for example 2,4,8)")
+    ranks = [int(r) for r in ranks]
     hw = calibrate(base, args.name or Path(args.output).stem, ranks, default_device())
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text("# Measured by `elastic-trainer calibrate` (elastic_trainer/parallel/calibrate.py).\n"
@@ -302,8 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "train":
+            ckpt = resolve_checkpoint_args(args)
             model, train, layout = resolve_train_args(args, world_size_from_env(), say=_rank0_print)
-            return run_train(model, train, layout, resolve_checkpoint_args(args), args.stop_file)
+            return run_train(model, train, layout, ckpt, args.stop_file)
         if args.command == "checkpoint":
             return run_checkpoint(args)
         if args.command == "plan":

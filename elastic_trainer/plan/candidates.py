@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from elastic_trainer.config import DP_MODES, DTYPES, ModelConfig, positive_int
 from elastic_trainer.plan.hardware import GIB, Hardware
-from elastic_trainer.plan.layout import Layout, LayoutError, divisors, factorizations
+from elastic_trainer.plan.layout import Layout, LayoutError, divisors, factorizations, split_batch
 from elastic_trainer.plan.memory import StageMemory, stage_memories
 from elastic_trainer.plan.step_time import StepTime, group_within_host, step_time
 
@@ -49,6 +49,8 @@ class Request:
             raise PlanError(f"dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
         for key in ("world_size", "global_batch", "seq_len", "gpus_per_host"):
             positive_int(key, getattr(self, key), PlanError)
+        if self.micro_batch is not None:
+            positive_int("micro_batch", self.micro_batch, PlanError)
         if self.seq_len > self.model.context_length:
             raise PlanError(f"seq_len={self.seq_len} exceeds {self.model.name}'s context_length="
                             f"{self.model.context_length}")
@@ -117,10 +119,10 @@ def degree_reason(req: Request, dp: int, tp: int, pp: int) -> str | None:
         return f"pp={pp} exceeds n_layers={model.n_layers}"
     if req.global_batch % dp:
         return f"dp={dp} does not divide the global batch {req.global_batch}"
-    share = req.global_batch // dp
-    if req.micro_batch is not None and share % req.micro_batch:
-        return (f"micro_batch={req.micro_batch} does not divide the per-replica batch {req.global_batch}/{dp} = "
-                f"{share} (valid: {', '.join(map(str, divisors(share)))})")
+    try:
+        split_batch(req.global_batch, dp, req.micro_batch)
+    except LayoutError as e:  # the micro-batch does not divide the per-replica batch
+        return str(e)
     return None
 
 

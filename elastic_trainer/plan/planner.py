@@ -36,19 +36,24 @@ class Plan:
         raise PlanError(f"layout {dp},{tp},{pp} is invalid: {rejected[0].reason}")
 
 
-def plan(req: Request) -> Plan:
-    """Rank every candidate for `req`; raise PlanError (why, and what would work) when none is valid."""
+def _ranked(req: Request) -> Plan:
+    """Every candidate for `req`: the valid ones ranked (possibly none), the rejected ones."""
     everything = enumerate_candidates(req)
     valid = sorted((c for c in everything if c.valid), key=Candidate.rank_key)
-    rejected = tuple(c for c in everything if not c.valid)
-    if not valid:
-        raise PlanError(why_no_plan(req, rejected))
-    return Plan(req, tuple(valid), rejected)
+    return Plan(req, tuple(valid), tuple(c for c in everything if not c.valid))
+
+
+def plan(req: Request) -> Plan:
+    """Rank every candidate for `req`; raise PlanError (why, and what would work) when none is valid."""
+    result = _ranked(req)
+    if not result.candidates:
+        raise PlanError(why_no_plan(req, result.rejected))
+    return result
 
 
 def plan_or_none(req: Request) -> Plan | None:
-    valid = sorted((c for c in enumerate_candidates(req) if c.valid), key=Candidate.rank_key)
-    return Plan(req, tuple(valid), ()) if valid else None
+    result = _ranked(req)
+    return result if result.candidates else None
 
 
 def usable_degrees(req: Request) -> tuple[int, int, int]:

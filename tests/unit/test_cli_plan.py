@@ -44,6 +44,10 @@ def test_table_shows_top_rows_and_comparison(capsys):
     ([*XL, "--gpus", "0"], "world_size=0 must be a positive integer"),
     ([*XL, "--gpus", "8", "--hardware", "tpu"], "unknown hardware 'tpu'"),
     ([*XL, "--gpus", "8", "--seq-len", "4096"], "seq_len=4096 exceeds gpt3-xl's context_length=2048"),
+    ([*XL, "--gpus", "8", "--micro-batch", "0"], "micro_batch=0 must be a positive integer"),
+    ([*XL, "--gpus", "8", "--gpus-per-host", "0"], "gpus_per_host=0 must be a positive integer"),
+    ([*XL, "--gpus", "8", "--compare", "2,x"], "--compare '2,x' must be three positive integers DP,TP,PP"),
+    (["calibrate", "--ranks", "2,x"], "--ranks '2,x' must be rank counts >= 2 separated by commas"),
 ])
 def test_bad_plan_requests_are_one_line(capsys, argv, message):
     assert cli.main(argv) == cli.EXIT_BAD_INPUT

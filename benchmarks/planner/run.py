@@ -36,7 +36,7 @@ from elastic_trainer.config import TrainConfig, load_model_config  # noqa: E402
 from elastic_trainer.parallel import build_mesh  # noqa: E402
 from elastic_trainer.plan import Request, load_hardware, plan  # noqa: E402
 from elastic_trainer.train import Trainer  # noqa: E402
-from tests.ranks import run_ranks  # noqa: E402  (the distributed tests' forked gloo ranks)
+from elastic_trainer.parallel.local_ranks import run_ranks  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 FIELDS = ["ranks", "dp", "tp", "pp", "micro_batch", "num_microbatches", "dp_mode", "predicted_s", "measured_s",

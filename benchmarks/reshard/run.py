@@ -44,7 +44,7 @@ from elastic_trainer.data import load_tokens  # noqa: E402
 from elastic_trainer.parallel import build_mesh  # noqa: E402
 from elastic_trainer.plan.layout import Layout  # noqa: E402
 from elastic_trainer.train import Trainer  # noqa: E402
-from tests.ranks import run_ranks  # noqa: E402
+from elastic_trainer.parallel.local_ranks import run_ranks  # noqa: E402
 
 CASES = {  # model: (save layout, load layout) as (dp, tp, pp)
     "gpt3-small": ((2, 1, 2), (1, 2, 1)),

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import os
 import statistics
 import time
@@ -33,6 +32,7 @@ import torch.nn.functional as F
 
 from elastic_trainer.config import ModelConfig
 from elastic_trainer.model.gpt import Block
+from elastic_trainer.parallel.local_ranks import run_ranks
 from elastic_trainer.plan.hardware import GIB, Hardware
 from elastic_trainer.plan.step_time import block_flops
 
@@ -136,29 +136,6 @@ def measure_optimizer(device: torch.device, numel: int = 8 * 2**20, repeat: int 
     return timed(step, repeat, _sync(device)) / numel * 1e9
 
 
-def _rank_main(rank: int, world: int, tmp: str, fn: Callable, args: tuple) -> None:
-    torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(tmp, "store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    try:
-        torch.save(fn(rank, world, *args), os.path.join(tmp, f"{rank}.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def on_local_ranks(fn: Callable, world: int, *args) -> list:
-    """fn(rank, world, *args) on `world` gloo ranks forked from this process; the results by rank."""
-    import tempfile
-
-    import torch.multiprocessing as tmp_mp
-
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp_mp.start_processes(_rank_main, args=(world, tmp, fn, args), nprocs=world, start_method="fork")
-        return [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(world)]
-
-
 def _all_reduce_times(rank: int, world: int, sizes: list[int], repeat: int) -> list[float]:
     times = []
     for nbytes in sizes:
@@ -176,7 +153,7 @@ def measure_links(worlds: list[int], sizes: list[int], repeat: int = 3) -> tuple
     """(bus GB/s, latency us) of gloo all-reduce on forked local ranks, fitted to the ring model."""
     rows, ys = [], []
     for world in worlds:
-        per_rank = on_local_ranks(_all_reduce_times, world, sizes, repeat)
+        per_rank = run_ranks(_all_reduce_times, world, sizes, repeat)
         for i, nbytes in enumerate(sizes):
             rows.append([2 * (world - 1) / world * nbytes, 2 * (world - 1)])
             ys.append(max(r[i] for r in per_rank))
@@ -220,8 +197,8 @@ def _block_seconds(rank: int, world: int) -> float:
 
 def measure_parallel_units(cores: int) -> float:
     """How many ranks' worth of block compute `cores` ranks deliver together (their speed-up over one)."""
-    alone = on_local_ranks(_block_seconds, 1)[0]
-    together = statistics.median(on_local_ranks(_block_seconds, cores))
+    alone = run_ranks(_block_seconds, 1)[0]
+    together = statistics.median(run_ranks(_block_seconds, cores))
     return min(float(cores), max(1.0, cores * alone / together))
 
 

@@ -20,7 +20,7 @@ from elastic_trainer.parallel import build_mesh
 from elastic_trainer.plan.layout import Layout
 from elastic_trainer.train import MetricsLog, Trainer
 from tests.distributed.test_reshard import full_state, merge
-from tests.ranks import run_ranks
+from elastic_trainer.parallel.local_ranks import run_ranks
 
 MODEL = load_model_config("gpt-tiny")
 UNTIL = 8

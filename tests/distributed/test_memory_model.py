@@ -19,7 +19,7 @@ from elastic_trainer.parallel import build_mesh
 from elastic_trainer.plan.layout import Layout
 from elastic_trainer.plan.memory import stage_shapes, state_bytes
 from elastic_trainer.train import Trainer
-from tests.ranks import run_ranks
+from elastic_trainer.parallel.local_ranks import run_ranks
 
 MODEL = load_model_config("gpt-tiny")
 

@@ -59,7 +59,7 @@ def test_calibrate_writes_a_loadable_profile(tmp_path, monkeypatch, capsys):
     from elastic_trainer.parallel import calibrate
 
     monkeypatch.setattr(calibrate, "CPU_SHAPES", [(64, 128), (128, 128), (64, 256)])
-    monkeypatch.setattr(calibrate, "HEAD_SHAPES", [(64, 1024), (128, 1024), (64, 4096)])
+    monkeypatch.setattr(calibrate, "HEAD_SHAPES", [(128, 1024), (256, 1024), (128, 2048), (256, 2048)])
     monkeypatch.setattr(calibrate, "LINK_SIZES", [2**16, 2**22])
     out = tmp_path / "here.toml"
     assert cli.main(["calibrate", "--output", str(out), "--ranks", "2"]) == 0

@@ -137,12 +137,10 @@ def resolve_checkpoint_args(args: argparse.Namespace) -> CheckpointConfig | None
     cfg = CheckpointConfig(dir=args.checkpoint_dir, save_every=args.save_every,
                            save_interval_s=args.save_interval_s, keep=args.keep, async_save=args.async_save,
                            verify=not args.no_verify, resume=args.resume)
-    from elastic_trainer.checkpoint.storage import complete_checkpoints
+    if cfg.resume == "never":
+        from elastic_trainer.checkpoint.storage import require_no_checkpoints
 
-    existing = complete_checkpoints(cfg.dir)
-    if cfg.resume == "never" and existing:
-        raise ConfigError(f"--checkpoint-dir {cfg.dir} already holds checkpoints ({existing[0].name}, ...); "
-                          "resume them (--resume auto) or use an empty folder")
+        require_no_checkpoints(cfg.dir)
     return cfg
 
 

@@ -153,7 +153,7 @@ def load_job(rank, world, model, degrees, folder, tokens):
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     trainer = make_trainer(model, degrees, tokens)
     target = storage.complete_checkpoints(folder / "ckpt")[0]
-    files = [target / n for n in storage.manifest_files(target)]
+    files = [target / n for n in sorted(storage.read_manifest(target))]
     ck = Checkpointer(CheckpointConfig(dir=str(folder / "ckpt")), log=lambda *a, **k: None)
     if rank == 0:
         drop_cache(files)

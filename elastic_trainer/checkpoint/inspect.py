@@ -6,7 +6,6 @@ unpickler) on one process, whatever layout saved the checkpoint.
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 
@@ -42,7 +41,7 @@ def summarize(folder: Path, verify: bool = True) -> dict:
         group["tensors"] += 1
         group["elements"] += n
         group["bytes"] += n * torch.empty((), dtype=md.properties.dtype).element_size()
-    files = json.loads((folder / storage.MANIFEST).read_text())["files"]
+    files = storage.read_manifest(folder)
     integrity = "not checked"
     if verify:
         try:

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic_trainer.checkpoint import state as ckpt_state
 from elastic_trainer.checkpoint import storage
-from elastic_trainer.config import CheckpointConfig, ConfigError
+from elastic_trainer.config import CheckpointConfig
 
 
 @dataclass
@@ -74,7 +74,7 @@ class Checkpointer:
         self.wait()
         t0 = time.perf_counter()
         step = trainer.step
-        tmp = self.root / f"{storage.TMP_PREFIX}{storage.step_dirname(step)}-{self.run_id}"
+        tmp = storage.new_tmp_dir(self.root, step, self.run_id)
         os.makedirs(tmp, exist_ok=True)
         state = ckpt_state.tensor_state(trainer)
         meta = ckpt_state.build_meta(trainer)
@@ -145,8 +145,10 @@ class Checkpointer:
     def verify(self, folder: Path, checksums: bool = True) -> str | None:
         """None if every file passes its checksum, else the one-line reason (checked in parallel)."""
         try:
-            names = storage.manifest_files(folder)
-            storage.verify(folder, names[self.rank::self.world] if checksums else [])
+            if checksums:
+                storage.verify(folder, self.rank, self.world)
+            else:
+                storage.read_manifest(folder)
             storage.read_dcp_metadata(folder / ".metadata")  # refuses unsafe metadata in one line
             error = None
         except storage.CheckpointError as e:
@@ -186,10 +188,8 @@ class Checkpointer:
 
     def prepare_fresh_run(self, resume: str) -> None:
         """Before the first save: drop abandoned temporary folders; refuse to mix with another run."""
-        existing = storage.complete_checkpoints(self.root)
-        if resume == "never" and existing:
-            raise ConfigError(f"{self.root} already holds checkpoints ({existing[0].name}, ...); "
-                              "resume them (--resume auto) or use an empty --checkpoint-dir")
+        if resume == "never":
+            storage.require_no_checkpoints(self.root)
         if self.rank == 0:
             storage.remove_abandoned(self.root)
         dist.barrier(group=self.pg)

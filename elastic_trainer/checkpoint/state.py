@@ -60,17 +60,19 @@ def apply_tensor_state(trainer, state: dict) -> None:
                    optim_state_dict=state["optim"], options=OPTIONS)
 
 
+def train_dict(cfg: TrainConfig) -> dict:
+    """The training config as meta.json stores it (JSON types, and the schedule length it resolves to)."""
+    return {**dataclasses.asdict(cfg), "data": list(cfg.data), "schedule_steps": cfg.schedule_steps}
+
+
 def build_meta(trainer) -> dict:
     cfg, layout = trainer.cfg, trainer.layout
-    train = dataclasses.asdict(cfg)
-    train["data"] = list(cfg.data)
-    train["schedule_steps"] = cfg.schedule_steps
     return {
         "format": FORMAT,
         "step": trainer.step,
         "consumed_samples": trainer.consumed_samples,
         "model": dataclasses.asdict(trainer.model_cfg),
-        "train": train,
+        "train": train_dict(cfg),
         "layout": layout.to_dict(),
         "world_size": layout.world_size,
         "data": {"num_samples": len(trainer.samples), "seq_len": cfg.seq_len},
@@ -92,15 +94,12 @@ def check_compatible(meta: dict, model_cfg: ModelConfig, cfg: TrainConfig, where
     if differ:
         detail = ", ".join(f"{k}={ours[k]!r} (checkpoint: {meta['model'][k]!r})" for k in differ)
         raise ConfigError(f"{where} holds a different model: {detail}")
-    saved = meta["train"]
-    current = dataclasses.asdict(cfg)
-    current["data"] = list(cfg.data)
-    differ = [k for k in TRAJECTORY_FIELDS if current[k] != saved[k]]
+    saved, current = meta["train"], train_dict(cfg)
+    differ = [(k, current[k], saved[k]) for k in TRAJECTORY_FIELDS if current[k] != saved[k]]
     if cfg.decay_steps is not None and cfg.schedule_steps != saved["schedule_steps"]:
-        differ.append("decay_steps")
+        differ.append(("decay_steps", cfg.decay_steps, saved["schedule_steps"]))
     if differ:
-        detail = ", ".join(f"{k}={current.get(k)!r} (checkpoint: {saved.get(k, saved.get('schedule_steps'))!r})"
-                           for k in differ)
+        detail = ", ".join(f"{k}={ours!r} (checkpoint: {theirs!r})" for k, ours, theirs in differ)
         raise ConfigError(f"{where} was trained with other settings: {detail}; resuming would change the "
                           "loss trajectory (use the checkpoint's values or another --checkpoint-dir)")
 

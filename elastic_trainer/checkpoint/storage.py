@@ -32,7 +32,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from elastic_trainer.config import CheckpointError
+from elastic_trainer.config import CheckpointError, ConfigError
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 TMP_PREFIX = ".tmp-"
@@ -127,14 +127,21 @@ def describe_files(folder: Path, names: list[str]) -> dict[str, dict]:
     return {n: {"bytes": (folder / n).stat().st_size, HASH: file_digest(folder / n)} for n in names}
 
 
-def verify(folder: Path, names: list[str] | None = None) -> None:
-    """Check sizes and checksums against manifest.json (all files, or `names`); raise CheckpointError."""
-    manifest_path = folder / MANIFEST
+def read_manifest(folder: Path) -> dict[str, dict]:
+    """{file name: {"bytes", HASH}} recorded at commit; CheckpointError when unreadable."""
     try:
-        manifest = json.loads(manifest_path.read_text())["files"]
+        return json.loads((folder / MANIFEST).read_text())["files"]
     except (OSError, ValueError, KeyError) as e:
         raise CheckpointError(f"{folder.name}: unreadable manifest ({e})") from None
-    for name in names if names is not None else sorted(manifest):
+
+
+def verify(folder: Path, rank: int = 0, world: int = 1) -> None:
+    """Check sizes and checksums against manifest.json; raise CheckpointError.
+
+    All files, or with `world` > 1 this rank's share (every world-th file in name order), so that ranks
+    verify a checkpoint in parallel."""
+    manifest = read_manifest(folder)
+    for name in sorted(manifest)[rank::world]:
         expected = manifest[name]
         path = folder / name
         if not path.exists():
@@ -146,21 +153,15 @@ def verify(folder: Path, names: list[str] | None = None) -> None:
             raise CheckpointError(f"{folder.name}: file {name} fails its {HASH} checksum (corrupted)")
 
 
-def manifest_files(folder: Path) -> list[str]:
-    try:
-        return sorted(json.loads((folder / MANIFEST).read_text())["files"])
-    except (OSError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{folder.name}: unreadable manifest ({e})") from None
-
-
 # -- atomic commit, discovery, retention ----------------------------------------------------------
 
 def step_dirname(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def new_tmp_dir(root: Path, step: int) -> Path:
-    return root / f"{TMP_PREFIX}{step_dirname(step)}-{uuid.uuid4().hex[:8]}"
+def new_tmp_dir(root: Path, step: int, run_id: str | None = None) -> Path:
+    """Where a save of `step` writes before its commit; `run_id` (the same on every rank) or a random one."""
+    return root / f"{TMP_PREFIX}{step_dirname(step)}-{run_id or uuid.uuid4().hex[:8]}"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -209,6 +210,14 @@ def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
     return [p for _, p in sorted(found, reverse=True)]
+
+
+def require_no_checkpoints(root: str | os.PathLike) -> None:
+    """For `--resume never`: ConfigError when root already holds complete checkpoints."""
+    existing = complete_checkpoints(root)
+    if existing:
+        raise ConfigError(f"--checkpoint-dir {root} already holds checkpoints ({existing[0].name}, ...); "
+                          "resume them (--resume auto) or use an empty folder")
 
 
 def remove_old(root: Path, keep: int) -> list[Path]:

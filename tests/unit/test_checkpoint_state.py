@@ -1,0 +1,64 @@
+"""Resuming checks the checkpoint's trajectory settings against this run's, in one line naming both values."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from elastic_trainer.checkpoint import state
+from elastic_trainer.config import ConfigError, TrainConfig, load_model_config
+from elastic_trainer.plan.layout import Layout
+
+MODEL = load_model_config("gpt-tiny")
+CFG = TrainConfig(global_batch=8, seq_len=32, steps=10, seed=3)
+
+
+def saved_meta(cfg: TrainConfig = CFG, step: int = 4) -> dict:
+    """meta.json as a run with `cfg` writes it (through JSON, as it is read back)."""
+    trainer = SimpleNamespace(cfg=cfg, model_cfg=MODEL, layout=Layout(2, 1, 1, 4, 1), step=step,
+                              consumed_samples=step * cfg.global_batch, samples=range(100))
+    return json.loads(json.dumps(state.build_meta(trainer)))
+
+
+def check(meta: dict, cfg: TrainConfig, model=MODEL) -> None:
+    state.check_compatible(meta, model, cfg, "ckpt/step-00000004")
+
+
+def test_meta_records_the_position_and_the_trajectory():
+    meta = saved_meta()
+    assert (meta["step"], meta["consumed_samples"]) == (4, 32)
+    assert meta["train"]["schedule_steps"] == 10 and meta["train"]["data"] == list(CFG.data)
+    assert meta["layout"]["dp"] == 2 and meta["model"]["n_layers"] == MODEL.n_layers
+    check(meta, CFG)  # the same settings resume
+    check(meta, dataclasses.replace(CFG, steps=50, metrics_file="m.jsonl"))  # so do non-trajectory ones
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"global_batch": 16}, "global_batch=16 (checkpoint: 8)"),
+    ({"seed": 4, "lr": 1e-3}, "seed=4 (checkpoint: 3), lr=0.001 (checkpoint: 0.0006)"),
+    ({"decay_steps": 20}, "decay_steps=20 (checkpoint: 10)"),
+])
+def test_other_trajectory_settings_are_refused(change, message):
+    with pytest.raises(ConfigError) as err:
+        check(saved_meta(), dataclasses.replace(CFG, **change))
+    text = str(err.value)
+    assert f"ckpt/step-00000004 was trained with other settings: {message}; resuming would change" in text
+    assert "\n" not in text
+
+
+def test_a_different_model_or_format_is_refused():
+    with pytest.raises(ConfigError, match=r"holds a different model: n_layers=2 \(checkpoint: 4\)$"):
+        check(saved_meta(), CFG, dataclasses.replace(MODEL, n_layers=2))
+    with pytest.raises(ConfigError, match=r"checkpoint format 99 is not supported \(valid: 1\)$"):
+        check({**saved_meta(), "format": 99}, CFG)
+
+
+def test_resume_keeps_the_checkpoints_schedule_unless_given():
+    meta = saved_meta()
+    longer = dataclasses.replace(CFG, steps=40)  # train further: the schedule stays the checkpoint's
+    check(meta, longer)
+    assert state.resumed_config(meta, longer).schedule_steps == 10
+    assert state.resumed_config(meta, dataclasses.replace(longer, decay_steps=10)).schedule_steps == 10

@@ -28,6 +28,7 @@ Pure arithmetic that mirrors what the engine allocates (parallel/engine.py):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from elastic_trainer.config import ModelConfig
@@ -75,13 +76,6 @@ def stage_shapes(model: ModelConfig, layout: Layout, stage: int) -> list[tuple[s
     return shapes
 
 
-def _numel(shape: Shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 @dataclass(frozen=True)
 class StateBytes:
     """Bytes of the persistent training state on one rank."""
@@ -106,7 +100,7 @@ def shard_state(shapes: list[tuple[str, Shape]], shards: int, rank: int) -> Stat
     """State bytes of `shapes` split along dim 0 over `shards` ranks the way FSDP2 does, on `rank`."""
     params = optimizer = 0
     for _, shape in shapes:
-        rows, rest = shape[0], _numel(shape[1:])
+        rows, rest = shape[0], math.prod(shape[1:])
         chunk = -(-rows // shards)
         mine = max(0, min(chunk, rows - rank * chunk))
         params += chunk * rest * MASTER_BYTES
@@ -126,8 +120,8 @@ def state_bytes(model: ModelConfig, layout: Layout, stage: int, dp_rank: int = 0
 
 def stage_elements(model: ModelConfig, layout: Layout, stage: int) -> tuple[int, int, int]:
     """(root elements, elements of one block, number of blocks) of a stage on one tp rank, unsharded."""
-    root = sum(_numel(s) for _, s in root_shapes(model, stage == 0, stage == layout.pp - 1))
-    block = sum(_numel(s) for _, s in block_shapes(model, 0, layout.tp))
+    root = sum(math.prod(s) for _, s in root_shapes(model, stage == 0, stage == layout.pp - 1))
+    block = sum(math.prod(s) for _, s in block_shapes(model, 0, layout.tp))
     return root, block, len(stage_layers(model.n_layers, layout.pp)[stage])
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from elastic_trainer.plan.candidates import Candidate, Request
+from elastic_trainer.plan.hardware import GIB
 from elastic_trainer.plan.planner import Plan
 
 COLUMNS = ("#", "dp", "tp", "pp", "micro", "accum", "mode", "recompute", "GiB/GPU", "step s", "tokens/s", "bubble")
@@ -19,8 +20,8 @@ def candidate_dict(c: Candidate, req: Request) -> dict:
     if c.memory is not None:
         out.update(memory_gb=round(c.memory_gb, 3), step_time_s=round(c.step_time_s, 6),
                    tokens_per_s=round(tokens_per_s(c, req), 1), bubble=round(c.time.bubble, 4),
-                   breakdown={"state_gb": round(c.memory.state.total / 2**30, 3),
-                              "activations_gb": round(c.memory.activations / 2**30, 3),
+                   breakdown={"state_gb": round(c.memory.state.total / GIB, 3),
+                              "activations_gb": round(c.memory.activations / GIB, 3),
                               "pipeline_s": round(c.time.pipeline, 6), "dp_comm_s": round(c.time.dp_comm, 6),
                               "optimizer_s": round(c.time.optimizer, 6)})
     if c.reason is not None:

@@ -15,7 +15,8 @@ from elastic_trainer.config import DP_MODES, DTYPES, ModelConfig, positive_int
 from elastic_trainer.plan.hardware import GIB, Hardware
 from elastic_trainer.plan.layout import Layout, LayoutError, divisors, factorizations, split_batch
 from elastic_trainer.plan.memory import StageMemory, stage_memories
-from elastic_trainer.plan.step_time import StepTime, group_within_host, step_time
+from elastic_trainer.plan.step_time import StepTime, step_time
+from elastic_trainer.plan.topology import Topology
 
 
 class PlanError(LayoutError):
@@ -35,6 +36,8 @@ class Request:
     hardware: Hardware
     gpus_per_host: int
     """Ranks per host: tp groups must stay within one; groups within a host use its faster links."""
+    host_sizes: tuple[int, ...] | None = None
+    """The ranks on each host when they are known (hosts may differ); overrides `gpus_per_host`."""
     dtype: str = "auto"
     """fp32, bf16 (mixed) or auto (the hardware's compute dtype)."""
     micro_batch: int | None = None
@@ -51,9 +54,18 @@ class Request:
             positive_int(key, getattr(self, key), PlanError)
         if self.micro_batch is not None:
             positive_int("micro_batch", self.micro_batch, PlanError)
+        if self.host_sizes is not None and sum(self.host_sizes) != self.world_size:
+            raise PlanError(f"hosts with {'+'.join(map(str, self.host_sizes))} ranks do not hold "
+                            f"world_size={self.world_size}")
         if self.seq_len > self.model.context_length:
             raise PlanError(f"seq_len={self.seq_len} exceeds {self.model.name}'s context_length="
                             f"{self.model.context_length}")
+
+    @property
+    def topology(self) -> Topology:
+        if self.host_sizes is not None:
+            return Topology(tuple(self.host_sizes))
+        return Topology.uniform(self.world_size, self.gpus_per_host)
 
     @property
     def compute_dtype(self) -> str:
@@ -113,8 +125,8 @@ def degree_reason(req: Request, dp: int, tp: int, pp: int) -> str | None:
     model = req.model
     if model.n_heads % tp:
         return f"tp={tp} does not divide n_heads={model.n_heads}"
-    if not group_within_host(tp, req.world_size, req.gpus_per_host):
-        return f"tp={tp} groups would span hosts of {req.gpus_per_host} GPUs"
+    if not req.topology.within(tp):
+        return f"tp={tp} groups would span hosts ({req.topology.describe()})"
     if pp > model.n_layers:
         return f"pp={pp} exceeds n_layers={model.n_layers}"
     if req.global_batch % dp:
@@ -132,10 +144,10 @@ def evaluate(req: Request, layout: Layout) -> Candidate:
     hw = req.hardware
     stages = stage_memories(req.model, layout, req.seq_len, dtype)
     memory = max(stages, key=lambda m: m.total)
-    time = step_time(req.model, layout, req.seq_len, dtype, hw, req.gpus_per_host)
+    time = step_time(req.model, layout, req.seq_len, dtype, hw, req.topology)
     reason = None
     if hw.shared_host:  # the host's ranks share its memory: every stage's dp * tp ranks, on one host or spread
-        ranks = min(layout.world_size, req.gpus_per_host)
+        ranks = req.topology.largest
         host = sum(m.total for m in stages) * layout.dp * layout.tp * ranks / layout.world_size
         if host > hw.usable_bytes:
             reason = f"needs {host / GIB:.1f} GiB per host > {hw.usable_bytes / GIB:.1f} GiB usable"

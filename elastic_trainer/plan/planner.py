@@ -59,7 +59,8 @@ def plan_or_none(req: Request) -> Plan | None:
 def usable_degrees(req: Request) -> tuple[int, int, int]:
     """The largest dp, tp, pp any layout of this job can have: dp divides the global batch, tp divides
     n_heads and (across hosts) the host size, pp <= n_layers."""
-    tps = [t for t in divisors(req.model.n_heads) if req.gpus_per_host % t == 0]
+    host = req.topology.common if req.host_sizes else req.gpus_per_host  # known hosts, or any count of hosts
+    tps = [t for t in divisors(req.model.n_heads) if host % t == 0]
     return req.global_batch, max(tps), req.model.n_layers
 
 
@@ -70,7 +71,7 @@ def _degrees_possible(req: Request) -> bool:
 def first_world_with_plan(req: Request, counts, tries: int = 64) -> int | None:
     """The first GPU count of `counts` with a valid layout, planning at most `tries` of them in full."""
     for m in counts:
-        other = replace(req, world_size=m)
+        other = replace(req, world_size=m, host_sizes=None)  # other counts: hosts of gpus_per_host
         if _degrees_possible(other):
             if plan_or_none(other) is not None:
                 return m
@@ -115,7 +116,7 @@ def why_no_plan(req: Request, rejected: tuple[Candidate, ...]) -> str:
     if n > limit:
         why = (f"{n} GPUs are more than {model.name} with global batch {req.global_batch} can use: at most "
                f"dp={dp} x tp={tp} x pp={pp} = {limit} (dp divides the global batch, tp divides n_heads="
-               f"{model.n_heads} and the host size {req.gpus_per_host}, pp <= n_layers={model.n_layers})")
+               f"{model.n_heads} and the hosts' sizes ({req.topology.describe()}), pp <= n_layers={model.n_layers})")
     else:
         reasons = "; ".join(f"{c.dp},{c.tp},{c.pp}: {c.reason}" for c in rejected[:4])
         why = f"no DP,TP,PP of {n} GPUs is valid ({reasons}{'; ...' if len(rejected) > 4 else ''})"

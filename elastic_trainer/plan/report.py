@@ -32,6 +32,7 @@ def candidate_dict(c: Candidate, req: Request) -> dict:
 def plan_dict(plan: Plan, compare: Candidate | None = None) -> dict:
     req = plan.request
     out = {"model": req.model.name, "gpus": req.world_size, "gpus_per_host": req.gpus_per_host,
+           "host_sizes": list(req.topology.sizes),
            "hardware": req.hardware.name, "dtype": req.compute_dtype, "global_batch": req.global_batch,
            "seq_len": req.seq_len, "chosen": candidate_dict(plan.chosen, req),
            "candidates": [candidate_dict(c, req) for c in plan.candidates],
@@ -53,7 +54,7 @@ def format_table(plan: Plan, top: int = 10, compare: Candidate | None = None) ->
     if compare is not None:
         rows.append(_row("cmp", compare, req))
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(COLUMNS)]
-    lines = [f"{req.model.name} on {req.world_size} x {req.hardware.name} ({req.gpus_per_host} per host, "
+    lines = [f"{req.model.name} on {req.world_size} x {req.hardware.name} ({req.topology.describe()}, "
              f"{req.compute_dtype}), global batch {req.global_batch} x {req.seq_len} tokens: "
              f"{len(plan.candidates)} valid layouts, {len(plan.rejected)} rejected"]
     lines.append("  ".join(h.rjust(w) for h, w in zip(COLUMNS, widths)))
@@ -68,7 +69,7 @@ def format_table(plan: Plan, top: int = 10, compare: Candidate | None = None) ->
 def summary(plan: Plan) -> str:
     """One line for logs: the chosen layout and its predictions."""
     c, req = plan.chosen, plan.request
-    return (f"[plan] {req.world_size} x {req.hardware.name} ({req.gpus_per_host} per host): "
+    return (f"[plan] {req.world_size} x {req.hardware.name} ({req.topology.describe()}): "
             f"{c.layout.describe()}; {c.memory_gb:.1f} GiB/GPU, predicted {c.step_time_s:.3f} s/step, "
             f"{tokens_per_s(c, req):,.0f} tokens/s, bubble {100 * c.time.bubble:.1f}% "
             f"(best of {len(plan.candidates)} valid layouts)")

@@ -32,11 +32,7 @@ from elastic_trainer.config import ModelConfig
 from elastic_trainer.plan.hardware import Hardware
 from elastic_trainer.plan.layout import Layout, stage_layers
 from elastic_trainer.plan.memory import DTYPE_BYTES, MASTER_BYTES, stage_elements, stage_numel
-
-
-def group_within_host(size: int, world: int, gpus_per_host: int) -> bool:
-    """Whether every group of `size` consecutive ranks (aligned at multiples of size) stays on one host."""
-    return world <= gpus_per_host or gpus_per_host % size == 0
+from elastic_trainer.plan.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -78,16 +74,14 @@ class Links:
     pp: Link
 
     @classmethod
-    def of(cls, layout: Layout, hw: Hardware, gpus_per_host: int) -> "Links":
-        world = layout.world_size
+    def of(cls, layout: Layout, hw: Hardware, hosts: Topology) -> "Links":
         intra = Link(hw.intra_host_gbs, hw.intra_host_latency_us, hw.ring_latency)
         inter = Link(hw.inter_host_gbs, hw.inter_host_latency_us, hw.ring_latency)
-        dp = intra if group_within_host(layout.dp * layout.tp, world, gpus_per_host) else inter
+        dp = intra if hosts.within(layout.dp * layout.tp) else inter
         if hw.shared_host:  # big data-parallel transfers need the CPU too, which the host's ranks share
-            slow = max(1.0, min(world, gpus_per_host) / hw.compute_units)
+            slow = max(1.0, hosts.largest / hw.compute_units)
             dp = Link(dp.gbs / slow, dp.latency_us * slow, dp.ring_latency)
-        return cls(tp=intra if group_within_host(layout.tp, world, gpus_per_host) else inter, dp=dp,
-                   pp=intra if world <= gpus_per_host else inter)
+        return cls(tp=intra if hosts.within(layout.tp) else inter, dp=dp, pp=intra if hosts.single else inter)
 
 
 def block_flops(model: ModelConfig, tokens: int, seq_len: int, tp: int) -> float:
@@ -182,8 +176,11 @@ class StepTime:
 
 
 def step_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw: Hardware,
-              gpus_per_host: int) -> StepTime:
-    links = Links.of(layout, hw, gpus_per_host)
+              hosts: Topology | int) -> StepTime:
+    """`hosts`: the ranks on each host, or a number of ranks per host that they fill in turn."""
+    if not isinstance(hosts, Topology):
+        hosts = Topology.uniform(layout.world_size, hosts)
+    links = Links.of(layout, hw, hosts)
     stages = [stage_time(model, layout, seq_len, dtype, hw, links, s) for s in range(layout.pp)]
     a = layout.num_microbatches
     pipeline = sum(t.total for t in stages) + (a - 1) * max(t.total for t in stages)
@@ -195,7 +192,7 @@ def step_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw: 
     optimizer = max(local) * hw.optimizer_ns_per_param * 1e-9
     if hw.shared_host:
         # ranks of a host share its cores: the host's whole work, spread over its cores, bounds the step
-        ranks = min(layout.world_size, gpus_per_host)
+        ranks = hosts.largest
         cores = min(hw.compute_units, ranks)
         copies = layout.dp * layout.tp * ranks / layout.world_size  # ranks per stage on this host
         work = a * sum(t.compute for t in stages) * copies

@@ -90,7 +90,7 @@ def test_rejected_candidates_keep_their_reasons():
 
 def test_tp_stays_within_a_host():
     reasons = {c.degrees: c.reason for c in plan(xl_request(32)).rejected if c.micro_batch is None}
-    assert reasons[(2, 16, 1)] == "tp=16 groups would span hosts of 8 GPUs"
+    assert reasons[(2, 16, 1)] == "tp=16 groups would span hosts (8 per host)"
 
 
 def test_many_gpus_plan_and_constraints():

@@ -9,7 +9,7 @@ import pytest
 from elastic_trainer.config import ModelConfig
 from elastic_trainer.plan.hardware import Hardware
 from elastic_trainer.plan.layout import Layout
-from elastic_trainer.plan.step_time import Link, group_within_host, step_time
+from elastic_trainer.plan.step_time import Link, step_time
 
 # 1 TFLOP/s, 1 GB/s inside a host, 0.5 GB/s across, no latency, no overlap, 512 GB/s memory
 HW = Hardware(name="toy", tflops=1.0, memory_bandwidth_gbs=512.0, logit_ns=0.0, optimizer_ns_per_param=0.0,
@@ -110,14 +110,3 @@ def test_link_latency_tree_or_ring():
     assert ring.all_reduce(0, 8) == pytest.approx(2 * 7 * 10e-6)
     assert ring.gather(8e9, 8) == pytest.approx(7 + 7 * 10e-6)
     assert tree.all_reduce(1e9, 1) == 0.0
-
-
-@pytest.mark.parametrize("size, world, per_host, within", [
-    (2, 16, 8, True), (8, 16, 8, True), (16, 16, 8, False), (3, 12, 8, False), (3, 6, 8, True), (6, 12, 8, False),
-    (4, 12, 8, True),
-])
-def test_groups_within_host(size, world, per_host, within):
-    assert group_within_host(size, world, per_host) is within
-    # reference: every aligned group of `size` consecutive ranks lies on one host
-    brute = all(len({r // per_host for r in range(g, g + size)}) == 1 for g in range(0, world, size))
-    assert brute is within

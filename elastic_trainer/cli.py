@@ -25,11 +25,13 @@ import json
 import os
 import sys
 
+from elastic_trainer import IMPORTED_AT
 from elastic_trainer.config import (CheckpointConfig, CheckpointError, ConfigError, ModelConfig, TrainConfig,
-                                    env_int, load_model_config, load_run_config)
+                                    divisors, env_int, fmt_values, load_model_config, load_run_config)
 from elastic_trainer.plan import Hardware, Request, hardware_for_device, load_hardware, plan
 from elastic_trainer.plan.layout import Layout, parse_degrees, split_batch
 from elastic_trainer.plan.report import format_table, plan_dict, summary
+from elastic_trainer.plan.topology import Topology
 
 EXIT_BAD_INPUT = 2
 
@@ -63,6 +65,11 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-cache", help="folder for tokenized corpora (default ~/.cache/elastic_trainer)")
     p.add_argument("--metrics-file", help="append one JSON object per step to this file")
     p.add_argument("--log-every", type=int, help="progress line every N steps (default 1)")
+    p.add_argument("--until-step", type=int, help="stop (saving) after this global step; unlike --steps it leaves "
+                                                  "the learning-rate schedule alone (a schedule phase's end)")
+    p.add_argument("--events-file", help="append scale events (JSON lines: processes up, state loaded, first "
+                                         "step, stopping, saved) to this file")
+    p.add_argument("--phase", type=int, help="schedule phase (set by `launch`), recorded in metrics and events")
     c = p.add_argument_group("checkpoints")
     c.add_argument("--checkpoint-dir", help="save here; with --resume auto, continue from the newest "
                                             "complete checkpoint in it, in whatever layout this run has")
@@ -181,22 +188,28 @@ def _layout_settings(args: argparse.Namespace, layout_table: dict) -> tuple[int 
 
 
 def _plan_request(args: argparse.Namespace, model: ModelConfig, train: TrainConfig, layout_table: dict,
-                  world_size: int, gpus_per_host: int | None) -> Request:
+                  world_size: int, gpus_per_host: int | None, host_sizes: tuple[int, ...] | None = None) -> Request:
     """What the planner considers: every setting the user left open."""
     hw = resolve_hardware(args.hardware)
     micro, mode, recompute = _layout_settings(args, layout_table)
     return Request(model, world_size, train.global_batch, train.seq_len, hw,
-                   hw.gpus_per_host if gpus_per_host is None else gpus_per_host,
+                   hw.gpus_per_host if gpus_per_host is None else gpus_per_host, host_sizes=host_sizes,
                    dtype=train.dtype, micro_batch=micro, dp_modes=(mode,) if mode else ("fsdp", "ddp"),
                    recompute=(False, True) if recompute is None else (recompute,))
 
 
-def resolve_train_args(args: argparse.Namespace, world_size: int,
-                       say=None) -> tuple[ModelConfig, TrainConfig, Layout]:
-    """Configs and a validated Layout from the command line; raises ConfigError on bad input.
+def plan_for_hosts(args: argparse.Namespace, model: ModelConfig, train: TrainConfig, layout_table: dict,
+                   topology: Topology) -> tuple[Layout, str]:
+    """The planned layout for ranks on these hosts, and the plan's one-line summary."""
+    result = plan(_plan_request(args, model, train, layout_table, topology.world_size, topology.largest,
+                                topology.sizes))
+    return result.chosen.layout, summary(result)
 
-    Without --layout (or degrees in the run config) the layout is planned for the world size; `say`
-    receives the plan's one-line summary."""
+
+def resolve_train_args(args: argparse.Namespace,
+                       world_size: int) -> tuple[ModelConfig, TrainConfig, Layout | None, dict]:
+    """Configs, the layout given by --layout or the run config (validated; None when it is to be planned)
+    and the run config's [layout] table. Raises ConfigError on bad input."""
     from elastic_trainer.data.corpus import resolve_files  # imports torch: not needed by `plan`
 
     model, train, layout_table = _job_configs(args)
@@ -206,51 +219,64 @@ def resolve_train_args(args: argparse.Namespace, world_size: int,
     elif {"dp", "tp", "pp"} <= set(layout_table):
         dp, tp, pp = layout_table["dp"], layout_table["tp"], layout_table["pp"]
     else:
-        per_host = env_int("LOCAL_WORLD_SIZE", world_size, minimum=1)
-        result = plan(_plan_request(args, model, train, layout_table, world_size, per_host))
-        if say is not None:
-            say(summary(result))
-        return model, train, result.chosen.layout.validate(world_size, model, train.global_batch)
+        return model, train, None, layout_table
     micro, mode, recompute = _layout_settings(args, layout_table)
     micro_batch, num_microbatches = split_batch(train.global_batch, dp, micro)
     layout = Layout(dp, tp, pp, micro_batch, num_microbatches, dp_mode=mode or "fsdp", recompute=bool(recompute))
-    return model, train, layout.validate(world_size, model, train.global_batch)
+    return model, train, layout.validate(world_size, model, train.global_batch), layout_table
 
 
-def run_train(model: ModelConfig, train: TrainConfig, layout: Layout, ckpt: CheckpointConfig | None = None,
-              stop_file: str | None = None) -> int:
+def check_hosts(layout: Layout, model: ModelConfig, topology: Topology) -> None:
+    """A given layout must keep every tp group on one host."""
+    if not topology.within(layout.tp):
+        valid = [t for t in divisors(topology.common) if model.n_heads % t == 0]
+        raise ConfigError(f"tp={layout.tp} groups would span hosts ({topology.describe()}) "
+                          f"(valid tp: {fmt_values(valid)})")
+
+
+def run_train(args: argparse.Namespace, model: ModelConfig, train: TrainConfig, layout: Layout | None,
+              layout_table: dict, ckpt: CheckpointConfig | None = None) -> int:
+    """Join the process group, settle one layout for the job (planned on rank 0 for the real hosts unless
+    given), then the job sequence (train.job)."""
     import torch.distributed as dist
 
-    from elastic_trainer.checkpoint import Checkpointer
-    from elastic_trainer.elastic import EXIT_STOPPED, StopRequest
-    from elastic_trainer.parallel import build_mesh, default_device, init_process_group
-    from elastic_trainer.train import MetricsLog, Trainer
+    from elastic_trainer.elastic import StopRequest, exit_code
+    from elastic_trainer.elastic.events import EventLog
+    from elastic_trainer.parallel import default_device, init_process_group
+    from elastic_trainer.parallel.agree import agree, gather_topology
+    from elastic_trainer.train import MetricsLog, run_job
 
     device = default_device()
     init_process_group(device)
-    stop = StopRequest(stop_file)
-    checkpointer = None
+    stop = StopRequest(args.stop_file)
+    rank0 = dist.get_rank() == 0
+    tags = {k: v for k, v in (("phase", args.phase), ("restart", _restart_count())) if v is not None}
+    events = EventLog(args.events_file, enabled=rank0, tags=tags)
     try:
-        rank = dist.get_rank()
-        log = MetricsLog(train.metrics_file, enabled=rank == 0, log_every=train.log_every,
-                         total_steps=train.steps)
-        log.info(f"[train] {model.name} ({model.num_params() / 1e6:.1f} M parameters) on "
-                 f"{layout.world_size} rank(s), {device.type}: {layout.describe()}; "
-                 f"global batch {train.global_batch} x {train.seq_len} tokens, until step {train.steps}")
-        trainer = Trainer(model, train, layout, build_mesh(layout, device.type), device)
-        if ckpt is not None:
-            checkpointer = Checkpointer(ckpt)
-            if ckpt.resume != "never":
-                checkpointer.load(trainer, ckpt.resume)
-            checkpointer.prepare_fresh_run(ckpt.resume if trainer.step == 0 else "auto")
-        status = trainer.fit(log, checkpointer=checkpointer, stop=stop)
+        events.emit("processes_up", started=IMPORTED_AT, world_size=dist.get_world_size())
+        topology = gather_topology()
+        if layout is None:
+            layout, line = agree(lambda: plan_for_hosts(args, model, train, layout_table, topology))
+            if rank0:
+                print(line, flush=True)
+        check_hosts(layout, model, topology)
+        events.emit("planned", layout=layout.to_dict(), hosts=list(topology.sizes))
+        log = MetricsLog(train.metrics_file, enabled=rank0, log_every=train.log_every, total_steps=train.steps,
+                         tags=tags)
+        result = run_job(model, train, layout, device, ckpt=ckpt, stop=stop, until=args.until_step, log=log,
+                         events=events)
         log.close()
     finally:
         stop.close()
-        if checkpointer is not None:
-            checkpointer.close()
+        events.close()
         dist.destroy_process_group()
-    return EXIT_STOPPED if status == "stopped" else 0
+    return exit_code(result.status)
+
+
+def _restart_count() -> int | None:
+    """torchrun's count of worker-group restarts (None outside torchrun)."""
+    value = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    return int(value) if value and value.isdigit() else None
 
 
 def run_checkpoint(args: argparse.Namespace) -> int:
@@ -299,9 +325,14 @@ def run_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rank0_print(line: str) -> None:
-    if os.environ.get("RANK", "0") == "0":
-        print(line, flush=True)
+def _recorded(fn):
+    """Under torchrun, record an uncaught exception in the error file its agent reads, so a failing rank
+    names itself (rank, host, traceback) in the agent's and the launcher's log."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return fn
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(fn)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -309,8 +340,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             ckpt = resolve_checkpoint_args(args)
-            model, train, layout = resolve_train_args(args, world_size_from_env(), say=_rank0_print)
-            return run_train(model, train, layout, ckpt, args.stop_file)
+            if args.until_step is not None and args.until_step < 1:
+                raise ConfigError(f"--until-step {args.until_step} must be a positive step number")
+            model, train, layout, layout_table = resolve_train_args(args, world_size_from_env())
+            return _recorded(run_train)(args, model, train, layout, layout_table, ckpt)
         if args.command == "checkpoint":
             return run_checkpoint(args)
         if args.command == "plan":

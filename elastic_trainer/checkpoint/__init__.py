@@ -1,9 +1,9 @@
 """Checkpoints: DCP save/load of the whole training state with resharding at load time, atomic commit,
 integrity checks, retention, asynchronous saving, and safe (allowlisted) loading."""
 
-from elastic_trainer.checkpoint.manager import Checkpointer, SaveStats
+from elastic_trainer.checkpoint.manager import Checkpointer, LoadStats, SaveStats
 from elastic_trainer.config import CheckpointConfig
 from elastic_trainer.checkpoint.storage import complete_checkpoints
 from elastic_trainer.config import CheckpointError
 
-__all__ = ["CheckpointConfig", "Checkpointer", "SaveStats", "CheckpointError", "complete_checkpoints"]
+__all__ = ["CheckpointConfig", "Checkpointer", "LoadStats", "SaveStats", "CheckpointError", "complete_checkpoints"]

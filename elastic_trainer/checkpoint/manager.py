@@ -20,7 +20,7 @@ import os
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch.distributed as dist
@@ -40,6 +40,24 @@ class SaveStats:
     total_s: float | None = None
     """Time until the checkpoint was committed (known once it is)."""
     path: str | None = None
+
+
+@dataclass
+class LoadStats:
+    """What a load read, from where, and where its time went (seconds)."""
+
+    step: int
+    path: str
+    saved_layout: dict
+    """The layout that wrote the checkpoint (the one this run resharded from)."""
+    verify_s: float
+    """Checksums (each rank a share) and the metadata check."""
+    read_s: float
+    """DCP's resharding read into this run's tensors."""
+    apply_s: float
+    """Putting the read state into the model and optimizer."""
+    total_s: float
+    meta: dict = field(repr=False, default_factory=dict)
 
 
 class Checkpointer:
@@ -157,33 +175,42 @@ class Checkpointer:
         dist.all_gather_object(errors, error, group=self.pg)
         return next((e for e in errors if e), None)
 
-    def load(self, trainer, source: str = "auto", verify: bool | None = None) -> dict | None:
-        """Reshard the newest good checkpoint into `trainer`; return its meta (None if there is none).
-        `verify` overrides the config's checksum verification."""
+    def load(self, trainer, source: str = "auto", verify: bool | None = None) -> LoadStats | None:
+        """Reshard the newest good checkpoint of `source` into `trainer` (None if there is none)."""
+        return self.load_first(trainer, self.candidates(source), strict=source != "auto", verify=verify)
+
+    def load_first(self, trainer, folders: list[Path], strict: bool = False,
+                   verify: bool | None = None) -> LoadStats | None:
+        """Load the first of `folders` that passes verification; with `strict` a failing one is an error
+        instead of being skipped. `verify` overrides the config's checksum verification."""
         checksums = self.cfg.verify if verify is None else verify
-        for folder in self.candidates(source):
+        for folder in folders:
+            t0 = time.perf_counter()
             error = self.verify(folder, checksums) if folder.is_dir() else f"{folder} is not a checkpoint folder"
             if error:
-                if source != "auto":
+                if strict:
                     raise storage.CheckpointError(error)
                 self.log(f"[checkpoint] skipping {folder.name}: {error}", file=sys.stderr, flush=True)
                 continue
-            t0 = time.perf_counter()
             meta = storage.read_meta(folder)
             ckpt_state.check_compatible(meta, trainer.model_cfg, trainer.cfg, str(folder))
+            t1 = time.perf_counter()
             state = ckpt_state.tensor_state(trainer)
             try:
                 dcp.load(state, storage_reader=storage.SafeReader(str(folder)),
                          planner=storage.SafeLoadPlanner(), process_group=self.pg)
             except CheckpointException as e:  # a BaseException carrying every rank's error
                 raise storage.CheckpointError(f"loading {folder.name} failed: {_first_failure(e)}") from None
+            t2 = time.perf_counter()
             ckpt_state.apply_tensor_state(trainer, state)
             trainer.restore(meta["step"], ckpt_state.resumed_config(meta, trainer.cfg))
             self.last_saved_step = meta["step"]
+            t3 = time.perf_counter()
+            stats = LoadStats(meta["step"], str(folder), meta["layout"], t1 - t0, t2 - t1, t3 - t2, t3 - t0, meta)
             saved = meta["layout"]
             self.log(f"[checkpoint] resumed step {meta['step']} from {folder} (saved with dp={saved['dp']} "
-                     f"tp={saved['tp']} pp={saved['pp']}) in {time.perf_counter() - t0:.2f} s", flush=True)
-            return meta
+                     f"tp={saved['tp']} pp={saved['pp']}) in {stats.total_s:.2f} s", flush=True)
+            return stats
         return None
 
     def prepare_fresh_run(self, resume: str) -> None:

@@ -1,6 +1,6 @@
-"""Scale events and the restart contract: stop requests (SIGTERM, stop file) and their exit code.
-The schedule- and membership-driven runtime builds on these."""
+"""Scale events and the restart contract: stop requests (SIGTERM, stop file) and exit codes, schedules,
+the event record, and the phase/downtime report built from it."""
 
-from elastic_trainer.elastic.stop import EXIT_STOPPED, StopRequest
+from elastic_trainer.elastic.stop import EXIT_STOPPED, StopRequest, exit_code
 
-__all__ = ["EXIT_STOPPED", "StopRequest"]
+__all__ = ["EXIT_STOPPED", "StopRequest", "exit_code"]

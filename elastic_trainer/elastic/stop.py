@@ -9,8 +9,18 @@ from __future__ import annotations
 import os
 import signal
 
-# Exit code of a run that stopped on request after saving (0 means it reached its last step).
+# Exit code of a plain process that stopped on request after saving (0 means it reached its last step).
 EXIT_STOPPED = 3
+
+
+def exit_code(status: str) -> int:
+    """The restart contract. A plain process that stopped (after saving) exits EXIT_STOPPED. Under torchrun it
+    exits 0: any other code makes the agent restart the workers, which would resume and train on in the old
+    size. Whoever asked for the stop (the launcher at a phase end, a scheduler's SIGTERM) learns that it
+    happened from the `stopping` and `saved` events and the checkpoint, not from the code."""
+    if status == "stopped" and "TORCHELASTIC_RUN_ID" not in os.environ:
+        return EXIT_STOPPED
+    return 0
 
 
 class StopRequest:

@@ -61,8 +61,10 @@ def init_weights(model: nn.Module, seed: int) -> None:
             copy_full_into(param, initial_value(module, pname, _shape(param), seed, name))
 
 
-def materialize(model: nn.Module, device: torch.device | str, seed: int) -> nn.Module:
-    """Allocate a meta-device model (or stage) on `device` and initialize it."""
+def materialize(model: nn.Module, device: torch.device | str, seed: int, initialize: bool = True) -> nn.Module:
+    """Allocate a meta-device model (or stage) on `device` and initialize it; with initialize=False the
+    values are left undefined for a checkpoint load to overwrite (a resume pays for the load only)."""
     model.to_empty(device=device)
-    init_weights(model, seed)
+    if initialize:
+        init_weights(model, seed)
     return model

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from elastic_trainer.config import ModelConfig
 from elastic_trainer.data.order import microbatch_slices
 from elastic_trainer.model.gpt import GPT, lm_loss_sum
-from elastic_trainer.model.init import materialize
+from elastic_trainer.model.init import init_weights, materialize
 from elastic_trainer.parallel.data_parallel import apply_data_parallel, set_gradient_sync
 from elastic_trainer.parallel.mesh import Coords
 from elastic_trainer.parallel.pipeline import build_schedule, split_stage, tied_embedding_group
@@ -41,14 +41,16 @@ class Engine:
     """This rank's stage of the model and the collectives around it."""
 
     def __init__(self, model_cfg: ModelConfig, layout: Layout, mesh: DeviceMesh, device: torch.device,
-                 *, seed: int, global_batch: int, seq_len: int, param_dtype: torch.dtype = torch.float32):
+                 *, seed: int, global_batch: int, seq_len: int, param_dtype: torch.dtype = torch.float32,
+                 initialize: bool = True):
         layout.validate(mesh.size(), model_cfg, global_batch)
         self.layout, self.mesh, self.device = layout, mesh, device
         self.coords = Coords.of(mesh)
         self.first = self.coords.pp == 0
         self.last = self.coords.pp == layout.pp - 1
         self.inv_tokens = 1.0 / (global_batch * seq_len)
-        self.model = self._build(model_cfg, param_dtype, seed)
+        self.seed = seed
+        self.model = self._build(model_cfg, param_dtype, initialize)
         self.tied_group = tied_embedding_group(mesh, layout)
         self._groups: dict[int, list[nn.Parameter]] | None = None
         self.schedule = None
@@ -56,7 +58,7 @@ class Engine:
             self.schedule = build_schedule(self.model, self.coords.pp, layout, mesh.get_group("pp"),
                                            device, self.loss_fn)
 
-    def _build(self, model_cfg: ModelConfig, param_dtype: torch.dtype, seed: int) -> nn.Module:
+    def _build(self, model_cfg: ModelConfig, param_dtype: torch.dtype, initialize: bool) -> nn.Module:
         layout = self.layout
         with torch.device("meta"):
             model = GPT(model_cfg)
@@ -71,7 +73,11 @@ class Engine:
             # With pp > 1 every micro-batch runs forward then backward later: keep blocks gathered.
             apply_data_parallel(model, self.mesh["dp"], layout.dp_mode, param_dtype,
                                 reshard_after_forward=layout.pp == 1)
-        return materialize(model, self.device, seed)
+        return materialize(model, self.device, self.seed, initialize)
+
+    def init_weights(self) -> None:
+        """The seed's initial weights (for an engine built with initialize=False whose load found nothing)."""
+        init_weights(self.model, self.seed)
 
     def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """This micro-batch's share of the global-batch token mean."""

@@ -1,6 +1,6 @@
-"""The training loop: build the engine and optimizer, then steps. One step consumes global samples
-[s * B, (s + 1) * B) of the fixed order; this rank takes its dp share. `fit` adds periodic checkpoints
-and stop requests (signal or file) agreed by all ranks after each step."""
+"""One rank's trainer: the engine and optimizer, and the training step. Step s consumes global samples
+[s * B, (s + 1) * B) of the fixed order; this rank takes its dp share. The loop around it, with checkpoints,
+stop requests and events, is `train.job`."""
 
 from __future__ import annotations
 
@@ -9,25 +9,24 @@ import time
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from elastic_trainer.config import ModelConfig, TrainConfig
 from elastic_trainer.data import TokenSamples, load_tokens, samples_for
 from elastic_trainer.parallel.engine import Engine, resolve_dtype
 from elastic_trainer.plan.layout import Layout
-from elastic_trainer.train.metrics import MetricsLog
 from elastic_trainer.train.optim import build_optimizer, lr_at, set_lr
 
 
 class Trainer:
     def __init__(self, model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout, mesh: DeviceMesh,
-                 device: torch.device, *, tokens: np.ndarray | None = None):
+                 device: torch.device, *, tokens: np.ndarray | None = None, initialize: bool = True):
+        """initialize=False leaves the weights undefined for a checkpoint load (then `initialize()` if none)."""
         if cfg.seq_len > model_cfg.context_length:
             raise ValueError(f"seq_len={cfg.seq_len} exceeds the model's context_length={model_cfg.context_length}")
         self.model_cfg, self.cfg, self.layout, self.device = model_cfg, cfg, layout, device
         self.engine = Engine(model_cfg, layout, mesh, device, seed=cfg.seed, global_batch=cfg.global_batch,
-                             seq_len=cfg.seq_len, param_dtype=resolve_dtype(cfg.dtype, device))
+                             seq_len=cfg.seq_len, param_dtype=resolve_dtype(cfg.dtype, device), initialize=initialize)
         self.optimizer = build_optimizer(self.engine.model, cfg)
         if tokens is None:
             tokens = load_tokens(cfg.data, cfg.data_cache)
@@ -36,12 +35,14 @@ class Trainer:
         """Optimizer steps completed; the next step has 0-based index `step`."""
         self.last_sample_ids: np.ndarray | None = None
         """Sample ids of this rank's share in the last step."""
-        self.records: list[dict] = []
-        """Step records of the last `fit`."""
 
     @property
     def consumed_samples(self) -> int:
         return self.step * self.cfg.global_batch
+
+    def initialize(self) -> None:
+        """The seed's initial weights, for a trainer built with initialize=False."""
+        self.engine.init_weights()
 
     def restore(self, step: int, cfg: TrainConfig) -> None:
         """After loading a checkpoint: continue at `step` (the data position follows from it)."""
@@ -75,35 +76,3 @@ class Trainer:
                 "samples": [self.consumed_samples - cfg.global_batch, self.consumed_samples],
                 "world_size": self.layout.world_size, "layout": self.layout.describe(),
                 "time": time.time()}
-
-    def fit(self, log: MetricsLog, until: int | None = None, *, checkpointer=None, stop=None) -> str:
-        """Train until global step `until` (default cfg.steps), saving as `checkpointer` says and stopping
-        early (after a save) when `stop` is requested on any rank. Returns "finished" or "stopped"."""
-        until = self.cfg.steps if until is None else until
-        self.records = []
-        status = "finished"
-        while self.step < until:
-            record = self.train_step()
-            log.write(record)
-            self.records.append(record)
-            stop_now, save_due = self._agree(stop, checkpointer)
-            if checkpointer is not None and (save_due or stop_now):
-                checkpointer.save(self, blocking=True if stop_now else None)
-            if stop_now:
-                log.info(f"[train] stopped after step {self.step} ({stop.reason or 'requested on another rank'})")
-                status = "stopped"
-                break
-        if checkpointer is not None:
-            if checkpointer.last_saved_step != self.step:
-                checkpointer.save(self, blocking=True)
-            checkpointer.wait()
-        return status
-
-    def _agree(self, stop, checkpointer) -> tuple[bool, bool]:
-        """One all-reduce: does any rank want to stop; is a periodic save due (rank 0's clock decides)?"""
-        local_stop = stop is not None and stop.local()
-        local_save = checkpointer is not None and checkpointer.due(self.step) and (
-            dist.get_rank() == 0 or not checkpointer.cfg.save_interval_s)
-        flags = torch.tensor([float(local_stop), float(local_save)])
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # a CPU tensor: gloo, also beside NCCL
-        return bool(flags[0]), bool(flags[1])

@@ -9,8 +9,11 @@ from pathlib import Path
 
 
 class MetricsLog:
-    def __init__(self, path: str | None, enabled: bool, log_every: int = 1, total_steps: int | None = None):
+    def __init__(self, path: str | None, enabled: bool, log_every: int = 1, total_steps: int | None = None,
+                 tags: dict | None = None):
+        """`tags` (the launcher's phase, torchrun's restart count) are added to every record."""
         self.enabled = enabled
+        self.tags = dict(tags or {})
         self.log_every = log_every
         self.total_steps = total_steps
         self._file = None
@@ -22,7 +25,7 @@ class MetricsLog:
         if not self.enabled:
             return
         if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
+            self._file.write(json.dumps({**record, **self.tags}) + "\n")
             self._file.flush()
             os.fsync(self._file.fileno())
         step = record["step"]

@@ -18,7 +18,7 @@ from elastic_trainer.config import TrainConfig, load_model_config
 from elastic_trainer.elastic import StopRequest
 from elastic_trainer.parallel import build_mesh
 from elastic_trainer.plan.layout import Layout
-from elastic_trainer.train import MetricsLog, Trainer
+from elastic_trainer.train import Job, Trainer
 from tests.distributed.test_reshard import full_state, merge
 from elastic_trainer.parallel.local_ranks import run_ranks
 
@@ -58,26 +58,22 @@ def train_job(rank, world, layout, ckpt: CheckpointConfig, tokens, crash: str | 
             return original_commit(tmp, step, files)
 
         storage.commit = die_before_commit
-    trainer = Trainer(MODEL, config(), layout, build_mesh(layout, "cpu"), torch.device("cpu"), tokens=tokens)
-    checkpointer = Checkpointer(ckpt, log=lambda *a, **k: None)
-    meta = checkpointer.load(trainer)
-    checkpointer.prepare_fresh_run("auto")
-    if crash == "step5" and rank == world - 1:
-        original_step = trainer.train_step
+    with Job(MODEL, config(), layout, torch.device("cpu"), ckpt=ckpt, tokens=tokens) as job:
+        trainer = job.trainer
+        if crash == "step5" and rank == world - 1:
+            original_step = trainer.train_step
 
-        def step_then_die():
-            record = original_step()
-            if trainer.step == 5:
-                kill_self()
-            return record
+            def step_then_die():
+                record = original_step()
+                if trainer.step == 5:
+                    kill_self()
+                return record
 
-        trainer.train_step = step_then_die
-    stop = StopRequest(stop_file) if stop_file else None
-    status = trainer.fit(MetricsLog(None, enabled=False), checkpointer=checkpointer, stop=stop)
-    state = full_state(trainer)
-    checkpointer.close()
-    return {"resumed_from": meta["step"] if meta else 0, "losses": [r["loss"] for r in trainer.records],
-            "status": status, "step": trainer.step, "stats": checkpointer.history, "state": state}
+            trainer.train_step = step_then_die
+        status = job.fit(StopRequest(stop_file) if stop_file else None)
+        state = full_state(trainer)
+    return {"resumed_from": job.loaded.step if job.loaded else 0, "losses": [r["loss"] for r in job.records],
+            "status": status, "step": trainer.step, "stats": job.checkpointer.history, "state": state}
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +118,7 @@ def test_corrupted_and_truncated_checkpoints_fall_back(tmp_path, sotu_tokens, un
         layout = Layout(1, 1, 1, 8, 1)
         trainer = Trainer(MODEL, config(), layout, build_mesh(layout, "cpu"), torch.device("cpu"),
                           tokens=sotu_tokens)
-        meta = Checkpointer(CheckpointConfig(dir=str(tmp_path))).load(trainer)
-        return meta["step"]
+        return Checkpointer(CheckpointConfig(dir=str(tmp_path))).load(trainer).step
 
     assert run_ranks(load_job, 1) == [4]
     err = capfd.readouterr().err
@@ -139,17 +134,9 @@ def test_async_save_commits_the_state_of_its_step(tmp_path, sotu_tokens, uninter
     assert result["losses"] == pytest.approx(uninterrupted["losses"], rel=1e-6)
     # the step-6 checkpoint holds step 6's state although training went on while it was written
     resumed = run_ranks(train_job, 1, Layout(1, 1, 1, 8, 1), CheckpointConfig(dir=str(tmp_path),
-                        resume=str(tmp_path / "step-00000006")), sotu_tokens)
-    assert resumed[0]["resumed_from"] == 8  # resume=auto picks the newest: step 8, nothing left to train
-
-    def load_step6(rank, world):
-        layout = Layout(1, 1, 1, 8, 1)
-        trainer = Trainer(MODEL, config(), layout, build_mesh(layout, "cpu"), torch.device("cpu"),
-                          tokens=sotu_tokens)
-        Checkpointer(CheckpointConfig(dir=str(tmp_path))).load(trainer, str(tmp_path / "step-00000006"))
-        return [trainer.train_step()["loss"] for _ in range(2)]
-
-    assert run_ranks(load_step6, 1)[0] == pytest.approx(uninterrupted["losses"][6:], rel=1e-5)
+                        resume=str(tmp_path / "step-00000006")), sotu_tokens)[0]
+    assert resumed["resumed_from"] == 6  # the folder asked for, not the newest (step 8)
+    assert resumed["losses"] == pytest.approx(uninterrupted["losses"][6:], rel=1e-5)
 
 
 def test_stop_file_saves_and_stops_all_ranks(tmp_path, sotu_tokens, uninterrupted):

@@ -14,11 +14,11 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from elastic_trainer.checkpoint import Checkpointer, CheckpointConfig
+from elastic_trainer.checkpoint import CheckpointConfig
 from elastic_trainer.config import TrainConfig, load_model_config
 from elastic_trainer.parallel import build_mesh
 from elastic_trainer.plan.layout import Layout
-from elastic_trainer.train import Trainer
+from elastic_trainer.train import Job, Trainer
 from elastic_trainer.parallel.local_ranks import run_ranks
 
 MODEL = load_model_config("gpt-tiny")
@@ -61,17 +61,16 @@ def full_state(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 
 def chain_job(rank, world, layout: Layout, ckpt_dir: str, until: int, tokens) -> dict:
-    trainer = Trainer(MODEL, config(until), layout, build_mesh(layout, "cpu"), torch.device("cpu"), tokens=tokens)
-    checkpointer = Checkpointer(CheckpointConfig(dir=ckpt_dir), log=lambda *a, **k: None)
-    meta = checkpointer.load(trainer)
-    loaded = full_state(trainer) if meta else None
-    losses, ids = [], []
-    while trainer.step < until:
-        losses.append(trainer.train_step()["loss"])
-        ids.append(trainer.last_sample_ids.tolist())
-    saved = full_state(trainer)
-    checkpointer.save(trainer)
-    checkpointer.close()
+    with Job(MODEL, config(until), layout, torch.device("cpu"), ckpt=CheckpointConfig(dir=ckpt_dir),
+             tokens=tokens) as job:
+        trainer = job.trainer
+        loaded = full_state(trainer) if job.loaded else None
+        losses, ids = [], []
+        while trainer.step < until:
+            losses.append(trainer.train_step()["loss"])
+            ids.append(trainer.last_sample_ids.tolist())
+        saved = full_state(trainer)
+        job.checkpointer.save(trainer)
     c = trainer.engine.coords
     return {"loaded": loaded, "saved": saved, "losses": losses, "ids": ids, "reader": c.pp == 0 and c.tp == 0}
 

@@ -1,0 +1,146 @@
+"""One training job on an initialized process group: build -> load -> fit -> close.
+
+The CLI (one process, or each torchrun rank the elastic launcher starts), the tests and the benchmarks all
+train through `Job` (or `run_job`, the whole sequence in one call), so there is one sequence to get right:
+
+1. build the mesh, the checkpointer and the trainer; when a checkpoint will be loaded the weights are only
+   allocated, not initialized (a rescale pays for the load, not for an initialization it throws away);
+2. load the newest good checkpoint, resharded into this layout (or initialize from the seed if none loads);
+3. fit: steps until `until` (default: the run's last step), with periodic saves and stop requests agreed by
+   all ranks after every step; a stop or the end of `until` saves before returning;
+4. close: join an asynchronous save and release the checkpoint process group.
+
+Rank 0 writes each stage as an event (`elastic.events`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from elastic_trainer.checkpoint import Checkpointer, LoadStats, SaveStats
+from elastic_trainer.config import CheckpointConfig, ModelConfig, TrainConfig
+from elastic_trainer.elastic.events import EventLog
+from elastic_trainer.elastic.stop import StopRequest
+from elastic_trainer.parallel.mesh import build_mesh
+from elastic_trainer.plan.layout import Layout
+from elastic_trainer.train.loop import Trainer
+from elastic_trainer.train.metrics import MetricsLog
+
+
+@dataclass
+class JobResult:
+    status: str
+    """finished (the run's last step is done) or stopped (a stop request, or `until` before the end)."""
+    step: int
+    layout: Layout
+    records: list[dict] = field(default_factory=list)
+    """Step records of this job's fit."""
+    load: LoadStats | None = None
+    saves: list[SaveStats] = field(default_factory=list)
+
+
+def _quiet(*args, **kwargs) -> None:
+    pass
+
+
+class Job:
+    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, layout: Layout, device: torch.device, *,
+                 ckpt: CheckpointConfig | None = None, tokens: np.ndarray | None = None,
+                 log: MetricsLog | None = None, events: EventLog | None = None):
+        self.log = log or MetricsLog(None, enabled=False)
+        self.events = events or EventLog(None, enabled=False)
+        self.records: list[dict] = []
+        self.log.info(f"[train] {model_cfg.name} ({model_cfg.num_params() / 1e6:.1f} M parameters) on "
+                      f"{layout.world_size} rank(s), {device.type}: {layout.describe()}; global batch "
+                      f"{train_cfg.global_batch} x {train_cfg.seq_len} tokens, until step {train_cfg.steps}")
+        mesh = build_mesh(layout, device.type)
+        self.checkpointer = Checkpointer(ckpt, log=print if self.log.enabled else _quiet) if ckpt else None
+        resume = ckpt.resume if ckpt else "never"
+        found = self.checkpointer.candidates(resume) if self.checkpointer and resume != "never" else []
+        self.trainer = Trainer(model_cfg, train_cfg, layout, mesh, device, tokens=tokens, initialize=not found)
+        self.loaded = self.checkpointer.load_first(self.trainer, found, strict=resume != "auto") if found else None
+        if found and self.loaded is None:
+            self.trainer.initialize()  # every candidate failed verification: start from the seed
+        if self.checkpointer is not None:
+            self.checkpointer.prepare_fresh_run(resume if self.trainer.step == 0 else "auto")
+        load = dataclasses.asdict(self.loaded) if self.loaded else None
+        if load:
+            load.pop("meta")
+        self.events.emit("state_loaded", step=self.trainer.step, layout=layout.to_dict(), load=load)
+
+    def fit(self, stop: StopRequest | None = None, until: int | None = None) -> str:
+        """Train until global step `until` (default and at most the run's last step), saving as the
+        checkpoint config says. Returns "finished" or "stopped" (after saving)."""
+        trainer, checkpointer = self.trainer, self.checkpointer
+        last = trainer.cfg.steps if until is None else min(until, trainer.cfg.steps)
+        reason = None
+        while trainer.step < last and reason is None:
+            record = trainer.train_step()
+            self.log.write(record)
+            self.records.append(record)
+            if len(self.records) == 1:
+                self.events.emit("first_step_done", step=trainer.step, step_time_s=record["step_time_s"],
+                                 layout=trainer.layout.to_dict())
+            stop_now, save_due = _agree(stop, checkpointer, trainer.step)
+            if stop_now:
+                reason = (stop.reason if stop is not None else None) or "requested on another rank"
+            elif save_due:
+                checkpointer.save(trainer)
+        if reason is None and trainer.step < trainer.cfg.steps:
+            reason = f"until step {last}"
+        if reason is not None:
+            self.events.emit("stopping", step=trainer.step, reason=reason, last_step_end=self._last_step_end(),
+                             layout=trainer.layout.to_dict())
+            self.log.info(f"[train] stopped after step {trainer.step} ({reason})")
+        if checkpointer is not None:
+            if checkpointer.last_saved_step != trainer.step:
+                checkpointer.save(trainer, blocking=True)
+            checkpointer.wait()
+            saved = checkpointer.history[-1] if checkpointer.history else None
+            if saved is not None and saved.step == trainer.step:
+                self.events.emit("saved", step=trainer.step, save=dataclasses.asdict(saved))
+        if reason is None:
+            self.events.emit("finished", step=trainer.step)
+        return "finished" if reason is None else "stopped"
+
+    def _last_step_end(self) -> float | None:
+        return self.records[-1]["time"] if self.records else None
+
+    def close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+
+    def result(self, status: str) -> JobResult:
+        saves = self.checkpointer.history if self.checkpointer else []
+        return JobResult(status, self.trainer.step, self.trainer.layout, self.records, self.loaded, saves)
+
+    def __enter__(self) -> "Job":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def run_job(model_cfg: ModelConfig, train_cfg: TrainConfig, layout: Layout, device: torch.device, *,
+            ckpt: CheckpointConfig | None = None, stop: StopRequest | None = None, until: int | None = None,
+            tokens: np.ndarray | None = None, log: MetricsLog | None = None,
+            events: EventLog | None = None) -> JobResult:
+    """The whole sequence: build -> load -> fit -> close."""
+    with Job(model_cfg, train_cfg, layout, device, ckpt=ckpt, tokens=tokens, log=log, events=events) as job:
+        status = job.fit(stop, until)
+    return job.result(status)
+
+
+def _agree(stop: StopRequest | None, checkpointer: Checkpointer | None, step: int) -> tuple[bool, bool]:
+    """One all-reduce: does any rank want to stop; is a periodic save due (rank 0's clock decides)?"""
+    local_stop = stop is not None and stop.local()
+    local_save = checkpointer is not None and checkpointer.due(step) and (
+        dist.get_rank() == 0 or not checkpointer.cfg.save_interval_s)
+    flags = torch.tensor([float(local_stop), float(local_save)])
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # a CPU tensor: gloo, also beside NCCL
+    return bool(flags[0]), bool(flags[1])

@@ -122,10 +122,51 @@ def _add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ranks", default="2,4,8", help="local rank counts for the collective measurements")
 
 
+def _add_launch_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("launch", help="run the elastic job on the hosts of a hosts file (what ./run.sh does)",
+                       description="Run the job on the hosts of a hosts file: one torchrun agent per host, "
+                                   "re-planned and resharded at every GPU-count change. Arguments after -- go "
+                                   "to `train` on every rank.")
+    p.add_argument("--hosts", default="hosts.txt", help="hosts file: 'HOST' or 'HOST slots=N' per line "
+                                                        "(default hosts.txt)")
+    p.add_argument("--gpus-per-host", type=int, help="slots of a bare 'HOST' line (default: the GPUs here, "
+                                                     "else 4 CPU ranks)")
+    p.add_argument("--detect-self-ip", metavar="IFACE", help="host the rendezvous on this interface's address "
+                                                             "(and use it for gloo/NCCL traffic)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="model preset or model TOML (default: the run config's)")
+    src.add_argument("--config", help="run TOML with model, [train], [layout] and [launch] "
+                                      "(default configs/runs/default.toml when --model is not given)")
+    p.add_argument("--schedule", help="schedule JSON (or a name in configs/schedules/; 'none': all slots "
+                                      "until the end); default: the run config's")
+    p.add_argument("--data", nargs="+", help="'sotu' or .txt/.jsonl/.json/.parquet files or folders")
+    p.add_argument("--run-dir", default="runs/default", help="metrics, events, launch log and plot "
+                                                             "(default runs/default)")
+    p.add_argument("--checkpoint-dir", help="checkpoints, on storage every host sees (default RUN_DIR/checkpoints)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint "
+                                                         "(an error if there is none; without it a run continues "
+                                                         "when one exists)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and each host's command, start nothing")
+    r = p.add_argument_group("hosts and rendezvous")
+    r.add_argument("--ssh-port", type=int, help="ssh port of the remote hosts")
+    r.add_argument("--ssh-identity", help="ssh private key for the remote hosts")
+    r.add_argument("--ssh-option", action="append", default=[], metavar="KEY=VALUE", help="extra ssh -o option")
+    r.add_argument("--force-ssh", action="append", default=[], metavar="HOST",
+                   help="start HOST through ssh even though it names this machine")
+    r.add_argument("--remote-root", help="project folder on the remote hosts (default: this one's path)")
+    r.add_argument("--rdzv-port", type=int, default=0, help="rendezvous port (default: any free one)")
+    r.add_argument("--rdzv-conf", action="append", default=[], metavar="KEY=VALUE",
+                   help="c10d rendezvous setting, e.g. last_call_timeout=30")
+    r.add_argument("--max-restarts", type=int, default=3, help="worker-group restarts per phase (default 3)")
+    r.add_argument("--min-hosts", type=int, default=1, help="hosts a phase needs to go on after losing some")
+    p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then `train` arguments for every rank")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elastic-trainer", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train_parser(sub)
+    _add_launch_parser(sub)
     _add_checkpoint_parser(sub)
     _add_plan_parser(sub)
     _add_calibrate_parser(sub)
@@ -219,6 +260,11 @@ def resolve_train_args(args: argparse.Namespace,
     elif {"dp", "tp", "pp"} <= set(layout_table):
         dp, tp, pp = layout_table["dp"], layout_table["tp"], layout_table["pp"]
     else:
+        # Rank 0 plans for the real hosts once the process group exists; planning for hosts of
+        # LOCAL_WORLD_SIZE ranks here makes bad settings (a micro-batch that cannot split the batch, a
+        # count no layout fits) fail before anything starts.
+        plan(_plan_request(args, model, train, layout_table, world_size,
+                           env_int("LOCAL_WORLD_SIZE", world_size, minimum=1)))
         return model, train, None, layout_table
     micro, mode, recompute = _layout_settings(args, layout_table)
     micro_batch, num_microbatches = split_batch(train.global_batch, dp, micro)
@@ -235,7 +281,8 @@ def check_hosts(layout: Layout, model: ModelConfig, topology: Topology) -> None:
 
 
 def run_train(args: argparse.Namespace, model: ModelConfig, train: TrainConfig, layout: Layout | None,
-              layout_table: dict, ckpt: CheckpointConfig | None = None) -> int:
+              layout_table: dict, ckpt: CheckpointConfig | None = None, started: float = IMPORTED_AT,
+              forked: bool = False) -> int:
     """Join the process group, settle one layout for the job (planned on rank 0 for the real hosts unless
     given), then the job sequence (train.job)."""
     import torch.distributed as dist
@@ -246,6 +293,10 @@ def run_train(args: argparse.Namespace, model: ModelConfig, train: TrainConfig, 
     from elastic_trainer.parallel.agree import agree, gather_topology
     from elastic_trainer.train import MetricsLog, run_job
 
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        from elastic_trainer.elastic.lifetime import die_with_parent
+
+        die_with_parent()  # a killed agent (a lost host) takes its workers with it; the survivors re-form
     device = default_device()
     init_process_group(device)
     stop = StopRequest(args.stop_file)
@@ -253,7 +304,7 @@ def run_train(args: argparse.Namespace, model: ModelConfig, train: TrainConfig, 
     tags = {k: v for k, v in (("phase", args.phase), ("restart", _restart_count())) if v is not None}
     events = EventLog(args.events_file, enabled=rank0, tags=tags)
     try:
-        events.emit("processes_up", started=IMPORTED_AT, world_size=dist.get_world_size())
+        events.emit("processes_up", started=started, world_size=dist.get_world_size())
         topology = gather_topology()
         if layout is None:
             layout, line = agree(lambda: plan_for_hosts(args, model, train, layout_table, topology))
@@ -270,6 +321,10 @@ def run_train(args: argparse.Namespace, model: ModelConfig, train: TrainConfig, 
         stop.close()
         events.close()
         dist.destroy_process_group()
+    if forked and stop.reason == "SIGTERM":
+        # The agent is stopping its workers: it will not collect a forked worker's return value (the worker
+        # would wait for that until killed), and the state is saved.
+        _finish_worker(0, force=True)
     return exit_code(result.status)
 
 
@@ -277,6 +332,42 @@ def _restart_count() -> int | None:
     """torchrun's count of worker-group restarts (None outside torchrun)."""
     value = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     return int(value) if value and value.isdigit() else None
+
+
+def parse_train_command(argv: list[str]) -> tuple[argparse.Namespace, ModelConfig, TrainConfig, Layout | None,
+                                                   dict]:
+    """`train` arguments as the launcher forwards them to every rank, resolved to configs (the layout, if
+    given, is checked per phase). ConfigError on bad input."""
+    args = build_parser().parse_args(["train", *argv])
+    model, train, layout_table = _job_configs(args)
+    from elastic_trainer.data.corpus import resolve_files
+
+    resolve_files(train.data)
+    layout = None
+    if args.layout or {"dp", "tp", "pp"} <= set(layout_table):
+        dp, tp, pp = parse_degrees(args.layout) if args.layout else (layout_table[k] for k in ("dp", "tp", "pp"))
+        micro, mode, recompute = _layout_settings(args, layout_table)
+        micro_batch, num_microbatches = split_batch(train.global_batch, dp, micro)
+        layout = Layout(dp, tp, pp, micro_batch, num_microbatches, dp_mode=mode or "fsdp", recompute=bool(recompute))
+    return args, model, train, layout, layout_table
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    from elastic_trainer.launch.commands import SshSettings
+    from elastic_trainer.launch.driver import launch
+    from elastic_trainer.launch.setup import LaunchOptions, JobSetup, launch_train_argv
+
+    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    if train_args and not train_args[0].startswith("-"):
+        raise ConfigError(f"unexpected {train_args[0]!r}: put `train` arguments after -- (see launch --help)")
+    train_argv, schedule = launch_train_argv(args.model, args.config, args.data, args.schedule, train_args)
+    opts = LaunchOptions(hosts=args.hosts, gpus_per_host=args.gpus_per_host, detect_self_ip=args.detect_self_ip,
+                         schedule=schedule, run_dir=args.run_dir, checkpoint_dir=args.checkpoint_dir,
+                         resume=args.resume, ssh=SshSettings(args.ssh_port, args.ssh_identity, tuple(args.ssh_option)),
+                         force_ssh=tuple(args.force_ssh), rdzv_port=args.rdzv_port, rdzv_conf=tuple(args.rdzv_conf),
+                         max_restarts=args.max_restarts, min_hosts=args.min_hosts, remote_root=args.remote_root,
+                         train_argv=tuple(train_argv))
+    return launch(JobSetup(opts), dry_run=args.dry_run)
 
 
 def run_checkpoint(args: argparse.Namespace) -> int:
@@ -325,6 +416,16 @@ def run_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _finish_worker(code: int, force: bool = False) -> int:
+    """A torchrun worker whose files are closed and process groups destroyed ends here without Python's
+    interpreter teardown, which takes ~2 s of 8 ranks on 2 cores and delays every reconfiguration."""
+    if force or "TORCHELASTIC_RUN_ID" in os.environ:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
 def _recorded(fn):
     """Under torchrun, record an uncaught exception in the error file its agent reads, so a failing rank
     names itself (rank, host, traceback) in the agent's and the launcher's log."""
@@ -335,7 +436,9 @@ def _recorded(fn):
     return record(fn)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, started: float | None = None, forked: bool = False) -> int:
+    """`started`: when this worker's process began (a forked one: at the fork; default: the package import);
+    `forked`: a worker forked by the launcher's agent, which ends through multiprocessing's own exit."""
     args = build_parser().parse_args(argv)
     try:
         if args.command == "train":
@@ -343,7 +446,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.until_step is not None and args.until_step < 1:
                 raise ConfigError(f"--until-step {args.until_step} must be a positive step number")
             model, train, layout, layout_table = resolve_train_args(args, world_size_from_env())
-            return _recorded(run_train)(args, model, train, layout, layout_table, ckpt)
+            code = _recorded(run_train)(args, model, train, layout, layout_table, ckpt, started or IMPORTED_AT,
+                                        forked)
+            return code if forked else _finish_worker(code)
+        if args.command == "launch":
+            return run_launch(args)
         if args.command == "checkpoint":
             return run_checkpoint(args)
         if args.command == "plan":

@@ -251,14 +251,20 @@ class RunConfig:
     model: ModelConfig
     train: TrainConfig
     layout: dict[str, Any] = field(default_factory=dict)
+    launch: dict[str, Any] = field(default_factory=dict)
+    """What `launch` takes from the file: `schedule` (a schedule file or preset name)."""
 
 
 def load_run_config(path: str | os.PathLike) -> RunConfig:
     table = read_toml(path)
-    unknown = sorted(set(table) - {"model", "train", "layout"})
+    unknown = sorted(set(table) - {"model", "train", "layout", "launch"})
     if unknown:
         raise ConfigError(f"run config {str(path)!r}: unknown table(s) {', '.join(unknown)} "
-                          "(valid: model, train, layout)")
+                          "(valid: model, train, layout, launch)")
+    launch = dict(table.get("launch", {}))
+    if set(launch) - {"schedule"}:
+        raise ConfigError(f"run config {str(path)!r} [launch]: unknown key(s) "
+                          f"{', '.join(sorted(set(launch) - {'schedule'}))} (valid: schedule)")
     model_entry = table.get("model")
     if model_entry is None:
         raise ConfigError(f"run config {str(path)!r} has no model (add model = \"gpt-tiny\")")
@@ -272,4 +278,4 @@ def load_run_config(path: str | os.PathLike) -> RunConfig:
             entry = base
         model = from_dict(ModelConfig, entry, f"run config {str(path)!r} [model]")
     train = from_dict(TrainConfig, table.get("train", {}), f"run config {str(path)!r} [train]")
-    return RunConfig(model=model, train=train, layout=dict(table.get("layout", {})))
+    return RunConfig(model=model, train=train, layout=dict(table.get("layout", {})), launch=launch)

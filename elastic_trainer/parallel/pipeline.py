@@ -14,7 +14,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from elastic_trainer.model.gpt import GPT
 from elastic_trainer.plan.layout import Layout
@@ -39,6 +38,9 @@ def build_schedule(
     device: torch.device, loss_fn: Callable,
 ):
     """1F1B (at most pp micro-batches in flight) when there are enough micro-batches, else GPipe."""
+    # imported here: it pulls in torch._dynamo (0.6 s per process), which a layout with pp = 1 never needs
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
     stage = PipelineStage(stage_module, stage_index, layout.pp, device, group=pp_group)
     schedule_cls = Schedule1F1B if layout.num_microbatches >= layout.pp else ScheduleGPipe
     return schedule_cls(stage, n_microbatches=layout.num_microbatches, loss_fn=loss_fn, scale_grads=False)

@@ -107,6 +107,11 @@ class Layout:
         return (f"dp={self.dp} tp={self.tp} pp={self.pp} micro_batch={self.micro_batch} "
                 f"num_microbatches={self.num_microbatches} ({mode})")
 
+    def compact(self) -> str:
+        """'dp2 tp1 pp2, 2x2 fsdp': degrees, micro-batch x micro-batches, mode (for tables)."""
+        mode = self.dp_mode + ("+rc" if self.recompute else "")
+        return f"dp{self.dp} tp{self.tp} pp{self.pp}, {self.micro_batch}x{self.num_microbatches} {mode}"
+
     def to_dict(self) -> dict:
         return asdict(self)
 

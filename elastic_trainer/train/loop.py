@@ -74,5 +74,5 @@ class Trainer:
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
                 "step_time_s": dt, "tokens_per_s": cfg.global_batch * cfg.seq_len / dt,
                 "samples": [self.consumed_samples - cfg.global_batch, self.consumed_samples],
-                "world_size": self.layout.world_size, "layout": self.layout.describe(),
+                "world_size": self.layout.world_size, "layout": self.layout.to_dict(),
                 "time": time.time()}

@@ -1,0 +1,146 @@
+"""From a run's metrics and events: the trajectory that counts, the phase table, the downtime of every
+reconfiguration (with where it went), the exactly-once check, and the loss plot.
+
+A rank that dies after its last checkpoint leaves step records that the restart redoes; the later record of
+a step replaces the earlier ones (`effective`). A *segment* is a run of effective steps trained by one start of
+the job (one phase, one torchrun restart); the gap between two segments is a reconfiguration's downtime:
+from the end of the last step before it to the start of the first step after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from elastic_trainer.plan.layout import Layout
+
+# Stages of a reconfiguration, each ending at the named event (see elastic.events).
+STAGES = (("save_s", "saved"), ("exit_s", "exited"), ("relaunch_s", "launched"), ("start_s", "processes_up"),
+          ("setup_s", "state_loaded"))
+
+
+def effective(records: list[dict]) -> list[dict]:
+    """Step records in file order, each step's last record winning (steps redone after a restart)."""
+    kept: list[dict] = []
+    for r in records:
+        while kept and kept[-1]["step"] >= r["step"]:
+            kept.pop()
+        kept.append(r)
+    return kept
+
+
+def samples_consumed_once(records: list[dict]) -> bool:
+    """Whether the effective steps tile global samples [0, n) with no gap and no overlap."""
+    position = records[0]["samples"][0] if records else 0
+    for r in records:
+        start, stop = r["samples"]
+        if start != position:
+            return False
+        position = stop
+    return True
+
+
+@dataclass
+class Segment:
+    phase: int | None
+    restart: int | None
+    world_size: int
+    layout: dict
+    records: list[dict] = field(default_factory=list)
+
+    @property
+    def start(self) -> float:
+        first = self.records[0]
+        return first["time"] - first["step_time_s"]
+
+    @property
+    def end(self) -> float:
+        return self.records[-1]["time"]
+
+
+def segments(records: list[dict]) -> list[Segment]:
+    out: list[Segment] = []
+    for r in effective(records):
+        key = (r.get("phase"), r.get("restart"), r["world_size"], r["layout"])
+        if not out or (out[-1].phase, out[-1].restart, out[-1].world_size, out[-1].layout) != key:
+            out.append(Segment(*key))
+        out[-1].records.append(r)
+    return out
+
+
+def downtime(before: Segment, after: Segment, events: list[dict]) -> dict:
+    """The gap between two segments and its stages (seconds; None where the event was not recorded)."""
+    window = [e for e in events if before.end <= e["time"] <= after.records[0]["time"]]
+    out: dict = {"downtime_s": after.start - before.end}
+    last = before.end
+    for name, event in STAGES:
+        hit = next((e for e in window if e["event"] == event and e["time"] >= last), None)
+        out[name] = None if hit is None else hit["time"] - last
+        last = hit["time"] if hit is not None else last
+        if event == "state_loaded" and hit is not None and hit.get("load"):
+            out["load_s"] = hit["load"]["total_s"]
+    out["first_step_s"] = after.records[0]["step_time_s"]
+    return out
+
+
+def phase_rows(records: list[dict], events: list[dict]) -> list[dict]:
+    """One row per segment: phase, ranks, layout, steps, loss at its end, downtime before it."""
+    segs = segments(records)
+    rows = []
+    for i, seg in enumerate(segs):
+        gap = downtime(segs[i - 1], seg, events) if i else None
+        rows.append({"phase": seg.phase, "restart": seg.restart, "ranks": seg.world_size,
+                     "layout": Layout.from_dict(seg.layout).compact(),
+                     "steps": (seg.records[0]["step"], seg.records[-1]["step"]), "loss": seg.records[-1]["loss"],
+                     "downtime": gap})
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    head = ("phase", "ranks", "layout", "steps", "loss at end", "downtime s", "of which load s")
+    table = []
+    for r in rows:
+        gap = r["downtime"]
+        phase = "-" if r["phase"] is None else str(r["phase"] + 1)
+        if r["restart"]:
+            phase += f" (restart {r['restart']})"
+        table.append((phase, str(r["ranks"]), r["layout"], f"{r['steps'][0]}-{r['steps'][1]}", f"{r['loss']:.4f}",
+                      "-" if gap is None else f"{gap['downtime_s']:.1f}",
+                      "-" if not gap or gap.get("load_s") is None else f"{gap['load_s']:.2f}"))
+    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(head)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in table]
+    return "\n".join(lines)
+
+
+def plot(records: list[dict], path: str, title: str = "") -> str:
+    """Loss against step and against time, the rank count underneath; downtime shaded. Returns `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    segs = segments(records)
+    t0 = segs[0].start
+    fig, axes = plt.subplots(2, 2, figsize=(11, 5.5), sharex="col", gridspec_kw={"height_ratios": [3, 1]})
+    for seg in segs:
+        steps = [r["step"] for r in seg.records]
+        times = [(r["time"] - t0) / 60 for r in seg.records]
+        losses = [r["loss"] for r in seg.records]
+        for col, xs in ((0, steps), (1, times)):
+            axes[0, col].plot(xs, losses, color="C0")
+            axes[1, col].step(xs, [seg.world_size] * len(xs), where="post", color="C1")
+    for a, b in zip(segs, segs[1:]):
+        axes[0, 1].axvspan((a.end - t0) / 60, (b.start - t0) / 60, color="0.85")
+        axes[1, 1].plot([(a.end - t0) / 60, (b.start - t0) / 60], [0, 0], color="C3", lw=4)
+    axes[0, 0].set_ylabel("loss")
+    axes[1, 0].set_ylabel("ranks")
+    axes[1, 0].set_xlabel("step")
+    axes[1, 1].set_xlabel("minutes (grey: reconfiguration)")
+    for ax in axes[1]:
+        ax.set_ylim(bottom=0)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

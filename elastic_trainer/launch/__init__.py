@@ -1,0 +1,1 @@
+"""The launcher: hosts files, per-host torchrun/ssh commands, and the driver that runs them."""

@@ -1,0 +1,108 @@
+"""What runs on each host, as argument lists: one torchrun agent per host (c10d rendezvous), started directly
+on this machine or through ssh on another. Pure: nothing is executed here, and nothing is concatenated into a
+shell string except the remote command ssh needs, which is quoted from a list with shlex.join. Host names
+reach it only after hosts.valid_host_name accepted them.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+
+from elastic_trainer.launch.hosts import Host, HostsError
+
+# c10d rendezvous settings: the launcher hosts the store (no agent is its host, so losing any host leaves the
+# rendezvous up); a lost host is noticed within keep_alive_interval * keep_alive_max_attempt seconds.
+RDZV_CONF = {"is_host": "false", "join_timeout": "600", "last_call_timeout": "10", "keep_alive_interval": "2",
+             "keep_alive_max_attempt": "3"}
+# torch >= 2.4 shares one store across rendezvous rounds without a per-round prefix, so restarted workers can
+# read a dead peer's address and fail once more (measured: one wasted restart, 15 s); opt out.
+AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One host's part of a phase."""
+
+    host: Host
+    nproc: int
+    """Ranks (GPUs) started on this host."""
+    local: bool
+    """Started on this machine directly; otherwise through ssh."""
+
+
+def allocate(hosts: list[Host], gpus: int, source: str = "hosts file") -> list[tuple[Host, int]]:
+    """`gpus` ranks over the hosts in file order, each host filled up to its slots before the next."""
+    total = sum(h.slots for h in hosts)
+    if gpus > total:
+        raise HostsError(f"{gpus} GPUs asked for, but the hosts in {source} have {total} slots")
+    out, left = [], gpus
+    for host in hosts:
+        if left == 0:
+            break
+        take = min(host.slots, left)
+        out.append((host, take))
+        left -= take
+    return out
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """What every agent of one phase shares."""
+
+    run_id: str
+    endpoint: str
+    """HOST:PORT of the rendezvous store."""
+    max_nodes: int
+    min_nodes: int = 1
+    max_restarts: int = 3
+    rdzv_conf: dict = field(default_factory=lambda: dict(RDZV_CONF))
+    train_argv: tuple[str, ...] = ()
+    """Arguments of `elastic-trainer train`."""
+
+
+def agent_argv(python: str, spec: AgentSpec, placement: Placement) -> list[str]:
+    """The agent of one host: torchrun's own entry (wrapped so the agent dies with its parent) running
+    `elastic-trainer train` on its ranks."""
+    conf = ",".join(f"{k}={v}" for k, v in spec.rdzv_conf.items())
+    return [python, "-m", "elastic_trainer.launch.agent",
+            "--nnodes", f"{spec.min_nodes}:{spec.max_nodes}", "--nproc-per-node", str(placement.nproc),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", spec.endpoint, "--rdzv-id", spec.run_id,
+            "--rdzv-conf", conf, "--max-restarts", str(spec.max_restarts), "--local-addr", placement.host.name,
+            "-m", "elastic_trainer.cli", "train", *spec.train_argv]
+
+
+def remote_argv(remote_root: str, env: dict[str, str], argv: list[str]) -> list[str]:
+    """The command a remote host runs: the bootstrap (project folder, its environment, stop on hang-up)."""
+    return [f"{remote_root}/launch/remote.sh", "env", *(f"{k}={v}" for k, v in env.items()), *argv]
+
+
+@dataclass(frozen=True)
+class SshSettings:
+    port: int | None = None
+    identity: str | None = None
+    options: tuple[str, ...] = ()
+    """Extra `-o KEY=VALUE` options, e.g. UserKnownHostsFile=..."""
+
+
+def ssh_argv(host: Host, remote: list[str], ssh: SshSettings) -> list[str]:
+    """ssh in batch mode (never a password prompt) without a tty (stdout and stderr stay apart)."""
+    cmd = ["ssh", "-T", "-o", "BatchMode=yes"]
+    for option in ssh.options:
+        cmd += ["-o", option]
+    if ssh.port is not None:
+        cmd += ["-p", str(ssh.port)]
+    if ssh.identity:
+        cmd += ["-i", ssh.identity, "-o", "IdentitiesOnly=yes"]
+    return [*cmd, host.name, "--", shlex.join(remote)]
+
+
+def host_command(placement: Placement, spec: AgentSpec, env: dict[str, str], *, python: str, remote_root: str,
+                 remote_python: str, ssh: SshSettings) -> tuple[list[str], dict[str, str]]:
+    """(argv to run on this machine, environment additions) for one host: the agent itself when the host is
+    this machine, else ssh with the agent as its remote command (ssh forwards no environment: it goes in
+    the command)."""
+    env = {**AGENT_ENV, **env}
+    if placement.local:
+        return agent_argv(python, spec, placement), env
+    return ssh_argv(placement.host, remote_argv(remote_root, env, agent_argv(remote_python, spec, placement)), ssh), {}

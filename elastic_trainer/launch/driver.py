@@ -1,0 +1,217 @@
+"""The launcher's driver: the only code here that starts processes.
+
+`elastic-trainer launch` (what ./run.sh calls) reads the hosts file and the schedule, checks and plans every
+phase before anything starts, hosts the rendezvous store, and runs the job phase by phase: per phase one
+torchrun agent per host (directly on this machine, through ssh elsewhere), their output prefixed with the
+host and copied to RUN_DIR/launch.log. A phase ends when its steps are done (the ranks stop themselves at
+--until-step) or its time is up (the driver writes the stop file; the ranks finish their step, save and
+exit); the next phase starts with its own GPU count, and every start re-plans and reshards from the newest
+checkpoint. Within a phase torchrun handles membership: a lost host makes the survivors restart their
+workers in the smaller world, which re-plans and resumes from the last periodic checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from elastic_trainer.config import ConfigError
+from elastic_trainer.elastic.events import EVENTS_FILE, EventLog, read_jsonl
+from elastic_trainer.elastic.schedule import Phase
+from elastic_trainer.elastic.report import format_rows, phase_rows, plot
+from elastic_trainer.launch.commands import AgentSpec, Placement
+from elastic_trainer.launch.setup import JobSetup
+
+POLL_S = 0.1
+
+
+@dataclass
+class Agent:
+    host: str
+    proc: subprocess.Popen
+    pump: threading.Thread
+
+
+@dataclass
+class PhaseOutcome:
+    codes: dict[str, int]
+    stop_requested: bool
+    interrupted: bool = False
+
+
+class Output:
+    """Prefixed lines from every agent to stdout and the launch log, one line at a time."""
+
+    def __init__(self, path: Path):
+        self._lock = threading.Lock()
+        self._log = open(path, "a", buffering=1)
+
+    def line(self, text: str) -> None:
+        with self._lock:
+            print(text, flush=True)
+            self._log.write(text + "\n")
+
+    def pump(self, host: str, stream) -> None:
+        for raw in iter(stream.readline, b""):
+            self.line(f"[{host}] {raw.decode(errors='replace').rstrip()}")
+        stream.close()
+
+    def close(self) -> None:
+        self._log.close()
+
+
+@dataclass
+class Driver:
+    job: JobSetup
+    out: Output = field(init=False)
+    events: EventLog = field(init=False)
+    job_id: str = field(default_factory=lambda: f"et-{uuid.uuid4().hex[:8]}")
+    _interrupts: int = 0
+
+    def say(self, text: str) -> None:
+        self.out.line(f"[launch] {text}")
+
+    def run(self) -> int:
+        job = self.job
+        first = job.first_phase()  # raises on --resume without a checkpoint, before anything is written
+        job.run_dir.mkdir(parents=True, exist_ok=True)
+        job.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        self.out = Output(job.run_dir / "launch.log")
+        self.events = EventLog(job.run_dir / EVENTS_FILE, tags={"writer": "launch"})
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            for line in job.describe():
+                self.say(line)
+            store = self._start_store()
+            code = self._phases(first, store.port)
+            self.summary()
+            return code
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            self.events.close()
+            self.out.close()
+
+    def _start_store(self):
+        """The rendezvous store, hosted here for the whole job: no agent hosts it, so any host may be lost."""
+        from torch.distributed import TCPStore
+
+        try:
+            store = TCPStore(self.job.endpoint_host() if self.job.iface else "0.0.0.0", self.job.opts.rdzv_port,
+                             is_master=True, wait_for_workers=False)
+        except (RuntimeError, OSError) as e:
+            raise ConfigError(f"cannot host the rendezvous on port {self.job.opts.rdzv_port} ({e}); "
+                              "choose another with --rdzv-port") from None
+        self.say(f"rendezvous: {self.job.endpoint_host()}:{store.port} (c10d, hosted by this launcher)")
+        return store
+
+    def summary(self) -> None:
+        """The phase table and the loss plot, from the run's metrics and events."""
+        records = read_jsonl(self.job.run_dir / "metrics.jsonl")
+        if not records:
+            return
+        rows = phase_rows(records, read_jsonl(self.job.run_dir / EVENTS_FILE))
+        self.say("phases:\n" + format_rows(rows))
+        try:
+            path = plot(records, str(self.job.run_dir / "loss.png"), f"{self.job.model.name}: loss and ranks")
+            self.say(f"loss plot: {path}")
+        except ImportError:
+            self.say("loss plot skipped: matplotlib is not installed")
+
+    def _on_signal(self, signum, frame) -> None:
+        self._interrupts += 1
+
+    def _phases(self, index: int | None, port: int) -> int:
+        job = self.job
+        if index is None:
+            self.say(f"nothing to train: the newest checkpoint is step {job.checkpoint_step()} of "
+                     f"{job.train.steps}" + (" and the schedule ends there" if job.checkpoint_step() < job.train.steps
+                                             else ""))
+            return 0
+        while index is not None:
+            phase = job.phases[index]
+            outcome = self.run_phase(index, phase, port)
+            step = job.checkpoint_step()
+            failed = {h: c for h, c in outcome.codes.items() if c != 0}
+            if failed and len(failed) == len(outcome.codes) and step < job.train.steps:
+                self.say(f"phase {index + 1} failed on every host ({_codes(failed)}); the newest checkpoint is "
+                         f"step {step}: fix the cause above, then rerun with --resume")
+                return 1
+            if failed:
+                self.say(f"phase {index + 1}: {_codes(failed)}; the job went on without them")
+            if step >= job.train.steps:
+                self.say(f"finished: step {step} of {job.train.steps}")
+                return 0
+            if outcome.interrupted or (not outcome.stop_requested and phase.duration_s is not None) \
+                    or job.stop_file.exists():
+                self.say(f"stopped at step {step}; continue with --resume")
+                return 0
+            index = index + 1 if index + 1 < len(job.phases) else None
+        self.say(f"the schedule ended at step {job.checkpoint_step()} of {job.train.steps}; "
+                 "continue with --resume (and a schedule)")
+        return 0
+
+    def run_phase(self, index: int, phase: Phase, port: int) -> PhaseOutcome:
+        job = self.job
+        placements = job.placements(phase)
+        job.stop_file.unlink(missing_ok=True)
+        spec = job.agent_spec(index, phase, placements, port, self.job_id)
+        self.say(job.phase_line(index))
+        self.say(job.plans[index][1])
+        agents = [self._start(p, spec) for p in placements]
+        launched = time.time()
+        self.events.emit("launched", phase=index, gpus=phase.gpus, run_id=spec.run_id,
+                         hosts=[[p.host.name, p.nproc] for p in placements])
+        stop_requested, interrupted = False, False
+        while any(a.proc.poll() is None for a in agents):
+            time.sleep(POLL_S)
+            due = phase.duration_s is not None and time.time() - launched >= phase.duration_s
+            if (due or self._interrupts) and not stop_requested:
+                job.stop_file.touch()
+                stop_requested, interrupted = True, bool(self._interrupts)
+                self.events.emit("stop_requested", phase=index, reason="interrupt" if interrupted else "phase end")
+                self.say("interrupted: the ranks finish their step and save (Ctrl-C again to abort)"
+                         if interrupted else f"phase {index + 1} is over: asking the ranks to save and stop")
+            if self._interrupts > 1:
+                self._terminate(agents)
+        for a in agents:
+            a.pump.join()
+        codes = {a.host: a.proc.returncode for a in agents}
+        self.events.emit("exited", phase=index, codes=codes)
+        return PhaseOutcome(codes, stop_requested, interrupted)
+
+    def _start(self, placement: Placement, spec: AgentSpec) -> Agent:
+        argv, env = self.job.command(placement, spec)
+        # stdin stays an open pipe: a remote host's bootstrap stops its agent when the pipe closes
+        proc = subprocess.Popen(argv, env={**os.environ, **env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        pump = threading.Thread(target=self.out.pump, args=(placement.host.name, proc.stdout), daemon=True)
+        pump.start()
+        return Agent(placement.host.name, proc, pump)
+
+    def _terminate(self, agents: list[Agent]) -> None:
+        for a in agents:
+            if a.proc.poll() is None:
+                a.proc.terminate()  # the local agent stops its workers; ssh closes, remote.sh stops the agent
+                a.proc.stdin.close()
+
+
+def _codes(codes: dict[str, int]) -> str:
+    def describe(code: int) -> str:
+        return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+    return ", ".join(f"agent on {host}: {describe(code)}" for host, code in codes.items())
+
+
+def launch(job: JobSetup, dry_run: bool = False) -> int:
+    """Run the job (or print what would run); the exit code of `elastic-trainer launch`."""
+    if dry_run:
+        for line in [*job.describe(), *job.dry_run()]:
+            print(f"[launch] {line}")
+        return 0
+    return Driver(job).run()

@@ -1,0 +1,239 @@
+"""Everything the launcher settles before it starts anything: hosts, schedule, the job's configs, a plan for
+every phase, paths, the rendezvous endpoint and each host's command. Bad input of any kind is a one-line
+ConfigError here, before a file is written or a process started (so a dry run checks exactly what a run would).
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from elastic_trainer.config import ConfigError
+from elastic_trainer.elastic.events import EVENTS_FILE, read_jsonl
+from elastic_trainer.elastic.schedule import Phase, load_schedule, phase_at, step_ends
+from elastic_trainer.launch.commands import RDZV_CONF, AgentSpec, Placement, SshSettings, allocate, host_command
+from elastic_trainer.launch.hosts import HostsError, default_slots, interface_ipv4, is_local, read_hosts
+from elastic_trainer.plan.layout import Layout
+from elastic_trainer.plan.topology import Topology
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+# `train` flags the launcher sets itself, per phase
+OWNED_FLAGS = ("--checkpoint-dir", "--metrics-file", "--events-file", "--stop-file", "--until-step", "--phase",
+               "--resume")
+FORWARDED_ENV_PREFIXES = ("ELASTIC_TRAINER_", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", "NCCL_", "HF_")
+
+
+@dataclass
+class LaunchOptions:
+    hosts: str = "hosts.txt"
+    gpus_per_host: int | None = None
+    detect_self_ip: str | None = None
+    schedule: str | None = None
+    run_dir: str = "runs/default"
+    checkpoint_dir: str | None = None
+    resume: bool = False
+    ssh: SshSettings = field(default_factory=SshSettings)
+    force_ssh: tuple[str, ...] = ()
+    rdzv_port: int = 0
+    rdzv_conf: tuple[str, ...] = ()
+    max_restarts: int = 3
+    min_hosts: int = 1
+    remote_root: str | None = None
+    train_argv: tuple[str, ...] = ()
+    """`train` arguments for every rank (model, data and training settings)."""
+
+
+DEFAULT_RUN = "default"
+"""configs/runs/default.toml: the job ./run.sh runs with no arguments."""
+
+
+def launch_train_argv(model: str | None, config: str | None, data: list[str] | None, schedule: str | None,
+                      train_args: list[str]) -> tuple[list[str], str | None]:
+    """The `train` arguments every rank gets (paths made absolute: remote hosts start in the project folder)
+    and the schedule: --schedule, else the run config's [launch] schedule; 'none' means no schedule."""
+    from elastic_trainer.config import configs_dir, load_run_config
+
+    if model is None and config is None:
+        config = str(configs_dir() / "runs" / f"{DEFAULT_RUN}.toml")
+    if config is not None:
+        argv = ["--config", str(Path(config).resolve())]
+        schedule = schedule or load_run_config(config).launch.get("schedule")
+    else:
+        argv = ["--model", str(Path(model).resolve()) if Path(model).suffix else model]
+    if data:
+        argv += ["--data", *(d if d == "sotu" else str(Path(d).resolve()) for d in data)]
+    return [*argv, *train_args], None if schedule in (None, "none") else schedule
+
+
+def _owned(argv: tuple[str, ...]) -> str | None:
+    return next((a.split("=", 1)[0] for a in argv if a.split("=", 1)[0] in OWNED_FLAGS), None)
+
+
+class JobSetup:
+    def __init__(self, opts: LaunchOptions):
+        from elastic_trainer import cli
+
+        self.opts = opts
+        if opts.gpus_per_host is not None and opts.gpus_per_host < 1:
+            raise HostsError(f"--gpus-per-host {opts.gpus_per_host} must be a positive integer")
+        self.hosts = read_hosts(opts.hosts, opts.gpus_per_host or default_slots())
+        names = {h.name for h in self.hosts}
+        unknown = [n for n in opts.force_ssh if n not in names]
+        if unknown:
+            raise HostsError(f"--force-ssh {unknown[0]!r} is not a host of {opts.hosts}")
+        self.total_slots = sum(h.slots for h in self.hosts)
+        self.phases = load_schedule(opts.schedule) if opts.schedule else [Phase(self.total_slots)]
+        owned = _owned(opts.train_argv)
+        if owned:
+            raise ConfigError(f"{owned} is set by launch for every phase; use launch's own options "
+                              "(--checkpoint-dir, --run-dir, --resume, --schedule)")
+        self.args, self.model, self.train, self.layout, self.layout_table = cli.parse_train_command(
+            list(opts.train_argv))
+        self.run_dir = Path(opts.run_dir).resolve()
+        self.checkpoint_dir = Path(opts.checkpoint_dir or self.run_dir / "checkpoints").resolve()
+        self.stop_file = self.run_dir / "stop"
+        self.iface = interface_ipv4(opts.detect_self_ip) if opts.detect_self_ip else None
+        self.plans = [self._plan(i, p) for i, p in enumerate(self.phases)]
+
+    # -- checks and plans -------------------------------------------------------------------------------
+
+    def placements(self, phase: Phase) -> list[Placement]:
+        return [Placement(h, n, is_local(h.name) and h.name not in self.opts.force_ssh)
+                for h, n in allocate(self.hosts, phase.gpus, self.opts.hosts)]
+
+    def _plan(self, index: int, phase: Phase) -> tuple[Layout, str]:
+        """The layout rank 0 will choose for this phase's hosts (the same function, the same inputs)."""
+        from elastic_trainer import cli
+
+        where = f"schedule phase {index + 1} ({phase.gpus} GPUs)" if self.opts.schedule else "the hosts"
+        try:
+            topology = Topology(tuple(p.nproc for p in self.placements(phase)))
+            if self.layout is not None:
+                self.layout.validate(topology.world_size, self.model, self.train.global_batch)
+                cli.check_hosts(self.layout, self.model, topology)
+                return self.layout, f"[plan] given: {self.layout.describe()}"
+            return cli.plan_for_hosts(self.args, self.model, self.train, self.layout_table, topology)
+        except ConfigError as e:
+            raise type(e)(f"{where}: {e}") from None
+
+    # -- the run's state --------------------------------------------------------------------------------
+
+    def checkpoint_step(self) -> int:
+        """Step of the newest complete checkpoint (0 when there is none)."""
+        from elastic_trainer.checkpoint.storage import complete_checkpoints, read_meta
+
+        found = complete_checkpoints(self.checkpoint_dir) if self.checkpoint_dir.is_dir() else []
+        return read_meta(found[0])["step"] if found else 0
+
+    def first_phase(self) -> int | None:
+        """Where a (re)started job begins: a steps schedule from the checkpoint's step, a time schedule at the
+        phase that was running when it stopped (in full), no schedule at its one phase."""
+        step = self.checkpoint_step()
+        if self.opts.resume and step == 0:
+            raise ConfigError(f"--resume: no complete checkpoint in {self.checkpoint_dir}")
+        if step >= self.train.steps:
+            return None
+        if self.phases[0].steps is not None:
+            return phase_at(self.phases, step)
+        launched = [e for e in read_jsonl(self.run_dir / EVENTS_FILE) if e["event"] == "launched"]
+        return launched[-1]["phase"] if launched and step > 0 else 0
+
+    # -- what each host runs ----------------------------------------------------------------------------
+
+    @property
+    def all_local(self) -> bool:
+        return all(p.local for phase in self.phases for p in self.placements(phase))
+
+    def endpoint_host(self) -> str:
+        if self.iface:
+            return self.iface
+        return "127.0.0.1" if self.all_local else socket.getfqdn()
+
+    def agent_env(self) -> dict[str, str]:
+        import os
+
+        env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
+        env.setdefault("OMP_NUM_THREADS", "1")
+        iface = self.opts.detect_self_ip or ("lo" if self.all_local else None)
+        if iface:
+            env.setdefault("GLOO_SOCKET_IFNAME", iface)
+            env.setdefault("NCCL_SOCKET_IFNAME", iface)
+        return env
+
+    def train_argv(self, index: int, phase: Phase) -> list[str]:
+        argv = [*self.opts.train_argv, "--checkpoint-dir", str(self.checkpoint_dir),
+                "--metrics-file", str(self.run_dir / "metrics.jsonl"), "--events-file", str(self.run_dir / EVENTS_FILE),
+                "--stop-file", str(self.stop_file), "--phase", str(index)]
+        if phase.steps is not None:
+            argv += ["--until-step", str(step_ends(self.phases)[index])]
+        return argv
+
+    def agent_spec(self, index: int, phase: Phase, placements: list[Placement], port: int | str,
+                   job_id: str = "et-job") -> AgentSpec:
+        conf = dict(RDZV_CONF)
+        for item in self.opts.rdzv_conf:
+            key, _, value = item.partition("=")
+            conf[key] = value
+        return AgentSpec(run_id=f"{job_id}-p{index}", endpoint=f"{self.endpoint_host()}:{port}",
+                         max_nodes=len(placements), min_nodes=min(self.opts.min_hosts, len(placements)),
+                         max_restarts=self.opts.max_restarts, rdzv_conf=conf,
+                         train_argv=tuple(self.train_argv(index, phase)))
+
+    @property
+    def remote_root(self) -> str:
+        return self.opts.remote_root or str(PROJECT_ROOT)
+
+    @property
+    def remote_python(self) -> str:
+        return f"{self.remote_root}/.venv/bin/python"
+
+    def command(self, placement: Placement, spec: AgentSpec) -> tuple[list[str], dict[str, str]]:
+        """(argv to run here, environment additions) of one host's agent."""
+        return host_command(placement, spec, self.agent_env(), python=sys.executable, remote_root=self.remote_root,
+                            remote_python=self.remote_python, ssh=self.opts.ssh)
+
+    # -- what the user reads first ----------------------------------------------------------------------
+
+    def describe(self) -> list[str]:
+        """Where the hosts, data, token cache, checkpoints and logs are."""
+        from elastic_trainer.data.corpus import default_cache_dir, resolve_files
+
+        files = resolve_files(self.train.data)
+        data = ("the sotu package's State of the Union speeches" if self.train.data == ("sotu",)
+                else ", ".join(self.train.data))
+        cache = self.train.data_cache or default_cache_dir()
+        hosts = " ".join(f"{h.name}:{h.slots}" for h in self.hosts)
+        return [f"hosts ({self.opts.hosts}): {hosts} = {self.total_slots} slots",
+                f"model {self.model.name}, global batch {self.train.global_batch} x {self.train.seq_len} tokens, "
+                f"until step {self.train.steps}",
+                f"data: {data} ({len(files)} file(s), from {files[0].parent})",
+                f"token cache: {cache} (on each host; built on first use)",
+                f"checkpoints: {self.checkpoint_dir} (every host must see this folder)",
+                f"logs: {self.run_dir}/launch.log, metrics.jsonl, {EVENTS_FILE}; stop gracefully with "
+                f"`touch {self.stop_file}`"]
+
+    def phase_line(self, index: int) -> str:
+        phase = self.phases[index]
+        what = (f"{phase.steps} steps (until step {step_ends(self.phases)[index]})" if phase.steps
+                else f"{phase.duration_s:g} s" if phase.duration_s else f"until step {self.train.steps}")
+        where = ", ".join(f"{p.host.name}:{p.nproc}" for p in self.placements(phase))
+        return f"phase {index + 1}/{len(self.phases)}: {phase.gpus} GPUs on {where} for {what}"
+
+    def dry_run(self) -> list[str]:
+        """Each phase's plan and the exact command each host would start (the rendezvous port is chosen at
+        start unless --rdzv-port is given)."""
+        import shlex
+
+        port = self.opts.rdzv_port or "PORT"
+        lines = []
+        for index, phase in enumerate(self.phases):
+            placements = self.placements(phase)
+            spec = self.agent_spec(index, phase, placements, port)
+            lines += [self.phase_line(index), f"  {self.plans[index][1]}"]
+            for p in placements:
+                argv, env = self.command(p, spec)
+                prefix = shlex.join(["env", *(f"{k}={v}" for k, v in env.items())]) + " " if env else ""
+                lines.append(f"  {p.host.name} ({'here' if p.local else 'ssh'}): {prefix}{shlex.join(argv)}")
+        return lines

@@ -151,6 +151,7 @@ def _add_launch_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--ssh-port", type=int, help="ssh port of the remote hosts")
     r.add_argument("--ssh-identity", help="ssh private key for the remote hosts")
     r.add_argument("--ssh-option", action="append", default=[], metavar="KEY=VALUE", help="extra ssh -o option")
+    r.add_argument("--ssh-config", help="ssh client config file (ssh -F), e.g. /dev/null to ignore ~/.ssh/config")
     r.add_argument("--force-ssh", action="append", default=[], metavar="HOST",
                    help="start HOST through ssh even though it names this machine")
     r.add_argument("--remote-root", help="project folder on the remote hosts (default: this one's path)")
@@ -312,6 +313,7 @@ def run_train(args: argparse.Namespace, model: ModelConfig, train: TrainConfig, 
                 print(line, flush=True)
         check_hosts(layout, model, topology)
         events.emit("planned", layout=layout.to_dict(), hosts=list(topology.sizes))
+        _say_host_ranks(dist.get_rank(), dist.get_world_size())
         log = MetricsLog(train.metrics_file, enabled=rank0, log_every=train.log_every, total_steps=train.steps,
                          tags=tags)
         result = run_job(model, train, layout, device, ckpt=ckpt, stop=stop, until=args.until_step, log=log,
@@ -326,6 +328,17 @@ def run_train(args: argparse.Namespace, model: ModelConfig, train: TrainConfig, 
         # would wait for that until killed), and the state is saved.
         _finish_worker(0, force=True)
     return exit_code(result.status)
+
+
+def _say_host_ranks(rank: int, world: int) -> None:
+    """Under torchrun, one line per host: which global ranks it holds (torchrun numbers a host's ranks
+    consecutively)."""
+    local, size = os.environ.get("LOCAL_RANK"), os.environ.get("LOCAL_WORLD_SIZE")
+    if local == "0" and size and size.isdigit() and "GROUP_RANK" in os.environ:
+        import socket
+
+        print(f"[ranks] {socket.gethostname()} (host {os.environ['GROUP_RANK']}): ranks {rank}-{rank + int(size) - 1} "
+              f"of {world}", flush=True)
 
 
 def _restart_count() -> int | None:
@@ -363,7 +376,8 @@ def run_launch(args: argparse.Namespace) -> int:
     train_argv, schedule = launch_train_argv(args.model, args.config, args.data, args.schedule, train_args)
     opts = LaunchOptions(hosts=args.hosts, gpus_per_host=args.gpus_per_host, detect_self_ip=args.detect_self_ip,
                          schedule=schedule, run_dir=args.run_dir, checkpoint_dir=args.checkpoint_dir,
-                         resume=args.resume, ssh=SshSettings(args.ssh_port, args.ssh_identity, tuple(args.ssh_option)),
+                         resume=args.resume, ssh=SshSettings(args.ssh_port, args.ssh_identity, tuple(args.ssh_option),
+                                                  args.ssh_config),
                          force_ssh=tuple(args.force_ssh), rdzv_port=args.rdzv_port, rdzv_conf=tuple(args.rdzv_conf),
                          max_restarts=args.max_restarts, min_hosts=args.min_hosts, remote_root=args.remote_root,
                          train_argv=tuple(train_argv))

@@ -29,7 +29,8 @@ def effective(records: list[dict]) -> list[dict]:
 
 
 def samples_consumed_once(records: list[dict]) -> bool:
-    """Whether the effective steps tile global samples [0, n) with no gap and no overlap."""
+    """Whether the effective steps tile one contiguous range of global samples, with no gap and no overlap
+    (from the first record's start: a caller that needs [0, n) checks the start too)."""
     position = records[0]["samples"][0] if records else 0
     for r in records:
         start, stop = r["samples"]
@@ -96,6 +97,8 @@ def phase_rows(records: list[dict], events: list[dict]) -> list[dict]:
 
 
 def format_rows(rows: list[dict]) -> str:
+    if not rows:
+        return "(no steps recorded)"
     head = ("phase", "ranks", "layout", "steps", "loss at end", "downtime s", "of which load s")
     table = []
     for r in rows:

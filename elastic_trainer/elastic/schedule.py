@@ -40,7 +40,7 @@ def _phase(entry, where: str) -> Phase:
         raise ConfigError(f"{where} must be an object like {{\"gpus\": 8, \"steps\": 100}}, not {entry!r}")
     unknown = sorted(set(entry) - set(KEYS))
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} (valid: {', '.join(KEYS)})")
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))} (valid: {', '.join(KEYS)})")
     if "gpus" not in entry or ("steps" in entry) == ("duration_s" in entry):
         raise ConfigError(f"{where} needs \"gpus\" and exactly one of \"steps\" or \"duration_s\"")
     gpus = _int(entry["gpus"], f"{where}: gpus")
@@ -57,8 +57,8 @@ def parse_schedule(data, source: str = "schedule") -> list[Phase]:
     """Phases of a decoded schedule; ConfigError (one line naming the phase) on anything else."""
     entries = data.get("phases") if isinstance(data, dict) else data
     if isinstance(data, dict) and set(data) - {"phases", "comment"}:
-        raise ConfigError(f"{source}: unknown key(s) {', '.join(sorted(set(data) - {'phases', 'comment'}))} "
-                          "(valid: phases, comment)")
+        unknown = sorted(set(data) - {"phases", "comment"})
+        raise ConfigError(f"{source}: unknown key(s) {', '.join(map(repr, unknown))} (valid: phases, comment)")
     if not isinstance(entries, list) or not entries:
         raise ConfigError(f"{source}: expected a non-empty list of phases (or {{\"phases\": [...]}})")
     phases = [_phase(e, f"{source}: phase {i + 1}") for i, e in enumerate(entries)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
+from elastic_trainer.config import positive_int
 from elastic_trainer.launch.hosts import Host, HostsError
 
 # c10d rendezvous settings: the launcher hosts the store (no agent is its host, so losing any host leaves the
@@ -33,6 +34,7 @@ class Placement:
 
 def allocate(hosts: list[Host], gpus: int, source: str = "hosts file") -> list[tuple[Host, int]]:
     """`gpus` ranks over the hosts in file order, each host filled up to its slots before the next."""
+    positive_int("gpus", gpus, HostsError)
     total = sum(h.slots for h in hosts)
     if gpus > total:
         raise HostsError(f"{gpus} GPUs asked for, but the hosts in {source} have {total} slots")
@@ -83,11 +85,15 @@ class SshSettings:
     identity: str | None = None
     options: tuple[str, ...] = ()
     """Extra `-o KEY=VALUE` options, e.g. UserKnownHostsFile=..."""
+    config: str | None = None
+    """Client config file (`ssh -F`)."""
 
 
 def ssh_argv(host: Host, remote: list[str], ssh: SshSettings) -> list[str]:
     """ssh in batch mode (never a password prompt) without a tty (stdout and stderr stay apart)."""
     cmd = ["ssh", "-T", "-o", "BatchMode=yes"]
+    if ssh.config:
+        cmd += ["-F", ssh.config]
     for option in ssh.options:
         cmd += ["-o", option]
     if ssh.port is not None:

@@ -1,0 +1,230 @@
+"""The elastic runtime as users run it: `./run.sh` / `elastic-trainer launch` on a hosts file, real torchrun
+agents, real process groups. Every test compares the per-step losses with a static single-process run of the
+same steps (fp32, 1e-5 relative) and checks from the metrics that every global sample was consumed once:
+- the default job (4 -> 8 -> 2 -> 4 ranks) through ./run.sh;
+- two hosts on one machine (127.0.0.1 and 127.0.0.2), one agent SIGKILLed mid-run: the job re-plans for
+  2 ranks and resumes from its last periodic checkpoint;
+- hosts of different sizes (3 + 1) train as one job with one plan, tp inside a host;
+- the second host reached through a real sshd, both agents' output in the driver's log;
+- a crash of the whole job, then `launch --resume`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastic_trainer.config import configs_dir, load_run_config
+from elastic_trainer.elastic.events import read_jsonl
+from elastic_trainer.elastic.report import effective, samples_consumed_once
+from elastic_trainer.parallel.local_ranks import run_ranks
+from elastic_trainer.plan.layout import Layout
+from elastic_trainer.train import run_job
+from tests.sshd import ensure_sshd, sshd
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT = load_run_config(configs_dir() / "runs" / "default.toml")
+pytestmark = pytest.mark.slow
+
+
+def static_losses(rank, world, tokens):
+    layout = Layout(1, 1, 1, DEFAULT.train.global_batch, 1)
+    return [r["loss"] for r in run_job(DEFAULT.model, DEFAULT.train, layout, torch.device("cpu"), tokens=tokens).records]
+
+
+@pytest.fixture(scope="module")
+def reference(sotu_tokens):
+    """The default job's 32 steps in one plain process, layout 1,1,1."""
+    return run_ranks(static_losses, 1, sotu_tokens)[0]
+
+
+def env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def launch_argv(run_dir: Path, hosts: str, *argv: str, cache: str) -> list[str]:
+    hosts_file = run_dir.parent / f"{run_dir.name}-hosts.txt"
+    hosts_file.write_text(hosts)
+    return [sys.executable, "-m", "elastic_trainer.cli", "launch", "--hosts", str(hosts_file), "--run-dir",
+            str(run_dir), "--rdzv-conf", "last_call_timeout=2", *argv, "--", "--data-cache", cache]
+
+
+def schedule(path: Path, *phases: tuple[int, int]) -> str:
+    path.write_text(json.dumps([{"gpus": g, "steps": s} for g, s in phases]))
+    return str(path)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return read_jsonl(run_dir / "metrics.jsonl")
+
+
+def assert_on_trajectory(run_dir: Path, reference: list[float], steps: int) -> list[dict]:
+    """Effective steps 1..steps, each loss within 1e-5 of the static run, samples [0, steps*B) once."""
+    kept = effective(metrics(run_dir))
+    assert [r["step"] for r in kept] == list(range(1, steps + 1))
+    for r in kept:
+        assert abs(r["loss"] - reference[r["step"] - 1]) / reference[r["step"] - 1] <= 1e-5, r
+    assert samples_consumed_once(kept) and kept[0]["samples"][0] == 0
+    assert kept[-1]["samples"][1] == steps * DEFAULT.train.global_batch
+    return kept
+
+
+def processes(marker: str) -> list[int]:
+    """PIDs whose command line contains every part of `marker` (NUL-separated arguments)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def agent_of(host: str) -> int:
+    """The agent started for `host` (its forked workers share its command line; they are its children)."""
+    found = [p for p in processes("elastic_trainer.launch.agent\0") if p in processes(f"--local-addr\0{host}\0")]
+    agents = [p for p in found if parent(p) not in found]
+    assert len(agents) == 1, found
+    return agents[0]
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(r["step"] >= step for r in metrics(run_dir)):
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, f"no step {step} within {timeout} s"
+        time.sleep(0.05)
+
+
+def test_default_job_through_run_sh(tmp_path, data_cache, reference):
+    run_dir = tmp_path / "default"
+    proc = subprocess.run([str(ROOT / "run.sh"), "--run-dir", str(run_dir), "--", "--data-cache", data_cache],
+                          capture_output=True, text=True, env=env(), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    kept = assert_on_trajectory(run_dir, reference, 32)
+    assert len(metrics(run_dir)) == 32  # nothing redone
+    assert [r["world_size"] for r in kept] == [4] * 8 + [8] * 8 + [2] * 8 + [4] * 8
+    loads = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "state_loaded"]
+    saved_worlds = [None if e["load"] is None else Layout.from_dict(e["load"]["saved_layout"]).world_size
+                    for e in loads]
+    assert saved_worlds == [None, 4, 8, 2]  # each start resharded the previous phase's checkpoint
+    table = proc.stdout[proc.stdout.index("phases:"):]
+    assert [line.split()[:2] for line in table.splitlines()[2:6]] == [["1", "4"], ["2", "8"], ["3", "2"], ["4", "4"]]
+    assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    again = subprocess.run([str(ROOT / "run.sh"), "--run-dir", str(run_dir), "--resume"], capture_output=True,
+                           text=True, env=env(), timeout=300)
+    assert again.returncode == 0 and "nothing to train: the newest checkpoint is step 32 of 32" in again.stdout
+
+
+def test_lost_host_replans_and_resumes(tmp_path, data_cache, reference):
+    run_dir = tmp_path / "lost"
+    argv = launch_argv(run_dir, "127.0.0.1 slots=2\n127.0.0.2 slots=2\n", "--schedule", "none", cache=data_cache)
+    proc = subprocess.Popen([*argv, "--save-every", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env())
+    try:
+        wait_for_step(run_dir, proc, 5)
+        os.kill(agent_of("127.0.0.2"), signal.SIGKILL)  # the host is gone: its workers die with their agent
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    assert "agent on 127.0.0.2: killed by SIGKILL; the job went on without them" in out
+    kept = assert_on_trajectory(run_dir, reference, 32)
+    restarted = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "state_loaded" and e.get("restart")]
+    assert len(restarted) == 1 and Layout.from_dict(restarted[0]["load"]["saved_layout"]).world_size == 4
+    resumed_at = restarted[0]["step"]
+    assert resumed_at % 2 == 0 and resumed_at >= 4  # the newest periodic checkpoint before the loss
+    assert {r["world_size"] for r in kept if r["step"] <= resumed_at} == {4}
+    assert {r["world_size"] for r in kept if r["step"] > resumed_at} == {2}
+    assert not processes("--local-addr\x00127.0.0.2\x00")
+
+
+def test_hosts_of_different_sizes_train_with_one_plan(tmp_path, data_cache, reference):
+    run_dir = tmp_path / "uneven"
+    argv = launch_argv(run_dir, "127.0.0.1 slots=3\n127.0.0.2 slots=1\n", "--schedule",
+                       schedule(tmp_path / "s.json", (4, 6)), cache=data_cache)
+    proc = subprocess.run([*argv, "--hardware", "h100-80g"], capture_output=True, text=True, env=env(), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert_on_trajectory(run_dir, reference, 6)
+    planned = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "planned"]
+    assert len(planned) == 1 and sorted(planned[0]["hosts"]) == [1, 3] and planned[0]["layout"]["tp"] == 1
+    hosts = sorted(line.split("]")[0] for line in proc.stdout.splitlines() if "] [ranks] " in line)
+    assert hosts == ["[127.0.0.1", "[127.0.0.2"]
+
+
+def test_second_host_through_ssh(tmp_path, data_cache, reference):
+    reason = ensure_sshd()
+    if reason:
+        pytest.skip(reason)
+    with sshd(str(tmp_path / "sshd")) as server:
+        run_dir = tmp_path / "ssh"
+        ssh = ["--force-ssh", server.host, "--ssh-port", str(server.port), "--ssh-identity", server.identity,
+               "--ssh-config", "/dev/null", "--ssh-option", f"UserKnownHostsFile={server.known_hosts}",
+               "--ssh-option", "StrictHostKeyChecking=yes", "--ssh-option", "IdentityAgent=none"]
+        argv = launch_argv(run_dir, f"127.0.0.1 slots=2\n{server.host} slots=2\n", "--schedule",
+                           schedule(tmp_path / "s.json", (4, 4)), *ssh, cache=data_cache)
+        proc = subprocess.run(argv, capture_output=True, text=True, env=env(), timeout=300)
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+        log = (run_dir / "launch.log").read_text()
+        assert f"{server.host} (ssh)" not in log  # a real run, not a dry run
+        assert "[127.0.0.1] [ranks] " in log and f"[{server.host}] [ranks] " in log
+        assert_on_trajectory(run_dir, reference, 4)
+        assert not processes(f"--local-addr\x00{server.host}\x00")
+
+
+def test_crash_then_resume(tmp_path, data_cache, reference):
+    run_dir = tmp_path / "crash"
+    hosts, phases = "localhost slots=4\n", schedule(tmp_path / "s.json", (2, 10), (4, 22))
+
+    def argv(*extra: str) -> list[str]:
+        return [*launch_argv(run_dir, hosts, "--schedule", phases, *extra, cache=data_cache), "--save-every", "2"]
+
+    proc = subprocess.Popen(argv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(),
+                            start_new_session=True)
+    try:
+        wait_for_step(run_dir, proc, 13)
+        tree = [proc.pid, *descendants(proc.pid)]
+        for pid in tree:  # everything at once: the machine went down
+            os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    time.sleep(0.5)
+    assert not set(tree) & set(processes("elastic_trainer"))
+    before = effective(metrics(run_dir))[-1]["step"]
+    resumed = subprocess.run(argv("--resume"), capture_output=True, text=True, env=env(), timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-2000:]
+    assert "phase 2/2: 4 GPUs" in resumed.stdout and "phase 1/2" not in resumed.stdout
+    kept = assert_on_trajectory(run_dir, reference, 32)
+    assert before >= 13 and {r["world_size"] for r in kept if r["step"] > 10} == {4}

@@ -1,0 +1,124 @@
+"""`elastic-trainer launch` before anything starts: every kind of bad input is one line and exit code 2 with
+nothing executed and nothing written; a dry run of a 4-host file shows the plan and each host's exact command."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from elastic_trainer import cli
+from elastic_trainer.launch.setup import PROJECT_ROOT
+
+
+@pytest.fixture(autouse=True)
+def nothing_runs(monkeypatch):
+    """Any process the launcher tried to start would fail the test."""
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"launch started a process: {args[0] if args else kwargs}")
+
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+
+
+def launch(tmp_path: Path, hosts: str | None, *argv: str) -> list[str]:
+    hosts_file = tmp_path / "hosts.txt"
+    if hosts is not None:
+        hosts_file.write_text(hosts)
+    return ["launch", "--hosts", str(hosts_file), "--run-dir", str(tmp_path / "run"), *argv]
+
+
+def schedule(tmp_path: Path, *gpus: int) -> str:
+    path = tmp_path / "schedule.json"
+    path.write_text(json.dumps([{"gpus": g, "steps": 2} for g in gpus]))
+    return str(path)
+
+
+HOSTS_CASES = [  # (hosts file, what the one line must say); each malformed kind in both forms
+    ("a\nb\na\n", "hosts.txt:3: host 'a' is listed twice (lines 1 and 3)"),
+    ("a slots=2\nb slots=2\na slots=4\n", "hosts.txt:3: host 'a' is listed twice"),
+    ("a slots=\n", "hosts.txt:1: 'slots=' has no value"),
+    ("a\nb slots=0\n", "hosts.txt:2: slots='0' must be positive"),
+    ("a slots=-2\n", "hosts.txt:1: slots='-2' is negative"),
+    ("a slots=two\n", "hosts.txt:1: slots='two' is not an integer"),
+    ("a slots=1.5\n", "hosts.txt:1: slots='1.5' is not an integer"),
+    ("host_1\n", "hosts.txt:1: 'host_1' is not a valid hostname or IP address"),
+    ("host_1 slots=2\n", "hosts.txt:1: 'host_1' is not a valid hostname or IP address"),
+    ("a b\n", "hosts.txt:1: unknown option 'b'"),
+    ("a slots=2 extra\n", "hosts.txt:1: unexpected 'extra' after 'slots=2'"),
+    ("a gpus=2\n", "hosts.txt:1: unknown option 'gpus=2'"),
+    ("# only a comment\n\n", "no hosts"),
+]
+INJECTION = ["a;touch {m}\n", "$(touch {m})\n", "`touch {m}` slots=2\n", "a slots=2;touch {m}\n",
+             "a slots=$(touch {m})\n", "a && touch {m}\n"]
+
+
+def assert_refused(capsys, argv: list[str], message: str, tmp_path: Path) -> None:
+    assert cli.main(argv) == cli.EXIT_BAD_INPUT
+    out, err = capsys.readouterr()
+    assert message in err, err
+    assert err.count("\n") == 1 and err.startswith("elastic-trainer: error: "), err
+    assert not (tmp_path / "run").exists()  # no run folder, no checkpoint folder, no log
+
+
+@pytest.mark.parametrize("hosts, message", HOSTS_CASES)
+def test_malformed_hosts_file(capsys, tmp_path, hosts, message):
+    assert_refused(capsys, launch(tmp_path, hosts), message, tmp_path)
+
+
+@pytest.mark.parametrize("line", INJECTION)
+def test_shell_injection_in_hosts_file_is_refused(capsys, tmp_path, line):
+    marker = tmp_path / "pwned"
+    assert_refused(capsys, launch(tmp_path, line.format(m=marker)), "hosts.txt:1:", tmp_path)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--schedule", "SCHEDULE:4,16"], "schedule phase 2 (16 GPUs): 16 GPUs asked for, but the hosts in"),
+    (["--schedule", "SCHEDULE:4,5"], "schedule phase 2 (5 GPUs): no DP,TP,PP of 5 GPUs is valid"),
+    (["--gpus-per-host", "0"], "--gpus-per-host 0 must be a positive integer"),
+    (["--force-ssh", "elsewhere"], "--force-ssh 'elsewhere' is not a host of"),
+    (["--detect-self-ip", "nosuchif0"], "--detect-self-ip 'nosuchif0': no such interface"),
+    (["--resume", "--schedule", "none"], "--resume: no complete checkpoint in"),
+    (["--schedule", "no-such-schedule"], "schedule 'no-such-schedule' does not exist"),
+    (["--", "--checkpoint-dir", "/tmp/x"], "--checkpoint-dir is set by launch for every phase"),
+    (["--", "--until-step=3"], "--until-step is set by launch for every phase"),
+    (["--", "--micro-batch", "3"], "micro_batch=3 does not divide the per-replica batch"),
+    (["--schedule", "SCHEDULE:4,2", "--", "--layout", "2,1,2"], "schedule phase 2 (2 GPUs): layout dp*tp*pp"),
+    (["--model", "gpt-5"], "unknown model 'gpt-5'"),
+    (["--data", "/nonexistent/corpus.txt"], "is neither 'sotu' nor an existing file or folder"),
+    (["stray"], "unexpected 'stray': put `train` arguments after --"),
+])
+def test_bad_launch_input(capsys, tmp_path, argv, message):
+    argv = [schedule(tmp_path, *map(int, a.split(":")[1].split(","))) if a.startswith("SCHEDULE:") else a
+            for a in argv]
+    assert_refused(capsys, launch(tmp_path, "localhost slots=8\n", *argv), message, tmp_path)
+
+
+def test_dry_run_of_four_hosts_with_eight_gpus(capsys, tmp_path):
+    """Tenplex's bare host names with --gpus-per-host 8: the plan for 32 GPUs, and per host an ssh command
+    whose remote part, unquoted by a shell, is the agent's exact argument list."""
+    argv = launch(tmp_path, "g0011\ng0012\ng0013\ng0017\n", "--gpus-per-host", "8", "--model", "gpt3-xl",
+                  "--schedule", "none", "--rdzv-port", "29400", "--dry-run", "--",
+                  "--hardware", "h100-80g", "--global-batch", "128", "--seq-len", "1024")
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "phase 1/1: 32 GPUs on g0011:8, g0012:8, g0013:8, g0017:8" in out
+    assert "[plan] 32 x h100-80g (8 per host): dp=" in out
+    ssh_lines = [line.split(" (ssh): ", 1) for line in out.splitlines() if " (ssh): " in line]
+    assert [host.strip().removeprefix("[launch]").strip() for host, _ in ssh_lines] == [
+        "g0011", "g0012", "g0013", "g0017"]
+    for host, command in ssh_lines:
+        argv = shlex.split(command)
+        assert argv[:4] == ["ssh", "-T", "-o", "BatchMode=yes"] and argv[-3:-1] == [host.split()[-1], "--"]
+        remote = shlex.split(argv[-1])
+        assert remote[0] == f"{PROJECT_ROOT}/launch/remote.sh" and remote[1] == "env"
+        agent = remote[remote.index(f"{PROJECT_ROOT}/.venv/bin/python"):]
+        assert agent[1:3] == ["-m", "elastic_trainer.launch.agent"]
+        assert agent[agent.index("--nnodes") + 1] == "1:4" and agent[agent.index("--nproc-per-node") + 1] == "8"
+        assert agent[agent.index("--local-addr") + 1] == host.split()[-1]
+        train = agent[agent.index("train") + 1:]
+        assert train[:2] == ["--model", "gpt3-xl"] and "--checkpoint-dir" in train
+    assert not (tmp_path / "run").exists()

@@ -147,8 +147,8 @@ class Driver:
             if step >= job.train.steps:
                 self.say(f"finished: step {step} of {job.train.steps}")
                 return 0
-            if outcome.interrupted or (not outcome.stop_requested and phase.duration_s is not None) \
-                    or job.stop_file.exists():
+            stopped_by_user = job.stop_file.exists() and not outcome.stop_requested  # not the launcher's file
+            if outcome.interrupted or stopped_by_user:
                 self.say(f"stopped at step {step}; continue with --resume")
                 return 0
             index = index + 1 if index + 1 < len(job.phases) else None

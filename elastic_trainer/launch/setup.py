@@ -147,9 +147,24 @@ class JobSetup:
         return all(p.local for phase in self.phases for p in self.placements(phase))
 
     def endpoint_host(self) -> str:
+        """Where agents reach the launcher's rendezvous store: --detect-self-ip's address, loopback when every
+        host is this machine, else this machine's name."""
         if self.iface:
             return self.iface
-        return "127.0.0.1" if self.all_local else socket.getfqdn()
+        return "127.0.0.1" if self.all_local else socket.gethostname()
+
+    def endpoint_warning(self) -> str | None:
+        """A warning when remote hosts would be sent to a name that resolves to loopback here."""
+        if self.iface or self.all_local:
+            return None
+        try:
+            address = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return None
+        if address.startswith("127."):
+            return (f"warning: this machine's name {socket.gethostname()!r} resolves to {address} here; if the "
+                    "other hosts cannot reach it by that name, give --detect-self-ip IFACE")
+        return None
 
     def agent_env(self) -> dict[str, str]:
         import os
@@ -205,7 +220,8 @@ class JobSetup:
                 else ", ".join(self.train.data))
         cache = self.train.data_cache or default_cache_dir()
         hosts = " ".join(f"{h.name}:{h.slots}" for h in self.hosts)
-        return [f"hosts ({self.opts.hosts}): {hosts} = {self.total_slots} slots",
+        warning = self.endpoint_warning()
+        return [f"hosts ({self.opts.hosts}): {hosts} = {self.total_slots} slots", *([warning] if warning else []),
                 f"model {self.model.name}, global batch {self.train.global_batch} x {self.train.seq_len} tokens, "
                 f"until step {self.train.steps}",
                 f"data: {data} ({len(files)} file(s), from {files[0].parent})",
@@ -216,10 +232,10 @@ class JobSetup:
 
     def phase_line(self, index: int) -> str:
         phase = self.phases[index]
-        what = (f"{phase.steps} steps (until step {step_ends(self.phases)[index]})" if phase.steps
-                else f"{phase.duration_s:g} s" if phase.duration_s else f"until step {self.train.steps}")
+        what = (f"for {phase.steps} steps (until step {step_ends(self.phases)[index]})" if phase.steps
+                else f"for {phase.duration_s:g} s" if phase.duration_s else f"until step {self.train.steps}")
         where = ", ".join(f"{p.host.name}:{p.nproc}" for p in self.placements(phase))
-        return f"phase {index + 1}/{len(self.phases)}: {phase.gpus} GPUs on {where} for {what}"
+        return f"phase {index + 1}/{len(self.phases)}: {phase.gpus} GPUs on {where} {what}"
 
     def dry_run(self) -> list[str]:
         """Each phase's plan and the exact command each host would start (the rendezvous port is chosen at

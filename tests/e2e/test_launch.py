@@ -228,3 +228,26 @@ def test_crash_then_resume(tmp_path, data_cache, reference):
     assert "phase 2/2: 4 GPUs" in resumed.stdout and "phase 1/2" not in resumed.stdout
     kept = assert_on_trajectory(run_dir, reference, 32)
     assert before >= 13 and {r["world_size"] for r in kept if r["step"] > 10} == {4}
+
+
+def test_timed_phases_stop_on_request(tmp_path, data_cache, reference):
+    """duration_s phases: when a phase's time is up the launcher writes the stop file; the ranks finish their
+    step, save and exit, and the next phase starts from that checkpoint in its own size."""
+    run_dir = tmp_path / "timed"
+    timed = tmp_path / "timed.json"
+    timed.write_text(json.dumps([{"gpus": 2, "duration_s": 7}, {"gpus": 4, "duration_s": 7}]))
+    proc = subprocess.run(launch_argv(run_dir, "localhost slots=4\n", "--schedule", str(timed), cache=data_cache),
+                          capture_output=True, text=True, env=env(), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    kept = effective(metrics(run_dir))
+    steps = kept[-1]["step"]
+    assert_on_trajectory(run_dir, reference, steps)
+    worlds = [r["world_size"] for r in kept]
+    assert worlds[0] == 2 and worlds[-1] == 4 and worlds == sorted(worlds)  # both phases trained
+    events = read_jsonl(run_dir / "events.jsonl")
+    requested = [e for e in events if e["event"] == "stop_requested"]
+    assert requested and requested[0]["phase"] == 0 and requested[0]["reason"] == "phase end"
+    stopped = [e for e in events if e["event"] == "stopping"]
+    assert stopped[0]["reason"].startswith("stop file") and stopped[0]["time"] >= requested[0]["time"]
+    if steps < 32:
+        assert f"the schedule ended at step {steps} of 32" in proc.stdout

@@ -21,6 +21,8 @@ import time
 from elastic_trainer.elastic.lifetime import die_with_parent
 
 WORKER_MODULE = "elastic_trainer.cli"
+START_ENV = "ELASTIC_TRAINER_WORKER_START"
+"""`spawn` makes the agent start fresh interpreters, as plain torchrun does (default `fork`)."""
 
 
 def preload() -> None:
@@ -51,7 +53,8 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     config, entrypoint, entry_args = config_from_args(args)
-    if args.module and args.training_script == WORKER_MODULE and not args.no_python:
+    forking = os.environ.get(START_ENV, "fork") == "fork"
+    if forking and args.module and args.training_script == WORKER_MODULE and not args.no_python:
         preload()
         config.start_method = "fork"
         entrypoint, entry_args = worker, list(args.training_script_args)

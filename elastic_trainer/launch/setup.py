@@ -120,19 +120,28 @@ class JobSetup:
 
     # -- the run's state --------------------------------------------------------------------------------
 
-    def checkpoint_step(self) -> int:
-        """Step of the newest complete checkpoint (0 when there is none)."""
+    def newest_checkpoint(self) -> tuple[Path, dict] | None:
         from elastic_trainer.checkpoint.storage import complete_checkpoints, read_meta
 
         found = complete_checkpoints(self.checkpoint_dir) if self.checkpoint_dir.is_dir() else []
-        return read_meta(found[0])["step"] if found else 0
+        return (found[0], read_meta(found[0])) if found else None
+
+    def checkpoint_step(self) -> int:
+        """Step of the newest complete checkpoint (0 when there is none)."""
+        newest = self.newest_checkpoint()
+        return newest[1]["step"] if newest else 0
 
     def first_phase(self) -> int | None:
         """Where a (re)started job begins: a steps schedule from the checkpoint's step, a time schedule at the
         phase that was running when it stopped (in full), no schedule at its one phase."""
-        step = self.checkpoint_step()
-        if self.opts.resume and step == 0:
+        newest = self.newest_checkpoint()
+        if self.opts.resume and newest is None:
             raise ConfigError(f"--resume: no complete checkpoint in {self.checkpoint_dir}")
+        if newest is not None:  # another model or trajectory: say so now, not from every rank later
+            from elastic_trainer.checkpoint.state import check_compatible
+
+            check_compatible(newest[1], self.model, self.train, str(newest[0]))
+        step = newest[1]["step"] if newest else 0
         if step >= self.train.steps:
             return None
         if self.phases[0].steps is not None:

@@ -251,3 +251,25 @@ def test_timed_phases_stop_on_request(tmp_path, data_cache, reference):
     assert stopped[0]["reason"].startswith("stop file") and stopped[0]["time"] >= requested[0]["time"]
     if steps < 32:
         assert f"the schedule ended at step {steps} of 32" in proc.stdout
+
+
+def test_failing_rank_names_itself_in_the_launch_log(tmp_path, data_cache, sotu_tokens):
+    """A rank that crashes (here: a corrupted token cache) is reported by torchrun's error recording with its
+    host, rank and error, in the launcher's log; the launcher exits non-zero and says what to do."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    sources = list(Path(data_cache).glob("tokens-*.npy"))  # sotu_tokens built it
+    assert sources
+    for source in sources:
+        data = bytearray(source.read_bytes())
+        data[:64] = b"x" * 64  # no longer a .npy header
+        (cache / source.name).write_bytes(bytes(data))
+    run_dir = tmp_path / "failing"
+    argv = launch_argv(run_dir, "localhost slots=2\n", "--schedule", "none", "--max-restarts", "0",
+                       cache=str(cache))
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env(), timeout=300)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    log = (run_dir / "launch.log").read_text()
+    assert "Root Cause (first observed failure)" in log and "[localhost]   host      : localhost" in log
+    assert "[localhost]   rank      : " in log and "ValueError: " in log  # the rank, its error
+    assert "phase 1 failed on every host (agent on localhost: exit code 1)" in proc.stdout

@@ -122,3 +122,40 @@ def test_dry_run_of_four_hosts_with_eight_gpus(capsys, tmp_path):
         train = agent[agent.index("train") + 1:]
         assert train[:2] == ["--model", "gpt3-xl"] and "--checkpoint-dir" in train
     assert not (tmp_path / "run").exists()
+
+
+def fake_checkpoint(folder: Path, meta: dict | None) -> Path:
+    """A committed-looking checkpoint folder: the launcher reads only its meta.json."""
+    step = folder / "checkpoints" / "step-00000002"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text("{not json" if meta is None else json.dumps(meta))
+    return step
+
+
+def test_checkpoint_of_another_model_or_trajectory_is_refused_before_starting(capsys, tmp_path):
+    """The newest checkpoint's meta.json is compared with the job before anything starts (the ranks would
+    each refuse it later); nothing in the run folder changes."""
+    from dataclasses import asdict
+
+    from elastic_trainer.checkpoint.state import FORMAT, train_dict
+    from elastic_trainer.config import configs_dir, load_model_config, load_run_config
+
+    run = load_run_config(configs_dir() / "runs" / "default.toml")
+    meta = {"format": FORMAT, "step": 2, "model": asdict(load_model_config("gpt-tiny")), "train": train_dict(run.train)}
+    step = fake_checkpoint(tmp_path / "run", meta)
+    argv = launch(tmp_path, "localhost slots=8\n")
+    cases = [(["--model", "gpt3-small", "--schedule", "none"], f"{step} holds a different model: n_layers=12"),
+             (["--", "--lr", "0.5"], f"{step} was trained with other settings: lr=0.5 (checkpoint: 0.001)")]
+    files = sorted((p, p.stat().st_mtime_ns) for p in (tmp_path / "run").rglob("*"))
+    for extra, message in cases:
+        assert cli.main([*argv, *extra]) == cli.EXIT_BAD_INPUT
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    assert sorted((p, p.stat().st_mtime_ns) for p in (tmp_path / "run").rglob("*")) == files  # untouched
+
+
+def test_unreadable_checkpoint_metadata_is_one_line(capsys, tmp_path):
+    fake_checkpoint(tmp_path / "run", None)
+    assert cli.main(launch(tmp_path, "localhost slots=8\n")) == cli.EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "step-00000002: unreadable meta.json" in err and err.count("\n") == 1, err

@@ -20,25 +20,17 @@ before any process group is created.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
 
-from elastic_trainer import IMPORTED_AT
-from elastic_trainer.config import (CheckpointConfig, CheckpointError, ConfigError, ModelConfig, TrainConfig,
-                                    divisors, env_int, fmt_values, load_model_config, load_run_config)
-from elastic_trainer.plan import Hardware, Request, hardware_for_device, load_hardware, plan
-from elastic_trainer.plan.layout import Layout, parse_degrees, split_batch
-from elastic_trainer.plan.report import format_table, plan_dict, summary
-from elastic_trainer.plan.topology import Topology
+from elastic_trainer import IMPORTED_AT, resolve
+from elastic_trainer.config import CheckpointConfig, CheckpointError, ConfigError, ModelConfig, TrainConfig, env_int
+from elastic_trainer.plan import Hardware, load_hardware, plan
+from elastic_trainer.plan.layout import Layout, parse_degrees
+from elastic_trainer.plan.report import format_table, plan_dict
 
 EXIT_BAD_INPUT = 2
-
-# CLI flag -> TrainConfig field, for flags that override a run config
-_TRAIN_FLAGS = ("global_batch", "seq_len", "steps", "seed", "lr", "warmup_steps", "decay_steps", "dtype",
-                "metrics_file", "log_every", "data_cache", "grad_clip", "weight_decay")
-
 
 def _add_train_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a GPT on this process group (one process, or under torchrun)")
@@ -178,109 +170,6 @@ def world_size_from_env() -> int:
     return env_int("WORLD_SIZE", 1, minimum=1)
 
 
-def resolve_checkpoint_args(args: argparse.Namespace) -> CheckpointConfig | None:
-    if not args.checkpoint_dir:
-        if args.resume not in ("auto", "never"):
-            raise ConfigError("--resume PATH needs --checkpoint-dir (where this run saves)")
-        return None
-    cfg = CheckpointConfig(dir=args.checkpoint_dir, save_every=args.save_every,
-                           save_interval_s=args.save_interval_s, keep=args.keep, async_save=args.async_save,
-                           verify=not args.no_verify, resume=args.resume)
-    if cfg.resume == "never":
-        from elastic_trainer.checkpoint.storage import require_no_checkpoints
-
-        require_no_checkpoints(cfg.dir)
-    return cfg
-
-
-def _job_configs(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig, dict]:
-    """Model, train settings (with command-line overrides) and the run config's [layout] table."""
-    if args.config:
-        run = load_run_config(args.config)
-        model, train, layout_table = run.model, run.train, run.layout
-    else:
-        model, train, layout_table = load_model_config(args.model or "gpt-tiny"), TrainConfig(), {}
-    overrides = {k: getattr(args, k) for k in _TRAIN_FLAGS if getattr(args, k, None) is not None}
-    if getattr(args, "data", None):
-        overrides["data"] = tuple(args.data)
-    try:
-        train = dataclasses.replace(train, **overrides)
-    except TypeError as e:
-        raise ConfigError(str(e)) from None
-    if train.seq_len > model.context_length:
-        raise ConfigError(f"seq_len={train.seq_len} exceeds {model.name}'s context_length={model.context_length}")
-    return model, train, layout_table
-
-
-def resolve_hardware(name: str | None) -> Hardware:
-    """--hardware NAME, else this machine's profile: cpu without a GPU, else the one matching the GPU."""
-    if name:
-        return load_hardware(name)
-    from elastic_trainer.parallel.mesh import accelerator
-
-    return hardware_for_device(*accelerator())
-
-
-def _layout_settings(args: argparse.Namespace, layout_table: dict) -> tuple[int | None, str | None, bool | None]:
-    """(micro_batch, dp_mode, recompute) from the command line, else the run config's [layout]; None if unset."""
-    micro = args.micro_batch if args.micro_batch is not None else layout_table.get("micro_batch")
-    mode = args.dp_mode or layout_table.get("dp_mode")
-    recompute = args.recompute if args.recompute is not None else layout_table.get("recompute")
-    return micro, mode, None if recompute is None else bool(recompute)
-
-
-def _plan_request(args: argparse.Namespace, model: ModelConfig, train: TrainConfig, layout_table: dict,
-                  world_size: int, gpus_per_host: int | None, host_sizes: tuple[int, ...] | None = None) -> Request:
-    """What the planner considers: every setting the user left open."""
-    hw = resolve_hardware(args.hardware)
-    micro, mode, recompute = _layout_settings(args, layout_table)
-    return Request(model, world_size, train.global_batch, train.seq_len, hw,
-                   hw.gpus_per_host if gpus_per_host is None else gpus_per_host, host_sizes=host_sizes,
-                   dtype=train.dtype, micro_batch=micro, dp_modes=(mode,) if mode else ("fsdp", "ddp"),
-                   recompute=(False, True) if recompute is None else (recompute,))
-
-
-def plan_for_hosts(args: argparse.Namespace, model: ModelConfig, train: TrainConfig, layout_table: dict,
-                   topology: Topology) -> tuple[Layout, str]:
-    """The planned layout for ranks on these hosts, and the plan's one-line summary."""
-    result = plan(_plan_request(args, model, train, layout_table, topology.world_size, topology.largest,
-                                topology.sizes))
-    return result.chosen.layout, summary(result)
-
-
-def resolve_train_args(args: argparse.Namespace,
-                       world_size: int) -> tuple[ModelConfig, TrainConfig, Layout | None, dict]:
-    """Configs, the layout given by --layout or the run config (validated; None when it is to be planned)
-    and the run config's [layout] table. Raises ConfigError on bad input."""
-    from elastic_trainer.data.corpus import resolve_files  # imports torch: not needed by `plan`
-
-    model, train, layout_table = _job_configs(args)
-    resolve_files(train.data)  # a missing or unsupported data source fails here, not on every rank later
-    if args.layout:
-        dp, tp, pp = parse_degrees(args.layout)
-    elif {"dp", "tp", "pp"} <= set(layout_table):
-        dp, tp, pp = layout_table["dp"], layout_table["tp"], layout_table["pp"]
-    else:
-        # Rank 0 plans for the real hosts once the process group exists; planning for hosts of
-        # LOCAL_WORLD_SIZE ranks here makes bad settings (a micro-batch that cannot split the batch, a
-        # count no layout fits) fail before anything starts.
-        plan(_plan_request(args, model, train, layout_table, world_size,
-                           env_int("LOCAL_WORLD_SIZE", world_size, minimum=1)))
-        return model, train, None, layout_table
-    micro, mode, recompute = _layout_settings(args, layout_table)
-    micro_batch, num_microbatches = split_batch(train.global_batch, dp, micro)
-    layout = Layout(dp, tp, pp, micro_batch, num_microbatches, dp_mode=mode or "fsdp", recompute=bool(recompute))
-    return model, train, layout.validate(world_size, model, train.global_batch), layout_table
-
-
-def check_hosts(layout: Layout, model: ModelConfig, topology: Topology) -> None:
-    """A given layout must keep every tp group on one host."""
-    if not topology.within(layout.tp):
-        valid = [t for t in divisors(topology.common) if model.n_heads % t == 0]
-        raise ConfigError(f"tp={layout.tp} groups would span hosts ({topology.describe()}) "
-                          f"(valid tp: {fmt_values(valid)})")
-
-
 def run_train(args: argparse.Namespace, model: ModelConfig, train: TrainConfig, layout: Layout | None,
               layout_table: dict, ckpt: CheckpointConfig | None = None, started: float = IMPORTED_AT,
               forked: bool = False) -> int:
@@ -308,10 +197,10 @@ def run_train(args: argparse.Namespace, model: ModelConfig, train: TrainConfig, 
         events.emit("processes_up", started=started, world_size=dist.get_world_size())
         topology = gather_topology()
         if layout is None:
-            layout, line = agree(lambda: plan_for_hosts(args, model, train, layout_table, topology))
+            layout, line = agree(lambda: resolve.plan_for_hosts(args, model, train, layout_table, topology))
             if rank0:
                 print(line, flush=True)
-        check_hosts(layout, model, topology)
+        resolve.check_hosts(layout, model, topology)
         events.emit("planned", layout=layout.to_dict(), hosts=list(topology.sizes))
         _say_host_ranks(dist.get_rank(), dist.get_world_size())
         log = MetricsLog(train.metrics_file, enabled=rank0, log_every=train.log_every, total_steps=train.steps,
@@ -352,17 +241,11 @@ def parse_train_command(argv: list[str]) -> tuple[argparse.Namespace, ModelConfi
     """`train` arguments as the launcher forwards them to every rank, resolved to configs (the layout, if
     given, is checked per phase). ConfigError on bad input."""
     args = build_parser().parse_args(["train", *argv])
-    model, train, layout_table = _job_configs(args)
+    model, train, layout_table = resolve.job_configs(args)
     from elastic_trainer.data.corpus import resolve_files
 
     resolve_files(train.data)
-    layout = None
-    if args.layout or {"dp", "tp", "pp"} <= set(layout_table):
-        dp, tp, pp = parse_degrees(args.layout) if args.layout else (layout_table[k] for k in ("dp", "tp", "pp"))
-        micro, mode, recompute = _layout_settings(args, layout_table)
-        micro_batch, num_microbatches = split_batch(train.global_batch, dp, micro)
-        layout = Layout(dp, tp, pp, micro_batch, num_microbatches, dp_mode=mode or "fsdp", recompute=bool(recompute))
-    return args, model, train, layout, layout_table
+    return args, model, train, resolve.given_layout(args, train, layout_table), layout_table
 
 
 def run_launch(args: argparse.Namespace) -> int:
@@ -401,8 +284,8 @@ def run_checkpoint(args: argparse.Namespace) -> int:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    model, train, layout_table = _job_configs(args)
-    result = plan(_plan_request(args, model, train, layout_table, args.gpus, args.gpus_per_host))
+    model, train, layout_table = resolve.job_configs(args)
+    result = plan(resolve.plan_request(args, model, train, layout_table, args.gpus, args.gpus_per_host))
     compare = result.best_for(*parse_degrees(args.compare, "--compare")) if args.compare else None
     if args.json:
         print(json.dumps(plan_dict(result, compare), indent=1))
@@ -456,10 +339,10 @@ def main(argv: list[str] | None = None, *, started: float | None = None, forked:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "train":
-            ckpt = resolve_checkpoint_args(args)
+            ckpt = resolve.checkpoint_config(args)
             if args.until_step is not None and args.until_step < 1:
                 raise ConfigError(f"--until-step {args.until_step} must be a positive step number")
-            model, train, layout, layout_table = resolve_train_args(args, world_size_from_env())
+            model, train, layout, layout_table = resolve.resolve_train_args(args, world_size_from_env())
             code = _recorded(run_train)(args, model, train, layout, layout_table, ckpt, started or IMPORTED_AT,
                                         forked)
             return code if forked else _finish_worker(code)

@@ -18,6 +18,7 @@ import subprocess
 import threading
 import time
 import uuid
+from pathlib import Path
 from dataclasses import dataclass, field
 
 from elastic_trainer.config import ConfigError

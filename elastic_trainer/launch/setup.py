@@ -10,6 +10,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from elastic_trainer import resolve
 from elastic_trainer.config import ConfigError
 from elastic_trainer.elastic.events import EVENTS_FILE, read_jsonl
 from elastic_trainer.elastic.schedule import Phase, load_schedule, phase_at, step_ends
@@ -105,16 +106,14 @@ class JobSetup:
 
     def _plan(self, index: int, phase: Phase) -> tuple[Layout, str]:
         """The layout rank 0 will choose for this phase's hosts (the same function, the same inputs)."""
-        from elastic_trainer import cli
-
         where = f"schedule phase {index + 1} ({phase.gpus} GPUs)" if self.opts.schedule else "the hosts"
         try:
             topology = Topology(tuple(p.nproc for p in self.placements(phase)))
             if self.layout is not None:
                 self.layout.validate(topology.world_size, self.model, self.train.global_batch)
-                cli.check_hosts(self.layout, self.model, topology)
+                resolve.check_hosts(self.layout, self.model, topology)
                 return self.layout, f"[plan] given: {self.layout.describe()}"
-            return cli.plan_for_hosts(self.args, self.model, self.train, self.layout_table, topology)
+            return resolve.plan_for_hosts(self.args, self.model, self.train, self.layout_table, topology)
         except ConfigError as e:
             raise type(e)(f"{where}: {e}") from None
 

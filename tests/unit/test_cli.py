@@ -3,7 +3,7 @@
 import pytest
 import torch.distributed as dist
 
-from elastic_trainer import cli
+from elastic_trainer import cli, resolve
 from elastic_trainer.config import ConfigError, load_model_config
 from elastic_trainer.plan.layout import Layout
 from elastic_trainer.plan.topology import Topology
@@ -50,7 +50,7 @@ def test_bad_torchrun_environment_is_one_line(monkeypatch, capsys, name, value):
 def test_good_input_resolves_layout(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "8")
     args = cli.build_parser().parse_args(["train", "--layout", "2,2,2", "--micro-batch", "2", "--dp-mode", "ddp"])
-    model, train, layout, _ = cli.resolve_train_args(args, 8)
+    model, train, layout, _ = resolve.resolve_train_args(args, 8)
     assert (layout.dp, layout.tp, layout.pp, layout.micro_batch, layout.num_microbatches) == (2, 2, 2, 2, 2)
     assert layout.dp_mode == "ddp" and model.name == "gpt-tiny" and train.global_batch == 8
 
@@ -62,22 +62,22 @@ def test_default_layout_is_planned_for_the_real_hosts(monkeypatch):
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     args = cli.build_parser().parse_args(["train"])
-    model, train, layout, table = cli.resolve_train_args(args, 4)
+    model, train, layout, table = resolve.resolve_train_args(args, 4)
     assert layout is None
-    chosen, line = cli.plan_for_hosts(args, model, train, table, Topology((4,)))
+    chosen, line = resolve.plan_for_hosts(args, model, train, table, Topology((4,)))
     expected = plan(Request(model, 4, train.global_batch, train.seq_len, load_hardware("cpu"), 4)).chosen
     assert chosen == expected.layout and chosen.global_batch == train.global_batch == 8
     assert line.startswith("[plan] 4 x cpu (4 per host)") and expected.layout.describe() in line
     tp2 = cli.build_parser().parse_args(["train", "--hardware", "h100-80g"])
-    split, line = cli.plan_for_hosts(tp2, model, train, table, Topology((3, 1)))
+    split, line = resolve.plan_for_hosts(tp2, model, train, table, Topology((3, 1)))
     assert split.tp == 1 and "(3+1 per host)" in line
 
 
 def test_given_layout_must_keep_tp_on_one_host():
     model = load_model_config("gpt-tiny")
-    cli.check_hosts(Layout(1, 2, 2, 8, 1), model, Topology((2, 2)))
+    resolve.check_hosts(Layout(1, 2, 2, 8, 1), model, Topology((2, 2)))
     with pytest.raises(ConfigError, match=r"tp=2 groups would span hosts \(3\+1 per host\) \(valid tp: 1\)"):
-        cli.check_hosts(Layout(2, 2, 1, 4, 1), model, Topology((3, 1)))
+        resolve.check_hosts(Layout(2, 2, 1, 4, 1), model, Topology((3, 1)))
 
 
 def test_checkpoint_flags_bad_input(monkeypatch, capsys, tmp_path):

@@ -88,8 +88,11 @@ class Driver:
         try:
             for line in job.describe():
                 self.say(line)
-            store = self._start_store()
-            code = self._phases(first, store.port)
+            if first is None:
+                code = self._nothing_to_do()
+            else:
+                store = self._start_store()  # referenced until the phases are done: it is the rendezvous
+                code = self._phases(first, store.port)
             self.summary()
             return code
         finally:
@@ -127,13 +130,14 @@ class Driver:
     def _on_signal(self, signum, frame) -> None:
         self._interrupts += 1
 
-    def _phases(self, index: int | None, port: int) -> int:
+    def _nothing_to_do(self) -> int:
+        step, steps = self.job.checkpoint_step(), self.job.train.steps
+        self.say(f"nothing to train: the newest checkpoint is step {step} of {steps}"
+                 + (" and the schedule ends there" if step < steps else ""))
+        return 0
+
+    def _phases(self, index: int, port: int) -> int:
         job = self.job
-        if index is None:
-            self.say(f"nothing to train: the newest checkpoint is step {job.checkpoint_step()} of "
-                     f"{job.train.steps}" + (" and the schedule ends there" if job.checkpoint_step() < job.train.steps
-                                             else ""))
-            return 0
         while index is not None:
             phase = job.phases[index]
             outcome = self.run_phase(index, phase, port)

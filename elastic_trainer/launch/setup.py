@@ -106,7 +106,8 @@ class JobSetup:
 
     def _plan(self, index: int, phase: Phase) -> tuple[Layout, str]:
         """The layout rank 0 will choose for this phase's hosts (the same function, the same inputs)."""
-        where = f"schedule phase {index + 1} ({phase.gpus} GPUs)" if self.opts.schedule else "the hosts"
+        where = (f"schedule phase {index + 1} ({phase.gpus} GPUs)" if self.opts.schedule
+                 else f"all {phase.gpus} GPUs of {self.opts.hosts}")
         try:
             topology = Topology(tuple(p.nproc for p in self.placements(phase)))
             if self.layout is not None:

@@ -159,3 +159,14 @@ def test_unreadable_checkpoint_metadata_is_one_line(capsys, tmp_path):
     assert cli.main(launch(tmp_path, "localhost slots=8\n")) == cli.EXIT_BAD_INPUT
     err = capsys.readouterr().err
     assert "step-00000002: unreadable meta.json" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("example, hosts", [("hosts.tenplex.example", "g0011:8 g0012:8 g0013:8 g0017:8 = 32"),
+                                            ("hosts.deepspeed.example", "worker-1:8 worker-2:8 worker-3:4 = 20")])
+def test_example_hosts_files_dry_run(capsys, tmp_path, example, hosts):
+    argv = ["launch", "--hosts", str(PROJECT_ROOT / "launch" / example), "--run-dir", str(tmp_path / "run"),
+            "--gpus-per-host", "8", "--model", "gpt3-xl", "--schedule", "none", "--dry-run", "--",
+            "--hardware", "h100-80g", "--global-batch", "128", "--seq-len", "1024"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f": {hosts} slots" in out and out.count(" (ssh): ssh -T ") == len(hosts.split()) - 2

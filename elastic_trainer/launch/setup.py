@@ -252,7 +252,9 @@ class JobSetup:
         import shlex
 
         port = self.opts.rdzv_port or "PORT"
-        lines = []
+        first, step = self.first_phase(), self.checkpoint_step()  # the checkpoint is checked as a run would
+        start = ("nothing to train" if first is None else f"would start at phase {first + 1}")
+        lines = [f"newest checkpoint: step {step}; {start}" if step else f"no checkpoint yet; {start}"]
         for index, phase in enumerate(self.phases):
             placements = self.placements(phase)
             spec = self.agent_spec(index, phase, placements, port)

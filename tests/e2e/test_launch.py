@@ -316,3 +316,19 @@ def test_failing_rank_names_itself_in_the_launch_log(tmp_path, data_cache, sotu_
     assert "Root Cause (first observed failure)" in log and "[localhost]   host      : localhost" in log
     assert "[localhost]   rank      : " in log and "ValueError: " in log  # the rank, its error
     assert "phase 1 failed on every host (agent on localhost: exit code 1)" in proc.stdout
+
+
+@pytest.mark.parametrize("line, message", [
+    ("a slots=0\n", "hosts.txt:1: slots='0' must be positive"),
+    ("a; touch {marker}\n", "hosts.txt:1: 'a;' is not a valid hostname or IP address"),
+    ("$(touch {marker}) slots=2\n", "hosts.txt:1: '$(touch' is not a valid hostname or IP address"),
+])
+def test_run_sh_refuses_a_bad_hosts_file_in_one_line(tmp_path, line, message):
+    marker = tmp_path / "pwned"
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text(line.format(marker=marker))
+    proc = subprocess.run([str(ROOT / "run.sh"), "--hosts", str(hosts), "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, env=env(), timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and message in proc.stderr and "Traceback" not in proc.stderr
+    assert not marker.exists() and not (tmp_path / "run").exists()

@@ -241,11 +241,7 @@ def parse_train_command(argv: list[str]) -> tuple[argparse.Namespace, ModelConfi
     """`train` arguments as the launcher forwards them to every rank, resolved to configs (the layout, if
     given, is checked per phase). ConfigError on bad input."""
     args = build_parser().parse_args(["train", *argv])
-    model, train, layout_table = resolve.job_configs(args)
-    from elastic_trainer.data.corpus import resolve_files
-
-    resolve_files(train.data)
-    return args, model, train, resolve.given_layout(args, train, layout_table), layout_table
+    return (args, *resolve.train_job(args))
 
 
 def run_launch(args: argparse.Namespace) -> int:

@@ -73,7 +73,7 @@ def layout_settings(args: argparse.Namespace, layout_table: dict) -> tuple[int |
 
 
 def plan_request(args: argparse.Namespace, model: ModelConfig, train: TrainConfig, layout_table: dict,
-                  world_size: int, gpus_per_host: int | None, host_sizes: tuple[int, ...] | None = None) -> Request:
+                 world_size: int, gpus_per_host: int | None, host_sizes: tuple[int, ...] | None = None) -> Request:
     """What the planner considers: every setting the user left open."""
     hw = resolve_hardware(args.hardware)
     micro, mode, recompute = layout_settings(args, layout_table)
@@ -87,7 +87,7 @@ def plan_for_hosts(args: argparse.Namespace, model: ModelConfig, train: TrainCon
                    topology: Topology) -> tuple[Layout, str]:
     """The planned layout for ranks on these hosts, and the plan's one-line summary."""
     result = plan(plan_request(args, model, train, layout_table, topology.world_size, topology.largest,
-                                topology.sizes))
+                               topology.sizes))
     return result.chosen.layout, summary(result)
 
 
@@ -105,15 +105,21 @@ def given_layout(args: argparse.Namespace, train: TrainConfig, layout_table: dic
     return Layout(dp, tp, pp, micro_batch, num_microbatches, dp_mode=mode or "fsdp", recompute=bool(recompute))
 
 
-def resolve_train_args(args: argparse.Namespace,
-                       world_size: int) -> tuple[ModelConfig, TrainConfig, Layout | None, dict]:
-    """Configs, the layout given by --layout or the run config (validated; None when it is to be planned)
-    and the run config's [layout] table. Raises ConfigError on bad input."""
+def train_job(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig, Layout | None, dict]:
+    """`train`'s configs, its data sources checked, the layout it gives (None: to be planned; not yet checked
+    against a world size) and the run config's [layout] table."""
     from elastic_trainer.data.corpus import resolve_files  # imports torch: not needed by `plan`
 
     model, train, layout_table = job_configs(args)
     resolve_files(train.data)  # a missing or unsupported data source fails here, not on every rank later
-    layout = given_layout(args, train, layout_table)
+    return model, train, given_layout(args, train, layout_table), layout_table
+
+
+def resolve_train_args(args: argparse.Namespace,
+                       world_size: int) -> tuple[ModelConfig, TrainConfig, Layout | None, dict]:
+    """Configs, the layout given by --layout or the run config (validated; None when it is to be planned)
+    and the run config's [layout] table. Raises ConfigError on bad input."""
+    model, train, layout, layout_table = train_job(args)
     if layout is None:
         # Rank 0 plans for the real hosts once the process group exists; planning for hosts of
         # LOCAL_WORLD_SIZE ranks here makes bad settings (a micro-batch that cannot split the batch, a

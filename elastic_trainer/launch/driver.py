@@ -157,7 +157,7 @@ class Driver:
                 self.say(f"stopped at step {step}; continue with --resume")
                 return 0
             index = index + 1 if index + 1 < len(job.phases) else None
-        self.say(f"the schedule ended at step {job.checkpoint_step()} of {job.train.steps}; "
+        self.say(f"the schedule ended at step {step} of {job.train.steps}; "
                  "continue with --resume (and a schedule)")
         return 0
 

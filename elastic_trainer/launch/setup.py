@@ -5,6 +5,7 @@ ConfigError here, before a file is written or a process started (so a dry run ch
 
 from __future__ import annotations
 
+import functools
 import socket
 import sys
 from dataclasses import dataclass, field
@@ -151,8 +152,9 @@ class JobSetup:
 
     # -- what each host runs ----------------------------------------------------------------------------
 
-    @property
+    @functools.cached_property
     def all_local(self) -> bool:
+        """Every host of every phase is this machine (fixed by the hosts, schedule and --force-ssh)."""
         return all(p.local for phase in self.phases for p in self.placements(phase))
 
     def endpoint_host(self) -> str:

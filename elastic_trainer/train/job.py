@@ -1,7 +1,8 @@
 """One training job on an initialized process group: build -> load -> fit -> close.
 
-The CLI (one process, or each torchrun rank the elastic launcher starts), the tests and the benchmarks all
-train through `Job` (or `run_job`, the whole sequence in one call), so there is one sequence to get right:
+The CLI (one process, or each torchrun rank the elastic launcher starts) and the tests train through `Job`
+(or `run_job`, the whole sequence in one call), so there is one sequence to get right (the step, planner and
+reshard benchmarks time single pieces: a step, a save, a cold load):
 
 1. build the mesh, the checkpointer and the trainer; when a checkpoint will be loaded the weights are only
    allocated, not initialized (a rescale pays for the load, not for an initialization it throws away);

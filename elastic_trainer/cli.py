@@ -155,6 +155,46 @@ def _add_launch_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then `train` arguments for every rank")
 
 
+def _add_experiment_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("experiment", help="the dynamic-resources experiment: every elasticity policy under a "
+                                          "changing GPU allocation (benchmarks/dynamic_resources/)")
+    p.add_argument("--config", help="experiment TOML (default benchmarks/dynamic_resources/experiment.toml)")
+    p.add_argument("--schedule", help="schedule of time phases (default: the experiment file's)")
+    p.add_argument("--clock", choices=("simulated", "real"), default="simulated",
+                   help="simulated: the small model trains here, the clock follows the target's predicted step "
+                        "and reconfiguration times; real: the target trains on the hosts file's GPUs")
+    p.add_argument("--profile", action="append", metavar="HARDWARE",
+                   help="hardware profile (repeatable; default: the experiment file's; real clock: the cluster's)")
+    p.add_argument("--policy", action="append", help="policy to run (repeatable; default: all)")
+    p.add_argument("--time-scale", type=float, help="simulated: target steps per trained step (default: chosen "
+                                                    "for --target-steps); real: divide every phase's length by it")
+    p.add_argument("--target-steps", type=int, default=64, help="simulated: steps ours would train with instant "
+                                                                "reconfiguration (sets the time scale; default 64)")
+    p.add_argument("--out", default="benchmarks/dynamic_resources/results", help="CSVs, plots and summary.json")
+    p.add_argument("--work-dir", default="runs/experiment", help="the runs' folders (checkpoints, logs)")
+    p.add_argument("--hosts", default="hosts.txt", help="real clock: the cluster's hosts file")
+    p.add_argument("--dry-run", action="store_true", help="print every policy's plan and steps; run nothing")
+    p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then more `train` arguments for every run "
+                                                                "(e.g. --data FILES, --data-cache DIR)")
+
+
+def run_experiment(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from elastic_trainer.experiment.config import load_experiment
+    from elastic_trainer.experiment.main import Options, run_experiment as run
+
+    if args.time_scale is not None and not args.time_scale > 0:
+        raise ConfigError(f"--time-scale {args.time_scale} must be a positive number")
+    if args.target_steps < 1:
+        raise ConfigError(f"--target-steps {args.target_steps} must be a positive integer")
+    exp = load_experiment(args.config, args.schedule, args.policy, args.profile)
+    run(exp, Options(args.clock, args.time_scale, args.target_steps, Path(args.out), Path(args.work_dir),
+                     args.hosts, args.dry_run, tuple(args.train_args[1:] if args.train_args[:1] == ["--"]
+                                                     else args.train_args)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elastic-trainer", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -163,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_checkpoint_parser(sub)
     _add_plan_parser(sub)
     _add_calibrate_parser(sub)
+    _add_experiment_parser(sub)
     return parser
 
 
@@ -350,6 +391,8 @@ def main(argv: list[str] | None = None, *, started: float | None = None, forked:
             return run_plan(args)
         if args.command == "calibrate":
             return run_calibrate(args)
+        if args.command == "experiment":
+            return run_experiment(args)
     except (ConfigError, CheckpointError) as e:
         print(f"elastic-trainer: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from elastic_trainer.config import ConfigError
 from elastic_trainer.elastic.events import EVENTS_FILE, EventLog, read_jsonl
-from elastic_trainer.elastic.schedule import Phase
+from elastic_trainer.elastic.schedule import Phase, run_end
 from elastic_trainer.elastic.report import format_rows, phase_rows, plot
 from elastic_trainer.launch.commands import AgentSpec, Placement
 from elastic_trainer.launch.setup import JobSetup
@@ -140,7 +140,10 @@ class Driver:
         job = self.job
         while index is not None:
             phase = job.phases[index]
-            outcome = self.run_phase(index, phase, port)
+            if phase.waits:
+                outcome = self.wait_phase(index, phase)
+            else:
+                outcome = self.run_phase(index, phase, port)
             step = job.checkpoint_step()
             failed = {h: c for h, c in outcome.codes.items() if c != 0}
             if failed and len(failed) == len(outcome.codes) and step < job.train.steps:
@@ -156,7 +159,8 @@ class Driver:
             if outcome.interrupted or stopped_by_user:
                 self.say(f"stopped at step {step}; continue with --resume")
                 return 0
-            index = index + 1 if index + 1 < len(job.phases) else None
+            index = run_end(job.phases, index) + 1
+            index = index if index < len(job.phases) else None
         self.say(f"the schedule ended at step {step} of {job.train.steps}; "
                  "continue with --resume (and a schedule)")
         return 0
@@ -173,9 +177,10 @@ class Driver:
         self.events.emit("launched", phase=index, gpus=phase.gpus, run_id=spec.run_id,
                          hosts=[[p.host.name, p.nproc] for p in placements])
         stop_requested, interrupted = False, False
+        duration = job.run_duration(index)
         while any(a.proc.poll() is None for a in agents):
             time.sleep(POLL_S)
-            due = phase.duration_s is not None and time.time() - launched >= phase.duration_s
+            due = duration is not None and time.time() - launched >= duration
             if (due or self._interrupts) and not stop_requested:
                 job.stop_file.touch()
                 stop_requested, interrupted = True, bool(self._interrupts)
@@ -189,6 +194,16 @@ class Driver:
         codes = {a.host: a.proc.returncode for a in agents}
         self.events.emit("exited", phase=index, codes=codes)
         return PhaseOutcome(codes, stop_requested, interrupted)
+
+    def wait_phase(self, index: int, phase: Phase) -> PhaseOutcome:
+        """A phase without GPUs: nothing runs until its time is up (or the user stops the job)."""
+        self.job.stop_file.unlink(missing_ok=True)
+        self.say(self.job.phase_line(index))
+        self.events.emit("waiting", phase=index, duration_s=phase.duration_s)
+        end = time.time() + (phase.duration_s or 0.0)  # a steps schedule's 0-GPU phase: stop, then start again
+        while time.time() < end and not self._interrupts and not self.job.stop_file.exists():
+            time.sleep(POLL_S)
+        return PhaseOutcome({}, stop_requested=False, interrupted=bool(self._interrupts))
 
     def _start(self, placement: Placement, spec: AgentSpec) -> Agent:
         argv, env = self.job.command(placement, spec)

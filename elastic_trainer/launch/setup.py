@@ -14,10 +14,10 @@ from pathlib import Path
 from elastic_trainer import resolve
 from elastic_trainer.config import ConfigError
 from elastic_trainer.elastic.events import EVENTS_FILE, read_jsonl
-from elastic_trainer.elastic.schedule import Phase, load_schedule, phase_at, step_ends
+from elastic_trainer.elastic.schedule import Phase, load_schedule, phase_at, run_end, step_ends
 from elastic_trainer.launch.commands import RDZV_CONF, AgentSpec, Placement, SshSettings, allocate, host_command
 from elastic_trainer.launch.hosts import HostsError, default_slots, interface_ipv4, is_local, read_hosts
-from elastic_trainer.plan.layout import Layout
+from elastic_trainer.plan.layout import Layout, split_batch
 from elastic_trainer.plan.topology import Topology
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -93,6 +93,9 @@ class JobSetup:
                               "(--checkpoint-dir, --run-dir, --resume, --schedule)")
         self.args, self.model, self.train, self.layout, self.layout_table = cli.parse_train_command(
             list(opts.train_argv))
+        if self.layout is not None and any(p.layout for p in self.phases):
+            raise ConfigError(f"the schedule {opts.schedule} pins layouts per phase; drop --layout (or the run "
+                              "config's [layout] degrees)")
         self.run_dir = Path(opts.run_dir).resolve()
         self.checkpoint_dir = Path(opts.checkpoint_dir or self.run_dir / "checkpoints").resolve()
         self.stop_file = self.run_dir / "stop"
@@ -102,19 +105,34 @@ class JobSetup:
     # -- checks and plans -------------------------------------------------------------------------------
 
     def placements(self, phase: Phase) -> list[Placement]:
+        if phase.waits:
+            return []
         return [Placement(h, n, is_local(h.name) and h.name not in self.opts.force_ssh)
                 for h, n in allocate(self.hosts, phase.gpus, self.opts.hosts)]
 
-    def _plan(self, index: int, phase: Phase) -> tuple[Layout, str]:
+    def pinned_layout(self, phase: Phase) -> Layout | None:
+        """The layout the phase pins (its micro-batch, else --micro-batch, else the whole dp share)."""
+        if phase.layout is None:
+            return self.layout
+        dp, tp, pp = phase.layout
+        micro = phase.micro_batch or self.args.micro_batch
+        micro_batch, num_microbatches = split_batch(self.train.global_batch, dp, micro)
+        mode, recompute = self.args.dp_mode or "fsdp", bool(self.args.recompute)
+        return Layout(dp, tp, pp, micro_batch, num_microbatches, dp_mode=mode, recompute=recompute)
+
+    def _plan(self, index: int, phase: Phase) -> tuple[Layout | None, str]:
         """The layout rank 0 will choose for this phase's hosts (the same function, the same inputs)."""
         where = (f"schedule phase {index + 1} ({phase.gpus} GPUs)" if self.opts.schedule
                  else f"all {phase.gpus} GPUs of {self.opts.hosts}")
+        if phase.waits:
+            return None, "[plan] no GPUs: the job waits"
         try:
             topology = Topology(tuple(p.nproc for p in self.placements(phase)))
-            if self.layout is not None:
-                self.layout.validate(topology.world_size, self.model, self.train.global_batch)
-                resolve.check_hosts(self.layout, self.model, topology)
-                return self.layout, f"[plan] given: {self.layout.describe()}"
+            layout = self.pinned_layout(phase)
+            if layout is not None:
+                layout.validate(topology.world_size, self.model, self.train.global_batch)
+                resolve.check_hosts(layout, self.model, topology)
+                return layout, f"[plan] given: {layout.describe()}"
             return resolve.plan_for_hosts(self.args, self.model, self.train, self.layout_table, topology)
         except ConfigError as e:
             raise type(e)(f"{where}: {e}") from None
@@ -192,8 +210,11 @@ class JobSetup:
         argv = [*self.opts.train_argv, "--checkpoint-dir", str(self.checkpoint_dir),
                 "--metrics-file", str(self.run_dir / "metrics.jsonl"), "--events-file", str(self.run_dir / EVENTS_FILE),
                 "--stop-file", str(self.stop_file), "--phase", str(index)]
+        if phase.layout is not None:
+            layout = self.plans[index][0]
+            argv += ["--layout", ",".join(map(str, phase.layout)), "--micro-batch", str(layout.micro_batch)]
         if phase.steps is not None:
-            argv += ["--until-step", str(step_ends(self.phases)[index])]
+            argv += ["--until-step", str(step_ends(self.phases)[run_end(self.phases, index)])]
         return argv
 
     def agent_spec(self, index: int, phase: Phase, placements: list[Placement], port: int | str,
@@ -241,12 +262,31 @@ class JobSetup:
                 f"logs: {self.run_dir}/launch.log, metrics.jsonl, {EVENTS_FILE}; stop gracefully with "
                 f"`touch {self.stop_file}`"]
 
+    def starts(self, first: int = 0) -> list[int]:
+        """The phases at which the job starts (or waits) from phase `first` on: one per run of `same_run` phases."""
+        out, index = [], first
+        while index < len(self.phases):
+            out.append(index)
+            index = run_end(self.phases, index) + 1
+        return out
+
+    def run_duration(self, index: int) -> float | None:
+        """Seconds the start at phase `index` runs (through the phases it runs through); None: steps or none."""
+        if self.phases[index].duration_s is None:
+            return None
+        return sum(p.duration_s for p in self.phases[index:run_end(self.phases, index) + 1])
+
     def phase_line(self, index: int) -> str:
-        phase = self.phases[index]
-        what = (f"for {phase.steps} steps (until step {step_ends(self.phases)[index]})" if phase.steps
-                else f"for {phase.duration_s:g} s" if phase.duration_s else f"until step {self.train.steps}")
+        phase, last = self.phases[index], run_end(self.phases, index)
+        name = f"phase {index + 1}" + (f"-{last + 1}" if last > index else "") + f"/{len(self.phases)}"
+        if phase.waits:
+            return (f"{name}: no GPUs for {phase.duration_s:g} s: the job waits" if phase.duration_s
+                    else f"{name}: no GPUs: the job stops and starts again")
+        what = (f"for {step_ends(self.phases)[last] - step_ends(self.phases)[index] + phase.steps} steps "
+                f"(until step {step_ends(self.phases)[last]})" if phase.steps
+                else f"for {self.run_duration(index):g} s" if phase.duration_s else f"until step {self.train.steps}")
         where = ", ".join(f"{p.host.name}:{p.nproc}" for p in self.placements(phase))
-        return f"phase {index + 1}/{len(self.phases)}: {phase.gpus} GPUs on {where} {what}"
+        return f"{name}: {phase.gpus} GPUs on {where} {what}"
 
     def dry_run(self) -> list[str]:
         """Each phase's plan and the exact command each host would start (the rendezvous port is chosen at
@@ -257,10 +297,14 @@ class JobSetup:
         first, step = self.first_phase(), self.checkpoint_step()  # the checkpoint is checked as a run would
         start = ("nothing to train" if first is None else f"would start at phase {first + 1}")
         lines = [f"newest checkpoint: step {step}; {start}" if step else f"no checkpoint yet; {start}"]
-        for index, phase in enumerate(self.phases):
+        for index in self.starts():
+            phase = self.phases[index]
+            lines.append(self.phase_line(index))
+            if phase.waits:
+                continue
             placements = self.placements(phase)
             spec = self.agent_spec(index, phase, placements, port)
-            lines += [self.phase_line(index), f"  {self.plans[index][1]}"]
+            lines.append(f"  {self.plans[index][1]}")
             for p in placements:
                 argv, env = self.command(p, spec)
                 prefix = shlex.join(["env", *(f"{k}={v}" for k, v in env.items())]) + " " if env else ""

@@ -68,18 +68,26 @@ class Hardware:
     compute_units: float = 0.0
     """With `shared_host`: how many ranks' worth of compute the host delivers at once (measured speed-up of
     ranks computing together; at most its cores)."""
+    storage_gbs: float = 2.0
+    """Read or write bandwidth of one host to the shared checkpoint storage (GB/s): a reconfiguration's
+    save and load (the simulated clock's model of downtime)."""
+    restart_s: float = 30.0
+    """Seconds from the old processes' exit to the new ones' first step, without the load: process start,
+    rendezvous, communicator set-up, model build (the simulated clock's model of downtime)."""
 
     def __post_init__(self) -> None:
         if self.device not in ("cuda", "cpu"):
             raise ConfigError(f"hardware {self.name}: device={self.device!r} is not one of cuda, cpu")
         if self.compute_dtype not in ("bf16", "fp32"):
             raise ConfigError(f"hardware {self.name}: compute_dtype={self.compute_dtype!r} is not one of bf16, fp32")
-        for key in ("memory_gb", "tflops", "memory_bandwidth_gbs", "intra_host_gbs", "inter_host_gbs"):
+        for key in ("memory_gb", "tflops", "memory_bandwidth_gbs", "intra_host_gbs", "inter_host_gbs", "storage_gbs"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"hardware {self.name}: {key}={getattr(self, key)} must be positive")
         positive_int(f"hardware {self.name}: gpus_per_host", self.gpus_per_host)
         if not 0.0 <= self.overlap <= 1.0:
             raise ConfigError(f"hardware {self.name}: overlap={self.overlap} must be in [0, 1]")
+        if self.restart_s < 0:
+            raise ConfigError(f"hardware {self.name}: restart_s={self.restart_s} must not be negative")
         if self.shared_host and self.compute_units < 1:
             raise ConfigError(f"hardware {self.name}: shared_host needs compute_units >= 1, got {self.compute_units}")
 

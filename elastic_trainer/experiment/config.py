@@ -26,7 +26,8 @@ class JobSpec:
     global_batch: int
     lr: float = 1e-3
     warmup_steps: int = 0
-    seed: int = 0
+    seed: int | None = None
+    """None: train's default seed."""
     dp_mode: str | None = None
     """Data-parallel mode of every run (None: the layout's own); the small model's losses do not depend on it."""
 
@@ -65,7 +66,8 @@ def _job(table: dict, where: str) -> JobSpec:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}")
     try:
         return JobSpec(load_model_config(table["model"]), int(table["seq_len"]), int(table["global_batch"]),
-                       float(table.get("lr", 1e-3)), int(table.get("warmup_steps", 0)), int(table.get("seed", 0)),
+                       float(table.get("lr", 1e-3)), int(table.get("warmup_steps", 0)),
+                       int(table["seed"]) if "seed" in table else None,
                        _mode(table.get("dp_mode"), where))
     except KeyError as e:
         raise ConfigError(f"{where}: missing key {e.args[0]!r} (model, seq_len, global_batch)") from None

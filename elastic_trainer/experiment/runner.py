@@ -23,8 +23,9 @@ from elastic_trainer.experiment.profile import PolicyPlan, ProfilePlan, runtime_
 
 def train_args(job: JobSpec, steps: int) -> list[str]:
     return ["--seq-len", str(job.seq_len), "--global-batch", str(job.global_batch), "--steps", str(steps),
-            "--lr", repr(job.lr), "--warmup-steps", str(job.warmup_steps), "--seed", str(job.seed),
-            "--log-every", "10", *(["--dp-mode", job.dp_mode] if job.dp_mode else [])]
+            "--lr", repr(job.lr), "--warmup-steps", str(job.warmup_steps), "--log-every", "10",
+            *(["--seed", str(job.seed)] if job.seed is not None else []),
+            *(["--dp-mode", job.dp_mode] if job.dp_mode else [])]
 
 
 def launch(run_dir: Path, hosts: str, model: str, schedule: list[Phase], args: list[str],

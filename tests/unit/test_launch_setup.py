@@ -170,3 +170,36 @@ def test_example_hosts_files_dry_run(capsys, tmp_path, example, hosts):
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert f": {hosts} slots" in out and out.count(" (ssh): ssh -T ") == len(hosts.split()) - 2
+
+
+def test_pinned_layouts_waits_and_runs_through_in_a_dry_run(tmp_path, capsys):
+    path = tmp_path / "pinned.json"
+    path.write_text(json.dumps([
+        {"gpus": 4, "duration_s": 30, "layout": "1,2,2", "micro_batch": 2},
+        {"gpus": 4, "duration_s": 30, "layout": "1,2,2", "micro_batch": 2},  # the same: no restart
+        {"gpus": 0, "duration_s": 20},
+        {"gpus": 2, "duration_s": 30}]))
+    argv = launch(tmp_path, "localhost slots=4\n", "--model", "gpt-tiny", "--schedule", str(path), "--dry-run")
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "phase 1-2/4: 4 GPUs on localhost:4 for 60 s" in out
+    assert "[plan] given: dp=1 tp=2 pp=2 micro_batch=2 num_microbatches=4 (fsdp)" in out
+    assert "--layout 1,2,2 --micro-batch 2" in out
+    assert "phase 3/4: no GPUs for 20 s: the job waits" in out
+    assert "phase 4/4: 2 GPUs on localhost:2 for 30 s" in out and "phase 2/4" not in out
+    assert out.count("elastic_trainer.launch.agent") == 2  # one start for phases 1-2, one for phase 4
+
+
+@pytest.mark.parametrize("phases,extra,message", [
+    ([{"gpus": 3, "steps": 2, "layout": "1,3,1"}], (), "schedule phase 1 (3 GPUs): tp=3 does not divide n_heads=4"),
+    ([{"gpus": 4, "steps": 2, "layout": "2,2,1"}], ("--", "--layout", "2,2,1"), "pins layouts per phase; drop --layout"),
+    ([{"gpus": 4, "steps": 2, "layout": "4,1,1", "micro_batch": 3}], (), "micro"),
+])
+def test_bad_pinned_layouts_are_refused_before_anything_runs(tmp_path, capsys, phases, extra, message):
+    path = tmp_path / "pinned.json"
+    path.write_text(json.dumps(phases))
+    argv = launch(tmp_path, "localhost slots=4\n", "--model", "gpt-tiny", "--schedule", str(path), *extra)
+    assert cli.main(argv) == cli.EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()

@@ -63,10 +63,10 @@ def _real(exp: Experiment, plan: ProfilePlan, opts: Options, say) -> tuple[dict,
     cap = 4 * max(simulate([d / scale for d in exp.durations], p.choices, 1.0).count
                   for p in plan.policies.values()) + 100
     walls = run_real(exp, plan, opts.work / plan.profile, opts.hosts, scale, cap, opts.train_args, say=say)
-    rows, ideal = {}, {}
+    rows, ideal, durations = {}, {}, [d / scale for d in exp.durations]
     for n, p in plan.policies.items():
-        rows[n] = results.real_rows(opts.work / plan.profile / n, p.choices)
-        ideal[n] = measured_ideal([d / scale for d in exp.durations], p, rows[n])
+        rows[n] = results.real_rows(opts.work / plan.profile / n, p.choices, durations)
+        ideal[n] = measured_ideal(durations, p, rows[n])
     return rows, ideal, walls
 
 

@@ -60,18 +60,22 @@ def simulated_rows(run_dir: Path, choices: list[Choice], timeline) -> list[dict]
     return rows
 
 
-def real_rows(run_dir: Path, choices: list[Choice]) -> list[dict]:
-    """Rows of a real-clock run: wall time from the first launch, measured downtime under both columns."""
+def real_rows(run_dir: Path, choices: list[Choice], durations: list[float]) -> list[dict]:
+    """Rows of a real-clock run: wall time from the first launch, measured downtime under both columns; a
+    step's GPUs and chosen layout are those of the schedule's phase at its time (one start may run through
+    several phases)."""
     records, measured, events = run_records(run_dir)
     launched = [e["time"] for e in events if e["event"] in ("launched", "waiting")]
     if not launched or not records:
         raise ConfigError(f"{run_dir}: the run trained nothing; see {run_dir / 'launch.log'}")
     t0 = min(launched)
+    ends = [sum(durations[:i + 1]) for i in range(len(durations))]
     rows = []
     for step in sorted(records):
         r = records[step]
-        c = choices[r["phase"]] if r.get("phase") is not None else choices[0]
-        rows.append({"time_s": round(r["time"] - t0, 3), "step": step, "loss": r["loss"], "gpus": c.held,
+        at = r["time"] - t0
+        c = choices[next((i for i, end in enumerate(ends) if at < end), len(ends) - 1)]
+        rows.append({"time_s": round(at, 3), "step": step, "loss": r["loss"], "gpus": c.held,
                      "ranks": r["world_size"], "layout": choice_text(c), "ran_as": Layout.from_dict(r["layout"]).compact(),
                      "downtime_s": measured.get(step, 0.0), "measured_downtime_s": measured.get(step, 0.0)})
     return rows

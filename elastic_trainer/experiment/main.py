@@ -58,12 +58,16 @@ def _simulated(exp: Experiment, plan: ProfilePlan, opts: Options, say) -> tuple[
     return rows, ideal, walls
 
 
+def clock_durations(exp: Experiment, opts: Options) -> list[float]:
+    """The phases' lengths on the run's clock: full length when simulated, shortened by --time-scale when real."""
+    return exp.durations if opts.clock == "simulated" else [d / (opts.time_scale or 1.0) for d in exp.durations]
+
+
 def _real(exp: Experiment, plan: ProfilePlan, opts: Options, say) -> tuple[dict, dict, dict]:
-    scale = opts.time_scale or 1.0
-    cap = 4 * max(simulate([d / scale for d in exp.durations], p.choices, 1.0).count
-                  for p in plan.policies.values()) + 100
-    walls = run_real(exp, plan, opts.work / plan.profile, opts.hosts, scale, cap, opts.train_args, say=say)
-    rows, ideal, durations = {}, {}, [d / scale for d in exp.durations]
+    durations = clock_durations(exp, opts)
+    cap = 4 * max(simulate(durations, p.choices, 1.0).count for p in plan.policies.values()) + 100
+    walls = run_real(exp, plan, opts.work / plan.profile, opts.hosts, durations, cap, opts.train_args, say=say)
+    rows, ideal = {}, {}
     for n, p in plan.policies.items():
         rows[n] = results.real_rows(opts.work / plan.profile / n, p.choices, durations)
         ideal[n] = measured_ideal(durations, p, rows[n])
@@ -101,12 +105,10 @@ def run_profile(exp: Experiment, profile: str, opts: Options, say=print) -> dict
         if "static" in rows and name != "static":
             entry["loss_vs_static"] = results.loss_match(rows[name], rows["static"])
     results.plot(opts.out / f"{profile}.png", f"{exp.target.model.name} on {profile} ({opts.clock} clock)", rows,
-                 exp.durations if opts.clock == "simulated" else [d / (opts.time_scale or 1.0) for d in exp.durations],
-                 exp.gpus)
-    common = min(p["steps"] for p in policies.values())
+                 clock_durations(exp, opts), exp.gpus)
     say(f"[experiment] {profile}: done in {time.time() - t0:.0f} s; results in {opts.out}")
     return {"clock": opts.clock, "hardware": profile, "time_scale": round(plan.scale, 3) if opts.clock == "simulated"
-            else opts.time_scale or 1.0, "common_step": common, "reconfiguration_model": plan.reconfiguration,
+            else opts.time_scale or 1.0, "common_step": results.common_step(rows), "reconfiguration_model": plan.reconfiguration,
             "wall_s": round(time.time() - t0, 1), "policies": policies}
 
 

@@ -94,10 +94,14 @@ def read_csv(path: Path) -> list[dict]:
                  for k, v in row.items()} for row in csv.DictReader(f)]
 
 
+def common_step(rows: dict[str, list[dict]]) -> int:
+    """The largest step every policy reached."""
+    return min((r[-1]["step"] if r else 0) for r in rows.values())
+
+
 def summarize(rows: dict[str, list[dict]], ideal: dict[str, int], clock: str) -> dict[str, dict]:
-    """Per policy: steps, ideal_steps, time_to_common_step_s, downtime_s, final_loss, clock; the common step
-    is the largest step every policy reached."""
-    common = min((r[-1]["step"] if r else 0) for r in rows.values())
+    """Per policy: steps, ideal_steps, time_to_common_step_s, downtime_s, final_loss, clock."""
+    common = common_step(rows)
     out = {}
     for name, r in rows.items():
         at = next((row["time_s"] for row in r if row["step"] == common), None)

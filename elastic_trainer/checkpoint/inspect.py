@@ -20,7 +20,13 @@ from elastic_trainer.config import ModelConfig
 def resolve(path: str | Path) -> tuple[Path, list[Path]]:
     """(the checkpoint folder to read, all complete checkpoints) for a checkpoint folder or a root."""
     path = Path(path)
+    if not path.exists():
+        raise storage.CheckpointError(f"{str(path)!r} does not exist (valid: a checkpoint folder or a checkpoint "
+                                      "root such as runs/default/checkpoints)")
+    if not path.is_dir():
+        raise storage.CheckpointError(f"{str(path)!r} is a file, not a checkpoint folder or root")
     if (path / storage.META).exists():
+        storage.read_meta(path)
         return path, [path]
     found = storage.complete_checkpoints(path)
     if not found:
@@ -49,9 +55,9 @@ def summarize(folder: Path, verify: bool = True) -> dict:
             integrity = f"ok ({len(files)} files, {storage.HASH} checksums match)"
         except storage.CheckpointError as e:
             integrity = f"FAILED: {e}"
-    return {"path": str(folder), "step": meta["step"], "consumed_samples": meta["consumed_samples"],
-            "saved_at": meta.get("saved_at"), "layout": meta["layout"], "world_size": meta["world_size"],
-            "model": meta["model"], "train": meta["train"], "versions": meta["versions"],
+    return {"path": str(folder), "step": meta["step"], "consumed_samples": meta.get("consumed_samples", 0),
+            "saved_at": meta.get("saved_at"), "layout": meta["layout"], "world_size": meta.get("world_size"),
+            "model": meta["model"], "train": meta["train"], "versions": meta.get("versions", {}),
             "state": groups, "files": len(files), "file_bytes": sum(f["bytes"] for f in files.values()),
             "integrity": integrity}
 
@@ -100,6 +106,13 @@ def export_hf(source: str | Path, out: str | Path) -> Path:
     """Write a Hugging Face GPT-2 folder (config.json + model.safetensors) from a checkpoint."""
     from elastic_trainer.model.hf import save_hf_folder
 
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise storage.CheckpointError(f"output {str(out)!r} is {'a file' if not out.is_dir() else 'a folder that is not empty'}"
+                                      " (valid: a new or empty folder)")
+    from elastic_trainer.preflight import check_dir_target
+
+    check_dir_target(out, "output")
     folder, _ = resolve(source)
     cfg, weights = load_model_weights(folder)
     return save_hf_folder(out, cfg, weights)

@@ -95,9 +95,9 @@ def check_compatible(meta: dict, model_cfg: ModelConfig, cfg: TrainConfig, where
         detail = ", ".join(f"{k}={ours[k]!r} (checkpoint: {meta['model'][k]!r})" for k in differ)
         raise ConfigError(f"{where} holds a different model: {detail}")
     saved, current = meta["train"], train_dict(cfg)
-    differ = [(k, current[k], saved[k]) for k in TRAJECTORY_FIELDS if current[k] != saved[k]]
-    if cfg.decay_steps is not None and cfg.schedule_steps != saved["schedule_steps"]:
-        differ.append(("decay_steps", cfg.decay_steps, saved["schedule_steps"]))
+    differ = [(k, current[k], saved.get(k)) for k in TRAJECTORY_FIELDS if current[k] != saved.get(k)]
+    if cfg.decay_steps is not None and cfg.schedule_steps != saved.get("schedule_steps"):
+        differ.append(("decay_steps", cfg.decay_steps, saved.get("schedule_steps")))
     if differ:
         detail = ", ".join(f"{k}={ours!r} (checkpoint: {theirs!r})" for k, ours, theirs in differ)
         raise ConfigError(f"{where} was trained with other settings: {detail}; resuming would change the "

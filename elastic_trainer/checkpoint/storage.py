@@ -72,7 +72,10 @@ def read_dcp_metadata(path: str | os.PathLike) -> Metadata:
     try:
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
+    except OSError as e:
+        raise CheckpointError(f"checkpoint metadata {str(path)!r} cannot be read ({e.strerror or e})") from None
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, ImportError, IndexError, TypeError,
+            KeyError) as e:
         raise CheckpointError(f"unsafe or corrupted checkpoint metadata {str(path)!r}: {e}") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{str(path)!r} does not hold DCP metadata")
@@ -238,8 +241,34 @@ def remove_abandoned(root: Path) -> None:
                 shutil.rmtree(path, ignore_errors=True)
 
 
+META_FIELDS = {"format": int, "step": int, "model": dict, "train": dict, "layout": dict}
+
+
 def read_meta(folder: Path) -> dict:
+    """meta.json of a checkpoint folder, its structure checked (the keys and types every reader relies on)."""
+    path = Path(folder) / META
     try:
-        return json.loads((folder / META).read_text())
+        meta = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{folder.name}: unreadable {META} ({e})") from None
+        raise CheckpointError(f"{str(path)!r} is unreadable ({getattr(e, 'strerror', None) or e})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{str(path)!r} is not a JSON object")
+    for key, kind in META_FIELDS.items():
+        if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
+            raise CheckpointError(f"{str(path)!r}: {key!r} is missing or not {'an integer' if kind is int else 'an object'}"
+                                  " (a damaged or foreign meta.json)")
+    if meta["step"] < 0:
+        raise CheckpointError(f"{str(path)!r}: step {meta['step']} is negative")
+    for key in ("dp", "tp", "pp"):
+        if not isinstance(meta["layout"].get(key), int):
+            raise CheckpointError(f"{str(path)!r}: layout.{key} is missing or not an integer")
+    for key in ("schedule_steps", "data"):
+        if key not in meta["train"]:
+            raise CheckpointError(f"{str(path)!r}: train.{key} is missing")
+    try:
+        from elastic_trainer.config import ModelConfig
+
+        ModelConfig(**meta["model"])
+    except (TypeError, ConfigError) as e:
+        raise CheckpointError(f"{str(path)!r}: its model is not valid ({' '.join(str(e).split())})") from None
+    return meta

@@ -1,4 +1,4 @@
-"""Corpora: find the files, read documents through Hugging Face `datasets`, tokenize once, cache on disk.
+"""Corpora: find the files, read their documents (`data.records`), tokenize once, cache on disk.
 
 A corpus is one stream of GPT-2 tokens: every document followed by <|endoftext|>, documents in a fixed
 order (files sorted by path). The stream is cached as a uint16 .npy file keyed by the files' paths, sizes
@@ -17,10 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from elastic_trainer.config import ConfigError
-from elastic_trainer.data import tokenizer
+from elastic_trainer.data import records, tokenizer
 
 SUFFIXES = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-TEXT_FIELD = "text"
 
 
 def default_cache_dir() -> Path:
@@ -64,25 +63,6 @@ def resolve_files(sources: tuple[str, ...] | list[str]) -> list[Path]:
     return sorted({p.resolve() for p in files})
 
 
-def read_documents(files: list[Path], cache_dir: Path) -> list[str]:
-    """Documents of all files, in file order, read with Hugging Face datasets (offline, local builders)."""
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import datasets
-
-    datasets.disable_progress_bars()
-    docs: list[str] = []
-    for path in files:
-        builder = SUFFIXES[path.suffix]
-        kwargs = {"sample_by": "document"} if builder == "text" else {}
-        ds = datasets.load_dataset(builder, data_files=[str(path)], split="train",
-                                   cache_dir=str(cache_dir / "hf"), **kwargs)
-        if TEXT_FIELD not in ds.column_names:
-            raise ConfigError(f"{str(path)!r} has no {TEXT_FIELD!r} field (columns: {', '.join(ds.column_names)})")
-        docs += [t for t in ds[TEXT_FIELD] if t]
-    return docs
-
-
 def _cache_key(files: list[Path]) -> str:
     h = hashlib.sha256(tokenizer.NAME.encode())
     for p in files:
@@ -91,11 +71,18 @@ def _cache_key(files: list[Path]) -> str:
     return h.hexdigest()[:20]
 
 
-def _build(files: list[Path], out: Path, cache_dir: Path) -> None:
+def _build(files: list[Path], out: Path, cache_dir: Path, min_tokens: int, skip_bad: bool) -> None:
+    """Tokenize `files` into `out` (a temporary file, then an atomic rename): only a complete stream of at
+    least `min_tokens` tokens is ever written."""
     t0 = time.perf_counter()
-    docs = read_documents(files, cache_dir)
+    docs, bad = records.read_all(files, skip_bad, cache_dir)
     ids = tokenizer.encode_batch(docs)
-    stream = np.empty(sum(len(d) + 1 for d in ids), dtype=np.uint16)
+    size = sum(len(d) + 1 for d in ids)
+    if not docs:
+        raise records.DataError(f"the data has no text: {_names(files)} hold no non-empty documents")
+    if size < min_tokens:
+        raise records.DataError(_too_short(size, min_tokens, files))
+    stream = np.empty(size, dtype=np.uint16)
     pos = 0
     for d in ids:
         stream[pos:pos + len(d)] = d
@@ -106,21 +93,63 @@ def _build(files: list[Path], out: Path, cache_dir: Path) -> None:
         np.save(f, stream)
     os.replace(tmp, out)  # readers never see a partial file
     meta = {"files": [str(p) for p in files], "documents": len(docs), "tokens": int(stream.size),
-            "tokenizer": tokenizer.NAME, "seconds": round(time.perf_counter() - t0, 2)}
+            "tokenizer": tokenizer.NAME, "seconds": round(time.perf_counter() - t0, 2),
+            "bad_records": bad.count, "first_bad_records": bad.first}
     out.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
     print(f"[data] tokenized {len(docs)} documents from {len(files)} files: {stream.size:,} tokens "
           f"in {meta['seconds']} s -> {out}", flush=True)
 
 
-def load_tokens(sources: tuple[str, ...] | list[str], cache_dir: str | Path | None = None) -> np.ndarray:
-    """The corpus as a read-only, memory-mapped uint16 token stream (tokenized on first use)."""
+def _names(files: list[Path]) -> str:
+    return ", ".join(str(p) for p in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+
+
+def _too_short(tokens: int, min_tokens: int, files: list[Path]) -> str:
+    return (f"the data has {tokens} tokens ({_names(files)}); one sample of --seq-len {min_tokens - 1} needs "
+            f"{min_tokens} (valid: more text or a shorter --seq-len)")
+
+
+def _check_cached(out: Path, files: list[Path], min_tokens: int, skip_bad: bool) -> np.ndarray:
+    stream = np.load(out, mmap_mode="r")
+    try:
+        meta = json.loads(out.with_suffix(".json").read_text())
+    except (OSError, ValueError):
+        meta = {}
+    if meta.get("bad_records"):
+        summary = f"{meta['bad_records']} bad record(s); first: {'; '.join(meta.get('first_bad_records', []))}"
+        if not skip_bad:
+            raise records.DataError(f"the data has {summary} (pass --skip-bad-records to leave them out)")
+        print(f"[data] skipped {summary}", flush=True)
+    if stream.size < min_tokens:
+        raise records.DataError(_too_short(int(stream.size), min_tokens, files))
+    return stream
+
+
+def load_tokens(sources: tuple[str, ...] | list[str], cache_dir: str | Path | None = None, *, min_tokens: int = 1,
+                skip_bad: bool = False) -> np.ndarray:
+    """The corpus as a read-only, memory-mapped uint16 token stream (tokenized on first use). DataError (one
+    line, nothing written) for a bad record (unless `skip_bad`: left out and counted) or fewer than
+    `min_tokens` tokens."""
     files = resolve_files(sources)
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
-    cache.mkdir(parents=True, exist_ok=True)
     out = cache / f"tokens-{_cache_key(files)}.npy"
-    if not out.exists():
-        with open(out.with_suffix(".lock"), "w") as lock:
+    if out.exists():
+        return _check_cached(out, files, min_tokens, skip_bad)
+    created = [p for p in (cache, *cache.parents) if not p.exists()]
+    cache.mkdir(parents=True, exist_ok=True)
+    lock_path = out.with_suffix(".lock")
+    try:
+        with open(lock_path, "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per host; the others wait, then read
             if not out.exists():
-                _build(files, out, cache)
-    return np.load(out, mmap_mode="r")
+                _build(files, out, cache, min_tokens, skip_bad)
+    except records.DataError:
+        # nothing of a failed build stays: the lock (a waiter holding it fails the same way) and new folders
+        lock_path.unlink(missing_ok=True)
+        for folder in created:
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
+    return _check_cached(out, files, min_tokens, skip_bad)

@@ -84,7 +84,7 @@ def _mode(value, where: str) -> str | None:
 def _table(raw: dict, where: str) -> dict[int, tuple[int, int, int]]:
     out = {}
     for gpus, text in raw.items():
-        if not str(gpus).isdigit() or int(gpus) < 1:
+        if not (str(gpus).isascii() and str(gpus).isdigit()) or int(gpus) < 1:
             raise ConfigError(f"{where}: key {gpus!r} must be a GPU count")
         degrees = parse_degrees(str(text), f"{where}.{gpus}")
         if degrees[0] * degrees[1] * degrees[2] != int(gpus):

@@ -7,8 +7,14 @@ When the workers run `elastic_trainer.cli`, the agent imports the training stack
 (TorchElastic's `start_method="fork"` with a function entrypoint) instead of starting fresh interpreters: each
 new interpreter spends ~2.4 s of CPU importing torch, DTensor, FSDP, DCP and the pipeline schedules, which
 on a host with few cores per rank was most of a reconfiguration's downtime. Everything else (rendezvous,
-restarts, membership changes, error files) is TorchElastic's, unchanged. Any other entrypoint runs exactly as
-under torchrun. The agent never touches CUDA, so forked workers can still use it.
+restarts, membership changes, error files) is TorchElastic's, with one change: a worker that exits with the
+bad-input code (2: a wrong input, or a diverged run) is not restarted, since a restart would fail the same
+way; the agent exits with that code, the worker's one-line error on top instead of torchrun's report. Any
+other entrypoint runs exactly as under torchrun. The agent never touches CUDA, so forked workers can still
+use it.
+
+`elastic-trainer torchrun [TORCHRUN FLAGS] train ...` is this agent for users: it checks the train inputs
+once before any worker starts.
 """
 
 from __future__ import annotations
@@ -45,25 +51,114 @@ def worker(*argv: str) -> int:
     return code
 
 
-def main(argv: list[str] | None = None) -> None:
-    # SIGTERM, not SIGKILL: TorchElastic turns it into stopping the workers (which save if they can).
-    die_with_parent(signal.SIGTERM)
-    from torch.distributed.launcher.api import elastic_launch
-    from torch.distributed.run import config_from_args, parse_args
+EXIT_BAD_INPUT = 2
+"""A worker's exit code for bad input (and divergence): final, never restarted (cli.EXIT_BAD_INPUT)."""
 
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+
+def _no_restart_on_bad_input() -> None:
+    """Make TorchElastic's agent (as `elastic_launch` builds it, in this process only) skip its restarts once a
+    worker exits with EXIT_BAD_INPUT."""
+    import torch.distributed.launcher.api as launcher_api
+    from torch.distributed.elastic.agent.server.api import WorkerState
+
+    base = launcher_api.LocalElasticAgent
+    if getattr(base, "_elastic_trainer", False):
+        return
+
+    class Agent(base):
+        _elastic_trainer = True
+
+        def _monitor_workers(self, worker_group):
+            result = super()._monitor_workers(worker_group)
+            if result.state == WorkerState.FAILED and any(
+                    f.exitcode == EXIT_BAD_INPUT for f in result.failures.values()):
+                self._remaining_restarts = 0
+            return result
+
+    launcher_api.LocalElasticAgent = Agent
+
+
+def _failure_line(error) -> tuple[int, str | None]:
+    """(exit code, the one line to print or None) of TorchElastic's ChildFailedError."""
+    _, failure = error.get_first_failure()
+    message = failure.message.get("message") if isinstance(failure.message, dict) else failure.message
+    if failure.exitcode != EXIT_BAD_INPUT:
+        return failure.exitcode, None
+    # local rank 0 printed it already (cli.report_bad_input); another rank's line has not been seen
+    return EXIT_BAD_INPUT, (str(message) if failure.local_rank != 0 and message else None)
+
+
+def run_agent(argv: list[str]) -> int:
+    """TorchElastic's agent for a torchrun command line: 0 when the workers succeeded, EXIT_BAD_INPUT after a
+    worker's one-line bad-input error (not restarted); any other failure raises TorchElastic's ChildFailedError."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    from elastic_trainer.cli_parser import UsageError
+
+    parser = get_args_parser()
+
+    def one_line(message: str):
+        raise UsageError(f"torchrun: {message} (see torchrun --help)")
+
+    parser.error = one_line
+    args = parser.parse_args(argv)
     config, entrypoint, entry_args = config_from_args(args)
     forking = os.environ.get(START_ENV, "fork") == "fork"
     if forking and args.module and args.training_script == WORKER_MODULE and not args.no_python:
         preload()
         config.start_method = "fork"
         entrypoint, entry_args = worker, list(args.training_script_args)
-    elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)  # raises when the workers failed
-    # Success: its workers are gone and its output flushed; skip the interpreter's teardown of torch (about a
-    # second on a busy host), which would only delay the next phase's start.
+    _no_restart_on_bad_input()
+    try:
+        elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)  # raises when the workers failed
+    except ChildFailedError as e:
+        code, line = _failure_line(e)
+        if code != EXIT_BAD_INPUT:
+            raise
+        if line:
+            print(line, file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    return 0
+
+
+def run_torchrun(argv: list[str]) -> int:
+    """`elastic-trainer torchrun [TORCHRUN FLAGS] train [TRAIN FLAGS]`: the train inputs checked here once, before
+    any worker starts (one line, exit 2), then the agent with forked workers."""
+    from elastic_trainer.cli_parser import UsageError
+
+    if "train" not in argv:
+        raise UsageError("elastic-trainer torchrun needs `train` and its flags after torchrun's flags (for example "
+                         "elastic-trainer torchrun --standalone --nproc-per-node 4 train --model gpt-tiny)")
+    split = argv.index("train")
+    flags, train_argv = argv[:split], argv[split + 1:]
+    if any(f in ("-m", "--module", "--no-python", "--no_python") for f in flags):
+        raise UsageError("elastic-trainer torchrun runs `train` itself: drop -m/--no-python and the script")
+    from elastic_trainer import preflight
+    from elastic_trainer.cli import parse_train_command, resolve
+
+    args, model, train, _, _ = parse_train_command(train_argv)
+    preflight.check_environment()
+    preflight.train_inputs(args, model, train, resolve.checkpoint_config(args))
+    return run_agent([*flags, "-m", WORKER_MODULE, "train", *train_argv])
+
+
+def main(argv: list[str] | None = None) -> None:
+    # SIGTERM, not SIGKILL: TorchElastic turns it into stopping the workers (which save if they can).
+    die_with_parent(signal.SIGTERM)
+    from elastic_trainer.config import ConfigError
+
+    try:
+        code = run_agent(sys.argv[1:] if argv is None else argv)
+    except ConfigError as e:
+        print(f"elastic-trainer: error: {e}", file=sys.stderr)
+        code = EXIT_BAD_INPUT
+    # Its workers are gone and its output flushed; skip the interpreter's teardown of torch (about a second on
+    # a busy host), which would only delay the next phase's start.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":

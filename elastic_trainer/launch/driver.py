@@ -29,6 +29,12 @@ from elastic_trainer.launch.commands import AgentSpec, Placement
 from elastic_trainer.launch.setup import JobSetup
 
 POLL_S = 0.1
+EXIT_BAD_INPUT = 2
+"""An agent's exit code when a rank reported bad input or divergence (one line, never restarted)."""
+ERROR_MARK = "elastic-trainer: error: "
+BAD_INPUT_GRACE_S = 3.0
+"""After one agent exits with EXIT_BAD_INPUT, how long the others get to end by themselves: a rank that failed
+before the process group formed leaves the others waiting for it."""
 
 
 @dataclass
@@ -51,6 +57,8 @@ class Output:
     def __init__(self, path: Path):
         self._lock = threading.Lock()
         self._log = open(path, "a", buffering=1)
+        self.errors: list[str] = []
+        """The ranks' one-line errors (without the mark), each once, in order of arrival."""
 
     def line(self, text: str) -> None:
         with self._lock:
@@ -59,7 +67,13 @@ class Output:
 
     def pump(self, host: str, stream) -> None:
         for raw in iter(stream.readline, b""):
-            self.line(f"[{host}] {raw.decode(errors='replace').rstrip()}")
+            text = raw.decode(errors="replace").rstrip()
+            if ERROR_MARK in text:
+                error = text.split(ERROR_MARK, 1)[1]
+                with self._lock:
+                    if error not in self.errors:
+                        self.errors.append(error)
+            self.line(f"[{host}] {text}")
         stream.close()
 
     def close(self) -> None:
@@ -73,6 +87,8 @@ class Driver:
     events: EventLog = field(init=False)
     job_id: str = field(default_factory=lambda: f"et-{uuid.uuid4().hex[:8]}")
     _interrupts: int = 0
+    failure: str | None = None
+    """A rank's bad-input error that ended the job (raised as the launcher's own one-line error)."""
 
     def say(self, text: str) -> None:
         self.out.line(f"[launch] {text}")
@@ -80,6 +96,7 @@ class Driver:
     def run(self) -> int:
         job = self.job
         first = job.first_phase()  # raises on --resume without a checkpoint, before anything is written
+        job.check_inputs(tokenize=first is not None)
         job.run_dir.mkdir(parents=True, exist_ok=True)
         job.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         self.out = Output(job.run_dir / "launch.log")
@@ -94,6 +111,8 @@ class Driver:
                 store = self._start_store()  # referenced until the phases are done: it is the rendezvous
                 code = self._phases(first, store.port)
             self.summary()
+            if self.failure:
+                raise ConfigError(self.failure)
             return code
         finally:
             for s, handler in previous.items():
@@ -146,6 +165,11 @@ class Driver:
                 outcome = self.run_phase(index, phase, port)
             step = job.checkpoint_step()
             failed = {h: c for h, c in outcome.codes.items() if c != 0}
+            if EXIT_BAD_INPUT in failed.values():
+                error = self.out.errors[0] if self.out.errors else f"a rank reported bad input ({_codes(failed)})"
+                self.say(f"phase {index + 1} ended on bad input; the newest checkpoint is step {step}")
+                self.failure = f"{error} [phase {index + 1}; newest checkpoint: step {step}]"
+                return EXIT_BAD_INPUT
             if failed and len(failed) == len(outcome.codes) and step < job.train.steps:
                 self.say(f"phase {index + 1} failed on every host ({_codes(failed)}); the newest checkpoint is "
                          f"step {step}: fix the cause above, then rerun with --resume")
@@ -176,10 +200,14 @@ class Driver:
         launched = time.time()
         self.events.emit("launched", phase=index, gpus=phase.gpus, run_id=spec.run_id,
                          hosts=[[p.host.name, p.nproc] for p in placements])
-        stop_requested, interrupted = False, False
+        stop_requested, interrupted, bad_since = False, False, None
         duration = job.run_duration(index)
         while any(a.proc.poll() is None for a in agents):
             time.sleep(POLL_S)
+            if bad_since is None and any(a.proc.poll() == EXIT_BAD_INPUT for a in agents):
+                bad_since = time.time()
+            if bad_since is not None and time.time() - bad_since > BAD_INPUT_GRACE_S:
+                self._terminate(agents)
             due = duration is not None and time.time() - launched >= duration
             if (due or self._interrupts) and not stop_requested:
                 job.stop_file.touch()

@@ -164,6 +164,22 @@ class JobSetup:
         launched = [e for e in read_jsonl(self.run_dir / EVENTS_FILE) if e["event"] == "launched"]
         return launched[-1]["phase"] if launched and step > 0 else 0
 
+    def check_inputs(self, tokenize: bool) -> None:
+        """What the ranks would check before their process group forms, once here before anything starts: the
+        run and checkpoint folders, the data (sampled; with `tokenize`, read and tokenized into this host's
+        token cache, which the local ranks then reuse)."""
+        from elastic_trainer import preflight
+        from elastic_trainer.data import records
+        from elastic_trainer.data.corpus import default_cache_dir, load_tokens, resolve_files
+
+        preflight.check_dir_target(self.run_dir, "--run-dir")
+        preflight.check_dir_target(self.checkpoint_dir, "--checkpoint-dir")
+        preflight.check_dir_target(self.train.data_cache or default_cache_dir(), "the token cache (--data-cache)")
+        records.sample(resolve_files(self.train.data), skip_bad=self.train.skip_bad_records)
+        if tokenize:
+            load_tokens(self.train.data, self.train.data_cache, min_tokens=self.train.seq_len + 1,
+                        skip_bad=self.train.skip_bad_records)
+
     # -- what each host runs ----------------------------------------------------------------------------
 
     @functools.cached_property
@@ -291,6 +307,7 @@ class JobSetup:
 
         port = self.opts.rdzv_port or "PORT"
         first, step = self.first_phase(), self.checkpoint_step()  # the checkpoint is checked as a run would
+        self.check_inputs(tokenize=False)
         start = ("nothing to train" if first is None else f"would start at phase {first + 1}")
         lines = [f"newest checkpoint: step {step}; {start}" if step else f"no checkpoint yet; {start}"]
         for index in self.starts():

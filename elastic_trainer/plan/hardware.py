@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from elastic_trainer.config import ConfigError, configs_dir, from_dict, positive_int, read_toml
+from elastic_trainer.config import ConfigError, check_field_types, configs_dir, from_dict, positive_int, read_toml
 
 GIB = 2**30
 
@@ -76,6 +76,14 @@ class Hardware:
     rendezvous, communicator set-up, model build (the simulated clock's model of downtime)."""
 
     def __post_init__(self) -> None:
+        check_field_types(self, f"hardware {self.name}")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and value < 0:
+                raise ConfigError(f"hardware {self.name}: {f.name}={value} must not be negative")
+        if self.reserved_gb >= self.memory_gb:
+            raise ConfigError(f"hardware {self.name}: reserved_gb={self.reserved_gb} must be below "
+                              f"memory_gb={self.memory_gb}")
         if self.device not in ("cuda", "cpu"):
             raise ConfigError(f"hardware {self.name}: device={self.device!r} is not one of cuda, cpu")
         if self.compute_dtype not in ("bf16", "fp32"):
@@ -128,7 +136,7 @@ def load_hardware(name_or_path: str | os.PathLike) -> Hardware:
                               f"(valid: {', '.join(hardware_presets()) or 'none found'})")
     table = dict(read_toml(path))
     table.setdefault("name", path.stem)
-    if "device_names" in table:
+    if isinstance(table.get("device_names"), list):
         table["device_names"] = tuple(table["device_names"])
     return from_dict(Hardware, table, f"hardware profile {str(path)!r}")
 

@@ -126,7 +126,7 @@ class Layout:
 def parse_degrees(text: str, flag: str = "--layout") -> tuple[int, int, int]:
     """'2,1,2' -> (2, 1, 2): a DP,TP,PP command-line value (`flag` names it in the error)."""
     parts = text.replace(" ", "").split(",")
-    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+    if len(parts) != 3 or not all(p.isascii() and p.isdigit() and int(p) > 0 for p in parts):
         raise LayoutError(f"{flag} {text!r} must be three positive integers DP,TP,PP (for example 2,1,2)")
     dp, tp, pp = (int(p) for p in parts)
     return dp, tp, pp

@@ -8,7 +8,8 @@ reshard benchmarks time single pieces: a step, a save, a cold load):
    allocated, not initialized (a rescale pays for the load, not for an initialization it throws away);
 2. load the newest good checkpoint, resharded into this layout (or initialize from the seed if none loads);
 3. fit: steps until `until` (default: the run's last step), with periodic saves and stop requests agreed by
-   all ranks after every step; a stop or the end of `until` saves before returning;
+   all ranks after every step; a stop or the end of `until` saves before returning; a non-finite loss or
+   gradient norm raises `Diverged` on every rank without saving;
 4. close: join an asynchronous save and release the checkpoint process group.
 
 Rank 0 writes each stage as an event (`elastic.events`).
@@ -29,7 +30,7 @@ from elastic_trainer.elastic.events import EventLog
 from elastic_trainer.elastic.stop import StopRequest
 from elastic_trainer.parallel.mesh import build_mesh
 from elastic_trainer.plan.layout import Layout
-from elastic_trainer.train.loop import Trainer
+from elastic_trainer.train.loop import Diverged, Trainer
 from elastic_trainer.train.metrics import MetricsLog
 
 
@@ -81,7 +82,11 @@ class Job:
         last = trainer.cfg.steps if until is None else min(until, trainer.cfg.steps)
         reason = None
         while trainer.step < last and reason is None:
-            record = trainer.train_step()
+            try:
+                record = trainer.train_step()
+            except Diverged as e:
+                self._diverged(e)
+                raise
             self.log.write(record)
             self.records.append(record)
             if len(self.records) == 1:
@@ -108,6 +113,14 @@ class Job:
         if reason is None:
             self.events.emit("finished", step=trainer.step)
         return "finished" if reason is None else "stopped"
+
+    def _diverged(self, error: Diverged) -> None:
+        """Nothing is saved: the last checkpoint stays the newest (an asynchronous save of an earlier, good
+        step is finished)."""
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+        self.events.emit("diverged", step=error.step, loss=str(error.loss), grad_norm=str(error.grad_norm),
+                         last_saved_step=self.checkpointer.last_saved_step if self.checkpointer else None)
 
     def _last_step_end(self) -> float | None:
         return self.records[-1]["time"] if self.records else None

@@ -5,17 +5,29 @@ stop requests and events, is `train.job`."""
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 
 import numpy as np
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from elastic_trainer.config import ModelConfig, TrainConfig
+from elastic_trainer.config import ConfigError, ModelConfig, TrainConfig
 from elastic_trainer.data import TokenSamples, load_tokens, samples_for
 from elastic_trainer.parallel.engine import Engine, resolve_dtype
 from elastic_trainer.plan.layout import Layout
 from elastic_trainer.train.optim import build_optimizer, lr_at, set_lr
+
+
+class Diverged(ConfigError):
+    """A step's loss or gradient norm is not finite: the step is not applied and the run stops without saving.
+    Divergence is bad input (a learning rate too high, bad data, an unstable model), reported in one line."""
+
+    def __init__(self, step: int, loss: float, grad_norm: float):
+        self.step, self.loss, self.grad_norm = step, loss, grad_norm
+        super().__init__(f"training diverged at step {step}: loss {loss}, gradient norm {grad_norm}; the step was not "
+                         "applied and nothing was saved over the last good checkpoint (lower --lr, check the data, "
+                         "or resume from an earlier checkpoint)")
 
 
 class Trainer:
@@ -29,7 +41,7 @@ class Trainer:
                              seq_len=cfg.seq_len, param_dtype=resolve_dtype(cfg.dtype, device), initialize=initialize)
         self.optimizer = build_optimizer(self.engine.model, cfg)
         if tokens is None:
-            tokens = load_tokens(cfg.data, cfg.data_cache)
+            tokens = load_tokens(cfg.data, cfg.data_cache, min_tokens=cfg.seq_len + 1, skip_bad=cfg.skip_bad_records)
         self.samples = TokenSamples(tokens, cfg.seq_len, cfg.seed)
         self.step = 0
         """Optimizer steps completed; the next step has 0-based index `step`."""
@@ -64,14 +76,16 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         local_loss = engine.forward_backward(tokens)
         engine.reduce_tied_grads()
-        grad_norm = engine.clip_grad_norm_(cfg.grad_clip)
+        grad_norm = float(engine.clip_grad_norm_(cfg.grad_clip))  # global: the same on every rank
+        loss = engine.global_loss(local_loss)  # a collective: every rank has finished its backward
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            raise Diverged(self.step + 1, loss, grad_norm)  # on every rank alike, before the update
         lr = lr_at(self.step, cfg)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
-        loss = engine.global_loss(local_loss)  # a collective: every rank has finished its step
         self.step += 1
         dt = time.perf_counter() - t0
-        return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
+        return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                 "step_time_s": dt, "tokens_per_s": cfg.global_batch * cfg.seq_len / dt,
                 "samples": [self.consumed_samples - cfg.global_batch, self.consumed_samples],
                 "world_size": self.layout.world_size, "layout": self.layout.to_dict(),

@@ -16,14 +16,15 @@ class MetricsLog:
         self.tags = dict(tags or {})
         self.log_every = log_every
         self.total_steps = total_steps
+        self.path = path if enabled else None
         self._file = None
-        if enabled and path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "a", buffering=1)
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
+        if self._file is None and self.path:  # opened at the first step: a run that never steps leaves no file
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", buffering=1)
         if self._file is not None:
             self._file.write(json.dumps({**record, **self.tags}) + "\n")
             self._file.flush()

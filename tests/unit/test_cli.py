@@ -25,11 +25,13 @@ def no_training(monkeypatch):
     (1, ["--layout", "2,x,1"], "--layout '2,x,1' must be three positive integers DP,TP,PP"),
     (1, ["--config", "/nonexistent/run.toml"], "config file '/nonexistent/run.toml' does not exist"),
     (1, ["--data", "/nonexistent/corpus.txt"], "is neither 'sotu' nor an existing file or folder"),
-    (1, ["--dp-mode", "ddp", "--steps", "-1"], "train.steps=-1 must be a non-negative integer"),
-    (2, ["--micro-batch", "0"], "micro_batch=0 must be a positive integer"),  # planned layout
+    (1, ["--dp-mode", "ddp", "--steps", "-1"], "argument --steps: '-1' is not an integer in [0, 1000000000]"),
+    (2, ["--micro-batch", "0"], "argument --micro-batch: '0' is not an integer in [1, 16777216]"),
+    (2, ["--global-batch", "6", "--micro-batch", "4"], "micro_batch=4 does not divide"),  # planned layout
 ])
 def test_bad_input_is_one_line_before_any_process_group(monkeypatch, capsys, world, argv, message):
     monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
     assert cli.main(["train", *argv]) == cli.EXIT_BAD_INPUT
     err = capsys.readouterr().err
     assert message in err, err
@@ -40,6 +42,7 @@ def test_bad_input_is_one_line_before_any_process_group(monkeypatch, capsys, wor
 @pytest.mark.parametrize("name, value", [("WORLD_SIZE", "four"), ("LOCAL_WORLD_SIZE", "0")])
 def test_bad_torchrun_environment_is_one_line(monkeypatch, capsys, name, value):
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv(name, value)
     assert cli.main(["train"]) == cli.EXIT_BAD_INPUT
     err = capsys.readouterr().err
@@ -82,10 +85,11 @@ def test_given_layout_must_keep_tp_on_one_host():
 
 def test_checkpoint_flags_bad_input(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
     cases = [
         (["--resume", str(tmp_path / "missing")], "needs --checkpoint-dir"),
         (["--checkpoint-dir", str(tmp_path), "--resume", "latest"], "--resume 'latest' is neither auto, never nor"),
-        (["--checkpoint-dir", str(tmp_path), "--keep", "-1"], "checkpoint settings must be >= 0"),
+        (["--checkpoint-dir", str(tmp_path), "--keep", "-1"], "argument --keep: '-1' is not an integer in [0, "),
     ]
     (tmp_path / "step-00000004").mkdir()
     cases.append((["--checkpoint-dir", str(tmp_path), "--resume", "never"],

@@ -41,13 +41,13 @@ def test_table_shows_top_rows_and_comparison(capsys):
     ([*XL, "--gpus", "16", "--compare", "2,2,2"], "layout 2,2,2 has 8 GPUs, not 16"),
     ([*XL, "--gpus", "16", "--global-batch", "8", "--compare", "16,1,1"],
      "layout 16,1,1 is invalid: dp=16 does not divide the global batch 8"),
-    ([*XL, "--gpus", "0"], "world_size=0 must be a positive integer"),
+    ([*XL, "--gpus", "0"], "argument --gpus: '0' is not an integer in [1, "),
     ([*XL, "--gpus", "8", "--hardware", "tpu"], "unknown hardware 'tpu'"),
     ([*XL, "--gpus", "8", "--seq-len", "4096"], "seq_len=4096 exceeds gpt3-xl's context_length=2048"),
-    ([*XL, "--gpus", "8", "--micro-batch", "0"], "micro_batch=0 must be a positive integer"),
-    ([*XL, "--gpus", "8", "--gpus-per-host", "0"], "gpus_per_host=0 must be a positive integer"),
+    ([*XL, "--gpus", "8", "--micro-batch", "0"], "argument --micro-batch: '0' is not an integer in [1, "),
+    ([*XL, "--gpus", "8", "--gpus-per-host", "0"], "argument --gpus-per-host: '0' is not an integer in [1, "),
     ([*XL, "--gpus", "8", "--compare", "2,x"], "--compare '2,x' must be three positive integers DP,TP,PP"),
-    (["calibrate", "--ranks", "2,x"], "--ranks '2,x' must be rank counts >= 2 separated by commas"),
+    (["calibrate", "--ranks", "2,x"], "--ranks '2,x' must be rank counts from 2 to 64 separated by commas"),
 ])
 def test_bad_plan_requests_are_one_line(capsys, argv, message):
     assert cli.main(argv) == cli.EXIT_BAD_INPUT

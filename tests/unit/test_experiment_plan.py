@@ -82,8 +82,8 @@ def test_dry_run_prints_every_policy_per_profile(capsys):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--time-scale", "0"], "--time-scale 0.0 must be a positive number"),
-    (["--target-steps", "0"], "--target-steps 0 must be a positive integer"),
+    (["--time-scale", "0"], "argument --time-scale: '0' is not a finite number > 0"),
+    (["--target-steps", "0"], "argument --target-steps: '0' is not an integer in [1, 1000000]"),
     (["--policy", "elastic"], "unknown policy 'elastic'"),
     (["--profile", "tpu"], "unknown hardware 'tpu'"),
 ])

@@ -1,0 +1,243 @@
+"""`elastic-trainer`'s argument parser: every command, flag and value range, and one-line usage errors.
+
+Every number a flag takes is checked here, against the range it may have (finite, positive, a port...), so a
+bad value is reported with the flag the user typed (`argument --lr: 'nan' is not a finite number > 0`), not
+with an internal field later. A usage error raises `UsageError` (a ConfigError): `cli.main` prints it as one
+line and exits 2, like every other bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from elastic_trainer.config import ConfigError
+
+MAX_COUNT = 1 << 24
+"""Upper bound of sizes (GPUs, samples, micro-batches): far beyond any real job, below overflow trouble."""
+MAX_STEPS = 10**9
+MAX_SEED = (1 << 63) - 1
+
+
+class UsageError(ConfigError):
+    """A command line argparse rejects; the message is one line."""
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one-line UsageErrors instead of usage text and SystemExit."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+class Number:
+    """argparse type: an int or a finite float in [low, high] (`low_open`: > low)."""
+
+    def __init__(self, kind: type, low: float | None = None, high: float | None = None, low_open: bool = False):
+        self.kind, self.low, self.high, self.low_open = kind, low, high, low_open
+        what = "an integer" if kind is int else "a finite number"
+        if low is not None and high is not None:
+            self.text = f"{what} in {'(' if low_open else '['}{low}, {high}]"
+        elif low is not None:
+            self.text = f"{what} {'>' if low_open else '>='} {low}"
+        else:
+            self.text = what
+
+    def __call__(self, text: str):
+        try:
+            value = self.kind(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {self.text}") from None
+        if self.kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {self.text}")
+        too_low = self.low is not None and (value <= self.low if self.low_open else value < self.low)
+        if too_low or (self.high is not None and value > self.high):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {self.text}")
+        return value
+
+
+POSITIVE = Number(int, 1, MAX_COUNT)
+NON_NEGATIVE = Number(int, 0, MAX_COUNT)
+STEP = Number(int, 1, MAX_STEPS)
+STEPS = Number(int, 0, MAX_STEPS)
+SEED = Number(int, 0, MAX_SEED)
+PORT = Number(int, 0, 65535)
+POSITIVE_FLOAT = Number(float, 0, low_open=True)
+NON_NEGATIVE_FLOAT = Number(float, 0)
+
+
+def _add_train_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a GPT on this process group (one process, or under torchrun)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="model preset name (configs/models/NAME.toml) or a model TOML file")
+    src.add_argument("--config", help="run TOML file with a model, [train] and optional [layout]")
+    p.add_argument("--layout", help="DP,TP,PP degrees; their product must equal the world size "
+                                    "(default: planned for the world size, see `plan`)")
+    p.add_argument("--hardware", help="hardware profile for planning (default: cpu, or the one matching the GPU)")
+    p.add_argument("--micro-batch", type=POSITIVE, help="samples per micro-batch (default: the whole dp share)")
+    p.add_argument("--dp-mode", choices=("fsdp", "ddp"), help="sharded (FSDP2, default) or replicated")
+    p.add_argument("--recompute", action="store_true", default=None, help="recompute block activations")
+    p.add_argument("--global-batch", type=POSITIVE, help="samples per optimizer step (default 8)")
+    p.add_argument("--seq-len", type=POSITIVE, help="tokens per sample (default 128)")
+    p.add_argument("--steps", type=STEPS, help="train until this global step (default 10)")
+    p.add_argument("--seed", type=SEED, help="seed of initialization and sample order")
+    p.add_argument("--lr", type=POSITIVE_FLOAT, help="peak learning rate")
+    p.add_argument("--warmup-steps", type=STEPS)
+    p.add_argument("--decay-steps", type=STEP, help="length of the cosine schedule (default: --steps)")
+    p.add_argument("--grad-clip", type=NON_NEGATIVE_FLOAT, help="clip the global gradient norm (0: off)")
+    p.add_argument("--weight-decay", type=NON_NEGATIVE_FLOAT)
+    p.add_argument("--dtype", choices=("auto", "fp32", "bf16"))
+    p.add_argument("--data", nargs="+", help="'sotu' (default) or .txt/.jsonl/.json/.parquet files or folders")
+    p.add_argument("--data-cache", help="folder for tokenized corpora (default ~/.cache/elastic_trainer)")
+    p.add_argument("--skip-bad-records", action="store_true", default=None,
+                   help="skip data records that cannot be read (counted and reported) instead of stopping at "
+                        "the first with its file and line")
+    p.add_argument("--metrics-file", help="append one JSON object per step to this file")
+    p.add_argument("--log-every", type=POSITIVE, help="progress line every N steps (default 1)")
+    p.add_argument("--until-step", type=STEP, help="stop (saving) after this global step; unlike --steps it "
+                                                   "leaves the learning-rate schedule alone (a schedule phase's end)")
+    p.add_argument("--events-file", help="append scale events (JSON lines: processes up, state loaded, first "
+                                         "step, stopping, saved) to this file")
+    p.add_argument("--phase", type=NON_NEGATIVE, help="schedule phase (set by `launch`), recorded in metrics "
+                                                      "and events")
+    p.add_argument("--check", action="store_true", help="check every input (configs, layout, data, checkpoint) "
+                                                        "and say what would run; start nothing")
+    c = p.add_argument_group("checkpoints")
+    c.add_argument("--checkpoint-dir", help="save here; with --resume auto, continue from the newest "
+                                            "complete checkpoint in it, in whatever layout this run has")
+    c.add_argument("--resume", default="auto", help="auto (default), never, or one checkpoint folder")
+    c.add_argument("--save-every", type=NON_NEGATIVE, default=0, help="save every K steps (default: only at the "
+                                                                      "end and on stop requests)")
+    c.add_argument("--save-interval-s", type=NON_NEGATIVE_FLOAT, default=0.0, help="also save every S seconds")
+    c.add_argument("--keep", type=NON_NEGATIVE, default=3, help="keep the newest K checkpoints (0: all)")
+    c.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
+    c.add_argument("--no-verify", action="store_true", help="skip checksum verification on load")
+    c.add_argument("--stop-file", help="stop (after saving) once this file exists; SIGTERM does the same")
+
+
+def _add_checkpoint_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("checkpoint", help="inspect or export checkpoints")
+    csub = p.add_subparsers(dest="checkpoint_command", required=True)
+    i = csub.add_parser("inspect", help="step, layout, model, tensors and bytes, integrity")
+    i.add_argument("dir", help="a checkpoint root (newest complete one) or one checkpoint folder")
+    i.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    i.add_argument("--no-verify", action="store_true", help="skip the checksum verification")
+    e = csub.add_parser("export-hf", help="write a Hugging Face GPT-2 folder (safetensors)")
+    e.add_argument("dir", help="a checkpoint root (newest complete one) or one checkpoint folder")
+    e.add_argument("out", help="output folder (new, or empty)")
+
+
+def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="choose dp, tp, pp, micro-batch and accumulation for N GPUs")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="model preset name (configs/models/NAME.toml) or a model TOML file")
+    src.add_argument("--config", help="run TOML file with a model and [train]")
+    p.add_argument("--gpus", type=POSITIVE, required=True, help="number of GPUs (ranks) to plan for")
+    p.add_argument("--gpus-per-host", type=POSITIVE, help="GPUs per host (default: the hardware profile's)")
+    p.add_argument("--hardware", help="profile name (configs/hardware/) or TOML file (default: this machine's)")
+    p.add_argument("--global-batch", type=POSITIVE, help="samples per optimizer step (default 8)")
+    p.add_argument("--seq-len", type=POSITIVE, help="tokens per sample (default 128)")
+    p.add_argument("--dtype", choices=("auto", "fp32", "bf16"))
+    p.add_argument("--micro-batch", type=POSITIVE, help="only this micro-batch size")
+    p.add_argument("--dp-mode", choices=("fsdp", "ddp"), help="only this data-parallel mode")
+    p.add_argument("--recompute", action="store_true", default=None, help="only layouts with recompute")
+    p.add_argument("--top", type=POSITIVE, default=10, help="rows of the table (default 10)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--compare", help="DP,TP,PP: also show the predicted time of these degrees")
+
+
+def _add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("calibrate", help="measure this machine and write a hardware profile")
+    p.add_argument("--output", default="configs/hardware/cpu.toml", help="profile file to write")
+    p.add_argument("--name", help="profile name (default: the output file's stem)")
+    p.add_argument("--base", help="profile whose unmeasured fields to keep (default: built-in defaults)")
+    p.add_argument("--ranks", default="2,4,8", help="local rank counts for the collective measurements")
+
+
+def _add_launch_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("launch", help="run the elastic job on the hosts of a hosts file (what ./run.sh does)",
+                       description="Run the job on the hosts of a hosts file: one torchrun agent per host, "
+                                   "re-planned and resharded at every GPU-count change. Arguments after -- go "
+                                   "to `train` on every rank.")
+    p.add_argument("--hosts", default="hosts.txt", help="hosts file: 'HOST' or 'HOST slots=N' per line "
+                                                        "(default hosts.txt)")
+    p.add_argument("--gpus-per-host", type=POSITIVE, help="slots of a bare 'HOST' line (default: the GPUs here, "
+                                                          "else 4 CPU ranks)")
+    p.add_argument("--detect-self-ip", metavar="IFACE", help="host the rendezvous on this interface's address "
+                                                             "(and use it for gloo/NCCL traffic)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="model preset or model TOML (default: the run config's)")
+    src.add_argument("--config", help="run TOML with model, [train], [layout] and [launch] "
+                                      "(default configs/runs/default.toml when --model is not given)")
+    p.add_argument("--schedule", help="schedule JSON (or a name in configs/schedules/; 'none': all slots "
+                                      "until the end); default: the run config's")
+    p.add_argument("--data", nargs="+", help="'sotu' or .txt/.jsonl/.json/.parquet files or folders")
+    p.add_argument("--run-dir", default="runs/default", help="metrics, events, launch log and plot "
+                                                             "(default runs/default)")
+    p.add_argument("--checkpoint-dir", help="checkpoints, on storage every host sees (default RUN_DIR/checkpoints)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint "
+                                                         "(an error if there is none; without it a run continues "
+                                                         "when one exists)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and each host's command, start nothing")
+    r = p.add_argument_group("hosts and rendezvous")
+    r.add_argument("--ssh-port", type=Number(int, 1, 65535), help="ssh port of the remote hosts")
+    r.add_argument("--ssh-identity", help="ssh private key for the remote hosts")
+    r.add_argument("--ssh-option", action="append", default=[], metavar="KEY=VALUE", help="extra ssh -o option")
+    r.add_argument("--ssh-config", help="ssh client config file (ssh -F), e.g. /dev/null to ignore ~/.ssh/config")
+    r.add_argument("--force-ssh", action="append", default=[], metavar="HOST",
+                   help="start HOST through ssh even though it names this machine")
+    r.add_argument("--remote-root", help="project folder on the remote hosts (default: this one's path)")
+    r.add_argument("--rdzv-port", type=PORT, default=0, help="rendezvous port (default: any free one)")
+    r.add_argument("--rdzv-conf", action="append", default=[], metavar="KEY=VALUE",
+                   help="c10d rendezvous setting, e.g. last_call_timeout=30")
+    r.add_argument("--max-restarts", type=NON_NEGATIVE, default=3, help="worker-group restarts per phase "
+                                                                        "(default 3)")
+    r.add_argument("--min-hosts", type=POSITIVE, default=1, help="hosts a phase needs to go on after losing some")
+    p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then `train` arguments for every rank")
+
+
+def _add_torchrun_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("torchrun", add_help=False,
+                       help="torchrun with one-line errors: `elastic-trainer torchrun [TORCHRUN FLAGS] train ...`",
+                       description="torchrun's own flags, then `train` and its flags. The inputs are checked once "
+                                   "before any worker starts; a worker's bad-input error ends the run with that one "
+                                   "line and exit code 2 instead of torchrun's report.")
+    p.add_argument("argv", nargs=argparse.REMAINDER, help="torchrun flags, then train and its flags")
+
+
+def _add_experiment_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("experiment", help="the dynamic-resources experiment: every elasticity policy under a "
+                                          "changing GPU allocation (benchmarks/dynamic_resources/)")
+    p.add_argument("--config", help="experiment TOML (default benchmarks/dynamic_resources/experiment.toml)")
+    p.add_argument("--schedule", help="schedule of time phases (default: the experiment file's)")
+    p.add_argument("--clock", choices=("simulated", "real"), default="simulated",
+                   help="simulated: the small model trains here, the clock follows the target's predicted step "
+                        "and reconfiguration times; real: the target trains on the hosts file's GPUs")
+    p.add_argument("--profile", action="append", metavar="HARDWARE",
+                   help="hardware profile (repeatable; default: the experiment file's; real clock: the cluster's)")
+    p.add_argument("--policy", action="append", help="policy to run (repeatable; default: all)")
+    p.add_argument("--time-scale", type=POSITIVE_FLOAT, help="simulated: target steps per trained step (default: "
+                                                             "chosen for --target-steps); real: divide every "
+                                                             "phase's length by it")
+    p.add_argument("--target-steps", type=Number(int, 1, 10**6), default=64,
+                   help="simulated: steps ours would train with instant reconfiguration (sets the time scale; "
+                        "default 64)")
+    p.add_argument("--out", default="benchmarks/dynamic_resources/results", help="CSVs, plots and summary.json")
+    p.add_argument("--work-dir", default="runs/experiment", help="the runs' folders (checkpoints, logs)")
+    p.add_argument("--hosts", default="hosts.txt", help="real clock: the cluster's hosts file")
+    p.add_argument("--dry-run", action="store_true", help="print every policy's plan and steps; run nothing")
+    p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then more `train` arguments for every run "
+                                                                "(e.g. --data FILES, --data-cache DIR)")
+
+
+def build_parser(description: str = "") -> Parser:
+    parser = Parser(prog="elastic-trainer", description=description)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_train_parser(sub)
+    _add_launch_parser(sub)
+    _add_torchrun_parser(sub)
+    _add_checkpoint_parser(sub)
+    _add_plan_parser(sub)
+    _add_calibrate_parser(sub)
+    _add_experiment_parser(sub)
+    return parser

@@ -1,0 +1,172 @@
+"""What a train job checks before its process group forms and before it creates or changes a file.
+
+`resolve` turns flags and config files into checked configs and a layout; this module checks the rest of a
+job's inputs, in the order that creates nothing until everything cheaper has passed:
+
+1. the environment variables the job reads (torchrun's, and ours);
+2. the paths it will write (metrics, events, checkpoints): not a folder where a file goes or the reverse,
+   and a writable place to create them;
+3. the checkpoint it would resume: its meta.json read and compared with the run's model and trajectory;
+4. the data: every file opened and sampled (`data.records.sample`), then the corpus tokenized once (the
+   only step that writes, into the token cache, and only a complete, non-empty stream).
+
+Every failure is a one-line ConfigError (or CheckpointError) naming the flag, file or variable.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from elastic_trainer.config import CheckpointConfig, CheckpointError, ConfigError, ModelConfig, TrainConfig, env_int
+
+WORKER_START_VALUES = ("fork", "spawn")
+
+
+def check_environment() -> None:
+    """torchrun's variables (all or none of RANK and WORLD_SIZE; ranks in range; a port) and ours."""
+    env = os.environ
+    if ("RANK" in env) != ("WORLD_SIZE" in env):
+        given, missing = ("RANK", "WORLD_SIZE") if "RANK" in env else ("WORLD_SIZE", "RANK")
+        raise ConfigError(f"environment variable {given} is set but {missing} is not (torchrun sets both; "
+                          f"unset {given} to train as one process)")
+    if "RANK" in env:
+        world = env_int("WORLD_SIZE", 1, minimum=1)
+        rank = env_int("RANK", 0, minimum=0)
+        if rank >= world:
+            raise ConfigError(f"environment variable RANK={rank} must be below WORLD_SIZE={world}")
+        local_world = env_int("LOCAL_WORLD_SIZE", 1, minimum=1)
+        local_rank = env_int("LOCAL_RANK", 0, minimum=0)
+        if local_rank >= local_world:
+            raise ConfigError(f"environment variable LOCAL_RANK={local_rank} must be below "
+                              f"LOCAL_WORLD_SIZE={local_world}")
+        port = env_int("MASTER_PORT", 29500, minimum=1)
+        if port > 65535:
+            raise ConfigError(f"environment variable MASTER_PORT={port} is not a port (valid: 1-65535)")
+        if not env.get("MASTER_ADDR", "localhost").strip():
+            raise ConfigError("environment variable MASTER_ADDR is empty (valid: the rank-0 host's name or address)")
+    for name in ("GROUP_RANK", "TORCHELASTIC_RESTART_COUNT"):
+        if name in env:
+            env_int(name, 0, minimum=0)
+    start = env.get("ELASTIC_TRAINER_WORKER_START")
+    if start is not None and start not in WORKER_START_VALUES:
+        raise ConfigError(f"environment variable ELASTIC_TRAINER_WORKER_START={start!r} is not one of "
+                          f"{', '.join(WORKER_START_VALUES)}")
+    configs = env.get("ELASTIC_TRAINER_CONFIGS")
+    if configs is not None and not Path(configs).is_dir():
+        raise ConfigError(f"environment variable ELASTIC_TRAINER_CONFIGS={configs!r} is not a folder "
+                          "(valid: a folder with models/, hardware/, runs/)")
+    cache = env.get("ELASTIC_TRAINER_CACHE")
+    if cache:
+        check_dir_target(cache, "environment variable ELASTIC_TRAINER_CACHE")
+
+
+def _creatable(path: Path, what: str) -> None:
+    """`path` does not exist yet: its nearest existing ancestor must be a folder this process can write."""
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{what} {str(path)!r} cannot be created: {str(parent)!r} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what} {str(path)!r} cannot be created: {str(parent)!r} is not writable")
+
+
+def check_file_target(path: str | os.PathLike, what: str) -> None:
+    """A file the job appends to: an existing writable file, or creatable. Creates nothing."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise ConfigError(f"{what} {str(path)!r} is a folder (valid: a file path)")
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            raise ConfigError(f"{what} {str(path)!r} is not writable")
+        return
+    _creatable(path, what)
+
+
+def check_dir_target(path: str | os.PathLike, what: str) -> None:
+    """A folder the job writes into: an existing writable folder, or creatable. Creates nothing."""
+    path = Path(path).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{what} {str(path)!r} is a file, not a folder")
+    if path.is_dir():
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ConfigError(f"{what} {str(path)!r} is not writable")
+        return
+    _creatable(path, what)
+
+
+def resume_meta(ckpt: CheckpointConfig) -> tuple[Path, dict] | None:
+    """The checkpoint this run would resume and its meta.json, read without a process group: the given folder
+    (--resume PATH), else the newest complete one whose meta.json reads (a newer one that does not is skipped
+    at load time too, with its reason)."""
+    from elastic_trainer.checkpoint import storage
+
+    if ckpt.resume == "never":
+        return None
+    if ckpt.resume != "auto":
+        folder = Path(ckpt.resume)
+        if not (folder / storage.META).is_file() or not (folder / storage.MANIFEST).is_file():
+            raise CheckpointError(f"--resume {ckpt.resume!r} is not a complete checkpoint folder (it has no "
+                                  f"{storage.META} and {storage.MANIFEST}; valid: a step-NNNNNNNN folder)")
+        return folder, storage.read_meta(folder)
+    for folder in storage.complete_checkpoints(ckpt.dir):
+        try:
+            return folder, storage.read_meta(folder)
+        except CheckpointError:
+            continue
+    return None
+
+
+def check_checkpoint(ckpt: CheckpointConfig | None, model: ModelConfig, train: TrainConfig) -> int:
+    """The checkpoint folder is usable and what this run would resume matches its model and trajectory;
+    the step it would resume from (0: none)."""
+    if ckpt is None:
+        return 0
+    check_dir_target(ckpt.dir, "--checkpoint-dir")
+    if ckpt.resume == "never":
+        from elastic_trainer.checkpoint.storage import require_no_checkpoints
+
+        require_no_checkpoints(ckpt.dir)
+    found = resume_meta(ckpt)
+    if found is None:
+        return 0
+    folder, meta = found
+    from elastic_trainer.checkpoint.state import check_compatible
+
+    check_compatible(meta, model, train, str(folder))
+    return int(meta["step"])
+
+
+def check_outputs(args) -> None:
+    for flag in ("metrics_file", "events_file"):
+        value = getattr(args, flag, None)
+        if value:
+            check_file_target(value, "--" + flag.replace("_", "-"))
+    if getattr(args, "stop_file", None) and Path(args.stop_file).is_dir():
+        raise ConfigError(f"--stop-file {args.stop_file!r} is a folder (valid: a file path that does not exist yet)")
+
+
+def resume_summary(ckpt: CheckpointConfig | None) -> str:
+    if ckpt is None:
+        return "no --checkpoint-dir: nothing will be saved"
+    found = resume_meta(ckpt)
+    return (f"resumes step {found[1]['step']} from {found[0]}" if found
+            else f"starts from the seed, saves to {ckpt.dir}")
+
+
+def train_inputs(args, model: ModelConfig, train: TrainConfig, ckpt: CheckpointConfig | None):
+    """Check everything a train job reads and writes (after `check_environment` and `resolve`), then tokenize
+    its data: the token stream, memory-mapped."""
+    from elastic_trainer.data import records
+    from elastic_trainer.data.corpus import default_cache_dir, load_tokens, resolve_files
+
+    check_outputs(args)
+    step = check_checkpoint(ckpt, model, train)
+    until = getattr(args, "until_step", None)
+    if until is not None and step and until < step:
+        raise ConfigError(f"--until-step {until} is before step {step}, where this run resumes "
+                          f"({ckpt.dir}); valid: a step after {step}")
+    check_dir_target(train.data_cache or default_cache_dir(), "the token cache (--data-cache)")
+    records.sample(resolve_files(train.data), skip_bad=train.skip_bad_records)
+    return load_tokens(train.data, train.data_cache, min_tokens=train.seq_len + 1, skip_bad=train.skip_bad_records)

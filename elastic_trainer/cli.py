@@ -258,7 +258,7 @@ def _write_error_file(path: str, message: str) -> None:
     try:
         with open(path, "w") as f:
             json.dump({"message": {"message": f"elastic-trainer: error: {message}",
-                                   "extraInfo": {"py_callstack": "(bad input: no traceback)",
+                                   "extraInfo": {"py_callstack": f"elastic-trainer: error: {message}",
                                                  "timestamp": str(int(time.time()))}}}, f)
     except OSError:
         pass
@@ -267,16 +267,17 @@ def _write_error_file(path: str, message: str) -> None:
 def main(argv: list[str] | None = None, *, started: float | None = None, forked: bool = False) -> int:
     """`started`: when this worker's process began (a forked one: at the fork; default: the package import);
     `forked`: a worker forked by the launcher's agent, which ends through multiprocessing's own exit."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
+        if argv[:1] == ["torchrun"] and not {"-h", "--help"} & set(argv[1:2]):
+            from elastic_trainer.launch.agent import run_torchrun  # torchrun's flags are its parser's to read
+
+            return run_torchrun(argv[1:])
         args = build_parser().parse_args(argv)
         if args.command == "train":
             return run_train_command(args, started or IMPORTED_AT, forked)
         if args.command == "launch":
             return run_launch(args)
-        if args.command == "torchrun":
-            from elastic_trainer.launch.agent import run_torchrun
-
-            return run_torchrun(args.argv)
         if args.command == "checkpoint":
             return run_checkpoint(args)
         if args.command == "plan":

@@ -18,7 +18,7 @@ from elastic_trainer.plan.topology import Topology
 
 # command-line flag -> TrainConfig field, for flags that override a run config
 TRAIN_FLAGS = ("global_batch", "seq_len", "steps", "seed", "lr", "warmup_steps", "decay_steps", "dtype",
-               "metrics_file", "log_every", "data_cache", "grad_clip", "weight_decay")
+               "metrics_file", "log_every", "data_cache", "grad_clip", "weight_decay", "skip_bad_records")
 
 
 def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig | None:

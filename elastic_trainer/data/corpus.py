@@ -110,7 +110,14 @@ def _too_short(tokens: int, min_tokens: int, files: list[Path]) -> str:
 
 
 def _check_cached(out: Path, files: list[Path], min_tokens: int, skip_bad: bool) -> np.ndarray:
-    stream = np.load(out, mmap_mode="r")
+    try:
+        stream = np.load(out, mmap_mode="r")
+    except (OSError, ValueError) as e:
+        raise records.DataError(f"the token cache {str(out)!r} is damaged ({' '.join(str(e).split())[:120]}); delete "
+                                "it and it is rebuilt on the next run") from None
+    if stream.dtype != np.uint16 or stream.ndim != 1:
+        raise records.DataError(f"the token cache {str(out)!r} holds {stream.dtype} of shape {stream.shape}, not a "
+                                "uint16 token stream; delete it and it is rebuilt on the next run")
     try:
         meta = json.loads(out.with_suffix(".json").read_text())
     except (OSError, ValueError):
@@ -119,7 +126,8 @@ def _check_cached(out: Path, files: list[Path], min_tokens: int, skip_bad: bool)
         summary = f"{meta['bad_records']} bad record(s); first: {'; '.join(meta.get('first_bad_records', []))}"
         if not skip_bad:
             raise records.DataError(f"the data has {summary} (pass --skip-bad-records to leave them out)")
-        print(f"[data] skipped {summary}", flush=True)
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # once per host, not once per rank
+            print(f"[data] skipped {summary}", flush=True)
     if stream.size < min_tokens:
         raise records.DataError(_too_short(int(stream.size), min_tokens, files))
     return stream

@@ -202,7 +202,8 @@ def sample(files: list[Path], skip_bad: bool = False) -> None:
     fails here in one line."""
     if files and sum(_size(p) for p in files) == 0:
         names = ", ".join(str(p) for p in files[:3]) + (" ..." if len(files) > 3 else "")
-        raise DataError(f"the data is empty: {names} hold no text (valid: files with documents)")
+        raise DataError(f"the data is empty: {names} {'holds' if len(files) == 1 else 'hold'} no text (valid: files "
+                        "with documents)")
     bad = Bad()
     for path in files:
         if path.suffix == ".txt":

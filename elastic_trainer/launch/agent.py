@@ -19,6 +19,7 @@ once before any worker starts.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -76,6 +77,16 @@ def _no_restart_on_bad_input() -> None:
             return result
 
     launcher_api.LocalElasticAgent = Agent
+    # TorchElastic logs a failed worker with the traceback of its own exit-code check; for bad input the
+    # worker's one line is the whole story
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_quiet_bad_input)
+
+
+def _quiet_bad_input(record: logging.LogRecord) -> bool:
+    error = record.exc_info[1] if record.exc_info else None
+    if getattr(error, "exit_code", None) == EXIT_BAD_INPUT:
+        return False
+    return f"(exitcode: {EXIT_BAD_INPUT})" not in record.getMessage()
 
 
 def _failure_line(error) -> tuple[int, str | None]:
@@ -86,6 +97,22 @@ def _failure_line(error) -> tuple[int, str | None]:
         return failure.exitcode, None
     # local rank 0 printed it already (cli.report_bad_input); another rank's line has not been seen
     return EXIT_BAD_INPUT, (str(message) if failure.local_rank != 0 and message else None)
+
+
+def _rendezvous_defaults(args) -> None:
+    """What the torchrun command does to its arguments before launching (torch.distributed.run.run): a
+    --standalone job, or a single-host job without a rendezvous, gets a private c10d rendezvous on a free
+    local port; the static backend's port defaults to 29500."""
+    import uuid
+
+    from torch.distributed.run import parse_min_max_nnodes
+
+    single_host = args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None and \
+        parse_min_max_nnodes(args.nnodes)[1] == 1
+    if args.standalone or single_host:
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
 
 
 def run_agent(argv: list[str]) -> int:
@@ -104,7 +131,11 @@ def run_agent(argv: list[str]) -> int:
 
     parser.error = one_line
     args = parser.parse_args(argv)
-    config, entrypoint, entry_args = config_from_args(args)
+    _rendezvous_defaults(args)
+    try:
+        config, entrypoint, entry_args = config_from_args(args)
+    except ValueError as e:
+        raise UsageError(f"torchrun: {' '.join(str(e).split())}") from None
     forking = os.environ.get(START_ENV, "fork") == "fork"
     if forking and args.module and args.training_script == WORKER_MODULE and not args.no_python:
         preload()
@@ -113,6 +144,8 @@ def run_agent(argv: list[str]) -> int:
     _no_restart_on_bad_input()
     try:
         elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)  # raises when the workers failed
+    except ValueError as e:  # a rendezvous setting TorchElastic rejects before any worker starts
+        raise UsageError(f"torchrun: {' '.join(str(e).split())}") from None
     except ChildFailedError as e:
         code, line = _failure_line(e)
         if code != EXIT_BAD_INPUT:

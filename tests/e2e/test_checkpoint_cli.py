@@ -116,7 +116,10 @@ def test_export_hf_loads_in_transformers(crashed_and_resumed):
 
 
 def test_bad_checkpoint_paths_are_one_line_errors(tmp_path):
-    for argv in (["inspect", str(tmp_path / "nothing")], ["export-hf", str(tmp_path), str(tmp_path / "o")]):
+    cases = ((["inspect", str(tmp_path / "nothing")], "does not exist"),
+             (["export-hf", str(tmp_path), str(tmp_path / "o")], "holds no complete checkpoint"))
+    for argv, expected in cases:
         run = subprocess.run(CLI + ["checkpoint", *argv], env=env(), capture_output=True, text=True, timeout=120)
         assert run.returncode == 2
-        assert run.stderr.count("\n") == 1 and "holds no complete checkpoint" in run.stderr
+        assert run.stderr.count("\n") == 1 and expected in run.stderr, run.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written

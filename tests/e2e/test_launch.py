@@ -296,25 +296,39 @@ def test_timed_phases_stop_on_request(tmp_path, data_cache, reference):
         assert f"the schedule ended at step {steps} of 32" in proc.stdout
 
 
+CRASH_HOOK = """
+import os
+if os.environ.get("ET_TEST_CRASH_AT_STEP"):
+    import elastic_trainer.train.loop as loop
+
+    crash_at, step = int(os.environ["ET_TEST_CRASH_AT_STEP"]), loop.Trainer.train_step
+
+    def train_step(self):
+        if self.step + 1 == crash_at:
+            raise ValueError(f"injected crash in step {crash_at}")
+        return step(self)
+
+    loop.Trainer.train_step = train_step
+"""
+
+
 def test_failing_rank_names_itself_in_the_launch_log(tmp_path, data_cache, sotu_tokens):
-    """A rank that crashes (here: a corrupted token cache) is reported by torchrun's error recording with its
-    host, rank and error, in the launcher's log; the launcher exits non-zero and says what to do."""
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    sources = list(Path(data_cache).glob("tokens-*.npy"))  # sotu_tokens built it
-    assert sources
-    for source in sources:
-        data = bytearray(source.read_bytes())
-        data[:64] = b"x" * 64  # no longer a .npy header
-        (cache / source.name).write_bytes(bytes(data))
+    """A rank that crashes (a bug, not bad input: here a ValueError injected into step 2 through a
+    sitecustomize module every process of the job imports) is reported by torchrun's error recording with its
+    host, rank and traceback in the launcher's log; the launcher exits 1 and says what to do."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(CRASH_HOOK)
     run_dir = tmp_path / "failing"
     argv = launch_argv(run_dir, "localhost slots=2\n", "--schedule", "none", "--max-restarts", "0",
-                       cache=str(cache))
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env(), timeout=300)
+                       cache=data_cache)
+    crash_env = {**env(), "ET_TEST_CRASH_AT_STEP": "2",
+                 "PYTHONPATH": os.pathsep.join([str(hook), env().get("PYTHONPATH", "")])}
+    proc = subprocess.run(argv, capture_output=True, text=True, env=crash_env, timeout=300)
     assert proc.returncode == 1, proc.stdout[-3000:]
     log = (run_dir / "launch.log").read_text()
     assert "Root Cause (first observed failure)" in log and "[localhost]   host      : localhost" in log
-    assert "[localhost]   rank      : " in log and "ValueError: " in log  # the rank, its error
+    assert "[localhost]   rank      : " in log and "ValueError: injected crash in step 2" in log
     assert "phase 1 failed on every host (agent on localhost: exit code 1)" in proc.stdout
 
 

@@ -27,7 +27,7 @@ import sys
 from elastic_trainer import IMPORTED_AT, cli_parser, resolve
 from elastic_trainer.cli_parser import Parser
 from elastic_trainer.config import CheckpointConfig, CheckpointError, ConfigError, ModelConfig, TrainConfig, env_int
-from elastic_trainer.plan import Hardware, load_hardware, plan
+from elastic_trainer.plan import Hardware, PlanError, load_hardware
 from elastic_trainer.plan.layout import Layout, parse_degrees
 from elastic_trainer.plan.report import format_table, plan_dict
 
@@ -165,8 +165,12 @@ def run_checkpoint(args: argparse.Namespace) -> int:
 
 def run_plan(args: argparse.Namespace) -> int:
     model, train, layout_table = resolve.job_configs(args)
-    result = plan(resolve.plan_request(args, model, train, layout_table, args.gpus, args.gpus_per_host))
-    compare = result.best_for(*parse_degrees(args.compare, "--compare")) if args.compare else None
+    result = resolve.planned(args, layout_table,
+                             resolve.plan_request(args, model, train, layout_table, args.gpus, args.gpus_per_host))
+    try:
+        compare = result.best_for(*parse_degrees(args.compare, "--compare")) if args.compare else None
+    except PlanError as err:
+        raise PlanError(f"--compare {args.compare}: {err}") from None
     if args.json:
         print(json.dumps(plan_dict(result, compare), indent=1))
     else:

@@ -99,7 +99,7 @@ def check_dir_target(path: str | os.PathLike, what: str) -> None:
 def resume_meta(ckpt: CheckpointConfig) -> tuple[Path, dict] | None:
     """The checkpoint this run would resume and its meta.json, read without a process group: the given folder
     (--resume PATH), else the newest complete one whose meta.json reads (a newer one that does not is skipped
-    at load time too, with its reason)."""
+    at load time too, with its reason; when none reads, an error)."""
     from elastic_trainer.checkpoint import storage
 
     if ckpt.resume == "never":
@@ -110,11 +110,16 @@ def resume_meta(ckpt: CheckpointConfig) -> tuple[Path, dict] | None:
             raise CheckpointError(f"--resume {ckpt.resume!r} is not a complete checkpoint folder (it has no "
                                   f"{storage.META} and {storage.MANIFEST}; valid: a step-NNNNNNNN folder)")
         return folder, storage.read_meta(folder)
+    errors = []
     for folder in storage.complete_checkpoints(ckpt.dir):
         try:
             return folder, storage.read_meta(folder)
-        except CheckpointError:
-            continue
+        except CheckpointError as err:
+            errors.append(str(err))
+    if errors:  # the loader refuses too: starting over would bury them under new saves
+        raise CheckpointError(f"no checkpoint in --checkpoint-dir {ckpt.dir} can be resumed ({len(errors)} damaged; "
+                              f"newest: {errors[0]}); repair them, move them away or pass another --checkpoint-dir "
+                              "to start over")
     return None
 
 

@@ -11,8 +11,8 @@ import dataclasses
 
 from elastic_trainer.config import (CheckpointConfig, ConfigError, ModelConfig, TrainConfig, divisors, env_int,
                                     fmt_values, load_model_config, load_run_config)
-from elastic_trainer.plan import Hardware, Request, hardware_for_device, load_hardware, plan
-from elastic_trainer.plan.layout import Layout, parse_degrees, split_batch
+from elastic_trainer.plan import Hardware, Plan, PlanError, Request, hardware_for_device, load_hardware, plan
+from elastic_trainer.plan.layout import Layout, LayoutError, parse_degrees, split_batch
 from elastic_trainer.plan.report import summary
 from elastic_trainer.plan.topology import Topology
 
@@ -83,11 +83,34 @@ def plan_request(args: argparse.Namespace, model: ModelConfig, train: TrainConfi
                    recompute=(False, True) if recompute is None else (recompute,))
 
 
+def fixed_settings(args: argparse.Namespace, layout_table: dict) -> str:
+    """The layout settings the user fixed, as typed (flags, else the run config's [layout]), for errors."""
+    given = []
+    for flag, key in (("--micro-batch", "micro_batch"), ("--dp-mode", "dp_mode"), ("--recompute", "recompute")):
+        value = getattr(args, key, None)
+        if value is not None and value is not False:
+            given.append(flag if value is True else f"{flag} {value}")
+        elif key in layout_table:
+            given.append(f"[layout] {key} = {layout_table[key]!r}")
+    return ", ".join(given)
+
+
+def planned(args: argparse.Namespace, layout_table: dict, req: Request) -> Plan:
+    """plan(req), its error naming the settings the user fixed (they are what narrowed the search)."""
+    try:
+        return plan(req)
+    except PlanError as err:
+        given = fixed_settings(args, layout_table)
+        if not given:
+            raise
+        raise PlanError(f"with {given}: {err}") from None
+
+
 def plan_for_hosts(args: argparse.Namespace, model: ModelConfig, train: TrainConfig, layout_table: dict,
                    topology: Topology) -> tuple[Layout, str]:
     """The planned layout for ranks on these hosts, and the plan's one-line summary."""
-    result = plan(plan_request(args, model, train, layout_table, topology.world_size, topology.largest,
-                               topology.sizes))
+    result = planned(args, layout_table, plan_request(args, model, train, layout_table, topology.world_size,
+                                                      topology.largest, topology.sizes))
     return result.chosen.layout, summary(result)
 
 
@@ -132,10 +155,14 @@ def resolve_train_args(args: argparse.Namespace,
         # Rank 0 plans for the real hosts once the process group exists; planning for hosts of
         # LOCAL_WORLD_SIZE ranks here makes bad settings (a micro-batch that cannot split the batch, a
         # count no layout fits) fail before anything starts.
-        plan(plan_request(args, model, train, layout_table, world_size,
-                          env_int("LOCAL_WORLD_SIZE", world_size, minimum=1)))
+        planned(args, layout_table, plan_request(args, model, train, layout_table, world_size,
+                                                 env_int("LOCAL_WORLD_SIZE", world_size, minimum=1)))
         return model, train, None, layout_table
-    return model, train, layout.validate(world_size, model, train.global_batch), layout_table
+    try:
+        return model, train, layout.validate(world_size, model, train.global_batch), layout_table
+    except LayoutError as err:
+        source = f"--layout {args.layout}" if args.layout else f"[layout] of {args.config}"
+        raise LayoutError(f"{source}: {err}") from None
 
 
 def check_hosts(layout: Layout, model: ModelConfig, topology: Topology) -> None:

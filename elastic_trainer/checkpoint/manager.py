@@ -184,6 +184,7 @@ class Checkpointer:
         """Load the first of `folders` that passes verification; with `strict` a failing one is an error
         instead of being skipped. `verify` overrides the config's checksum verification."""
         checksums = self.cfg.verify if verify is None else verify
+        skipped = []
         for folder in folders:
             t0 = time.perf_counter()
             error = self.verify(folder, checksums) if folder.is_dir() else f"{folder} is not a checkpoint folder"
@@ -191,6 +192,7 @@ class Checkpointer:
                 if strict:
                     raise storage.CheckpointError(error)
                 self.log(f"[checkpoint] skipping {folder.name}: {error}", file=sys.stderr, flush=True)
+                skipped.append(error)
                 continue
             meta = storage.read_meta(folder)
             ckpt_state.check_compatible(meta, trainer.model_cfg, trainer.cfg, str(folder))
@@ -211,6 +213,10 @@ class Checkpointer:
             self.log(f"[checkpoint] resumed step {meta['step']} from {folder} (saved with dp={saved['dp']} "
                      f"tp={saved['tp']} pp={saved['pp']}) in {stats.total_s:.2f} s", flush=True)
             return stats
+        if skipped:  # starting over would bury them under new saves (and --keep would delete them)
+            raise storage.CheckpointError(
+                f"no checkpoint in {folders[0].parent} can be resumed ({len(skipped)} damaged; newest: {skipped[0]}); "
+                "repair them, move them away or pass another --checkpoint-dir to start over")
         return None
 
     def prepare_fresh_run(self, resume: str) -> None:

@@ -115,11 +115,9 @@ def _rendezvous_defaults(args) -> None:
         args.master_port = 29500
 
 
-def run_agent(argv: list[str]) -> int:
-    """TorchElastic's agent for a torchrun command line: 0 when the workers succeeded, EXIT_BAD_INPUT after a
-    worker's one-line bad-input error (not restarted); any other failure raises TorchElastic's ChildFailedError."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
+def agent_config(argv: list[str]):
+    """A torchrun command line checked (one line on an error) and turned into TorchElastic's launch config,
+    entrypoint and arguments; `python -m elastic_trainer.cli` workers become forked ones."""
     from torch.distributed.run import config_from_args, get_args_parser
 
     from elastic_trainer.cli_parser import UsageError
@@ -138,9 +136,23 @@ def run_agent(argv: list[str]) -> int:
         raise UsageError(f"torchrun: {' '.join(str(e).split())}") from None
     forking = os.environ.get(START_ENV, "fork") == "fork"
     if forking and args.module and args.training_script == WORKER_MODULE and not args.no_python:
-        preload()
         config.start_method = "fork"
         entrypoint, entry_args = worker, list(args.training_script_args)
+    return config, entrypoint, entry_args
+
+
+def run_agent(argv: list[str], configured=None) -> int:
+    """TorchElastic's agent for a torchrun command line (or its `agent_config`): 0 when the workers succeeded,
+    EXIT_BAD_INPUT after a worker's one-line bad-input error (not restarted); any other failure raises
+    TorchElastic's ChildFailedError."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    from elastic_trainer.cli_parser import UsageError
+
+    config, entrypoint, entry_args = configured or agent_config(argv)
+    if entrypoint is worker:
+        preload()
     _no_restart_on_bad_input()
     try:
         elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)  # raises when the workers failed
@@ -157,8 +169,8 @@ def run_agent(argv: list[str]) -> int:
 
 
 def run_torchrun(argv: list[str]) -> int:
-    """`elastic-trainer torchrun [TORCHRUN FLAGS] train [TRAIN FLAGS]`: the train inputs checked here once, before
-    any worker starts (one line, exit 2), then the agent with forked workers."""
+    """`elastic-trainer torchrun [TORCHRUN FLAGS] train [TRAIN FLAGS]`: torchrun's flags and then the train inputs
+    checked here once, before any worker starts (one line, exit 2), then the agent with forked workers."""
     from elastic_trainer.cli_parser import UsageError
 
     if "train" not in argv:
@@ -171,10 +183,11 @@ def run_torchrun(argv: list[str]) -> int:
     from elastic_trainer import preflight
     from elastic_trainer.cli import parse_train_command, resolve
 
+    configured = agent_config([*flags, "-m", WORKER_MODULE, "train", *train_argv])
     args, model, train, _, _ = parse_train_command(train_argv)
     preflight.check_environment()
     preflight.train_inputs(args, model, train, resolve.checkpoint_config(args))
-    return run_agent([*flags, "-m", WORKER_MODULE, "train", *train_argv])
+    return run_agent([], configured)
 
 
 def main(argv: list[str] | None = None) -> None:

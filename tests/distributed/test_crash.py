@@ -124,6 +124,12 @@ def test_corrupted_and_truncated_checkpoints_fall_back(tmp_path, sotu_tokens, un
     err = capfd.readouterr().err
     assert "skipping step-00000008: step-00000008: file __" in err and "fails its xxh3_128 checksum" in err
     assert "skipping step-00000006" in err and "truncated" in err
+    for older in storage.complete_checkpoints(tmp_path)[2:]:  # now every checkpoint is damaged
+        with open(sorted(older.glob("*.distcp"))[0], "r+b") as f:
+            f.truncate(100)
+    # starting over would bury the damaged checkpoints under new saves (and --keep would delete them)
+    with pytest.raises(RuntimeError, match="no checkpoint in .* can be resumed \\(4 damaged; newest: step-00000008"):
+        run_ranks(load_job, 1)
 
 
 def test_async_save_commits_the_state_of_its_step(tmp_path, sotu_tokens, uninterrupted):

@@ -85,8 +85,7 @@ class Job:
             try:
                 record = trainer.train_step()
             except Diverged as e:
-                self._diverged(e)
-                raise
+                raise self._diverged(e) from None
             self.log.write(record)
             self.records.append(record)
             if len(self.records) == 1:
@@ -114,13 +113,20 @@ class Job:
             self.events.emit("finished", step=trainer.step)
         return "finished" if reason is None else "stopped"
 
-    def _diverged(self, error: Diverged) -> None:
+    def _diverged(self, error: Diverged) -> Diverged:
         """Nothing is saved: the last checkpoint stays the newest (an asynchronous save of an earlier, good
-        step is finished)."""
+        step is finished). The error to raise, naming that checkpoint."""
+        newest = None
         if self.checkpointer is not None:
             self.checkpointer.wait()
+            saved = next((s for s in reversed(self.checkpointer.history) if s.path), None)
+            if saved is not None:
+                newest = f"step {saved.step} ({saved.path})"
+            elif self.checkpointer.last_saved_step is not None:  # the one this run resumed from
+                newest = f"step {self.checkpointer.last_saved_step} (resumed from)"
         self.events.emit("diverged", step=error.step, loss=str(error.loss), grad_norm=str(error.grad_norm),
                          last_saved_step=self.checkpointer.last_saved_step if self.checkpointer else None)
+        return Diverged(error.step, error.loss, error.grad_norm, newest)
 
     def _last_step_end(self) -> float | None:
         return self.records[-1]["time"] if self.records else None

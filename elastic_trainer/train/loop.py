@@ -23,11 +23,11 @@ class Diverged(ConfigError):
     """A step's loss or gradient norm is not finite: the step is not applied and the run stops without saving.
     Divergence is bad input (a learning rate too high, bad data, an unstable model), reported in one line."""
 
-    def __init__(self, step: int, loss: float, grad_norm: float):
+    def __init__(self, step: int, loss: float, grad_norm: float, newest: str | None = None):
         self.step, self.loss, self.grad_norm = step, loss, grad_norm
+        kept = f"the newest checkpoint is still {newest}" if newest else "no checkpoint was saved"
         super().__init__(f"training diverged at step {step}: loss {loss}, gradient norm {grad_norm}; the step was not "
-                         "applied and nothing was saved over the last good checkpoint (lower --lr, check the data, "
-                         "or resume from an earlier checkpoint)")
+                         f"applied and {kept} (lower --lr, check the data, or resume from an earlier checkpoint)")
 
 
 class Trainer:

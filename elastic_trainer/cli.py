@@ -92,6 +92,8 @@ def run_train(args: argparse.Namespace, model: ModelConfig, train: TrainConfig, 
         result = run_job(model, train, layout, device, ckpt=ckpt, stop=stop, until=args.until_step, log=log,
                          events=events, tokens=tokens)
         log.close()
+        if rank0 and train.skip_bad_records:
+            _say_skipped(train)
     finally:
         stop.close()
         events.close()
@@ -204,6 +206,14 @@ def run_calibrate(args: argparse.Namespace) -> int:
                                  + hw.to_toml())
     print(f"[calibrate] wrote {args.output}")
     return 0
+
+
+def _say_skipped(train: TrainConfig) -> None:
+    from elastic_trainer.data.corpus import skipped_records
+
+    skipped = skipped_records(train.data, train.data_cache)
+    print(f"[data] --skip-bad-records left out {skipped}" if skipped else "[data] no bad records were skipped",
+          flush=True)
 
 
 def _finish_worker(code: int, force: bool = False) -> int:

@@ -12,6 +12,7 @@ DCP's resharding at load time. Everything else is JSON in meta.json:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import platform
 import time
 
@@ -75,13 +76,25 @@ def build_meta(trainer) -> dict:
         "train": train_dict(cfg),
         "layout": layout.to_dict(),
         "world_size": layout.world_size,
-        "data": {"num_samples": len(trainer.samples), "seq_len": cfg.seq_len},
+        "data": {"num_samples": len(trainer.samples), "seq_len": cfg.seq_len, "files_id": data_files_id(cfg)},
         "rng": {"scheme": "reseed every step from (seed, step, stage, dp rank)", "seed": cfg.seed},
         "time": time.time(),
         "saved_at": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "versions": {"elastic_trainer": __version__, "torch": torch.__version__,
                      "python": platform.python_version()},
     }
+
+
+def data_files_id(cfg: TrainConfig) -> str | None:
+    """A digest of the files the data sources name, resolved (None when they are gone): the same files are
+    the same data whichever working folder or spelling named them."""
+    from elastic_trainer.data.corpus import resolve_files
+
+    try:
+        files = resolve_files(cfg.data)
+    except ConfigError:
+        return None
+    return hashlib.sha256("\0".join(str(p) for p in files).encode()).hexdigest()[:20]
 
 
 def check_compatible(meta: dict, model_cfg: ModelConfig, cfg: TrainConfig, where: str) -> None:
@@ -96,6 +109,9 @@ def check_compatible(meta: dict, model_cfg: ModelConfig, cfg: TrainConfig, where
         raise ConfigError(f"{where} holds a different model: {detail}")
     saved, current = meta["train"], train_dict(cfg)
     differ = [(k, current[k], saved.get(k)) for k in TRAJECTORY_FIELDS if current[k] != saved.get(k)]
+    files_id = meta["data"].get("files_id") if isinstance(meta.get("data"), dict) else None
+    if files_id and any(k == "data" for k, _, _ in differ) and data_files_id(cfg) == files_id:
+        differ = [d for d in differ if d[0] != "data"]  # the same files, named from another folder
     if cfg.decay_steps is not None and cfg.schedule_steps != saved.get("schedule_steps"):
         differ.append(("decay_steps", cfg.decay_steps, saved.get("schedule_steps")))
     if differ:

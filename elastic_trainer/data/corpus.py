@@ -122,8 +122,8 @@ def _check_cached(out: Path, files: list[Path], min_tokens: int, skip_bad: bool)
         meta = json.loads(out.with_suffix(".json").read_text())
     except (OSError, ValueError):
         meta = {}
-    if meta.get("bad_records"):
-        summary = f"{meta['bad_records']} bad record(s); first: {'; '.join(meta.get('first_bad_records', []))}"
+    summary = _bad_summary(meta)
+    if summary:
         if not skip_bad:
             raise records.DataError(f"the data has {summary} (pass --skip-bad-records to leave them out)")
         if os.environ.get("LOCAL_RANK", "0") == "0":  # once per host, not once per rank
@@ -131,6 +131,24 @@ def _check_cached(out: Path, files: list[Path], min_tokens: int, skip_bad: bool)
     if stream.size < min_tokens:
         raise records.DataError(_too_short(int(stream.size), min_tokens, files))
     return stream
+
+
+def _bad_summary(meta: dict) -> str | None:
+    if not meta.get("bad_records"):
+        return None
+    return f"{meta['bad_records']} bad record(s); first: {'; '.join(meta.get('first_bad_records', []))}"
+
+
+def skipped_records(sources: tuple[str, ...] | list[str], cache_dir: str | Path | None = None) -> str | None:
+    """What --skip-bad-records left out of this corpus ('N bad record(s); first: ...'), from its token cache;
+    None when nothing was (or the corpus is not tokenized here)."""
+    try:
+        files = resolve_files(sources)
+        cache = Path(cache_dir) if cache_dir else default_cache_dir()
+        meta = json.loads((cache / f"tokens-{_cache_key(files)}.json").read_text())
+    except (ConfigError, OSError, ValueError):
+        return None
+    return _bad_summary(meta) if isinstance(meta, dict) else None
 
 
 def load_tokens(sources: tuple[str, ...] | list[str], cache_dir: str | Path | None = None, *, min_tokens: int = 1,

@@ -145,6 +145,11 @@ class Driver:
             self.say(f"loss plot: {path}")
         except ImportError:
             self.say("loss plot skipped: matplotlib is not installed")
+        if self.job.train.skip_bad_records:
+            from elastic_trainer.data.corpus import skipped_records
+
+            skipped = skipped_records(self.job.train.data, self.job.train.data_cache)
+            self.say(f"--skip-bad-records left out {skipped}" if skipped else "no bad records were skipped")
 
     def _on_signal(self, signum, frame) -> None:
         self._interrupts += 1

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -312,3 +313,39 @@ def test_bad_input_is_one_line_before_anything_starts(case, tmp_path, checkpoint
     assert case.expect in lines[0], report
     assert "Traceback" not in run.stdout + run.stderr, report
     assert tree(t) == before, f"files changed\n{report}"
+
+
+def test_skip_bad_records_leaves_them_out_and_counts_them(tmp_path):
+    """Two corrupt records of 500, both past what the preflight samples: by default the run stops at the first
+    while tokenizing, with its file and line, and leaves nothing in the cache; with --skip-bad-records it trains on the 498 others and
+    says at the end what it left out; a later run without the flag refuses the corpus cached that way."""
+    from elastic_trainer.data import tokenizer
+
+    texts = [f"record {i} " * 8 for i in range(500)]
+    lines = [json.dumps({"text": t}) for t in texts]
+    lines[249], lines[449] = '{"text": "three"', "{not json}"
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    argv = CLI + ["train", *TINY, "--steps", "1", "--data", "d.jsonl", "--data-cache", "cache"]
+    env = base_env(tmp_path)
+
+    run = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    assert "d.jsonl line 250: not valid JSON" in run.stderr and "--skip-bad-records" in run.stderr
+    assert not (tmp_path / "cache").exists()
+
+    run = subprocess.run(argv + ["--skip-bad-records"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    last = run.stdout.strip().splitlines()[-1]
+    assert last.startswith("[data] --skip-bad-records left out 2 bad record(s); first: "), run.stdout
+    assert "d.jsonl line 250: not valid JSON" in last and "d.jsonl line 450: not valid JSON" in last
+    good = [t for i, t in enumerate(texts) if i not in (249, 449)]
+    expected = sum(len(ids) + 1 for ids in tokenizer.encode_batch(good))
+    [stream] = (tmp_path / "cache").glob("tokens-*.npy")
+    assert np.load(stream, mmap_mode="r").size == expected
+
+    cached = tree(tmp_path / "cache")
+    run = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    assert "the data has 2 bad record(s); first: " in run.stderr and "pass --skip-bad-records" in run.stderr
+    assert tree(tmp_path / "cache") == cached

@@ -62,3 +62,14 @@ def test_resume_keeps_the_checkpoints_schedule_unless_given():
     check(meta, longer)
     assert state.resumed_config(meta, longer).schedule_steps == 10
     assert state.resumed_config(meta, dataclasses.replace(longer, decay_steps=10)).schedule_steps == 10
+
+
+def test_the_same_data_files_named_from_another_folder_resume(tmp_path, monkeypatch):
+    (tmp_path / "a.txt").write_text("some text\n")
+    (tmp_path / "b.txt").write_text("other text\n")
+    monkeypatch.chdir(tmp_path)
+    meta = saved_meta(dataclasses.replace(CFG, data=("a.txt",)))  # saved from tmp_path, relative
+    check(meta, dataclasses.replace(CFG, data=(str(tmp_path / "a.txt"),)))  # absolute: the same file
+    check(meta, dataclasses.replace(CFG, data=(str(tmp_path / "." / "a.txt"),)))
+    with pytest.raises(ConfigError, match=r"other settings: data=\[.*b.txt'\] \(checkpoint: \['a.txt'\]\)"):
+        check(meta, dataclasses.replace(CFG, data=(str(tmp_path / "b.txt"),)))

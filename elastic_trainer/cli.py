@@ -1,10 +1,11 @@
-"""`elastic-trainer`: the only place that parses arguments.
+"""`elastic-trainer`: the commands (their flags are defined in cli_parser.py).
 
     elastic-trainer train --model gpt-tiny --layout 2,1,2 --micro-batch 2 --global-batch 8 --steps 20
 
-Run it as one plain process for layout 1,1,1, or under torchrun for more ranks:
+Run it as one plain process for layout 1,1,1, or under torchrun for more ranks (our wrapper checks the inputs
+once before any worker starts and forks the workers; plain torchrun ... -m elastic_trainer.cli works too):
 
-    torchrun --standalone --nproc-per-node 4 -m elastic_trainer.cli train --layout 2,1,2 ...
+    elastic-trainer torchrun --standalone --nproc-per-node 4 train --layout 2,1,2 ...
 
 Without --layout, train plans the layout for its world size. The planner on its own, and the command that
 measures this machine for it:
@@ -12,9 +13,9 @@ measures this machine for it:
     elastic-trainer plan --model gpt3-xl --gpus 16 --gpus-per-host 8 --hardware h100-80g --global-batch 128
     elastic-trainer calibrate --output configs/hardware/cpu.toml
 
-Bad input (unknown model, a layout that does not match the world size, tp not dividing n_heads, a global
-batch that cannot be split) fails with one line naming the value and the valid choices, exit code 2,
-before any process group is created.
+Bad input (flags, config files, environment, data, output paths, the checkpoint to resume; see preflight.py)
+fails with one line naming the flag or file and what would be valid, exit code 2, before any process group
+forms or any file is written. Divergence (a non-finite loss or gradient norm) is bad input too.
 """
 
 from __future__ import annotations

@@ -281,6 +281,11 @@ def from_dict(cls: type, values: dict[str, Any], where: str) -> Any:
     unknown = sorted(set(values) - set(names))
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} (valid: {', '.join(names)})")
+    required = [n for n, f in names.items()
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [n for n in required if n not in values]
+    if missing:
+        raise ConfigError(f"{where}: missing required key(s) {', '.join(missing)} (required: {', '.join(required)})")
     values = dict(values)
     if "data" in values and isinstance(values["data"], (list, str)):
         values["data"] = (values["data"],) if isinstance(values["data"], str) else tuple(values["data"])

@@ -84,12 +84,14 @@ def test_resume_loads_without_initializing_and_records_events(tmp_path, sotu_tok
     assert stopping["last_step_end"] <= stopping["time"]
 
 
-def test_every_checkpoint_corrupt_starts_from_the_seed(tmp_path, sotu_tokens, reference):
-    results = run_ranks(train_then_resume, 2, str(tmp_path / "ck"), sotu_tokens, str(tmp_path / "ev.jsonl"),
-                        True)
-    for r in results:
-        assert r["loaded"] is None and r["init_calls"] > 0
-        assert r["losses"] == pytest.approx(reference[:5], rel=1e-5)  # steps 1-5 from the seed
+def test_every_checkpoint_corrupt_stops_instead_of_starting_over(tmp_path, sotu_tokens):
+    """Starting from the seed would bury the damaged checkpoints under new saves (and --keep would delete
+    them): the resume stops in one line and leaves them as they are."""
+    ckpt = tmp_path / "ck"
+    with pytest.raises(RuntimeError, match=r"no checkpoint in .*ck can be resumed \(1 damaged; newest: "
+                                           r"step-00000003: file __0_0.distcp fails its xxh3_128 checksum"):
+        run_ranks(train_then_resume, 2, str(ckpt), sotu_tokens, str(tmp_path / "ev.jsonl"), True)
+    assert [p.name for p in storage.complete_checkpoints(ckpt)] == ["step-00000003"]
 
 
 def hosts_and_agreement(rank, world, groups):

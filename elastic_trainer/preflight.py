@@ -116,10 +116,8 @@ def resume_meta(ckpt: CheckpointConfig) -> tuple[Path, dict] | None:
             return folder, storage.read_meta(folder)
         except CheckpointError as err:
             errors.append(str(err))
-    if errors:  # the loader refuses too: starting over would bury them under new saves
-        raise CheckpointError(f"no checkpoint in --checkpoint-dir {ckpt.dir} can be resumed ({len(errors)} damaged; "
-                              f"newest: {errors[0]}); repair them, move them away or pass another --checkpoint-dir "
-                              "to start over")
+    if errors:  # the loader refuses too
+        raise storage.none_resumable(ckpt.dir, errors)
     return None
 
 

@@ -213,10 +213,8 @@ class Checkpointer:
             self.log(f"[checkpoint] resumed step {meta['step']} from {folder} (saved with dp={saved['dp']} "
                      f"tp={saved['tp']} pp={saved['pp']}) in {stats.total_s:.2f} s", flush=True)
             return stats
-        if skipped:  # starting over would bury them under new saves (and --keep would delete them)
-            raise storage.CheckpointError(
-                f"no checkpoint in {folders[0].parent} can be resumed ({len(skipped)} damaged; newest: {skipped[0]}); "
-                "repair them, move them away or pass another --checkpoint-dir to start over")
+        if skipped:
+            raise storage.none_resumable(folders[0].parent, skipped)
         return None
 
     def prepare_fresh_run(self, resume: str) -> None:

@@ -215,6 +215,14 @@ def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
+def none_resumable(root: str | os.PathLike, errors: list[str]) -> CheckpointError:
+    """The error for a folder whose every checkpoint is damaged (`errors`, newest first): starting over would
+    bury them under new saves, and --keep would delete them."""
+    return CheckpointError(f"no checkpoint in --checkpoint-dir {root} can be resumed ({len(errors)} damaged; "
+                           f"newest: {errors[0]}); repair them, move them away or pass another --checkpoint-dir "
+                           "to start over")
+
+
 def require_no_checkpoints(root: str | os.PathLike) -> None:
     """For `--resume never`: ConfigError when root already holds complete checkpoints."""
     existing = complete_checkpoints(root)

@@ -136,6 +136,16 @@ def test_replicated_layouts_match_single_process(degrees, reference, sotu_tokens
     assert_matches(run(make_layout(*degrees, mode="ddp"), sotu_tokens), reference)
 
 
+# replicated data parallelism with gradient accumulation (2 and 4 micro-batches), alone and with tp: the
+# gradients are all-reduced once, after the last micro-batch, and must hold every micro-batch's share
+DDP_ACCUMULATING = [(2, 1, 1, 2), (2, 1, 1, 1), (2, 2, 1, 2), (2, 2, 1, 1)]
+
+
+@pytest.mark.parametrize("degrees", DDP_ACCUMULATING, ids=lambda d: "dp{}-tp{}-pp{}-mb{}".format(*d))
+def test_replicated_with_gradient_accumulation_matches(degrees, reference, sotu_tokens):
+    assert_matches(run(make_layout(*degrees, mode="ddp"), sotu_tokens), reference)
+
+
 @pytest.mark.parametrize("degrees", OTHER_SPLITS, ids=lambda d: "dp{}-tp{}-pp{}-mb{}".format(*d))
 def test_other_microbatch_splits_match(degrees, reference, sotu_tokens):
     assert_matches(run(make_layout(*degrees), sotu_tokens), reference)

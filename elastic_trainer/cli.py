@@ -94,7 +94,9 @@ def run_train(args: argparse.Namespace, model: ModelConfig, train: TrainConfig, 
                          events=events, tokens=tokens)
         log.close()
         if rank0 and train.skip_bad_records:
-            _say_skipped(train)
+            from elastic_trainer.data.corpus import skipped_note
+
+            print(f"[data] {skipped_note(train.data, train.data_cache)}", flush=True)
     finally:
         stop.close()
         events.close()
@@ -207,14 +209,6 @@ def run_calibrate(args: argparse.Namespace) -> int:
                                  + hw.to_toml())
     print(f"[calibrate] wrote {args.output}")
     return 0
-
-
-def _say_skipped(train: TrainConfig) -> None:
-    from elastic_trainer.data.corpus import skipped_records
-
-    skipped = skipped_records(train.data, train.data_cache)
-    print(f"[data] --skip-bad-records left out {skipped}" if skipped else "[data] no bad records were skipped",
-          flush=True)
 
 
 def _finish_worker(code: int, force: bool = False) -> int:

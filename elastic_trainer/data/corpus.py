@@ -139,16 +139,20 @@ def _bad_summary(meta: dict) -> str | None:
     return f"{meta['bad_records']} bad record(s); first: {'; '.join(meta.get('first_bad_records', []))}"
 
 
-def skipped_records(sources: tuple[str, ...] | list[str], cache_dir: str | Path | None = None) -> str | None:
-    """What --skip-bad-records left out of this corpus ('N bad record(s); first: ...'), from its token cache;
-    None when nothing was (or the corpus is not tokenized here)."""
+def skipped_note(sources: tuple[str, ...] | list[str], cache_dir: str | Path | None = None) -> str:
+    """What --skip-bad-records left out of this corpus, from its token cache, as one line for the end of a run."""
     try:
-        files = resolve_files(sources)
-        cache = Path(cache_dir) if cache_dir else default_cache_dir()
-        meta = json.loads((cache / f"tokens-{_cache_key(files)}.json").read_text())
+        meta = json.loads(_token_file(resolve_files(sources), cache_dir).with_suffix(".json").read_text())
     except (ConfigError, OSError, ValueError):
-        return None
-    return _bad_summary(meta) if isinstance(meta, dict) else None
+        meta = None
+    skipped = _bad_summary(meta) if isinstance(meta, dict) else None
+    return f"--skip-bad-records left out {skipped}" if skipped else "no bad records were skipped"
+
+
+def _token_file(files: list[Path], cache_dir: str | Path | None) -> Path:
+    """Where the token stream of these files is cached."""
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    return cache / f"tokens-{_cache_key(files)}.npy"
 
 
 def load_tokens(sources: tuple[str, ...] | list[str], cache_dir: str | Path | None = None, *, min_tokens: int = 1,
@@ -157,8 +161,8 @@ def load_tokens(sources: tuple[str, ...] | list[str], cache_dir: str | Path | No
     line, nothing written) for a bad record (unless `skip_bad`: left out and counted) or fewer than
     `min_tokens` tokens."""
     files = resolve_files(sources)
-    cache = Path(cache_dir) if cache_dir else default_cache_dir()
-    out = cache / f"tokens-{_cache_key(files)}.npy"
+    out = _token_file(files, cache_dir)
+    cache = out.parent
     if out.exists():
         return _check_cached(out, files, min_tokens, skip_bad)
     created = [p for p in (cache, *cache.parents) if not p.exists()]

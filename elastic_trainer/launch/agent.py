@@ -141,8 +141,8 @@ def agent_config(argv: list[str]):
     return config, entrypoint, entry_args
 
 
-def run_agent(argv: list[str], configured=None) -> int:
-    """TorchElastic's agent for a torchrun command line (or its `agent_config`): 0 when the workers succeeded,
+def run_agent(configured) -> int:
+    """TorchElastic's agent for a torchrun command line's `agent_config`: 0 when the workers succeeded,
     EXIT_BAD_INPUT after a worker's one-line bad-input error (not restarted); any other failure raises
     TorchElastic's ChildFailedError."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -150,7 +150,7 @@ def run_agent(argv: list[str], configured=None) -> int:
 
     from elastic_trainer.cli_parser import UsageError
 
-    config, entrypoint, entry_args = configured or agent_config(argv)
+    config, entrypoint, entry_args = configured
     if entrypoint is worker:
         preload()
     _no_restart_on_bad_input()
@@ -187,7 +187,7 @@ def run_torchrun(argv: list[str]) -> int:
     args, model, train, _, _ = parse_train_command(train_argv)
     preflight.check_environment()
     preflight.train_inputs(args, model, train, resolve.checkpoint_config(args))
-    return run_agent([], configured)
+    return run_agent(configured)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     from elastic_trainer.config import ConfigError
 
     try:
-        code = run_agent(sys.argv[1:] if argv is None else argv)
+        code = run_agent(agent_config(sys.argv[1:] if argv is None else argv))
     except ConfigError as e:
         print(f"elastic-trainer: error: {e}", file=sys.stderr)
         code = EXIT_BAD_INPUT

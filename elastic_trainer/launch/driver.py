@@ -146,10 +146,9 @@ class Driver:
         except ImportError:
             self.say("loss plot skipped: matplotlib is not installed")
         if self.job.train.skip_bad_records:
-            from elastic_trainer.data.corpus import skipped_records
+            from elastic_trainer.data.corpus import skipped_note
 
-            skipped = skipped_records(self.job.train.data, self.job.train.data_cache)
-            self.say(f"--skip-bad-records left out {skipped}" if skipped else "no bad records were skipped")
+            self.say(skipped_note(self.job.train.data, self.job.train.data_cache))
 
     def _on_signal(self, signum, frame) -> None:
         self._interrupts += 1

@@ -106,7 +106,8 @@ class ModelConfig:
     context_length: int = 1024
     """Longest sequence the position table covers."""
     dropout: float = 0.0
-    """Dropout on embeddings, attention and residual branches (0 keeps runs layout-independent)."""
+    """Dropout on embeddings, attention probabilities and residual branches; the trainer keys its masks by
+    (seed, global sample position, layer, site), so it is layout-independent too (model/dropout.py)."""
     layer_norm_eps: float = 1e-5
     """Epsilon of every LayerNorm."""
     name: str = "custom"

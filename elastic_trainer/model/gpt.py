@@ -9,6 +9,10 @@ Nothing here knows about ranks. Two choices serve the parallel engine:
   `model/hf.py` converts.)
 A stage is the same class with pieces removed: without `pos_emb` the input is a hidden state rather than
 token ids; without `ln_f` the output is a hidden state rather than logits.
+
+Dropout (model.dropout > 0) is layout-independent when the caller passes `dropout_keys`, one key per sample
+(model/dropout.py): the masks are then a function of the sample, layer and site, not of the rank or the
+micro-batch. Without keys the sites fall back to torch's RNG-driven dropout (a model used on its own).
 """
 
 from __future__ import annotations
@@ -21,62 +25,90 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from elastic_trainer.config import ModelConfig
+from elastic_trainer.model import dropout as keyed
 
 INIT_STD = 0.02
 
 
+def _drop(x: torch.Tensor, p: float, keys: torch.Tensor | None, layer: int, site: str, training: bool,
+          offset: int = 0) -> torch.Tensor:
+    """Dropout at one site: keyed (layout-independent) when keys are given, else torch's own."""
+    if not training or p == 0.0:
+        return x
+    if keys is None:
+        return F.dropout(x, p, training=True)
+    return keyed.dropout(x, keyed.site_keys(keys, layer, site), p, offset)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.dropout = cfg.dropout
+        self.layer = layer
+        self.head_offset = 0
+        """Global index of this module's first head (set by tensor parallelism), for the dropout masks."""
         self.qkv_proj = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.o_proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.o_proj.init_std = INIT_STD / math.sqrt(2 * cfg.n_layers)  # GPT-2 residual scaling
-        self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         # Heads are counted from the tensor, so the same code runs on a tensor-parallel shard.
         qkv = self.qkv_proj(x).view(B, T, -1, 3, self.head_dim)
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each (B, heads, T, head_dim)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        if self.training and self.dropout > 0 and keys is not None:
+            y = self._attention_with_keyed_dropout(q, k, v, keys)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+            )
         y = y.transpose(1, 2).reshape(B, T, -1)
-        return self.resid_drop(self.o_proj(y))
+        return _drop(self.o_proj(y), self.dropout, keys, self.layer, "attn_out", self.training)
+
+    def _attention_with_keyed_dropout(self, q, k, v, keys: torch.Tensor) -> torch.Tensor:
+        """Causal attention with the probabilities materialized so that their dropout mask can be keyed by
+        global head index (fused kernels draw their masks from the device RNG)."""
+        T = q.shape[2]
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        probs = scores.float().masked_fill(~causal, float("-inf")).softmax(-1).to(q.dtype)
+        probs = _drop(probs, self.dropout, keys, self.layer, "attn", True, self.head_offset * T * T)
+        return probs @ v
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
+        self.dropout = cfg.dropout
+        self.layer = layer
         self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
         self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
         self.proj.init_std = INIT_STD / math.sqrt(2 * cfg.n_layers)
-        self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+    def forward(self, x: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.proj(F.gelu(self.fc(x), approximate="tanh"))
+        return _drop(y, self.dropout, keys, self.layer, "mlp_out", self.training)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, layer)
         self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, layer)
         self.recompute = False
         """Recompute this block's activations in backward instead of storing them (saves memory)."""
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+    def _forward(self, x: torch.Tensor, keys: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), keys)
+        return x + self.mlp(self.ln_2(x), keys)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, use_reentrant=False)
-        return self._forward(x)
+    def forward(self, x: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled():  # keyed masks are recomputed identically
+            return checkpoint(self._forward, x, keys, use_reentrant=False)
+        return self._forward(x, keys)
 
 
 class GPT(nn.Module):
@@ -86,8 +118,7 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.context_length, cfg.d_model)
         self.pos_emb.init_std = INIT_STD / 2  # GPT-2 initialises positions at 0.01
-        self.drop = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
 
     @property
@@ -100,15 +131,18 @@ class GPT(nn.Module):
         """True when this (stage of the) model returns logits."""
         return self.ln_f is not None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, dropout_keys: torch.Tensor | None = None) -> torch.Tensor:
+        """`dropout_keys`: one int64 key per sample (model/dropout.py.sample_keys) for layout-independent
+        dropout; ignored when dropout is off or in eval mode."""
         if self.has_input:
             T = x.shape[1]
             if T > self.config.context_length:
                 raise ValueError(f"sequence length {T} exceeds context_length={self.config.context_length}")
             pos = torch.arange(T, device=x.device)
-            x = self.drop(self.tok_emb(x) + self.pos_emb(pos))
+            x = _drop(self.tok_emb(x) + self.pos_emb(pos), self.config.dropout, dropout_keys, -1, "embed",
+                      self.training)
         for layer in self.layers.values():
-            x = layer(x)
+            x = layer(x, dropout_keys)
         if self.has_output:
             x = F.linear(self.ln_f(x), self.tok_emb.weight)
         return x

@@ -83,31 +83,34 @@ class Engine:
         """This micro-batch's share of the global-batch token mean."""
         return lm_loss_sum(logits, targets) * self.inv_tokens
 
-    def forward_backward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward_backward(self, tokens: torch.Tensor, dropout_keys: torch.Tensor | None = None) -> torch.Tensor:
         """Run this rank's micro-batches of `tokens` (local_batch, seq_len + 1); gradients accumulate in
-        .grad. Returns this rank's summed loss contribution (zero except on the last stage)."""
+        .grad. `dropout_keys` (one per row, model/dropout.py) travel with their rows into every micro-batch
+        and pipeline stage. Returns this rank's summed loss contribution (zero except on the last stage)."""
         tokens = tokens.to(self.device, non_blocking=True)
+        kwargs = {} if dropout_keys is None else {"dropout_keys": dropout_keys.to(self.device)}
         if self.schedule is not None:
-            return self._pipelined(tokens)
+            return self._pipelined(tokens, kwargs)
         total = torch.zeros((), device=self.device)
         slices = microbatch_slices(tokens.shape[0], self.layout.micro_batch)
         for j, rows in enumerate(slices):
             if self.layout.dp_mode == "ddp":  # reduce once, after the last micro-batch
                 set_gradient_sync(self.model, j == len(slices) - 1)
             mb = tokens[rows]
-            loss = self.loss_fn(self.model(mb[:, :-1]), mb[:, 1:])
+            loss = self.loss_fn(self.model(mb[:, :-1], **{k: v[rows] for k, v in kwargs.items()}), mb[:, 1:])
             loss.backward()
             total += loss.detach()
         return total
 
-    def _pipelined(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _pipelined(self, tokens: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """Every stage gets the keyword inputs (the schedule splits them into micro-batches like the tokens)."""
         losses: list[torch.Tensor] = []
         if self.first:
-            self.schedule.step(tokens[:, :-1], return_outputs=False)
+            self.schedule.step(tokens[:, :-1], return_outputs=False, **kwargs)
         elif self.last:
-            self.schedule.step(target=tokens[:, 1:], losses=losses, return_outputs=False)
+            self.schedule.step(target=tokens[:, 1:], losses=losses, return_outputs=False, **kwargs)
         else:
-            self.schedule.step(return_outputs=False)
+            self.schedule.step(return_outputs=False, **kwargs)
         if losses:
             return torch.stack([l.detach() for l in losses]).sum()
         return torch.zeros((), device=self.device)

@@ -22,5 +22,7 @@ BLOCK_PLAN = {
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    heads = model.config.n_heads // tp_mesh.size()
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, {name: style() for name, style in BLOCK_PLAN.items()})
+        block.attn.head_offset = tp_mesh.get_local_rank() * heads  # this rank's heads, for dropout masks

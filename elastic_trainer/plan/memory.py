@@ -21,7 +21,8 @@ Pure arithmetic that mirrors what the engine allocates (parallel/engine.py):
 - **Activations** (checked against autograd's saved tensors in tests/unit/test_memory.py): a block keeps
   b*s*d*(4 + 12/tp) elements (its input, both LayerNorm inputs and outputs, fused QKV, attention output,
   MLP hidden before and after GELU) plus LayerNorm statistics and the attention log-sum-exp; with
-  recompute only its input. The last stage keeps the fp32 log-softmax of b*s*vocab logits (and, in a
+  recompute only its input. With dropout the attention probabilities are materialized (fp32 softmax
+  output, keep mask, dropped copy) instead of the log-sum-exp, and both residual branches keep a mask. The last stage keeps the fp32 log-softmax of b*s*vocab logits (and, in a
   pipeline, the logits themselves). A stage holds that for every micro-batch in flight: 1 without a
   pipeline, pp - stage under 1F1B, all of them under GPipe (num_microbatches < pp).
 """
@@ -160,10 +161,13 @@ def block_activation_bytes(model: ModelConfig, micro_batch: int, seq_len: int, t
     tokens = micro_batch * seq_len
     if recompute:
         return tokens * model.d_model * e
-    d = model.d_model
-    return (tokens * (4 * d + 12 * (d // tp)) * e  # tp divides n_heads, hence d
-            + 2 * 2 * tokens * 4                   # two LayerNorms' mean and rstd
-            + tokens * (model.n_heads // tp) * 4)   # attention log-sum-exp
+    d, heads = model.d_model, model.n_heads // tp
+    kept = (tokens * (4 * d + 12 * (d // tp)) * e  # tp divides n_heads, hence d
+            + 2 * 2 * tokens * 4)                  # two LayerNorms' mean and rstd
+    if model.dropout > 0:  # keyed dropout materializes the attention probabilities (model/dropout.py)
+        probs = micro_batch * heads * seq_len * seq_len
+        return kept + probs * (4 + 1 + e) + 2 * tokens * d  # fp32 softmax, keep mask, dropped copy; 2 masks
+    return kept + tokens * heads * 4  # the fused kernel's log-sum-exp
 
 
 def head_activation_bytes(model: ModelConfig, micro_batch: int, seq_len: int, dtype: str,
@@ -209,6 +213,8 @@ def stage_memory(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, s
         per_mb += hidden  # the stage output cached by the schedule
     full_block = block_activation_bytes(model, b, seq_len, layout.tp, dtype) if n_blocks else 0
     transient = full_block * (2 if layout.recompute else 1)
+    if model.dropout > 0 and n_blocks:  # one sample's int64 hash temporaries for the attention mask
+        transient += 5 * 8 * (model.n_heads // layout.tp) * seq_len * seq_len
     if last:
         transient += b * seq_len * model.vocab_size * (8 + e)  # fp32 loss gradients and the cast back
     if layout.pp > 1:

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from elastic_trainer.config import ConfigError, ModelConfig, TrainConfig
 from elastic_trainer.data import TokenSamples, load_tokens, samples_for
+from elastic_trainer.model.dropout import sample_keys
 from elastic_trainer.parallel.engine import Engine, resolve_dtype
 from elastic_trainer.plan.layout import Layout
 from elastic_trainer.train.optim import build_optimizer, lr_at, set_lr
@@ -73,8 +74,11 @@ class Trainer:
         self._reseed()
         positions = samples_for(self.step, cfg.global_batch, engine.coords.dp, self.layout.dp)
         self.last_sample_ids, tokens = self.samples.batch(positions)
+        keys = None
+        if self.model_cfg.dropout > 0:  # masks keyed by (seed, global sample position): any split draws them
+            keys = sample_keys(cfg.seed, torch.arange(positions.start, positions.stop, dtype=torch.int64))
         self.optimizer.zero_grad(set_to_none=True)
-        local_loss = engine.forward_backward(tokens)
+        local_loss = engine.forward_backward(tokens, keys)
         engine.reduce_tied_grads()
         grad_norm = float(engine.clip_grad_norm_(cfg.grad_clip))  # global: the same on every rank
         loss = engine.global_loss(local_loss)  # a collective: every rank has finished its backward

@@ -15,6 +15,8 @@ with the single-process run (1,1,1):
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
@@ -29,8 +31,8 @@ MODEL = load_model_config("gpt-tiny")
 CFG = TrainConfig(global_batch=8, seq_len=32, steps=5, seed=0, lr=1e-3, warmup_steps=2)
 
 
-def train_job(rank: int, world: int, layout: Layout, tokens, cfg: TrainConfig = CFG) -> dict:
-    trainer = Trainer(MODEL, cfg, layout, build_mesh(layout, "cpu"), torch.device("cpu"), tokens=tokens)
+def train_job(rank: int, world: int, layout: Layout, tokens, cfg: TrainConfig = CFG, model=MODEL) -> dict:
+    trainer = Trainer(model, cfg, layout, build_mesh(layout, "cpu"), torch.device("cpu"), tokens=tokens)
     records, ids = [], []
     for _ in range(cfg.steps):
         records.append(trainer.train_step())
@@ -42,8 +44,8 @@ def train_job(rank: int, world: int, layout: Layout, tokens, cfg: TrainConfig = 
             "params": params, "ids": ids, "coords": (coords.pp, coords.dp, coords.tp)}
 
 
-def run(layout: Layout, tokens, cfg: TrainConfig = CFG) -> dict:
-    results = run_ranks(train_job, layout.world_size, layout, tokens, cfg)
+def run(layout: Layout, tokens, cfg: TrainConfig = CFG, model=MODEL) -> dict:
+    results = run_ranks(train_job, layout.world_size, layout, tokens, cfg, model)
     params: dict[str, torch.Tensor] = {}
     for r in results:
         for name, value in r["params"].items():
@@ -158,10 +160,37 @@ def test_recompute_matches(reference, sotu_tokens):
 
 def test_bf16_mixed_precision_runs_the_same_code(reference, sotu_tokens):
     """The GPU path (bf16 parameters, fp32 reductions) on CPU: close to fp32, not equal."""
-    import dataclasses
-
     cfg = dataclasses.replace(CFG, dtype="bf16")
     result = run(make_layout(2, 2, 2, 2), sotu_tokens, cfg)
     for a, b in zip(result["loss"], reference["loss"]):
         assert rel(a, b) <= 1e-3
     assert result["ids"] == reference["ids"]
+
+
+# Dropout 0.1 at every site (embeddings, attention probabilities, both residual branches): the masks are keyed
+# by (seed, global sample position, layer, site, element), so every split draws the same ones.
+DROPOUT_MODEL = dataclasses.replace(MODEL, dropout=0.1)
+DROPOUT_LAYOUTS = [(1, 1, 1, 2, "fsdp"), (2, 1, 1, 2, "ddp"), (1, 2, 1, 8, "fsdp"), (1, 1, 2, 2, "fsdp"),
+                   (2, 2, 2, 1, "fsdp")]
+
+
+@pytest.fixture(scope="module")
+def dropout_reference(sotu_tokens):
+    return run(Layout(1, 1, 1, micro_batch=8, num_microbatches=1), sotu_tokens, model=DROPOUT_MODEL)
+
+
+def test_dropout_is_on(dropout_reference, reference):
+    """Not a no-op: the trajectory differs from dropout 0 by far more than the tolerance below."""
+    assert max(rel(a, b) for a, b in zip(dropout_reference["loss"], reference["loss"])) > 1e-4
+    assert dropout_reference["loss"][-1] < dropout_reference["loss"][0] - 0.1
+
+
+@pytest.mark.parametrize("degrees", DROPOUT_LAYOUTS, ids=lambda d: "dp{}-tp{}-pp{}-mb{}-{}".format(*d))
+def test_dropout_layouts_match_single_process(degrees, dropout_reference, sotu_tokens):
+    *dims, mode = degrees
+    assert_matches(run(make_layout(*dims, mode=mode), sotu_tokens, model=DROPOUT_MODEL), dropout_reference)
+
+
+def test_dropout_with_recompute_matches(dropout_reference, sotu_tokens):
+    layout = Layout(2, 1, 2, 2, 2, recompute=True)
+    assert_matches(run(layout, sotu_tokens, model=DROPOUT_MODEL), dropout_reference)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from elastic_trainer.config import load_model_config
+from elastic_trainer.model.dropout import sample_keys
 from elastic_trainer.model.gpt import GPT, Block, lm_loss_sum
 from elastic_trainer.parallel.pipeline import split_stage
 from elastic_trainer.plan.layout import Layout
@@ -78,15 +79,22 @@ def _saved_bytes(fn, *args) -> tuple[int, set]:
     return storages
 
 
-@pytest.mark.parametrize("micro_batch, seq_len, recompute", [(2, 32, False), (3, 16, False), (2, 32, True)])
-def test_block_activations_equal_saved_tensors(micro_batch, seq_len, recompute):
-    block = Block(TINY)
+@pytest.mark.parametrize("micro_batch, seq_len, recompute, dropout",
+                         [(2, 32, False, 0.0), (3, 16, False, 0.0), (2, 32, True, 0.0), (2, 32, False, 0.1),
+                          (3, 16, True, 0.1)])
+def test_block_activations_equal_saved_tensors(micro_batch, seq_len, recompute, dropout):
+    model = dataclasses.replace(TINY, dropout=dropout)
+    block = Block(model)
     block.recompute = recompute
     x = torch.randn(micro_batch, seq_len, TINY.d_model, requires_grad=True)
-    saved = _saved_bytes(block, x)
+    keys = sample_keys(0, torch.arange(micro_batch)) if dropout else None
+    saved = _saved_bytes(block, x, keys)
     params = {p.untyped_storage().data_ptr() for p in block.parameters()}
-    activations = sum(n for ptr, n in saved.items() if ptr not in params)
-    assert activations == block_activation_bytes(TINY, micro_batch, seq_len, 1, "fp32", recompute)
+    if keys is not None:  # recompute keeps the per-sample keys (8 bytes a sample) as an input: not modelled
+        params.add(keys.untyped_storage().data_ptr())
+    causal = seq_len * seq_len if dropout and not recompute else 0  # the (T, T) causal mask, shared by samples
+    activations = sum(n for ptr, n in saved.items() if ptr not in params) - causal
+    assert activations == block_activation_bytes(model, micro_batch, seq_len, 1, "fp32", recompute)
 
 
 def test_head_activations_equal_saved_tensors():

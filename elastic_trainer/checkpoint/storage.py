@@ -105,12 +105,21 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise CheckpointError(f"refusing unsafe item {read_item.dest_index.fqn!r} in checkpoint: {first}") from None
+            raise CheckpointError(f"refusing unsafe item {read_item.dest_index.fqn!r} in checkpoint: "
+                                  f"{_refusal_reason(e)}") from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _refusal_reason(error: Exception) -> str:
+    """The line of torch's weights-only refusal that names the global (its first line is generic advice),
+    without terminal colour codes."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(error).splitlines()]
+    lines = [line for line in lines if line]
+    named = [line for line in lines if "GLOBAL" in line or "Unsupported" in line]
+    return (named or lines or [type(error).__name__])[0]
 
 
 # -- integrity ------------------------------------------------------------------------------------
@@ -195,10 +204,14 @@ def commit(tmp: Path, step: int, file_info: dict[str, dict]) -> Path:
     write_json_atomic(tmp / MANIFEST, {"hash": HASH, "files": info, "committed": time.time()})
     _fsync_dir(tmp)
     final = root / step_dirname(step)
-    if final.exists():  # the same step saved again (e.g. a resumed run stopping at once): replace it
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _fsync_dir(root)
+    if final.exists():
+        # The same step saved again (a resumed run stopping at once): the same state of the same trajectory
+        # (resuming checks it). Keep the committed copy: deleting it first and renaming would leave a moment
+        # with no step-N at all, and a crash then would lose both (the new one is still a temporary folder).
+        shutil.rmtree(tmp)
+    else:
+        os.rename(tmp, final)
+        _fsync_dir(root)
     latest = root / f".{LATEST}.{uuid.uuid4().hex[:8]}"
     latest.write_text(final.name + "\n")
     os.replace(latest, root / LATEST)

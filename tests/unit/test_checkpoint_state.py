@@ -73,3 +73,85 @@ def test_the_same_data_files_named_from_another_folder_resume(tmp_path, monkeypa
     check(meta, dataclasses.replace(CFG, data=(str(tmp_path / "." / "a.txt"),)))
     with pytest.raises(ConfigError, match=r"other settings: data=\[.*b.txt'\] \(checkpoint: \['a.txt'\]\)"):
         check(meta, dataclasses.replace(CFG, data=(str(tmp_path / "b.txt"),)))
+
+
+# Every TrainConfig field, classified by hand from what it does (a new field fails the test below until it
+# is put in one of the three): trajectory settings change the losses a resumed run computes; the others
+# change where or how long it runs, how it logs, or are refused elsewhere (skip_bad_records: a corpus cached
+# with skipped records is refused without the flag, so it never changes the tokens silently; dtype: resolved
+# per device, so a GPU checkpoint can be resumed on CPUs); decay_steps is the schedule length, refused only
+# when given and different from the checkpoint's.
+TRAJECTORY = ("global_batch", "seq_len", "seed", "lr", "min_lr_ratio", "warmup_steps", "weight_decay",
+              "beta1", "beta2", "eps", "grad_clip", "data")
+NOT_TRAJECTORY = {"steps": 50, "dtype": "fp32", "data_cache": "/elsewhere/cache", "metrics_file": "m.jsonl",
+                  "log_every": 5, "skip_bad_records": True}
+SCHEDULE = ("decay_steps",)
+
+
+def test_every_train_setting_is_classified():
+    """TRAJECTORY_FIELDS is exactly the hand classification, and the three groups partition TrainConfig."""
+    fields = [f.name for f in dataclasses.fields(TrainConfig)]
+    groups = [*TRAJECTORY, *NOT_TRAJECTORY, *SCHEDULE]
+    assert sorted(groups) == sorted(fields) and len(set(groups)) == len(groups)
+    assert sorted(state.TRAJECTORY_FIELDS) == sorted(TRAJECTORY)
+
+
+def other_value(value):
+    """A different valid value of the same kind (numbers change by a factor or a step, data another file)."""
+    if isinstance(value, tuple):
+        return ("other.txt",)
+    if isinstance(value, int):
+        return value + 1
+    return value / 2 if value else 0.1
+
+
+def as_saved(value):
+    """A value as meta.json holds it (tuples become lists)."""
+    return list(value) if isinstance(value, tuple) else value
+
+
+@pytest.mark.parametrize("field", TRAJECTORY)
+def test_each_trajectory_setting_is_refused_alone(field):
+    """Changing one trajectory setting refuses the resume with one line naming it, ours and the saved value."""
+    old = getattr(CFG, field)
+    new = other_value(old)
+    assert new != old
+    with pytest.raises(ConfigError) as err:
+        check(saved_meta(), dataclasses.replace(CFG, **{field: new}))
+    assert str(err.value) == (f"ckpt/step-00000004 was trained with other settings: {field}={as_saved(new)!r} "
+                              f"(checkpoint: {as_saved(old)!r}); resuming would change the loss trajectory "
+                              "(use the checkpoint's values or another --checkpoint-dir)")
+
+
+@pytest.mark.parametrize("field, value", list(NOT_TRAJECTORY.items()) + [("decay_steps", CFG.schedule_steps)])
+def test_each_other_setting_resumes(field, value):
+    """Settings outside the trajectory (and decay_steps equal to the saved schedule) do not refuse."""
+    assert getattr(CFG, field) != value
+    check(saved_meta(), dataclasses.replace(CFG, **{field: value}))
+
+
+def other_model(field: str):
+    """MODEL with `field` changed to the first different value that is still a valid model."""
+    old = getattr(MODEL, field)
+    candidates = [old + 1, old * 2] if isinstance(old, int) else [old / 2 if old else 0.1]
+    for new in candidates:
+        try:
+            return dataclasses.replace(MODEL, **{field: new}), new
+        except ConfigError:
+            continue
+    raise AssertionError(f"no other valid {field}")
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(MODEL) if f.name != "name"])
+def test_each_model_setting_is_refused_alone(field):
+    """Every model setting but its name must match the checkpoint's: one line naming it and both values."""
+    model, new = other_model(field)
+    with pytest.raises(ConfigError) as err:
+        check(saved_meta(), CFG, model)
+    assert str(err.value) == (f"ckpt/step-00000004 holds a different model: "
+                              f"{field}={new!r} (checkpoint: {getattr(MODEL, field)!r})")
+
+
+def test_a_renamed_model_resumes():
+    """The preset's name is a label: the same shapes under another name resume."""
+    check(saved_meta(), CFG, dataclasses.replace(MODEL, name="renamed"))

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
+import shutil
+import struct
+import subprocess
+import sys
+import uuid
+import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
 
 from elastic_trainer.checkpoint import storage
 from elastic_trainer.config import CheckpointError
@@ -66,6 +75,131 @@ def test_verify_reports_damage_in_one_line(tmp_path, damage, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+def checkpoint_of_files(root: Path, n_data: int) -> Path:
+    """A committed checkpoint with the files a DCP save of `n_data` ranks has (.metadata, one __R_0.distcp
+    per rank, meta.json), each with its own content."""
+    tmp = storage.new_tmp_dir(root, 5)
+    tmp.mkdir(parents=True)
+    names = [".metadata", "meta.json"] + [f"__{r}_0.distcp" for r in range(n_data)]
+    for i, name in enumerate(names):
+        (tmp / name).write_bytes(f"{name} holds {i * 'x'}".encode())
+    return storage.commit(tmp, 5, {})
+
+
+def rank_errors(folder: Path, world: int) -> list[str | None]:
+    """What storage.verify says on each rank of `world` sharing the check (None: its share passed)."""
+    errors = []
+    for rank in range(world):
+        try:
+            storage.verify(folder, rank, world)
+            errors.append(None)
+        except CheckpointError as e:
+            errors.append(str(e))
+    return errors
+
+
+FLIP = (lambda raw: raw[:-1] + bytes([raw[-1] ^ 0xFF]), "fails its xxh3_128 checksum (corrupted)")
+TRUNCATE = (lambda raw: raw[:len(raw) // 2], "has {cut} bytes, expected {size} (truncated?)")
+
+
+@pytest.mark.parametrize("damage, message", [FLIP, TRUNCATE], ids=["flipped", "truncated"])
+def test_verify_shares_check_every_file_exactly_once(tmp_path, damage, message):
+    """For every world from 1 to one more than the number of files and every file of the checkpoint, a
+    damaged file is reported by exactly one rank's share, in the one-line message naming it; an intact
+    checkpoint passes on every rank."""
+    folder = checkpoint_of_files(tmp_path, 4)
+    files = sorted(p.name for p in folder.iterdir() if p.name != "manifest.json")
+    assert len(files) == 6
+    for world in range(1, len(files) + 2):
+        assert rank_errors(folder, world) == [None] * world
+        for name in files:
+            raw = (folder / name).read_bytes()
+            (folder / name).write_bytes(damage(raw))
+            detail = message.format(cut=len(damage(raw)), size=len(raw))
+            found = [e for e in rank_errors(folder, world) if e]
+            (folder / name).write_bytes(raw)
+            assert found == [f"{folder.name}: file {name} {detail}"], (world, name)
+
+
+# -- a crash at every point of the commit ----------------------------------------------------------------
+
+class Crash(Exception):
+    """Stands for the process dying at one point of storage.commit."""
+
+
+# (object, attribute, label): every file-system step commit takes, and the helpers it calls them through
+COMMIT_STEPS = [(os, "rename", "os.rename"), (os, "replace", "os.replace"), (os, "fsync", "os.fsync"),
+                (shutil, "rmtree", "shutil.rmtree"), (json, "dump", "json.dump"),
+                (Path, "write_text", "Path.write_text"), (storage, "write_json_atomic", "write_json_atomic"),
+                (storage, "_fsync_dir", "_fsync_dir")]
+
+
+def commit_with_crash(monkeypatch, root: Path, step: int, crash_at: int | None) -> list[str]:
+    """Stage `step` in a temporary folder and commit it, raising Crash instead of the `crash_at`-th
+    file-system step (None: run to the end); return the steps taken, in order."""
+    tmp = storage.new_tmp_dir(root, step)
+    tmp.mkdir()
+    (tmp / "__0_0.distcp").write_bytes(f"weights of step {step}".encode())
+    (tmp / "meta.json").write_text(json.dumps({"step": step}))
+    taken: list[str] = []
+
+    def wrap(original, label):
+        def step_or_crash(*args, **kwargs):
+            if len(taken) == crash_at:
+                raise Crash(label)
+            taken.append(label)
+            return original(*args, **kwargs)
+        return step_or_crash
+
+    with monkeypatch.context() as m:
+        for owner, attr, label in COMMIT_STEPS:
+            m.setattr(owner, attr, wrap(getattr(owner, attr), label))
+        try:
+            storage.commit(tmp, step, storage.describe_files(tmp, ["__0_0.distcp"]))
+        except Crash:
+            pass
+    return taken
+
+
+def assert_no_broken_checkpoint(root: Path, allowed: set[str]) -> None:
+    """Every visible step-* folder verifies; `latest`, if any, names one of them; the newest is allowed."""
+    visible = storage.complete_checkpoints(root)
+    for folder in visible:
+        storage.verify(folder)
+    assert visible and visible[0].name in allowed and {p.name for p in visible} <= allowed
+    if (root / "latest").exists():
+        assert (root / "latest").read_text().strip() in {p.name for p in visible}
+
+
+@pytest.mark.parametrize("resave", [
+    pytest.param(False, id="new-step"),
+    pytest.param(True, id="same-step-again"),  # the committed step-2 is kept, the new copy dropped
+])
+def test_a_crash_at_any_point_of_the_commit_leaves_no_broken_checkpoint(monkeypatch, tmp_path, resave):
+    """Crash before each file-system step of storage.commit in turn (on top of a committed step 1, and for a
+    re-save of step 2 on top of an existing step 2): whatever is visible is complete, `latest` names a
+    complete checkpoint, and the newest is step 1 or step 2."""
+    root = tmp_path / "dry"
+    root.mkdir()
+    fake_checkpoint(root, 1)
+    if resave:
+        fake_checkpoint(root, 2)
+    steps = commit_with_crash(monkeypatch, root, 2, None)
+    assert {"write_json_atomic", "os.replace"} | ({"os.rename"} if not resave else set()) <= set(steps)
+    assert (root / "latest").read_text().strip() == "step-00000002"
+    for k, label in enumerate(steps):
+        root = tmp_path / f"crash-{k}"
+        root.mkdir()
+        fake_checkpoint(root, 1)
+        if resave:
+            fake_checkpoint(root, 2)
+        assert commit_with_crash(monkeypatch, root, 2, k) == steps[:k]
+        try:
+            assert_no_broken_checkpoint(root, {"step-00000001", "step-00000002"})
+        except (AssertionError, CheckpointError) as e:
+            raise AssertionError(f"crash before step {k} ({label}) of {steps}: {e}") from None
+
+
 class Evil:
     """Unpickling this runs code: it creates the file named `marker`."""
 
@@ -113,3 +247,210 @@ def test_safe_loading_still_reads_plain_values(tmp_path):
     dcp.load(state, storage_reader=storage.SafeReader(str(tmp_path)), planner=storage.SafeLoadPlanner(),
              no_dist=True)
     assert torch.equal(state["t"], torch.arange(4.0)) and state["lr"] == 0.5 and tuple(state["betas"]) == (0.9, 0.95)
+
+
+# -- hand-built protocol-2 pickles that run code -------------------------------------------------------
+# Each program would, if unpickled without restriction, create the file `plant.marker` (the control test
+# below proves it for every live one); the loaders must refuse it by the first global it names.
+
+def g(module: str, name: str) -> bytes:
+    """GLOBAL: push module.name (an unrestricted unpickler imports `module` to find it)."""
+    return b"c" + f"{module}\n{name}\n".encode()
+
+
+def s(text: str) -> bytes:
+    """BINUNICODE: push a str."""
+    data = text.encode()
+    return b"X" + struct.pack("<I", len(data)) + data
+
+
+def tup(*items: bytes) -> bytes:
+    return b"(" + b"".join(items) + b"t"
+
+
+def call(func: bytes, *args: bytes) -> bytes:
+    """REDUCE: push func(*args)."""
+    return func + tup(*args) + b"R"
+
+
+def memo(slot: int, value: bytes) -> bytes:
+    """Evaluate `value` into memo slot `slot` and leave the stack as it was (BINPUT, POP)."""
+    return value + b"q" + bytes([slot]) + b"0"
+
+
+def get(slot: int) -> bytes:
+    return b"h" + bytes([slot])
+
+
+def program(*ops: bytes) -> bytes:
+    return b"\x80\x02" + b"".join(ops) + b"."
+
+
+NONE, FALSE, EMPTY_DICT = b"N", b"\x89", b"}"
+
+
+def touch(p) -> bytes:
+    return s(f"touch {p.marker}")
+
+
+def create(p) -> bytes:
+    return s(f"open({p.marker!r}, 'w').close()")
+
+
+def getattr_call(holder: bytes, name: str, *args: bytes) -> bytes:
+    """holder.name(*args) through builtins.getattr, `holder` evaluated first (so its global is named first)."""
+    return memo(0, holder) + call(call(g("builtins", "getattr"), get(0), s(name)), *args)
+
+
+def partial_call(func: bytes, args: bytes, **kwargs: bytes) -> bytes:
+    """functools.partial(func, *args, **kwargs)() as partial pickles itself (REDUCE, then BUILD its state)."""
+    kw = EMPTY_DICT + b"(" + b"".join(s(k) + v for k, v in kwargs.items()) + b"u"
+    made = memo(0, func) + call(g("functools", "partial"), get(0)) + tup(get(0), args, kw, NONE) + b"b"
+    return call(made)
+
+
+# name refused first -> program(plant); NOT_LIVE: would be refused by name but cannot run code offline
+PAYLOADS = {
+    "os.system": lambda p: program(call(g("os", "system"), touch(p))),
+    "posix.system": lambda p: program(call(g("posix", "system"), touch(p))),
+    "subprocess.Popen": lambda p: program(call(g("subprocess", "Popen"), tup(s("touch"), s(p.marker)))),
+    "builtins.eval": lambda p: program(call(g("builtins", "eval"), create(p))),
+    "builtins.exec": lambda p: program(call(g("builtins", "exec"), create(p))),
+    "__builtin__.eval": lambda p: program(call(g("__builtin__", "eval"), create(p))),  # Python 2's name
+    "builtins.getattr": lambda p: program(call(call(g("builtins", "getattr"),
+                                                     call(g("builtins", "__import__"), s("os")), s("system")),
+                                                touch(p))),
+    "importlib.import_module": lambda p: program(call(g("importlib", "import_module"), s(p.module))),
+    "{module}.anything": lambda p: program(g(p.module, "anything")),  # importing the module runs it
+    "functools.partial": lambda p: program(call(call(g("functools", "partial"), g("posix", "system"), touch(p)))),
+    "torch.load": lambda p: program(call(g("torch", "load"), s(p.evil_pt), NONE,
+                                         g("torch.serialization", "pickle"))),  # a pickle_module: unsafe load
+    "torch.serialization.load": lambda p: program(call(g("torch.serialization", "load"), s(p.evil_pt), NONE,
+                                                       g("torch.serialization", "pickle"))),
+    "torch.save": lambda p: program(call(g("torch", "save"), s("x"), s(p.marker))),
+    "torch.hub.load": lambda p: program(partial_call(g("torch.hub", "load"), tup(s(p.hub), s("entry")),
+                                                     source=s("local"))),
+    "torch.hub._load_local": lambda p: program(call(g("torch.hub", "_load_local"), s(p.hub), s("entry"))),
+    "torch.jit.load": lambda p: program(call(g("torch.jit", "load"), s(p.evil_pt))),
+    "torch._C._save_parameters": lambda p: program(call(g("torch._C", "_save_parameters"), EMPTY_DICT,
+                                                        s(p.marker), FALSE)),
+    "torch.distributed.checkpoint.metadata.os": lambda p: program(
+        getattr_call(g("torch.distributed.checkpoint.metadata", "os"), "system", touch(p))),
+    "torch.distributed.checkpoint.filesystem.os": lambda p: program(
+        getattr_call(g("torch.distributed.checkpoint.filesystem", "os"), "system", touch(p))),
+    "pathlib.os": lambda p: program(getattr_call(g("pathlib", "os"), "system", touch(p))),
+    "collections._sys": lambda p: program(getattr_call(g("collections", "_sys"), "exit", s("x"))),
+}
+NOT_LIVE = {"torch.jit.load": "TorchScript archives hold no Python", "collections._sys": "sys.exit raises"}
+
+
+@pytest.fixture
+def plant(tmp_path, monkeypatch):
+    """What the payloads use: the marker path, an importable module, a hub folder and a torch.save file
+    that each create the marker when run (the module name is fresh, so no earlier import is cached)."""
+    marker = tmp_path / "pwned"
+    create_marker = f"open({str(marker)!r}, 'w').close()\n"
+    module = f"et_planted_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{module}.py").write_text(create_marker)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    (hub / "hubconf.py").write_text(f"def entry():\n    {create_marker}")
+    torch.save(Evil(str(marker)), tmp_path / "evil.pt")
+    yield SimpleNamespace(marker=str(marker), module=module, hub=str(hub), evil_pt=str(tmp_path / "evil.pt"))
+    sys.modules.pop(module, None)
+
+
+def refused_name(key: str, plant) -> str:
+    return key.format(module=plant.module)
+
+
+def assert_nothing_ran(plant) -> None:
+    assert not Path(plant.marker).exists()
+
+
+def as_item(raw: bytes) -> bytes:
+    """A torch.save file (DCP's format for non-tensor items) whose pickle is `raw`."""
+    buf = io.BytesIO()
+    torch.save(0.5, buf)
+    original = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
+        for info in original.infolist():
+            z.writestr(info.filename, raw if info.filename.endswith("/data.pkl") else original.read(info))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("key", [k for k in PAYLOADS if k not in NOT_LIVE])
+def test_planted_pickles_run_code_when_loaded_without_restriction(key, plant):
+    """Control: each payload is live, as metadata (plain pickle) and as an item (torch.load, weights_only
+    False, as DCP's own planner reads it), so the refusal tests below would see it run."""
+    raw = PAYLOADS[key](plant)
+    for load in (lambda: pickle.loads(raw), lambda: torch.load(io.BytesIO(as_item(raw)), weights_only=False)):
+        sys.modules.pop(plant.module, None)  # imported afresh each time
+        try:
+            result = load()
+            if isinstance(result, subprocess.Popen):
+                result.wait()
+        except Exception:  # noqa: BLE001 - the code ran before whatever failed after it
+            pass
+        assert Path(plant.marker).exists()
+        Path(plant.marker).unlink()
+
+
+@pytest.mark.parametrize("key", list(PAYLOADS))
+def test_planted_metadata_is_refused_by_name_in_one_line(key, plant, tmp_path):
+    """An otherwise valid checkpoint whose .metadata is the payload: read_dcp_metadata refuses the first
+    global in one line naming it, and DCP's load through SafeReader fails with that reason; nothing runs."""
+    folder = tmp_path / "ck"
+    dcp.save({"t": torch.ones(3)}, checkpoint_id=str(folder), no_dist=True)
+    (folder / ".metadata").write_bytes(PAYLOADS[key](plant))
+    name = refused_name(key, plant)
+    with pytest.raises(CheckpointError) as err:
+        storage.read_dcp_metadata(folder / ".metadata")
+    assert str(err.value) == (f"unsafe or corrupted checkpoint metadata {str(folder / '.metadata')!r}: "
+                              f"refusing to load {name} from checkpoint metadata")
+    with pytest.raises(BaseException) as err:  # DCP wraps our error in a CheckpointException
+        dcp.load({"t": torch.zeros(3)}, storage_reader=storage.SafeReader(str(folder)),
+                 planner=storage.SafeLoadPlanner(), no_dist=True)
+    assert f"refusing to load {name} from checkpoint metadata" in str(err.value)
+    assert_nothing_ran(plant)
+
+
+class PlantingPlanner(DefaultSavePlanner):
+    """Saves `raw` bytes as the non-tensor item `fqn` (DCP records their offset and length as usual)."""
+
+    def __init__(self, fqn: str, raw: bytes):
+        super().__init__()
+        self.fqn, self.raw = fqn, raw
+
+    def resolve_data(self, write_item):
+        if write_item.index.fqn == self.fqn:
+            return io.BytesIO(self.raw)
+        return super().resolve_data(write_item)
+
+
+@pytest.mark.parametrize("key", list(PAYLOADS))
+def test_planted_non_tensor_item_is_refused_in_one_line(key, plant, tmp_path):
+    """A checkpoint whose item 'lr' is the payload (as torch.save writes items): SafeLoadPlanner refuses it
+    with a one-line CheckpointError naming the item, through DCP's load and called directly; nothing runs."""
+    item = as_item(PAYLOADS[key](plant))
+    dcp.save({"t": torch.ones(3), "lr": 0.5}, checkpoint_id=str(tmp_path / "ck"),
+             planner=PlantingPlanner("lr", item), no_dist=True)
+    with pytest.raises(BaseException) as err:
+        dcp.load({"t": torch.zeros(3), "lr": 0.1}, storage_reader=storage.SafeReader(str(tmp_path / "ck")),
+                 planner=storage.SafeLoadPlanner(), no_dist=True)
+    failures = [f[0] if isinstance(f, tuple) else f for f in err.value.failures.values()]
+    assert [type(f) for f in failures] == [CheckpointError]
+    for error in failures + [refusal_of_item(item)]:
+        assert str(error).startswith("refusing unsafe item 'lr' in checkpoint: ") and "\n" not in str(error)
+        assert "Weights only load failed" not in str(error) and "\x1b" not in str(error)  # the specific line
+    assert_nothing_ran(plant)
+
+
+def refusal_of_item(item: bytes) -> CheckpointError:
+    planner = storage.SafeLoadPlanner()
+    read_item = SimpleNamespace(dest_index=SimpleNamespace(fqn="lr"))
+    with pytest.raises(CheckpointError) as err:
+        planner.load_bytes(read_item, io.BytesIO(item))
+    return err.value

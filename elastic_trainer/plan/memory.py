@@ -22,9 +22,17 @@ Pure arithmetic that mirrors what the engine allocates (parallel/engine.py):
   b*s*d*(4 + 12/tp) elements (its input, both LayerNorm inputs and outputs, fused QKV, attention output,
   MLP hidden before and after GELU) plus LayerNorm statistics and the attention log-sum-exp; with
   recompute only its input. With dropout the attention probabilities are materialized (fp32 softmax
-  output, keep mask, dropped copy) instead of the log-sum-exp, and both residual branches keep a mask. The last stage keeps the fp32 log-softmax of b*s*vocab logits (and, in a
-  pipeline, the logits themselves). A stage holds that for every micro-batch in flight: 1 without a
+  output, keep mask, dropped copy) instead of the log-sum-exp, and both residual branches keep a mask.
+  The last stage keeps the fp32 log-softmax of b*s*vocab logits (and, in a pipeline, the logits
+  themselves). A stage holds that for every micro-batch in flight: 1 without a
   pipeline, pp - stage under 1F1B, all of them under GPipe (num_microbatches < pp).
+- **Optimizer step** (measured on forked ranks in tests/distributed/test_memory_peak.py): after backward has
+  freed the activations and working buffers, AdamW allocates temporaries: torch's foreach implementation (the
+  default on GPUs) takes the square root of a whole parameter group's exp_avg_sq at once, 4 bytes per local
+  parameter; its single-tensor implementation (CPUs) one parameter at a time, two temporaries of its size
+  (the square root, then its division by the bias correction). The model takes the larger of the two. The
+  peak is the state plus the larger of the backward's (working + activations + transient) and this: on a
+  first pipeline stage, whose activations are small next to its embedding, the optimizer step is the peak.
 """
 
 from __future__ import annotations
@@ -145,6 +153,24 @@ def working_bytes(model: ModelConfig, layout: Layout, stage: int, dtype: str) ->
     return whole * e + whole * 4
 
 
+def optimizer_step_bytes(model: ModelConfig, layout: Layout, stage: int, dp_rank: int = 0) -> int:
+    """Peak temporaries of the AdamW step on one rank: 4 bytes per local parameter (foreach) or two copies of
+    the largest local parameter (single-tensor), whichever is larger (see the module docstring)."""
+    shards, rank = (layout.dp, dp_rank) if layout.dp_mode == "fsdp" else (1, 0)
+
+    def local(shape: Shape) -> int:  # the rank's real slice, as exp_avg_sq holds it
+        rows, rest = shape[0], math.prod(shape[1:])
+        chunk = -(-rows // shards)
+        return max(0, min(chunk, rows - rank * chunk)) * rest
+
+    root = [local(s) for _, s in root_shapes(model, stage == 0, stage == layout.pp - 1)]
+    n = len(stage_layers(model.n_layers, layout.pp)[stage])
+    block = [local(s) for _, s in block_shapes(model, 0, layout.tp)] if n else []
+    total = sum(root) + n * sum(block)
+    largest = max(root + block, default=0)
+    return MASTER_BYTES * max(total, 2 * largest)
+
+
 def in_flight(layout: Layout, stage: int) -> int:
     """Micro-batches whose activations a stage holds at once."""
     if layout.pp == 1:
@@ -193,10 +219,12 @@ class StageMemory:
     """Saved activations of all micro-batches in flight."""
     transient: int
     """Short-lived peaks: one block's backward (and recomputation), the loss gradient, pipeline buffers."""
+    optimizer_step: int = 0
+    """AdamW's temporaries, allocated after backward freed the working buffers and activations."""
 
     @property
     def total(self) -> int:
-        return self.state.total + self.working + self.activations + self.transient
+        return self.state.total + max(self.working + self.activations + self.transient, self.optimizer_step)
 
 
 def stage_memory(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, stage: int) -> StageMemory:
@@ -220,7 +248,7 @@ def stage_memory(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, s
     if layout.pp > 1:
         transient += 2 * hidden  # receive buffers for activations and their gradients
     return StageMemory(stage, state_bytes(model, layout, stage), working_bytes(model, layout, stage, dtype),
-                       in_flight(layout, stage) * per_mb, transient)
+                       in_flight(layout, stage) * per_mb, transient, optimizer_step_bytes(model, layout, stage))
 
 
 def stage_memories(model: ModelConfig, layout: Layout, seq_len: int, dtype: str) -> list[StageMemory]:

@@ -83,6 +83,9 @@ def first_world_with_plan(req: Request, counts, tries: int = 64) -> int | None:
 
 def nearest_world(req: Request, limit: int) -> int | None:
     """The GPU count nearest to the request's (at most `limit`) for which some layout is valid."""
+    b, micro = req.global_batch, req.micro_batch
+    if micro is not None and all((b // dp) % micro for dp in divisors(b)):
+        return None  # the fixed micro-batch splits no dp share of the global batch: no GPU count helps
     n = min(req.world_size, limit)
     return first_world_with_plan(
         req, (m for k in range(limit) for m in ((n,) if k == 0 else (n - k, n + k)) if 1 <= m <= limit))

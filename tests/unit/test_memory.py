@@ -9,14 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from elastic_trainer.config import load_model_config
+from elastic_trainer.config import ModelConfig, load_model_config
 from elastic_trainer.model.dropout import sample_keys
 from elastic_trainer.model.gpt import GPT, Block, lm_loss_sum
 from elastic_trainer.parallel.pipeline import split_stage
 from elastic_trainer.plan.layout import Layout
 from elastic_trainer.plan.memory import (
-    StateBytes, block_activation_bytes, head_activation_bytes, in_flight, shard_state, stage_memory, stage_shapes,
-    state_bytes,
+    StateBytes, block_activation_bytes, head_activation_bytes, in_flight, optimizer_step_bytes, shard_state,
+    stage_memory, stage_shapes, state_bytes, working_bytes,
 )
 
 TINY = load_model_config("gpt-tiny")
@@ -127,3 +127,34 @@ def test_recompute_and_smaller_micro_batches_save_memory():
     assert stage_memory(XL, Layout(1, 1, 1, 1, 8), 1024, "bf16", 0).total < big.total
     # the logits dominate the last stage: 8 x 1024 x 50257 fp32 log-probabilities
     assert big.activations > 8 * 1024 * XL.vocab_size * 4
+
+
+# A model small enough to count by hand: 1 block, d=4, 1 head, vocab 5, 3 positions (284 parameters).
+SMALL = ModelConfig(n_layers=1, d_model=4, n_heads=1, vocab_size=5, context_length=3)
+
+
+def test_optimizer_step_temporaries_by_hand():
+    assert SMALL.num_params() == 284
+    # replicated: one 4-byte temporary per parameter (foreach) beats two copies of the largest (16x4 = 64)
+    assert optimizer_step_bytes(SMALL, Layout(8, 1, 1, 1, 1, dp_mode="ddp"), 0) == 4 * 284
+    # FSDP over 8, rank 0: one row of every tensor (two of qkv's 12 and fc's 16 rows): 56 elements
+    assert optimizer_step_bytes(SMALL, Layout(8, 1, 1, 1, 1), 0, dp_rank=0) == 4 * 56
+    # rank 7: only fc's weight (2 rows x 4) and bias (2) reach it; every other slice is empty. Then two
+    # copies of the 8-element weight slice (64 bytes) beat 10 elements (40 bytes)
+    assert optimizer_step_bytes(SMALL, Layout(8, 1, 1, 1, 1), 0, dp_rank=7) == 2 * 4 * 8
+
+
+def test_working_buffers_by_hand():
+    assert working_bytes(SMALL, Layout(1, 1, 1, 1, 1), 0, "fp32") == 0  # no wrapper at all
+    whole = 284
+    assert working_bytes(SMALL, Layout(2, 1, 1, 1, 1, dp_mode="ddp"), 0, "fp32") == whole * 4 + whole * 4
+    # fsdp, pp = 1 (bf16 on one rank): gathered bf16 copies, and bf16 + fp32 gradient buffers of root + block
+    assert working_bytes(SMALL, Layout(1, 1, 1, 1, 1), 0, "bf16") == whole * 2 + whole * (2 + 4)
+    # fsdp with pp = 2: the whole stage stays gathered (stage 0: embeddings and the block, no final LayerNorm)
+    two = ModelConfig(n_layers=2, d_model=4, n_heads=1, vocab_size=5, context_length=3)
+    stage0 = 20 + 12 + 244
+    assert working_bytes(two, Layout(2, 1, 2, 1, 2), 0, "bf16") == stage0 * 2 + stage0 * 4
+
+
+def test_two_stage_pipeline_keeps_two_micro_batches_on_its_first_stage():
+    assert [in_flight(Layout(1, 1, 2, 1, 4), s) for s in range(2)] == [2, 1]

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Mutation testing (issue 15): mutmut 3 on the modules whose behaviour the fast tests pin down, then the score.
+#
+#   scripts/mutation.sh                    # all of them: parallel/, checkpoint/, plan/memory.py, train/, data/order.py
+#   scripts/mutation.sh elastic_trainer/data/order.py elastic_trainer/plan/memory.py   # only these
+#   scripts/mutation.sh --report-only [MODULE ...]                                     # score the last results
+#
+# The configuration is [tool.mutmut] in pyproject.toml: what gets mutants (only_mutate), the tests (tests/unit and
+# tests/distributed less two slow or timing-dependent ones; never e2e), the timeout, the fork server. mutmut
+# copies the tree into mutants/, collects which tests reach which function (once; cached in mutants/), then
+# runs each mutant with only those tests, fastest first, stopping at the first failure.
+#   - No arguments: an incremental run; only mutants of functions changed since the last run are run again.
+#   - With modules: every mutant of those modules is run again (mutmut reruns the mutants it is named).
+# Afterwards scripts/mutation_report.py prints killed/total per module, the survivors by name and the score,
+# with the equivalent mutants of scripts/mutation_equivalent.txt set aside.
+#
+# Environment: MUTATION_JOBS (mutants tested at once, default 1: the distributed tests fork 2-8 ranks each),
+# MUTATION_FRESH=1 (delete mutants/ first: after changing the tests, since cached verdicts are kept),
+# MUTATION_MIN_SCORE (exit 1 below this percentage), OMP_NUM_THREADS (default 1).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/setup.sh dev,mutation
+MUTMUT="$(dirname "$ET_PY")/mutmut"
+
+report_only=0
+if [ "${1:-}" = "--report-only" ]; then
+    report_only=1
+    shift
+fi
+
+DEFAULT_MODULES=(elastic_trainer/parallel/ elastic_trainer/checkpoint/ elastic_trainer/plan/memory.py
+                 elastic_trainer/train/ elastic_trainer/data/order.py)
+modules=("$@")
+[ ${#modules[@]} -eq 0 ] && modules=("${DEFAULT_MODULES[@]}")
+
+if [ "$report_only" = 0 ]; then
+    # mutant-name globs: elastic_trainer/data/order.py -> elastic_trainer.data.order.*
+    names=()
+    for m in "$@"; do
+        [ -e "$m" ] || { echo "mutation.sh: no such module: $m" >&2; exit 2; }
+        m="${m%/}"
+        m="${m%.py}"
+        m="${m%/__init__}"
+        names+=("${m//\//.}.*")
+    done
+    [ "${MUTATION_FRESH:-0}" = 1 ] && rm -rf mutants
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+    export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}"
+    start=$(date +%s)
+    # mutmut's exit status is 0 whatever survives; the report below decides. When its stats or clean run
+    # fails it hides pytest's output (the fork server): run the selection in mutants/ to see it.
+    if ! "$MUTMUT" run --max-children "${MUTATION_JOBS:-1}" "${names[@]}"; then
+        echo "[mutation] mutmut failed; to see a failing test: (cd mutants && PYTHONPATH=. $ET_PY -m pytest" \
+             "-x -p scripts.mutmut_plugin tests/unit tests/distributed)  (plus the --deselect options of" \
+             "[tool.mutmut] in pyproject.toml)" >&2
+        exit 1
+    fi
+    echo "[mutation] mutmut run took $(( $(date +%s) - start )) s"
+fi
+
+exec "$ET_PY" scripts/mutation_report.py "${modules[@]}" \
+    ${MUTATION_MIN_SCORE:+--min-score "$MUTATION_MIN_SCORE"}

@@ -1,0 +1,197 @@
+"""pytest plugin for mutation runs; mutmut loads it through `pytest_add_cli_args` in pyproject.toml.
+
+mutmut 3 runs pytest in-process (in forks of itself) inside mutants/, and this plugin is imported there from
+the copy of scripts/ (`also_copy`). It does four things the distributed tests need:
+
+1. Test selection sees the forked ranks. In the stats run mutmut learns which tests reach which function from
+   trampoline hits recorded in the pytest process; a rank forked by parallel/local_ranks.py records its hits
+   in its own memory and leaves with os._exit, so without help every function that runs only on the ranks
+   (the engine, the pipeline, the data-parallel sync, the checkpoint's collectives) would get no tests and
+   its mutants would count as "no tests". Here a forked process appends its hits to a file, which the
+   pytest process reads into its own hits before mutmut's teardown hook hands them to the test.
+2. A mutant's ranks do not outlive it. The mutant (MUTANT_UNDER_TEST) reaches the ranks by inheritance of
+   the fork; when mutmut's wall-clock timeout kills a hanging mutant's pytest process (SIGXCPU, counted as
+   "timeout"), its ranks, perhaps blocked in a collective, get SIGKILL from the kernel (PR_SET_PDEATHSIG)
+   instead of living on as orphans.
+3. A hanging mutant is stopped by its test, not by the whole run's limit: a mutant runs every test that
+   reaches its function (for data/order.py that is every distributed training test, ~8 min in all), and
+   mutmut's wall-clock limit scales with that sum. Here each test of a mutant run gets pytest-timeout's limit
+   of MUTATION_TEST_TIMEOUT_MIN + MUTATION_TEST_TIMEOUT_FACTOR * its own clean duration (defaults 15 s and 4,
+   durations from mutmut's stats run); a test stopped by it fails, and the run is logged as a timeout.
+4. Each pytest session appends "mutant, seconds, exit status, tests, seconds since the fork, the tests
+   stopped by 3." to mutants/mutation-timings.tsv (mutmut's fork-server mode records no per-mutant
+   durations; a mutant killed by mutmut's own limit writes nothing); scripts/mutation_report.py reads it.
+
+Outside mutmut (no MUTANT_UNDER_TEST) the plugin does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import time
+
+_state: dict = {"main_pid": None, "hits_file": None, "patched": False, "at_fork": False, "started": None,
+               "timings": None, "forked_at": None, "timed_out": []}
+_NOT_A_MUTANT = ("", "stats", "fail", "list_all_tests", "mutant_generation")
+_seen: set = set()
+_PR_SET_PDEATHSIG = 1
+
+
+def _mode() -> str | None:
+    return os.environ.get("MUTANT_UNDER_TEST")
+
+
+def _after_fork_in_child() -> None:
+    _seen.clear()
+    _state["forked_at"] = time.monotonic()
+    if _mode() is None:
+        return
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: orphans are then left to their own timeouts
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+# Saved at import: tests monkeypatch os functions (os.listdir in test_hosts.py), and the hook below runs
+# before the test's fixtures are torn down.
+_os_open, _os_read, _os_write, _os_close, _os_ftruncate, _os_getpid = (
+    os.open, os.read, os.write, os.close, os.ftruncate, os.getpid)
+
+
+def _patch_trampoline() -> None:
+    """Route trampoline hits made in forked processes into the pytest process's hits file."""
+    import mutmut.mutation.trampoline as trampoline
+
+    original = trampoline.record_trampoline_hit
+    _state["original"] = original
+
+    def record(name: str, caller: str | None = None) -> None:
+        if _os_getpid() == _state["main_pid"] or _state["hits_file"] is None:
+            return original(name, caller=caller)
+        if (name, caller) in _seen:
+            return None
+        _seen.add((name, caller))
+        # one short O_APPEND write per new hit (atomic among the ranks): a rank leaves with os._exit,
+        # so nothing may wait in a buffer
+        fd = _os_open(_state["hits_file"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            _os_write(fd, f"{name}\t{caller or ''}\n".encode())
+        finally:
+            _os_close(fd)
+        return None
+
+    trampoline.record_trampoline_hit = record
+
+
+def _collect_forked_hits() -> None:
+    path = _state["hits_file"]
+    if path is None:
+        return
+    try:
+        fd = _os_open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return
+    try:
+        chunks = []
+        while chunk := _os_read(fd, 1 << 16):
+            chunks.append(chunk)
+        _os_ftruncate(fd, 0)
+    finally:
+        _os_close(fd)
+    original = _state["original"]
+    for line in b"".join(chunks).decode().splitlines():
+        name, _, caller = line.partition("\t")
+        if name:
+            original(name, caller=caller or None)
+
+
+def pytest_configure(config) -> None:
+    mode = _mode()
+    if mode is None:
+        return
+    if not _state["at_fork"]:
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+        _state["at_fork"] = True
+    _state["main_pid"] = os.getpid()
+    _state["hits_file"] = None
+    _state["timings"] = os.path.abspath("mutation-timings.tsv")  # cwd is mutants/ here
+    if mode == "stats":
+        if not _state["patched"]:
+            _patch_trampoline()
+            _state["patched"] = True
+        _state["hits_file"] = os.path.abspath(f".mutmut-forked-hits-{os.getpid()}")
+
+
+def pytest_sessionstart(session) -> None:
+    _state["started"] = time.monotonic()
+    _state["timed_out"] = []
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """Per-test timeouts for a mutant's run (see 3. above)."""
+    if _mode() in _NOT_A_MUTANT or _mode() is None:
+        return
+    import json
+
+    import pytest
+
+    try:
+        with open("mutmut-stats.json") as f:  # cwd is mutants/
+            durations = json.load(f)["duration_by_test"]
+    except (OSError, ValueError, KeyError):
+        return
+    floor = float(os.environ.get("MUTATION_TEST_TIMEOUT_MIN", "15"))
+    factor = float(os.environ.get("MUTATION_TEST_TIMEOUT_FACTOR", "4"))
+    for item in items:
+        limit = floor + factor * float(durations.get(item.nodeid, 0.0))
+        item.add_marker(pytest.mark.timeout(limit, method="signal"), append=False)
+
+
+def pytest_runtest_logreport(report) -> None:
+    if report.failed and _mode() not in _NOT_A_MUTANT and "Timeout" in (report.longreprtext or ""):
+        _state["timed_out"].append(report.nodeid)
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    mode = _mode()
+    if mode is None or _state["started"] is None or session.config.option.collectonly:
+        return
+    now = time.monotonic()
+    elapsed = now - _state["started"]
+    since_fork = now - _state["forked_at"] if _state["forked_at"] is not None else elapsed
+    _state["started"] = None
+    try:
+        with open(_state["timings"], "a") as f:
+            f.write(f"{mode or 'clean'}\t{elapsed:.3f}\t{int(exitstatus)}\t{session.testscollected}\t{since_fork:.3f}"
+                    f"\t{','.join(_state['timed_out'])}\n")
+    except Exception:
+        pass
+
+
+def pytest_unconfigure(config) -> None:
+    path = _state["hits_file"]
+    if path and _os_getpid() == _state["main_pid"]:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+try:
+    import pytest
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_teardown(item, nextitem) -> None:
+        """Runs before mutmut's StatsCollector hook, which hands the hits gathered so far to this test."""
+        if _mode() == "stats" and _os_getpid() == _state["main_pid"]:
+            try:
+                _collect_forked_hits()
+            except Exception as e:  # never break the test's teardown; the hits are then lost
+                print(f"mutmut_plugin: forked hits of {item.nodeid} lost: {e!r}")
+except ImportError:  # imported outside pytest
+    pass

@@ -158,3 +158,12 @@ def test_working_buffers_by_hand():
 
 def test_two_stage_pipeline_keeps_two_micro_batches_on_its_first_stage():
     assert [in_flight(Layout(1, 1, 2, 1, 4), s) for s in range(2)] == [2, 1]
+
+
+def test_first_pipeline_stage_activations_by_hand():
+    """Stage 0 of 2 (one block, fp32, 1 x 3 tokens, 2 micro-batches in flight): per micro-batch the block's
+    3 x (4d + 12d) x 4 bytes + LayerNorm statistics 2 x 2 x 3 x 4 + log-sum-exp 3 x 1 x 4, the int64 token
+    ids 3 x 8 and the stage output the schedule caches, 3 x 4 x 4."""
+    two = ModelConfig(n_layers=2, d_model=4, n_heads=1, vocab_size=5, context_length=3)
+    per_micro_batch = 3 * 64 * 4 + 48 + 12 + 24 + 48
+    assert stage_memory(two, Layout(1, 1, 2, 1, 2), 3, "fp32", 0).activations == 2 * per_micro_batch

@@ -156,8 +156,12 @@ def test_real_clock_runs_wall_time_phases_and_waits(tmp_path, data_cache, sotu_t
         assert 0 < r[-1]["time_s"] < 34 + 60  # wall seconds from the first launch
     assert {row["ranks"] for row in rows["ours"]} == {4, 2}
     assert {row["ranks"] for row in rows["dp-only"]} == {4}
-    gap = [row for row in rows["dp-only"] if row["downtime_s"]]  # the restart after the wait, the wait taken out
-    assert len(gap) == 1 and gap[0]["downtime_s"] < 10
+    # the restart after the 10 s wait: its downtime leaves the wait out (compared with the wall time between the
+    # steps around it, not with a fixed bound: a restart on a loaded machine alone can take 10 s)
+    gap = [i for i, row in enumerate(rows["dp-only"]) if row["downtime_s"]]
+    assert len(gap) == 1 and gap[0] > 0
+    before, after = rows["dp-only"][gap[0] - 1], rows["dp-only"][gap[0]]
+    assert 0 < after["downtime_s"] <= after["time_s"] - before["time_s"] - 10 + 0.5
     log = (tmp_path / "runs" / "cpu" / "ours" / "launch.log").read_text()
     cap = int(re.search(r"global batch 8 x 16 tokens, until step (\d+)", log).group(1))
     trained = max(len(r) for r in rows.values())

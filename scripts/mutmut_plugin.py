@@ -13,11 +13,14 @@ the copy of scripts/ (`also_copy`). It does four things the distributed tests ne
    the fork; when mutmut's wall-clock timeout kills a hanging mutant's pytest process (SIGXCPU, counted as
    "timeout"), its ranks, perhaps blocked in a collective, get SIGKILL from the kernel (PR_SET_PDEATHSIG)
    instead of living on as orphans.
-3. A hanging mutant is stopped by its test, not by the whole run's limit: a mutant runs every test that
+3. Only the fast tests judge a mutant, and a hanging one is stopped by its test, not by the whole run's limit: a mutant runs every test that
    reaches its function (for data/order.py that is every distributed training test, ~8 min in all), and
    mutmut's wall-clock limit scales with that sum. Here each test of a mutant run gets pytest-timeout's limit
    of MUTATION_TEST_TIMEOUT_MIN + MUTATION_TEST_TIMEOUT_FACTOR * its own clean duration (defaults 15 s and 4,
    durations from mutmut's stats run); a test stopped by it fails, and the run is logged as a timeout.
+   Before that, the tests whose clean time exceeds MUTATION_MAX_TEST_S (default 2 s; 0 keeps all) are
+   deselected, keeping the fastest when all are slower: the survivors of a function reached by 90 tests
+   otherwise cost minutes each (the whole run was estimated at 180 h with every test, 6 h with these).
 4. Each pytest session appends "mutant, seconds, exit status, tests, seconds since the fork, the tests
    stopped by 3." to mutants/mutation-timings.tsv (mutmut's fork-server mode records no per-mutant
    durations; a mutant killed by mutmut's own limit writes nothing); scripts/mutation_report.py reads it.
@@ -147,6 +150,18 @@ def pytest_collection_modifyitems(session, config, items) -> None:
         return
     floor = float(os.environ.get("MUTATION_TEST_TIMEOUT_MIN", "15"))
     factor = float(os.environ.get("MUTATION_TEST_TIMEOUT_FACTOR", "4"))
+    max_s = float(os.environ.get("MUTATION_MAX_TEST_S", "2"))
+    if max_s > 0 and items:
+        # Only the fast tests (clean time <= max_s) judge a mutant; a function reached only by slow tests keeps
+        # its fastest one. A mutant that only a slow test would kill therefore counts as survived, never the
+        # other way round.
+        fast = [item for item in items if durations.get(item.nodeid, 0.0) <= max_s]
+        if not fast:
+            fast = [min(items, key=lambda item: durations.get(item.nodeid, 0.0))]
+        if len(fast) < len(items):
+            kept = {id(item) for item in fast}
+            config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept])
+            items[:] = fast
     for item in items:
         limit = floor + factor * float(durations.get(item.nodeid, 0.0))
         item.add_marker(pytest.mark.timeout(limit, method="signal"), append=False)

@@ -231,5 +231,5 @@ def _first_failure(error: CheckpointException) -> str:
     for failure in error.failures.values():
         exc = failure[0] if isinstance(failure, tuple) else failure
         text = str(exc).strip().splitlines()
-        return text[-1] if text else type(exc).__name__
+        return text[-1].strip() if text else type(exc).__name__
     return str(error).splitlines()[0]

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from elastic_trainer.config import ModelConfig
 from elastic_trainer.data.order import microbatch_slices
 from elastic_trainer.model.gpt import GPT, lm_loss_sum
-from elastic_trainer.model.init import init_weights, materialize
+from elastic_trainer.model.init import materialize
 from elastic_trainer.parallel.data_parallel import apply_data_parallel, set_gradient_sync
 from elastic_trainer.parallel.mesh import Coords
 from elastic_trainer.parallel.pipeline import build_schedule, split_stage, tied_embedding_group
@@ -74,10 +74,6 @@ class Engine:
             apply_data_parallel(model, self.mesh["dp"], layout.dp_mode, param_dtype,
                                 reshard_after_forward=layout.pp == 1)
         return materialize(model, self.device, self.seed, initialize)
-
-    def init_weights(self) -> None:
-        """The seed's initial weights (for an engine built with initialize=False whose load found nothing)."""
-        init_weights(self.model, self.seed)
 
     def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """This micro-batch's share of the global-batch token mean."""

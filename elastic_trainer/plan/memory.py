@@ -255,7 +255,3 @@ def stage_memories(model: ModelConfig, layout: Layout, seq_len: int, dtype: str)
     """Peak memory of a rank of every stage (dp rank 0, which holds the largest FSDP shards)."""
     return [stage_memory(model, layout, seq_len, dtype, s) for s in range(layout.pp)]
 
-
-def peak_memory(model: ModelConfig, layout: Layout, seq_len: int, dtype: str) -> StageMemory:
-    """The stage with the largest peak."""
-    return max(stage_memories(model, layout, seq_len, dtype), key=lambda m: m.total)

@@ -65,9 +65,9 @@ class Job:
         resume = ckpt.resume if ckpt else "never"
         found = self.checkpointer.candidates(resume) if self.checkpointer and resume != "never" else []
         self.trainer = Trainer(model_cfg, train_cfg, layout, mesh, device, tokens=tokens, initialize=not found)
+        # load_first loads one of `found` or raises (none resumable): a run with checkpoints never falls back
+        # to the seed's weights, which would bury the damaged checkpoints under new saves
         self.loaded = self.checkpointer.load_first(self.trainer, found, strict=resume != "auto") if found else None
-        if found and self.loaded is None:
-            self.trainer.initialize()  # every candidate failed verification: start from the seed
         if self.checkpointer is not None:
             self.checkpointer.prepare_fresh_run(resume if self.trainer.step == 0 else "auto")
         load = dataclasses.asdict(self.loaded) if self.loaded else None

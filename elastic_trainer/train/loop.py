@@ -34,7 +34,7 @@ class Diverged(ConfigError):
 class Trainer:
     def __init__(self, model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout, mesh: DeviceMesh,
                  device: torch.device, *, tokens: np.ndarray | None = None, initialize: bool = True):
-        """initialize=False leaves the weights undefined for a checkpoint load (then `initialize()` if none)."""
+        """initialize=False leaves the weights undefined, for a checkpoint load to fill."""
         if cfg.seq_len > model_cfg.context_length:
             raise ValueError(f"seq_len={cfg.seq_len} exceeds the model's context_length={model_cfg.context_length}")
         self.model_cfg, self.cfg, self.layout, self.device = model_cfg, cfg, layout, device
@@ -52,10 +52,6 @@ class Trainer:
     @property
     def consumed_samples(self) -> int:
         return self.step * self.cfg.global_batch
-
-    def initialize(self) -> None:
-        """The seed's initial weights, for a trainer built with initialize=False."""
-        self.engine.init_weights()
 
     def restore(self, step: int, cfg: TrainConfig) -> None:
         """After loading a checkpoint: continue at `step` (the data position follows from it)."""

@@ -122,3 +122,70 @@ def test_job_is_a_context_manager_that_closes_its_checkpointer(tmp_path, sotu_to
         return status, j.trainer.step, [p.name for p in storage.complete_checkpoints(tmp_path)]
 
     assert run_ranks(job, 2)[0] == ("stopped", 2, ["step-00000002"])
+
+
+def diverge_at(rank, world, ckpt_dir, events_dir, at_steps):
+    """Three jobs, each poisoned (NaN loss on rank 1 only) in the step of at_steps[i]: checkpointing from the
+    seed, resumed from that run's checkpoint, and without checkpoints. Returns what each raised and emitted."""
+    from elastic_trainer.parallel.engine import Engine
+    from elastic_trainer.train.loop import Diverged, Trainer
+
+    poison = {"at": None, "step": 0}
+    train_step, loss_fn = Trainer.train_step, Engine.loss_fn
+
+    def counted(self):
+        poison["step"] = self.step + 1
+        return train_step(self)
+
+    def poisoned(self, logits, targets):
+        loss = loss_fn(self, logits, targets)
+        return loss * float("nan") if poison["step"] == poison["at"] and rank == 1 else loss
+
+    Trainer.train_step, Engine.loss_fn = counted, poisoned
+    out = []
+    for i, (at, ckpt) in enumerate(zip(at_steps, [CheckpointConfig(dir=ckpt_dir, save_every=2),
+                                                   CheckpointConfig(dir=ckpt_dir, save_every=2), None])):
+        poison["at"] = at
+        events = EventLog(os.path.join(events_dir, f"{i}.jsonl"), enabled=rank == 0)
+        job = Job(MODEL, CFG, Layout(2, 1, 1, 4, 1), torch.device("cpu"), ckpt=ckpt, tokens=TOKENS[0],
+                  events=events)
+        try:
+            job.fit()
+            raised = None
+        except Diverged as e:
+            raised = (str(e), e.step, str(e.loss), str(e.grad_norm))  # str: nan != nan
+        finally:
+            job.close()
+            events.close()
+        out.append((raised, job.trainer.step, [p.name for p in storage.complete_checkpoints(ckpt_dir)]))
+    return out
+
+
+TOKENS: list = []
+
+
+def test_divergence_names_the_newest_checkpoint_and_saves_nothing(tmp_path, sotu_tokens):
+    """A NaN on one rank stops every rank in the same step, with one line naming the checkpoint that is still
+    the newest: the last periodic save, the checkpoint the run resumed from, or none."""
+    TOKENS[:] = [sotu_tokens]
+    ckpt, events = tmp_path / "ck", tmp_path / "ev"
+    events.mkdir()
+    results = run_ranks(diverge_at, 2, str(ckpt), str(events), [6, 5, 2])
+    assert results[0] == results[1]
+    (fresh, resumed, plain) = results[0]
+    tail = " (lower --lr, check the data, or resume from an earlier checkpoint)"
+    assert fresh == (("training diverged at step 6: loss nan, gradient norm nan; the step was not applied and the "
+                      f"newest checkpoint is still step 4 ({ckpt / 'step-00000004'})" + tail, 6, "nan", "nan"),
+                     5, ["step-00000004", "step-00000002"])
+    assert resumed[0][0] == ("training diverged at step 5: loss nan, gradient norm nan; the step was not applied "
+                             "and the newest checkpoint is still step 4 (resumed from)" + tail)
+    assert resumed[1:] == (4, ["step-00000004", "step-00000002"])
+    assert plain[0][0] == ("training diverged at step 2: loss nan, gradient norm nan; the step was not applied and "
+                           "no checkpoint was saved" + tail)
+    assert plain[1] == 1
+    got = [read_jsonl(events / f"{i}.jsonl") for i in range(3)]
+    diverged = [[e for e in g if e["event"] == "diverged"] for g in got]
+    assert [len(d) for d in diverged] == [1, 1, 1]
+    assert [(d[0]["step"], d[0]["loss"], d[0]["grad_norm"], d[0]["last_saved_step"]) for d in diverged] == [
+        (6, "nan", "nan", 4), (5, "nan", "nan", 4), (2, "nan", "nan", None)]
+    assert all(e["event"] not in ("saved", "finished") for g in got for e in g)

@@ -454,3 +454,24 @@ def refusal_of_item(item: bytes) -> CheckpointError:
     with pytest.raises(CheckpointError) as err:
         planner.load_bytes(read_item, io.BytesIO(item))
     return err.value
+
+
+def test_a_failed_dcp_load_is_reported_by_its_first_ranks_last_line():
+    """DCP wraps every rank's exception with its traceback; the one-line error takes the first rank's
+    exception's last line (its message, not the traceback), or its type when it has no message."""
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from elastic_trainer.checkpoint.manager import _first_failure
+
+    def wrapped(exc):
+        try:
+            raise exc
+        except BaseException as e:
+            return _wrap_exception(e)
+
+    two = CheckpointException("load", {3: wrapped(ValueError("size mismatch\n  for model.wte: 4 != 8  ")),
+                                       0: wrapped(KeyError("other rank"))})
+    assert _first_failure(two) == "for model.wte: 4 != 8"
+    assert _first_failure(CheckpointException("load", {1: wrapped(RuntimeError())})) == "RuntimeError"
+    assert _first_failure(CheckpointException("load", {1: OSError("bare, not wrapped")})) == "bare, not wrapped"
+    assert _first_failure(CheckpointException("load", {})) == "CheckpointException ranks:dict_keys([])"

@@ -1,0 +1,89 @@
+"""Joining the process group: torchrun's env:// group when torchrun's variables are set, else a group of one;
+gloo on CPU, NCCL for CUDA tensors with gloo beside it for CPU ones."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from elastic_trainer.parallel import mesh
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    got = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: got.append((a, k)))
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    return got
+
+
+def test_without_torchrun_a_group_of_one_on_a_private_store(calls):
+    mesh.init_process_group(torch.device("cpu"))
+    [(args, kwargs)] = calls
+    assert args == ("gloo",) and set(kwargs) == {"store", "rank", "world_size"}
+    assert isinstance(kwargs["store"], dist.HashStore) and kwargs["rank"] == 0 and kwargs["world_size"] == 1
+
+
+@pytest.mark.parametrize("only", ["RANK", "WORLD_SIZE"])
+def test_half_of_torchrun_s_variables_is_not_torchrun(calls, monkeypatch, only):
+    monkeypatch.setenv(only, "0")
+    mesh.init_process_group(torch.device("cpu"))
+    assert calls[0][0] == ("gloo",) and isinstance(calls[0][1]["store"], dist.HashStore)
+
+
+@pytest.mark.parametrize("device, backend, device_id", [
+    (torch.device("cpu"), "gloo", None),
+    (torch.device("cuda", 1), "cuda:nccl,cpu:gloo", torch.device("cuda", 1)),
+])
+def test_under_torchrun_the_env_group_with_the_device_s_backend(calls, monkeypatch, device, backend, device_id):
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    mesh.init_process_group(device)
+    assert calls == [((backend,), {"device_id": device_id})]
+
+
+def test_a_joined_group_is_kept(calls, monkeypatch):
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    mesh.init_process_group(torch.device("cpu"))
+    assert calls == []
+
+
+def _join_for_real(env: dict, queue) -> None:
+    import os
+
+    os.environ.update(env)
+    try:
+        mesh.init_process_group(torch.device("cpu"))
+        mesh.init_process_group(torch.device("cpu"))  # a second call joins nothing new
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        queue.put((dist.get_backend(), dist.get_rank(), dist.get_world_size(), t.tolist()))
+        dist.destroy_process_group()
+    except BaseException as e:  # report instead of hanging the parent
+        queue.put(repr(e))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("torchrun", [False, True])
+def test_the_group_really_forms(torchrun):
+    """On a forked process (the test process keeps no group): both ways give a working gloo group of one."""
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())} \
+        if torchrun else {}
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    p = ctx.Process(target=_join_for_real, args=(env, queue))
+    p.start()
+    got = queue.get(timeout=60)
+    p.join(timeout=30)
+    assert got == ("gloo", 0, 1, [1.0, 1.0])

@@ -49,7 +49,7 @@ def summarize(folder: Path, verify: bool = True) -> dict:
         group["bytes"] += n * torch.empty((), dtype=md.properties.dtype).element_size()
     files = storage.read_manifest(folder)
     integrity = "not checked"
-    if not verify:
+    if verify:
         try:
             storage.verify(folder)
             integrity = f"ok ({len(files)} files, {storage.HASH} checksums match)"

@@ -1,6 +1,6 @@
 """Score a mutmut run: per module killed / total, timeouts, the survivors by name, and the mutation score.
 
-    python scripts/mutation_report.py [MODULE ...] [--equivalent FILE] [--diff] [--min-score PCT]
+    python scripts/mutation_report.py [MODULE ...] [--equivalent FILE] [--survivors FILE] [--diff] [--min-score PCT]
 
 Reads mutmut's results under mutants/ (run from the project root, after scripts/mutation.sh). MODULE is a
 source path or a folder (elastic_trainer/data/order.py, elastic_trainer/parallel/); default: every mutated
@@ -9,7 +9,10 @@ caught) and a crash; survived, "no tests" (no selected test reaches the function
 and not-yet-checked mutants all count against it. The equivalent-mutants file (default
 scripts/mutation_equivalent.txt) has one mutant a line, its name and then why no test can kill it;
 '#' starts a comment. An entry whose mutant was killed, or that no longer exists, is reported and not set
-aside. --diff prints each survivor's changed lines; --min-score makes the exit status 1 below that score.
+aside. The survivors file (default scripts/mutation_survivors.txt), in the same format, says why each mutant
+that is not equivalent still survives (it counts against the score); the report prints that reason beside
+the survivor and lists the survivors that have none. --diff prints each survivor's changed lines;
+--min-score makes the exit status 1 below that score.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ def stopped_by_test_timeout(root: Path) -> set[str]:
             if len(parts) > 5 and parts[5].strip()}
 
 
-def load_equivalent(path: Path) -> dict[str, str]:
+def load_reasons(path: Path) -> dict[str, str]:
     out: dict[str, str] = {}
     if not path.exists():
         return out
@@ -66,7 +69,7 @@ def load_equivalent(path: Path) -> dict[str, str]:
             continue
         name, _, reason = line.partition(" ")
         if not reason.strip():
-            sys.exit(f"{path}:{n}: {name} has no reason; an equivalent mutant must say why it cannot be killed")
+            sys.exit(f"{path}:{n}: {name} has no reason; each entry must say why")
         out[name] = reason.strip()
     return out
 
@@ -110,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("modules", nargs="*", help="source files or folders to report (default: all mutated files)")
     ap.add_argument("--equivalent", type=Path, default=Path("scripts/mutation_equivalent.txt"))
+    ap.add_argument("--survivors", type=Path, default=Path("scripts/mutation_survivors.txt"))
     ap.add_argument("--diff", action="store_true", help="print each survivor's changed lines")
     ap.add_argument("--min-score", type=float, default=None, help="exit 1 when the score is below this percentage")
     ap.add_argument("--root", type=Path, default=Path("."))
@@ -124,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         print("no mutmut results under mutants/: run scripts/mutation.sh first", file=sys.stderr)
         return 2
     modules = [os.path.normpath(m) + ("/" if m.endswith("/") else "") for m in args.modules]
-    equivalent = load_equivalent(args.root / args.equivalent if not args.equivalent.is_absolute()
-                                 else args.equivalent)
+    equivalent = load_reasons(args.root / args.equivalent if not args.equivalent.is_absolute()
+                              else args.equivalent)
+    reasons = load_reasons(args.root / args.survivors if not args.survivors.is_absolute() else args.survivors)
     all_names = {name for r in results.values() for name in r}
 
     total = Counter()
@@ -164,9 +169,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{c['survived']:>8}  {c['no tests']:>8}  {other:>5}  {c['equivalent']:>5}  {score(c):6.1f}%")
 
     if survivors:
-        print(f"\nnot killed ({len(survivors)}):")
+        print(f"\nnot killed ({len(survivors)}), each with why it survives ({args.survivors}):")
         for source, name, status in survivors:
-            print(f"  {status:<11} {name}")
+            print(f"  {status:<11} {name}: {reasons.get(name, 'NO REASON GIVEN')}")
             if args.diff:
                 for line in diff_lines(name, source):
                     print(f"                {line.strip()[:150]}")
@@ -181,6 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     stale = sorted(n for n in equivalent if n not in all_names)
     if stale:
         print(f"\nlisted as equivalent but no such mutant (stale entries in {args.equivalent}): {', '.join(stale)}")
+    unexplained = [name for _, name, status in survivors if name not in reasons and status != "not checked"]
+    if unexplained:
+        print(f"\n{len(unexplained)} survivors have no reason in {args.survivors}")
+    stale = sorted(n for n in reasons if n not in all_names or n in {x for r in results.values()
+                                                                        for x, st in r.items() if st in KILLED})
+    if stale:
+        print(f"\nlisted as survivors but killed or no such mutant (stale entries in {args.survivors}): "
+              f"{', '.join(stale)}")
     if total["not checked"]:
         print(f"\nwarning: {total['not checked']} mutants not checked yet (an interrupted run); they count as not killed")
 

@@ -475,3 +475,16 @@ def test_a_failed_dcp_load_is_reported_by_its_first_ranks_last_line():
     assert _first_failure(CheckpointException("load", {1: wrapped(RuntimeError())})) == "RuntimeError"
     assert _first_failure(CheckpointException("load", {1: OSError("bare, not wrapped")})) == "bare, not wrapped"
     assert _first_failure(CheckpointException("load", {})) == "CheckpointException ranks:dict_keys([])"
+
+
+@pytest.mark.parametrize("text, line", [
+    # torch's refusal: generic advice first, the named global further down, in colour on a terminal
+    ("\x1b[1mWeights only load failed.\x1b[0m Re-running may work.\n\n\x1b[31;1mPlease file an issue\x1b[0m\n"
+     "  \x1b[1mWeightsUnpickler error: Unsupported global: GLOBAL os.system was not an allowed global\x1b[0m  \n",
+     "WeightsUnpickler error: Unsupported global: GLOBAL os.system was not an allowed global"),
+    ("Weights only load failed\nUnsupported operand 82", "Unsupported operand 82"),  # no GLOBAL: 'Unsupported'
+    ("\n  \x1b[0m\n first line \nsecond", "first line"),  # nothing named: the first non-empty line, stripped
+    ("", "ValueError"),  # no text at all: the type
+])
+def test_an_unsafe_item_is_refused_by_the_line_that_names_it(text, line):
+    assert storage._refusal_reason(ValueError(text)) == line

@@ -87,3 +87,21 @@ def test_the_group_really_forms(torchrun):
     got = queue.get(timeout=60)
     p.join(timeout=30)
     assert got == ("gloo", 0, 1, [1.0, 1.0])
+
+
+def test_the_device_is_the_local_rank_s_gpu_or_the_cpu(monkeypatch):
+    """cuda:(LOCAL_RANK mod the GPUs this process sees), made current; cpu without GPUs. The CUDA calls are
+    replaced (this machine has none): what is checked is which device is asked for."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: pytest.fail("asked a GPU's name without GPUs"))
+    assert mesh.default_device() == torch.device("cpu") and mesh.accelerator() == ("cpu", None)
+    current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: f"NVIDIA H100 #{i}")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert mesh.default_device() == torch.device("cuda", 1) and current == [1]
+    monkeypatch.delenv("LOCAL_RANK")
+    assert mesh.default_device() == torch.device("cuda", 0) and current == [1, 0]
+    assert mesh.accelerator() == ("cuda", "NVIDIA H100 #0")

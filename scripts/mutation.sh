@@ -4,6 +4,7 @@
 #   scripts/mutation.sh                    # all of them: parallel/, checkpoint/, plan/memory.py, train/, data/order.py
 #   scripts/mutation.sh elastic_trainer/data/order.py elastic_trainer/plan/memory.py   # only these
 #   scripts/mutation.sh --report-only [MODULE ...]                                     # score the last results
+#   scripts/mutation.sh --not-killed [MODULE ...]   # run again every mutant not killed (after adding tests)
 #
 # The configuration is [tool.mutmut] in pyproject.toml: what gets mutants (only_mutate), the tests (tests/unit and
 # tests/distributed less two slow or timing-dependent ones; never e2e), the timeout, the fork server. mutmut
@@ -23,8 +24,12 @@ source scripts/setup.sh dev,mutation
 MUTMUT="$(dirname "$ET_PY")/mutmut"
 
 report_only=0
+not_killed=0
 if [ "${1:-}" = "--report-only" ]; then
     report_only=1
+    shift
+elif [ "${1:-}" = "--not-killed" ]; then
+    not_killed=1
     shift
 fi
 
@@ -44,6 +49,16 @@ if [ "$report_only" = 0 ]; then
         names+=("${m//\//.}.*")
     done
     [ "${MUTATION_FRESH:-0}" = 1 ] && rm -rf mutants
+    if [ "$not_killed" = 1 ]; then
+        # mutmut keeps a survivor's or a "no tests" verdict until its function changes; new tests only reach
+        # it when it is named. Tests added since the last run get their coverage collected first.
+        mapfile -t names < <("$ET_PY" scripts/mutation_report.py --list-not-killed "${modules[@]}")
+        if [ ${#names[@]} -eq 0 ]; then
+            echo "[mutation] every mutant is killed or set aside"
+            exec "$ET_PY" scripts/mutation_report.py "${modules[@]}"
+        fi
+        echo "[mutation] running ${#names[@]} mutants again"
+    fi
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
     export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}"
     start=$(date +%s)

@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--diff", action="store_true", help="print each survivor's changed lines")
     ap.add_argument("--min-score", type=float, default=None, help="exit 1 when the score is below this percentage")
     ap.add_argument("--root", type=Path, default=Path("."))
+    ap.add_argument("--list-not-killed", action="store_true",
+                    help="only print the names of the mutants not killed and not set aside, one a line")
     args = ap.parse_args(argv)
 
     results = load_results(args.root)
@@ -155,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         c["all"] = len(by_name)
         total += c
         rows.append((source, c))
+
+    if args.list_not_killed:
+        print("\n".join(name for _, name, _ in survivors))
+        return 0
 
     def score(c: Counter) -> float:
         counted = c["all"] - c["equivalent"]

@@ -18,12 +18,10 @@ the copy of scripts/ (`also_copy`). It does four things the distributed tests ne
    mutmut's wall-clock limit scales with that sum. Here each test of a mutant run gets pytest-timeout's limit
    of MUTATION_TEST_TIMEOUT_MIN + MUTATION_TEST_TIMEOUT_FACTOR * its own clean duration (defaults 15 s and 4,
    durations from mutmut's stats run); a test stopped by it fails, and the run is logged as a timeout.
-   Before that, the tests whose clean time exceeds MUTATION_MAX_TEST_S (default 2 s; 0 keeps all) are
-   deselected, keeping the fastest when all are slower: the survivors of a function reached by 90 tests
-   otherwise cost minutes each (the whole run was estimated at 180 h with every test, 6 h with these).
-4. Each pytest session appends "mutant, seconds, exit status, tests, seconds since the fork, the tests
-   stopped by 3." to mutants/mutation-timings.tsv (mutmut's fork-server mode records no per-mutant
-   durations; a mutant killed by mutmut's own limit writes nothing); scripts/mutation_report.py reads it.
+   Before that, the tests are cut to the fastest ones whose clean times add up to MUTATION_TEST_BUDGET_S
+   (default 20 s; at least one test; 0 keeps all): the survivors of a function reached by 90 tests otherwise
+   cost minutes each (the whole run was estimated at 180 h with every test). The clean run before the
+   mutants (every test of the mutants to run) is cut the same way.
 
 Outside mutmut (no MUTANT_UNDER_TEST) the plugin does nothing.
 """
@@ -135,9 +133,22 @@ def pytest_sessionstart(session) -> None:
     _state["timed_out"] = []
 
 
+def _cut(tests: list[str], durations: dict, budget: float) -> list[str]:
+    """The fastest of `tests` whose clean times add up to at most `budget` seconds (at least one)."""
+    kept, spent = [], 0.0
+    for test in sorted(tests, key=lambda t: durations.get(t, 0.0)):
+        spent += durations.get(test, 0.0)
+        if kept and spent > budget:
+            break
+        kept.append(test)
+    return kept
+
+
 def pytest_collection_modifyitems(session, config, items) -> None:
-    """Per-test timeouts for a mutant's run (see 3. above)."""
-    if _mode() in _NOT_A_MUTANT or _mode() is None:
+    """The fast tests, and per-test timeouts, for a mutant's run; the fast tests also for the clean run that
+    precedes the mutants (see 3. above)."""
+    mode = _mode()
+    if mode is None or (mode in _NOT_A_MUTANT and mode != ""):
         return
     import json
 
@@ -145,23 +156,30 @@ def pytest_collection_modifyitems(session, config, items) -> None:
 
     try:
         with open("mutmut-stats.json") as f:  # cwd is mutants/
-            durations = json.load(f)["duration_by_test"]
+            stats = json.load(f)
+        durations = stats["duration_by_test"]
     except (OSError, ValueError, KeyError):
         return
     floor = float(os.environ.get("MUTATION_TEST_TIMEOUT_MIN", "15"))
     factor = float(os.environ.get("MUTATION_TEST_TIMEOUT_FACTOR", "4"))
-    max_s = float(os.environ.get("MUTATION_MAX_TEST_S", "2"))
-    if max_s > 0 and items:
-        # Only the fast tests (clean time <= max_s) judge a mutant; a function reached only by slow tests keeps
-        # its fastest one. A mutant that only a slow test would kill therefore counts as survived, never the
-        # other way round.
-        fast = [item for item in items if durations.get(item.nodeid, 0.0) <= max_s]
-        if not fast:
-            fast = [min(items, key=lambda item: durations.get(item.nodeid, 0.0))]
-        if len(fast) < len(items):
-            kept = {id(item) for item in fast}
-            config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept])
-            items[:] = fast
+    budget = float(os.environ.get("MUTATION_TEST_BUDGET_S", "20"))
+    if budget > 0 and items:
+        # The fastest tests, up to `budget` seconds of clean time in all (at least one), judge a mutant. A
+        # mutant only a slower test would kill therefore counts as survived, never the other way round.
+        if mode == "":  # the clean run: what any function's mutants will run
+            by_function = stats.get("tests_by_mangled_function_name", {})
+            present = {item.nodeid for item in items}
+            wanted = set()
+            for tests in by_function.values():
+                if present.intersection(tests):
+                    wanted.update(_cut([t for t in tests if t in present], durations, budget))
+        else:
+            wanted = set(_cut([item.nodeid for item in items], durations, budget))
+        if len(wanted) < len(items):
+            config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in wanted])
+            items[:] = [item for item in items if item.nodeid in wanted]  # mutmut's order (fastest first)
+    if mode == "":  # the clean run: no timeouts
+        return
     for item in items:
         limit = floor + factor * float(durations.get(item.nodeid, 0.0))
         item.add_marker(pytest.mark.timeout(limit, method="signal"), append=False)

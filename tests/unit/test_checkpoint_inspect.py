@@ -467,3 +467,17 @@ def test_export_hf_of_a_bad_source_writes_nothing(saved, damaged, tmp_path):
         export_hf(damaged, tmp_path / "out")
     assert str(err.value) == f"step-00000002: file __0_0.distcp {HASH_FAIL}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["root"]
+
+
+def test_format_summary_divides_by_exact_powers_of_ten():
+    """Sizes where a divisor one off (1e6 + 1, 1e9 + 1) shows in the printed digits: a 175 B-parameter model
+    and byte counts just past a rounding boundary."""
+    big = ModelConfig(n_layers=96, d_model=12288, n_heads=96, vocab_size=50257, context_length=2048, name="big")
+    s = {**SUMMARY, "model": dataclasses.asdict(big), "file_bytes": 2_000_000_500_001,
+         "state": {"model": {"tensors": 1, "elements": 1, "bytes": 3_000_000_500_001, "other": 0}}}
+    params = big.num_params()
+    assert params == 96 * (12 * 12288**2 + 13 * 12288) + 50257 * 12288 + 2048 * 12288 + 2 * 12288
+    lines = format_summary(s, []).splitlines()
+    assert params == 174_604_259_328 and lines[3].endswith("(174604.3 M parameters)")  # / (1e6 + 1): 174604.1
+    assert lines[5] == "model        1 tensors, 1 elements, 3000.001 GB"
+    assert lines[6] == "files        9 files, 2000.001 GB"

@@ -134,9 +134,10 @@ def pytest_sessionstart(session) -> None:
 
 
 def _cut(tests: list[str], durations: dict, budget: float) -> list[str]:
-    """The fastest of `tests` whose clean times add up to at most `budget` seconds (at least one)."""
+    """The fastest of `tests` whose clean times add up to at most `budget` seconds (at least one); the
+    one-process tests first."""
     kept, spent = [], 0.0
-    for test in sorted(tests, key=lambda t: durations.get(t, 0.0)):
+    for test in sorted(tests, key=lambda t: (not t.startswith("tests/unit/"), durations.get(t, 0.0))):
         spent += durations.get(test, 0.0)
         if kept and spent > budget:
             break
@@ -177,7 +178,10 @@ def pytest_collection_modifyitems(session, config, items) -> None:
             wanted = set(_cut([item.nodeid for item in items], durations, budget))
         if len(wanted) < len(items):
             config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in wanted])
-            items[:] = [item for item in items if item.nodeid in wanted]  # mutmut's order (fastest first)
+            items[:] = [item for item in items if item.nodeid in wanted]
+    # One-process tests first, then mutmut's order (fastest first): a forked test's recorded time leaves out
+    # its module fixture (a reference run), so one "taking 0 s" can take 10 s.
+    items.sort(key=lambda item: not item.nodeid.startswith("tests/unit/"))
     if mode == "":  # the clean run: no timeouts
         return
     for item in items:

@@ -169,23 +169,25 @@ def test_first_pipeline_stage_activations_by_hand():
     assert stage_memory(two, Layout(1, 1, 2, 1, 2), 3, "fp32", 0).activations == 2 * per_micro_batch
 
 
-@pytest.mark.parametrize("layout, dropout, stage, activations, transient", [
+@pytest.mark.parametrize("layout, dropout, heads, activations, transient", [
     # one stage, fp32, 1 x 3 tokens. A block keeps 3 x (4d + 12d) x 4 + LayerNorm statistics 2 x 2 x 3 x 4 +
     # log-sum-exp 3 x 4 = 828 bytes; the only stage also keeps the token ids (3 x 8) and the head's
     # 2 x 3 x 4 x 4 + 2 x 3 x 4 + 3 x 5 x 4 + 3 x 8 = 204. The transient is one block's backward (828) and the
     # loss gradient in fp32 with its cast back, 3 x 5 x (8 + 4) = 180.
-    (Layout(1, 1, 1, 1, 1), 0.0, 0, 828 + 24 + 204, 828 + 180),
+    (Layout(1, 1, 1, 1, 1), 0.0, 1, 828 + 24 + 204, 828 + 180),
     # recompute: the block keeps only its input (3 x 4 x 4), and its backward runs it twice
-    (Layout(1, 1, 1, 1, 1, recompute=True), 0.0, 0, 48 + 24 + 204, 2 * 828 + 180),
+    (Layout(1, 1, 1, 1, 1, recompute=True), 0.0, 1, 48 + 24 + 204, 2 * 828 + 180),
     # dropout: no log-sum-exp, the 1 x 1 x 3 x 3 probabilities in fp32, their keep mask and the dropped copy
     # (9 x 9) and the two residual masks (2 x 3 x 4): 816 + 81 + 24 = 921; the attention mask's hash keeps
     # five int64 temporaries per probability (5 x 8 x 9 = 360) for a moment
-    (Layout(1, 1, 1, 1, 1), 0.1, 0, 921 + 24 + 204, 921 + 360 + 180),
+    (Layout(1, 1, 1, 1, 1), 0.1, 1, 921 + 24 + 204, 921 + 360 + 180),
+    # two heads: 2 x 9 probabilities (2 x 81 bytes kept, 2 x 360 of hash temporaries)
+    (Layout(1, 1, 1, 1, 1), 0.1, 2, 1002 + 24 + 204, 1002 + 720 + 180),
 ])
-def test_one_stage_activations_and_transients_by_hand(layout, dropout, stage, activations, transient):
-    model = dataclasses.replace(SMALL, dropout=dropout)
-    got = stage_memory(model, layout, 3, "fp32", stage)
-    assert (got.activations, got.transient) == (activations, transient)
+def test_one_stage_activations_and_transients_by_hand(layout, dropout, heads, activations, transient):
+    model = dataclasses.replace(SMALL, dropout=dropout, n_heads=heads)
+    got = stage_memory(model, layout, 3, "fp32", 0)
+    assert (got.stage, got.activations, got.transient) == (0, activations, transient)
 
 
 def test_last_pipeline_stage_by_hand():
@@ -195,5 +197,5 @@ def test_last_pipeline_stage_by_hand():
     buffers, no loss gradient."""
     two = ModelConfig(n_layers=2, d_model=4, n_heads=1, vocab_size=5, context_length=3)
     last = stage_memory(two, Layout(1, 1, 2, 1, 2), 3, "fp32", 1)
-    assert (last.activations, last.transient) == (828 + 204 + 60, 828 + 180 + 96)
+    assert (last.stage, last.activations, last.transient) == (1, 828 + 204 + 60, 828 + 180 + 96)
     assert stage_memory(two, Layout(1, 1, 2, 1, 2), 3, "fp32", 0).transient == 828 + 96

@@ -98,3 +98,8 @@ def test_bad_data_sources(tmp_path, make, source, message):
     with pytest.raises(ConfigError) as err:
         load_tokens([str(tmp_path / source)], tmp_path / "cache")
     assert message in str(err.value)
+
+
+def test_a_global_batch_that_dp_does_not_divide_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"^global batch 10 is not divisible by dp=4$"):
+        samples_for(0, 10, 0, 4)

@@ -6,7 +6,7 @@ import torch
 from elastic_trainer.config import TrainConfig
 from elastic_trainer.model import GPT
 from elastic_trainer.config import load_model_config
-from elastic_trainer.train.optim import build_optimizer, lr_at
+from elastic_trainer.train.optim import build_optimizer, lr_at, set_lr
 
 
 def test_warmup_then_cosine_to_min():
@@ -14,8 +14,28 @@ def test_warmup_then_cosine_to_min():
     assert [lr_at(s, cfg) for s in range(4)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
     assert lr_at(12, cfg) == pytest.approx(1e-4 + 0.5 * 9e-4 * (1 + math.cos(math.pi * 0.5)))
     assert lr_at(20, cfg) == pytest.approx(1e-4) and lr_at(100, cfg) == pytest.approx(1e-4)
+    assert lr_at(4, cfg) == 1e-3  # the first step after warm-up is the peak: cosine at progress 0
     lrs = [lr_at(s, cfg) for s in range(4, 21)]
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+@pytest.mark.parametrize("decay_steps", [5, 4, 3])
+def test_a_schedule_no_longer_than_the_warmup_ends_in_one_step(decay_steps):
+    """decay_steps <= warmup + 1: the cosine spans one step (never zero or negative), from the peak at the
+    end of warm-up straight to the minimum."""
+    cfg = TrainConfig(lr=1e-3, warmup_steps=4, steps=20, min_lr_ratio=0.1, decay_steps=decay_steps)
+    assert [lr_at(s, cfg) for s in range(3, 7)] == pytest.approx([1e-3, 1e-3, 1e-4, 1e-4], rel=1e-12)
+
+
+def test_set_lr_sets_every_group():
+    params = [torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(2))]
+    opt = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:]}], lr=1.0)
+    set_lr(opt, 0.25)
+    assert [g["lr"] for g in opt.param_groups] == [0.25, 0.25]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()  # AdamW's first step moves every element by lr (times lr * weight decay): the new lr is used
+    assert params[1].detach().tolist() == pytest.approx([1 - 0.25 * 0.01 - 0.25] * 2, rel=1e-6)
 
 
 def test_decay_steps_fix_the_schedule_independently_of_steps():

@@ -103,3 +103,22 @@ def test_bad_data_sources(tmp_path, make, source, message):
 def test_a_global_batch_that_dp_does_not_divide_is_refused_by_name():
     with pytest.raises(ValueError, match=r"^global batch 10 is not divisible by dp=4$"):
         samples_for(0, 10, 0, 4)
+
+
+def test_the_sample_order_is_the_documented_function_of_seed_and_epoch():
+    """A checkpoint resumes at a position of this order, so it must never change between versions: epoch e is
+    numpy's PCG64 permutation seeded by the first 8 bytes (little-endian) of sha256("sample-order:{seed}:{e}"),
+    written out here from that description."""
+    import hashlib
+
+    def spec(seed, epoch, n):
+        key = int.from_bytes(hashlib.sha256(f"sample-order:{seed}:{epoch}".encode()).digest()[:8], "little")
+        return np.random.Generator(np.random.PCG64(key)).permutation(n)
+
+    T, n = 4, 5
+    samples = TokenSamples(np.arange(n * T + 1), T, seed=7)  # n * T + 1 tokens: exactly n samples
+    assert len(samples) == n and len(TokenSamples(np.arange(n * T), T, seed=7)) == n - 1
+    ids, rows = samples.batch(range(0, 2 * n + 2))  # two epochs and the start of a third
+    assert ids.tolist() == [*spec(7, 0, n), *spec(7, 1, n), *spec(7, 2, n)[:2]]
+    assert rows.tolist() == [list(range(i * T, i * T + T + 1)) for i in ids]
+    assert not np.array_equal(TokenSamples(np.arange(n * T + 1), T, seed=8).batch(range(0, n))[0], spec(7, 0, n))

@@ -44,6 +44,16 @@ def test_decay_steps_fix_the_schedule_independently_of_steps():
     assert [lr_at(s, a) for s in range(10)] == [lr_at(s, b) for s in range(10)]
 
 
+def test_the_optimizer_takes_betas_eps_and_lr_from_the_config():
+    params = [torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(2))]
+    model = torch.nn.Module()
+    model.w, model.b = params
+    opt = build_optimizer(model, TrainConfig(lr=0.05, beta1=0.8, beta2=0.9, eps=1e-3, weight_decay=0.2))
+    assert isinstance(opt, torch.optim.AdamW)
+    assert [(g["lr"], g["betas"], g["eps"], g["weight_decay"]) for g in opt.param_groups] == [
+        (0.05, (0.8, 0.9), 1e-3, 0.2), (0.05, (0.8, 0.9), 1e-3, 0.0)]
+
+
 def test_weight_decay_only_on_matrices():
     with torch.device("meta"):
         model = GPT(load_model_config("gpt-tiny"))

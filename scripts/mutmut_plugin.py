@@ -19,7 +19,7 @@ the copy of scripts/ (`also_copy`). It does four things the distributed tests ne
    of MUTATION_TEST_TIMEOUT_MIN + MUTATION_TEST_TIMEOUT_FACTOR * its own clean duration (defaults 15 s and 4,
    durations from mutmut's stats run); a test stopped by it fails, and the run is logged as a timeout.
    Before that, the tests are cut to the fastest ones whose clean times add up to MUTATION_TEST_BUDGET_S
-   (default 20 s; at least one test; 0 keeps all): the survivors of a function reached by 90 tests otherwise
+   (default 15 s; at least one test; 0 keeps all): the survivors of a function reached by 90 tests otherwise
    cost minutes each (the whole run was estimated at 180 h with every test). The clean run before the
    mutants (every test of the mutants to run) is cut the same way.
 
@@ -163,7 +163,7 @@ def pytest_collection_modifyitems(session, config, items) -> None:
         return
     floor = float(os.environ.get("MUTATION_TEST_TIMEOUT_MIN", "15"))
     factor = float(os.environ.get("MUTATION_TEST_TIMEOUT_FACTOR", "4"))
-    budget = float(os.environ.get("MUTATION_TEST_BUDGET_S", "20"))
+    budget = float(os.environ.get("MUTATION_TEST_BUDGET_S", "15"))
     if budget > 0 and items:
         # The fastest tests, up to `budget` seconds of clean time in all (at least one), judge a mutant. A
         # mutant only a slower test would kill therefore counts as survived, never the other way round.

@@ -16,7 +16,8 @@
 # with the equivalent mutants of scripts/mutation_equivalent.txt set aside.
 #
 # Environment: MUTATION_JOBS (mutants tested at once, default 1: the distributed tests fork 2-8 ranks each),
-# MUTATION_FRESH=1 (delete mutants/ first: after changing the tests, since cached verdicts are kept),
+# MUTATION_FRESH=1 (delete mutants/ first), MUTATION_TEST_BUDGET_S (seconds of clean test time per mutant, default 15;
+# see scripts/mutmut_plugin.py),
 # MUTATION_MIN_SCORE (exit 1 below this percentage), OMP_NUM_THREADS (default 1).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -155,3 +155,60 @@ def test_each_model_setting_is_refused_alone(field):
 def test_a_renamed_model_resumes():
     """The preset's name is a label: the same shapes under another name resume."""
     check(saved_meta(), CFG, dataclasses.replace(MODEL, name="renamed"))
+
+
+def test_two_different_model_settings_are_named_in_one_line():
+    """Every differing model setting, in the config's field order, separated by ', '."""
+    model = dataclasses.replace(MODEL, n_layers=2, dropout=0.1)
+    with pytest.raises(ConfigError) as err:
+        check(saved_meta(), CFG, model)
+    assert str(err.value) == ("ckpt/step-00000004 holds a different model: n_layers=2 (checkpoint: 4), "
+                              "dropout=0.1 (checkpoint: 0.0)")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"seed": 4}, "seed=4 (checkpoint: 3)"),
+    ({"decay_steps": 20}, "decay_steps=20 (checkpoint: 10)"),
+])
+def test_the_same_data_files_from_another_folder_do_not_hide_other_changes(tmp_path, monkeypatch, change,
+                                                                             message):
+    """The data setting is dropped from the differences when it names the same files; the others remain."""
+    (tmp_path / "a.txt").write_text("some text\n")
+    monkeypatch.chdir(tmp_path)
+    meta = saved_meta(dataclasses.replace(CFG, data=("a.txt",)))
+    with pytest.raises(ConfigError) as err:
+        check(meta, dataclasses.replace(CFG, data=(str(tmp_path / "a.txt"),), **change))
+    assert str(err.value) == (f"ckpt/step-00000004 was trained with other settings: {message}; resuming would "
+                              "change the loss trajectory (use the checkpoint's values or another --checkpoint-dir)")
+
+
+def tiny_trainer(seed: int) -> SimpleNamespace:
+    """What apply_tensor_state and tensor_state use of a Trainer: engine.model and its AdamW optimizer."""
+    import torch
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    return SimpleNamespace(engine=SimpleNamespace(model=model),
+                           optimizer=torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.01))
+
+
+def test_tensor_state_round_trips_weights_and_optimizer_moments_exactly():
+    """The state taken from a trained model and applied to a fresh one (other weights, no optimizer state)
+    gives it the same weights, AdamW moments and step counts."""
+    import copy
+
+    import torch
+
+    trained = tiny_trainer(0)
+    for _ in range(2):
+        trained.engine.model(torch.randn(5, 3)).square().sum().backward()
+        trained.optimizer.step()
+    fresh = tiny_trainer(1)
+    state.apply_tensor_state(fresh, copy.deepcopy(state.tensor_state(trained)))
+    ours, theirs = trained.engine.model.state_dict(), fresh.engine.model.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    saved, loaded = trained.optimizer.state_dict()["state"], fresh.optimizer.state_dict()["state"]
+    assert saved.keys() == loaded.keys() == {0, 1, 2, 3}
+    for i in saved:
+        assert saved[i].keys() == loaded[i].keys() == {"step", "exp_avg", "exp_avg_sq"}
+        assert all(torch.equal(saved[i][k], loaded[i][k]) for k in saved[i]) and float(loaded[i]["step"]) == 2

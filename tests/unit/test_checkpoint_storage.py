@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -488,3 +489,164 @@ def test_a_failed_dcp_load_is_reported_by_its_first_ranks_last_line():
 ])
 def test_an_unsafe_item_is_refused_by_the_line_that_names_it(text, line):
     assert storage._refusal_reason(ValueError(text)) == line
+
+
+# -- exact messages: read_meta, none_resumable, require_no_checkpoints --------------------------------
+
+def valid_meta() -> dict:
+    """The smallest meta.json read_meta accepts (the keys and types every reader relies on)."""
+    from elastic_trainer.config import load_model_config
+
+    return {"format": 1, "step": 4, "model": dataclasses.asdict(load_model_config("gpt-tiny")),
+            "train": {"schedule_steps": 10, "data": ["a.txt"]}, "layout": {"dp": 1, "tp": 1, "pp": 1}}
+
+
+def write_meta(folder: Path, meta) -> Path:
+    folder.mkdir(exist_ok=True)
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return folder / "meta.json"
+
+
+def test_read_meta_returns_a_valid_meta(tmp_path):
+    write_meta(tmp_path, valid_meta())
+    assert storage.read_meta(tmp_path) == valid_meta()
+
+
+@pytest.mark.parametrize("make, reason", [
+    (lambda p: p.mkdir(), "Is a directory"),  # an OSError: its strerror, not "[Errno 21] ...: 'path'"
+    (lambda p: None, "No such file or directory"),
+    (lambda p: p.write_text("{not json"), "Expecting property name enclosed in double quotes: line 1 column 2 "
+                                          "(char 1)"),  # a ValueError: its text
+], ids=["directory", "absent", "invalid-json"])
+def test_read_meta_names_why_it_cannot_read(tmp_path, make, reason):
+    path = tmp_path / "meta.json"
+    make(path)
+    with pytest.raises(CheckpointError) as err:
+        storage.read_meta(tmp_path)
+    assert str(err.value) == f"{str(path)!r} is unreadable ({reason})"
+
+
+@pytest.mark.parametrize("value", [[1, 2], "text", 3, None])
+def test_read_meta_refuses_json_that_is_not_an_object(tmp_path, value):
+    path = write_meta(tmp_path, value)
+    with pytest.raises(CheckpointError) as err:
+        storage.read_meta(tmp_path)
+    assert str(err.value) == f"{str(path)!r} is not a JSON object"
+
+
+@pytest.mark.parametrize("key, value", [
+    *[(k, missing) for k in storage.META_FIELDS for missing in ("missing",)],
+    ("format", "1"), ("step", 4.0), ("step", True), ("format", False),  # a bool is not an integer here
+    ("model", []), ("train", "x"), ("layout", 1), ("model", True),
+])
+def test_read_meta_refuses_a_missing_or_mistyped_key(tmp_path, key, value):
+    """Each required key missing or of the wrong type: one line naming it and the type it must have."""
+    meta = valid_meta()
+    if value == "missing":
+        del meta[key]
+    else:
+        meta[key] = value
+    path = write_meta(tmp_path, meta)
+    kind = "an integer" if storage.META_FIELDS[key] is int else "an object"
+    with pytest.raises(CheckpointError) as err:
+        storage.read_meta(tmp_path)
+    assert str(err.value) == f"{str(path)!r}: {key!r} is missing or not {kind} (a damaged or foreign meta.json)"
+
+
+def test_none_resumable_names_the_folder_the_count_and_the_newest_error():
+    error = storage.none_resumable("ckpts", ["step-00000009: file a is missing", "step-00000003: unreadable"])
+    assert isinstance(error, CheckpointError)
+    assert str(error) == ("no checkpoint in --checkpoint-dir ckpts can be resumed (2 damaged; newest: "
+                          "step-00000009: file a is missing); repair them, move them away or pass another "
+                          "--checkpoint-dir to start over")
+
+
+def test_require_no_checkpoints_refuses_a_folder_with_checkpoints(tmp_path):
+    from elastic_trainer.config import ConfigError
+
+    storage.require_no_checkpoints(tmp_path / "absent")
+    storage.require_no_checkpoints(tmp_path)  # empty
+    fake_checkpoint(tmp_path, 3)
+    fake_checkpoint(tmp_path, 12)
+    with pytest.raises(ConfigError) as err:
+        storage.require_no_checkpoints(tmp_path)
+    assert str(err.value) == (f"--checkpoint-dir {tmp_path} already holds checkpoints (step-00000012, ...); "
+                              "resume them (--resume auto) or use an empty folder")
+
+
+# -- SafeReader.read_metadata and SafeLoadPlanner.load_bytes, called directly ---------------------------
+
+def test_safe_reader_refuses_rank_local_metadata(tmp_path):
+    dcp.save({"t": torch.ones(3)}, checkpoint_id=str(tmp_path), no_dist=True)
+    reader = storage.SafeReader(str(tmp_path))
+    for rank in (0, 1):
+        with pytest.raises(CheckpointError, match=r"^rank-local checkpoint metadata is not supported$"):
+            reader.read_metadata(rank=rank)
+    assert reader.read_metadata(rank=None).state_dict_metadata.keys() == {"t"}
+
+
+def test_safe_reader_keeps_the_saved_storage_meta_and_sets_its_load_id(tmp_path):
+    dcp.save({"t": torch.ones(3)}, checkpoint_id=str(tmp_path), no_dist=True)
+    saved = storage.read_dcp_metadata(tmp_path / ".metadata").storage_meta
+    assert saved is not None and saved.save_id and saved.load_id is None
+    reader = storage.SafeReader(str(tmp_path))
+    got = reader.read_metadata().storage_meta
+    assert reader.load_id and got.load_id == reader.load_id
+    assert (got.save_id, str(got.checkpoint_id)) == (saved.save_id, str(saved.checkpoint_id))
+
+
+@pytest.mark.parametrize("drop", ["none", "absent"])
+def test_safe_reader_adds_storage_meta_when_the_checkpoint_has_none(tmp_path, drop):
+    """Metadata saved with storage_meta None (or, from an older torch, without the attribute) gets a fresh
+    StorageMeta carrying the reader's load_id, and loads."""
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    dcp.save({"t": torch.arange(3.0)}, checkpoint_id=str(tmp_path), no_dist=True)
+    metadata = storage.read_dcp_metadata(tmp_path / ".metadata")
+    metadata.storage_meta = None
+    if drop == "absent":
+        del metadata.__dict__["storage_meta"]
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(metadata))
+    reader = storage.SafeReader(str(tmp_path))
+    got = reader.read_metadata().storage_meta
+    assert isinstance(got, StorageMeta) and got.load_id == reader.load_id and got.save_id is None
+    state = {"t": torch.zeros(3)}
+    dcp.load(state, storage_reader=storage.SafeReader(str(tmp_path)), planner=storage.SafeLoadPlanner(),
+             no_dist=True)
+    assert torch.equal(state["t"], torch.arange(3.0))
+
+
+def test_an_unsafe_item_is_refused_even_when_the_environment_makes_torch_load_unsafe(tmp_path, monkeypatch):
+    """TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD turns torch.load's default to weights_only=False; the planner passes
+    weights_only=True explicitly, which the variable cannot override. The refusal names the global."""
+    marker = tmp_path / "pwned"
+    buf = io.BytesIO()
+    torch.save(Evil(str(marker)), buf)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.raises(CheckpointError) as err:
+        storage.SafeLoadPlanner().load_bytes(SimpleNamespace(dest_index=SimpleNamespace(fqn="opt.lr")),
+                                             io.BytesIO(buf.getvalue()))
+    assert not marker.exists()
+    text = str(err.value)
+    assert text.startswith("refusing unsafe item 'opt.lr' in checkpoint: ") and "GLOBAL posix.system" in text
+    assert "\n" not in text and "Weights only load failed" not in text
+
+
+def test_safe_loading_without_flattening_stores_plain_values(tmp_path):
+    """A planner that flattens nothing stores each non-tensor item under its name in the caller's state dict
+    (with flatten_sharded_tensors, DCP's planner works on a copy of it, and so does ours)."""
+    dcp.save({"t": torch.arange(4.0), "lr": 0.5, "steps": 7}, checkpoint_id=str(tmp_path), no_dist=True)
+    state = {"t": torch.zeros(4), "lr": 0.0, "steps": 0}
+    dcp.load(state, storage_reader=storage.SafeReader(str(tmp_path)),
+             planner=storage.SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False), no_dist=True)
+    assert torch.equal(state["t"], torch.arange(4.0)) and state["lr"] == 0.5 and state["steps"] == 7
+
+
+@pytest.mark.parametrize("make, reason", [(lambda p: None, "No such file or directory"),
+                                          (lambda p: p.mkdir(), "Is a directory")], ids=["absent", "directory"])
+def test_unreadable_dcp_metadata_is_reported_with_its_path_and_reason(tmp_path, make, reason):
+    path = tmp_path / ".metadata"
+    make(path)
+    with pytest.raises(CheckpointError) as err:
+        storage.read_dcp_metadata(path)
+    assert str(err.value) == f"checkpoint metadata {str(path)!r} cannot be read ({reason})"

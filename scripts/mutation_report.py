@@ -130,10 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         print("no mutmut results under mutants/: run scripts/mutation.sh first", file=sys.stderr)
         return 2
     modules = [os.path.normpath(m) + ("/" if m.endswith("/") else "") for m in args.modules]
-    equivalent = load_reasons(args.root / args.equivalent if not args.equivalent.is_absolute()
-                              else args.equivalent)
-    reasons = load_reasons(args.root / args.survivors if not args.survivors.is_absolute() else args.survivors)
+    equivalent = load_reasons(args.root / args.equivalent)  # an absolute path stays as it is
+    reasons = load_reasons(args.root / args.survivors)
     all_names = {name for r in results.values() for name in r}
+    killed_names = {name for r in results.values() for name, status in r.items() if status in KILLED}
 
     total = Counter()
     rows, survivors, equivalent_used, equivalent_killed, timeouts = [], [], [], [], []
@@ -195,8 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     unexplained = [name for _, name, status in survivors if name not in reasons and status != "not checked"]
     if unexplained:
         print(f"\n{len(unexplained)} survivors have no reason in {args.survivors}")
-    stale = sorted(n for n in reasons if n not in all_names or n in {x for r in results.values()
-                                                                        for x, st in r.items() if st in KILLED})
+    stale = sorted(n for n in reasons if n not in all_names or n in killed_names)
     if stale:
         print(f"\nlisted as survivors but killed or no such mutant (stale entries in {args.survivors}): "
               f"{', '.join(stale)}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from types import SimpleNamespace
 
@@ -212,3 +213,40 @@ def test_tensor_state_round_trips_weights_and_optimizer_moments_exactly():
     for i in saved:
         assert saved[i].keys() == loaded[i].keys() == {"step", "exp_avg", "exp_avg_sq"}
         assert all(torch.equal(saved[i][k], loaded[i][k]) for k in saved[i]) and float(loaded[i]["step"]) == 2
+
+
+def test_meta_records_the_data_rng_time_and_versions(tmp_path, monkeypatch):
+    import platform
+    import time
+
+    import torch
+
+    from elastic_trainer import __version__
+
+    (tmp_path / "a.txt").write_text("some text\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = dataclasses.replace(CFG, data=("a.txt",), seed=11)
+    before = time.time()
+    meta = saved_meta(cfg)
+    after = time.time()
+    digest = hashlib.sha256(str((tmp_path / "a.txt").resolve()).encode()).hexdigest()[:20]
+    assert meta["data"] == {"num_samples": 100, "seq_len": 32, "files_id": digest}
+    assert meta["rng"] == {"scheme": "reseed every step from (seed, step, stage, dp rank)", "seed": 11}
+    assert before <= meta["time"] <= after
+    saved = time.mktime(time.strptime(meta["saved_at"], "%Y-%m-%d %H:%M:%S %z"))
+    assert abs(saved - meta["time"]) < 2
+    assert meta["versions"] == {"elastic_trainer": __version__, "torch": torch.__version__,
+                                "python": platform.python_version()}
+    assert meta["world_size"] == 2 and meta["format"] == state.FORMAT
+    assert meta["train"] == {**dataclasses.asdict(cfg), "data": ["a.txt"], "schedule_steps": 10}
+    assert meta["model"] == dataclasses.asdict(MODEL)
+
+
+def test_data_files_id_is_none_when_the_files_are_gone(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.txt").write_text("x\n")
+    (tmp_path / "b.txt").write_text("y\n")
+    both = state.data_files_id(dataclasses.replace(CFG, data=("a.txt", "b.txt")))
+    joined = "\0".join(str((tmp_path / n).resolve()) for n in ("a.txt", "b.txt"))
+    assert both == hashlib.sha256(joined.encode()).hexdigest()[:20]
+    assert state.data_files_id(dataclasses.replace(CFG, data=("missing.txt",))) is None

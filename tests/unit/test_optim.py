@@ -82,3 +82,71 @@ def test_checkpoint_initializes_adamw_state_like_adamw_itself():
             assert sa[key].device == sb[key].device
         assert float(sa["step"]) == 0.0 and float(sb["step"]) == 1.0
         assert not sa["exp_avg"].any() and not sa["exp_avg_sq"].any()
+
+
+@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW])
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_checkpoint_initializes_adam_state_as_a_first_step_would_find_it(cls, amsgrad):
+    """Our zero state, then a step, equals the optimizer's own lazy initialization and the same step."""
+    from elastic_trainer.checkpoint.state import init_optimizer_state
+
+    torch.manual_seed(0)
+    start = [torch.randn(3, 2), torch.randn(4)]
+    grads = [torch.randn(3, 2), torch.randn(4)]
+    runs = []
+    for pre_init in (True, False):
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        opt = cls([{"params": params[:1], "weight_decay": 0.1}, {"params": params[1:]}], lr=0.1, amsgrad=amsgrad)
+        if pre_init:
+            init_optimizer_state(opt)
+            want = {"step", "exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if amsgrad else set())
+            for p in params:
+                assert set(opt.state[p]) == want
+                assert opt.state[p]["step"].dtype == torch.float32 and opt.state[p]["step"].shape == ()
+                assert float(opt.state[p]["step"]) == 0.0
+                assert all(not opt.state[p][k].any() and opt.state[p][k].shape == p.shape for k in want - {"step"})
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        runs.append((params, opt))
+    (ours, ours_opt), (theirs, theirs_opt) = runs
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        for key, value in theirs_opt.state[b].items():
+            torch.testing.assert_close(ours_opt.state[a][key], value, rtol=0, atol=0)
+
+
+def test_checkpoint_state_init_follows_the_default_dtype_and_the_device_branch():
+    """The step count's dtype is the default dtype, except capturable/fused groups keep a float32 on the device."""
+    from elastic_trainer.checkpoint.state import init_optimizer_state
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        plain, captured, fused = (torch.nn.Parameter(torch.zeros(2, dtype=torch.float32)) for _ in range(3))
+        opt = torch.optim.AdamW([{"params": [plain]}, {"params": [captured], "capturable": True},
+                                 {"params": [fused], "fused": True}], lr=0.1)
+        init_optimizer_state(opt)
+        assert opt.state[plain]["step"].dtype == torch.float64
+        assert opt.state[captured]["step"].dtype == torch.float32 and opt.state[captured]["step"].shape == ()
+        assert opt.state[fused]["step"].dtype == torch.float32
+        assert all(opt.state[p]["exp_avg"].dtype == torch.float32 for p in (plain, captured, fused))
+    finally:
+        torch.set_default_dtype(old)
+
+
+def test_checkpoint_state_init_leaves_a_stepped_or_other_optimizer_alone():
+    from elastic_trainer.checkpoint.state import init_optimizer_state
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([p], lr=0.1)
+    p.grad = torch.full((3,), 2.0)
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[p].items()}
+    init_optimizer_state(opt)
+    assert float(opt.state[p]["step"]) == 1.0
+    for key, value in before.items():
+        assert torch.equal(opt.state[p][key], value)
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1, momentum=0.9)
+    init_optimizer_state(sgd)
+    assert not sgd.state

@@ -122,3 +122,14 @@ def test_the_sample_order_is_the_documented_function_of_seed_and_epoch():
     assert ids.tolist() == [*spec(7, 0, n), *spec(7, 1, n), *spec(7, 2, n)[:2]]
     assert rows.tolist() == [list(range(i * T, i * T + T + 1)) for i in ids]
     assert not np.array_equal(TokenSamples(np.arange(n * T + 1), T, seed=8).batch(range(0, n))[0], spec(7, 0, n))
+
+
+def test_a_corpus_shorter_than_one_sample_is_refused_in_one_line():
+    from elastic_trainer.data.order import SampleOrder
+
+    for n in (0, -1):
+        with pytest.raises(ValueError) as err:
+            SampleOrder(n, seed=0)
+        assert str(err.value) == "the corpus is too short for even one sample at this sequence length"
+    one = SampleOrder(1, seed=0)  # the smallest corpus that works: every position is sample 0
+    assert one.num_samples == 1 and one.seed == 0 and list(one.ids(0, 3)) == [0, 0, 0]

@@ -131,6 +131,12 @@ def test_checkpoint_state_init_follows_the_default_dtype_and_the_device_branch()
         assert opt.state[captured]["step"].dtype == torch.float32 and opt.state[captured]["step"].shape == ()
         assert opt.state[fused]["step"].dtype == torch.float32
         assert all(opt.state[p]["exp_avg"].dtype == torch.float32 for p in (plain, captured, fused))
+        # a capturable group's step lives on its parameter's device (meta here: not the default device)
+        on_meta = torch.nn.Parameter(torch.zeros(2, dtype=torch.float32, device="meta"))
+        meta_opt = torch.optim.AdamW([on_meta], lr=0.1, capturable=True)
+        init_optimizer_state(meta_opt)
+        assert meta_opt.state[on_meta]["step"].device.type == "meta"
+        assert meta_opt.state[on_meta]["exp_avg"].device.type == "meta"
     finally:
         torch.set_default_dtype(old)
 

@@ -7,10 +7,12 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import struct
 import subprocess
 import sys
+import time
 import uuid
 import zipfile
 from pathlib import Path
@@ -650,3 +652,128 @@ def test_unreadable_dcp_metadata_is_reported_with_its_path_and_reason(tmp_path, 
     with pytest.raises(CheckpointError) as err:
         storage.read_dcp_metadata(path)
     assert str(err.value) == f"checkpoint metadata {str(path)!r} cannot be read ({reason})"
+
+
+# -- read_meta's later checks, the manifest, the temporary names, retention of one, failing removals ---------
+
+def test_read_meta_accepts_step_zero_and_names_a_negative_step(tmp_path):
+    meta = valid_meta() | {"step": 0}  # a checkpoint of the initial state (saved before any step) is valid
+    write_meta(tmp_path, meta)
+    assert storage.read_meta(tmp_path)["step"] == 0
+    path = write_meta(tmp_path, valid_meta() | {"step": -1})
+    with pytest.raises(CheckpointError) as err:
+        storage.read_meta(tmp_path)
+    assert str(err.value) == f"{str(path)!r}: step -1 is negative"
+
+
+@pytest.mark.parametrize("part, key, message", [
+    ("layout", "tp", "layout.tp is missing or not an integer"),
+    ("layout", "pp", "layout.pp is missing or not an integer"),
+    ("train", "schedule_steps", "train.schedule_steps is missing"),
+    ("train", "data", "train.data is missing"),
+])
+def test_read_meta_names_a_missing_layout_or_train_entry(tmp_path, part, key, message):
+    meta = valid_meta()
+    del meta[part][key]
+    path = write_meta(tmp_path, meta)
+    with pytest.raises(CheckpointError) as err:
+        storage.read_meta(tmp_path)
+    assert str(err.value) == f"{str(path)!r}: {message}"
+
+
+def test_read_meta_names_an_invalid_model_on_one_line(tmp_path):
+    meta = valid_meta()
+    meta["model"]["no_such_field"] = 1
+    path = write_meta(tmp_path, meta)
+    with pytest.raises(CheckpointError) as err:
+        storage.read_meta(tmp_path)
+    text = str(err.value)
+    prefix = f"{str(path)!r}: its model is not valid ("
+    assert text.startswith(prefix) and text.endswith(")") and "\n" not in text
+    # the dataclass's own complaint, its words kept and separated by single spaces
+    assert "unexpected keyword argument 'no_such_field'" in text[len(prefix):-1]
+    assert "  " not in text
+
+
+def test_dcp_metadata_must_be_a_metadata_object(tmp_path):
+    path = tmp_path / ".metadata"
+    path.write_bytes(pickle.dumps({"state_dict_metadata": {}}))  # a plain dict: no global to refuse
+    with pytest.raises(CheckpointError) as err:
+        storage.read_dcp_metadata(path)
+    assert str(err.value) == f"{str(path)!r} does not hold DCP metadata"
+
+
+def test_an_unreadable_manifest_is_named_with_its_folder(tmp_path):
+    folder = tmp_path / "step-00000003"
+    folder.mkdir()
+    with pytest.raises(CheckpointError) as err:
+        storage.read_manifest(folder)
+    assert str(err.value).startswith("step-00000003: unreadable manifest ([Errno 2] No such file or directory")
+    (folder / "manifest.json").write_text(json.dumps({"hash": "xxh3_128"}))  # no "files"
+    with pytest.raises(CheckpointError) as err:
+        storage.read_manifest(folder)
+    assert str(err.value) == "step-00000003: unreadable manifest ('files')"
+
+
+def test_commit_keeps_the_callers_descriptions_and_records_the_time(tmp_path):
+    """Files the caller described (the ranks hash their own shards) are not hashed again; the rest are."""
+    tmp = storage.new_tmp_dir(tmp_path, 3)
+    tmp.mkdir()
+    (tmp / "__0_0.distcp").write_bytes(b"abc")
+    (tmp / "meta.json").write_text("{}")
+    given = {"__0_0.distcp": {"bytes": 3, "xxh3_128": "described-by-its-rank"}}
+    t0 = time.time()
+    final = storage.commit(tmp, 3, given)
+    t1 = time.time()
+    manifest = json.loads((final / "manifest.json").read_text())
+    import xxhash
+
+    assert manifest["files"] == {"__0_0.distcp": given["__0_0.distcp"],
+                                 "meta.json": {"bytes": 2, "xxh3_128": xxhash.xxh3_128(b"{}").hexdigest()}}
+    assert t0 <= manifest["committed"] <= t1
+
+
+def test_temporary_names_carry_eight_hex_digits(tmp_path, monkeypatch):
+    assert re.fullmatch(r"\.tmp-step-00000012-[0-9a-f]{8}", storage.new_tmp_dir(tmp_path, 12).name)
+    assert storage.new_tmp_dir(tmp_path, 12, run_id="r1").name == ".tmp-step-00000012-r1"
+    replaced = []
+    real_replace = os.replace
+    monkeypatch.setattr(storage.os, "replace", lambda a, b: replaced.append((Path(a).name, Path(b).name))
+                        or real_replace(a, b))
+    storage.write_json_atomic(tmp_path / "x.json", {"a": [1, 2]})
+    fake_checkpoint(tmp_path, 4)
+    names = [src for src, _ in replaced]
+    assert re.fullmatch(r"\.x\.json\.[0-9a-f]{8}", names[0])
+    assert re.fullmatch(r"\.manifest\.json\.[0-9a-f]{8}", names[1])
+    assert re.fullmatch(r"\.latest\.[0-9a-f]{8}", names[2]) and replaced[2][1] == "latest"
+
+
+def test_json_files_are_written_one_item_a_line(tmp_path):
+    """meta.json and manifest.json stay readable and diffable by a person: one indent step, a final newline."""
+    storage.write_json_atomic(tmp_path / "x.json", {"a": [1, 2], "b": {"c": None}})
+    assert (tmp_path / "x.json").read_text() == '{\n "a": [\n  1,\n  2\n ],\n "b": {\n  "c": null\n }\n}\n'
+
+
+def test_retention_of_one_keeps_only_the_newest(tmp_path):
+    for step in (1, 2):
+        fake_checkpoint(tmp_path, step)
+    assert [p.name for p in storage.remove_old(tmp_path, keep=1)] == ["step-00000001"]
+    assert [p.name for p in storage.complete_checkpoints(tmp_path)] == ["step-00000002"]
+
+
+def test_a_removal_that_fails_does_not_stop_the_run(tmp_path, monkeypatch):
+    """Retention and the clean-up of crashed saves are best effort: a folder that cannot be removed (another
+    process removing it too, a busy network file system) is left, and training goes on."""
+    for step in (1, 2):
+        fake_checkpoint(tmp_path, step)
+    storage.new_tmp_dir(tmp_path, 3).mkdir()
+    real_rmtree = shutil.rmtree
+
+    def failing_rmtree(path, ignore_errors=False, **kwargs):
+        if not ignore_errors:
+            raise OSError(16, "Device or resource busy", str(path))
+
+    monkeypatch.setattr(storage.shutil, "rmtree", failing_rmtree)
+    assert [p.name for p in storage.remove_old(tmp_path, keep=1)] == ["step-00000001"]
+    storage.remove_abandoned(tmp_path)
+    monkeypatch.setattr(storage.shutil, "rmtree", real_rmtree)

@@ -5,6 +5,7 @@ ranks, the agreement on stops and periodic saves. The expectations are written o
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 
 import numpy as np
@@ -36,10 +37,12 @@ TOKENS = np.random.default_rng(1).integers(0, MODEL.vocab_size, 64 * T + 1).asty
 
 
 @pytest.fixture
-def group(monkeypatch):
-    """A gloo process group of one in this process, gone after the test."""
-    if "GLOO_SOCKET_IFNAME" not in os.environ:
-        monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+def group():
+    """A gloo process group of one in this process, gone after the test with its threads (torn down after
+    the test's monkeypatch, whose undo may hold the last reference to a group's user)."""
+    set_env = "GLOO_SOCKET_IFNAME" not in os.environ
+    if set_env:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     rng = torch.random.get_rng_state()
     try:
@@ -47,6 +50,9 @@ def group(monkeypatch):
     finally:
         torch.random.set_rng_state(rng)
         dist.destroy_process_group()
+        gc.collect()  # groups a test left in reference cycles: their gloo threads must not outlive it (a later fork would inherit them)
+        if set_env:
+            del os.environ["GLOO_SOCKET_IFNAME"]
 
 
 def job(**kwargs) -> Job:
@@ -63,6 +69,48 @@ def kinds(events: list[dict]) -> list[str]:
 
 def names(folder) -> list[str]:
     return [p.name for p in storage.complete_checkpoints(folder)]
+
+
+# Forked ranks first: a fork after this process ran gloo groups of its own can inherit their threads in a
+# state the child cannot use (seen to hang under mutmut's fork server).
+class _Clock:
+    """A checkpointer's part that _agree reads: whether a save is due, and the interval setting."""
+
+    def __init__(self, due: bool, interval: float):
+        self._due = due
+        self.cfg = CheckpointConfig(dir="unused", save_interval_s=interval)
+
+    def due(self, step: int) -> bool:
+        return self._due
+
+
+def _on_two_ranks(rank, world, tmp):
+    out = {}
+    # rank 0's clock decides a time-based save; a step-based one is due on every rank alike
+    for name, due, interval in [("rank1_clock", rank == 1, 5.0), ("rank0_clock", rank == 0, 5.0),
+                                ("step_based", rank == 1, 0.0), ("none", False, 5.0)]:
+        out[name] = _agree(None, _Clock(due, interval), 7)
+    stop = StopRequest(os.path.join(tmp, "STOP1"), signals=())
+    if rank == 1:
+        open(stop.stop_file, "w").close()
+    out["stop"] = _agree(stop if rank == 1 else None, None, 1)
+    events = EventLog(os.path.join(tmp, f"ev{rank}.jsonl"))
+    layout = Layout(2, 1, 1, B // 2, 1)
+    result = run_job(MODEL, CFG, layout, CPU, tokens=TOKENS, stop=stop if rank == 1 else None, events=events)
+    events.close()
+    out["job"] = (result.status, result.step)
+    return out
+
+
+def test_two_ranks_agree_on_stops_and_saves(tmp_path):
+    results = run_ranks(_on_two_ranks, 2, str(tmp_path))
+    for r in results:
+        assert (r["rank1_clock"], r["rank0_clock"], r["step_based"], r["none"]) == (
+            (False, False), (False, True), (False, True), (False, False))
+        assert r["stop"] == (True, False) and r["job"] == ("stopped", 1)
+    reasons = [[e["reason"] for e in read_jsonl(tmp_path / f"ev{rank}.jsonl") if e["event"] == "stopping"]
+               for rank in range(2)]
+    assert reasons == [["requested on another rank"], [f"stop file {tmp_path / 'STOP1'}"]]
 
 
 def test_a_run_without_checkpoints_finishes_quietly(group, tmp_path, capsys):
@@ -224,43 +272,3 @@ def test_divergence_raises_naming_the_newest_checkpoint(group, tmp_path):
     got = events_of(tmp_path / "ev.jsonl")
     assert kinds(got) == ["state_loaded", "first_step_done", "diverged"]
     assert names(tmp_path / "ck") == ["step-00000002"]
-
-
-class _Clock:
-    """A checkpointer's part that _agree reads: whether a save is due, and the interval setting."""
-
-    def __init__(self, due: bool, interval: float):
-        self._due = due
-        self.cfg = CheckpointConfig(dir="unused", save_interval_s=interval)
-
-    def due(self, step: int) -> bool:
-        return self._due
-
-
-def _on_two_ranks(rank, world, tmp):
-    out = {}
-    # rank 0's clock decides a time-based save; a step-based one is due on every rank alike
-    for name, due, interval in [("rank1_clock", rank == 1, 5.0), ("rank0_clock", rank == 0, 5.0),
-                                ("step_based", rank == 1, 0.0), ("none", False, 5.0)]:
-        out[name] = _agree(None, _Clock(due, interval), 7)
-    stop = StopRequest(os.path.join(tmp, "STOP1"), signals=())
-    if rank == 1:
-        open(stop.stop_file, "w").close()
-    out["stop"] = _agree(stop if rank == 1 else None, None, 1)
-    events = EventLog(os.path.join(tmp, f"ev{rank}.jsonl"))
-    layout = Layout(2, 1, 1, B // 2, 1)
-    result = run_job(MODEL, CFG, layout, CPU, tokens=TOKENS, stop=stop if rank == 1 else None, events=events)
-    events.close()
-    out["job"] = (result.status, result.step)
-    return out
-
-
-def test_two_ranks_agree_on_stops_and_saves(tmp_path):
-    results = run_ranks(_on_two_ranks, 2, str(tmp_path))
-    for r in results:
-        assert (r["rank1_clock"], r["rank0_clock"], r["step_based"], r["none"]) == (
-            (False, False), (False, True), (False, True), (False, False))
-        assert r["stop"] == (True, False) and r["job"] == ("stopped", 1)
-    reasons = [[e["reason"] for e in read_jsonl(tmp_path / f"ev{rank}.jsonl") if e["event"] == "stopping"]
-               for rank in range(2)]
-    assert reasons == [["requested on another rank"], [f"stop file {tmp_path / 'STOP1'}"]]

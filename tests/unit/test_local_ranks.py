@@ -79,3 +79,15 @@ def _topology(rank, world):
 
 def test_without_group_rank_every_rank_is_on_one_host():
     assert run_ranks(_topology, 3) == [(3,), (3,), (3,)]
+
+
+def _interface(rank, world):
+    return os.environ.get("GLOO_SOCKET_IFNAME"), dist.get_backend()
+
+
+def test_ranks_use_the_loopback_interface_unless_one_is_set(monkeypatch):
+    """gloo on a machine whose hostname does not resolve to a local address needs an interface: the ranks
+    default to loopback ("lo")."""
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    assert run_ranks(_interface, 2) == [("lo", "gloo"), ("lo", "gloo")]
+    assert "GLOO_SOCKET_IFNAME" not in os.environ  # the parent's environment is left alone

@@ -5,6 +5,7 @@ tokens come from. The expectations are written out from the documented behaviour
 from __future__ import annotations
 
 import copy
+import gc
 import hashlib
 import json
 import math
@@ -34,10 +35,12 @@ TOKENS = np.random.default_rng(0).integers(0, MODEL.vocab_size, 41 * T + 1).asty
 
 
 @pytest.fixture
-def group(monkeypatch):
-    """A gloo process group of one in this process, gone after the test."""
-    if "GLOO_SOCKET_IFNAME" not in os.environ:
-        monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+def group():
+    """A gloo process group of one in this process, gone after the test with its threads (torn down after
+    the test's monkeypatch, whose undo may hold the last reference to a group's user)."""
+    set_env = "GLOO_SOCKET_IFNAME" not in os.environ
+    if set_env:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     rng = torch.random.get_rng_state()
     try:
@@ -45,6 +48,9 @@ def group(monkeypatch):
     finally:
         torch.random.set_rng_state(rng)
         dist.destroy_process_group()
+        gc.collect()  # groups a test left in reference cycles: their gloo threads must not outlive it (a later fork would inherit them)
+        if set_env:
+            del os.environ["GLOO_SOCKET_IFNAME"]
 
 
 def make(model=MODEL, cfg=CFG, tokens=TOKENS, **kwargs) -> Trainer:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 from elastic_trainer.train.metrics import MetricsLog
 
@@ -92,3 +93,30 @@ def test_progress_lines_reach_a_pipe_while_the_job_runs():
     finally:
         child.kill()
         child.wait()
+
+
+class _PipeLike:
+    """A stdout whose text reaches the reader only when flushed, as a pipe's block buffer does."""
+
+    def __init__(self):
+        self.pending, self.seen = "", ""
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        return len(text)
+
+    def flush(self) -> None:
+        self.seen, self.pending = self.seen + self.pending, ""
+
+
+def test_each_line_is_flushed_as_it_is_printed(monkeypatch):
+    """In one process, without a pipe: every progress and info line is flushed when printed, so a log
+    collector reading the job's stdout sees each step at once, not when a buffer fills."""
+    out = _PipeLike()
+    monkeypatch.setattr(sys, "stdout", out)
+    log = MetricsLog(None, enabled=True, log_every=1, total_steps=2)
+    log.info("[train] starting")
+    assert out.seen == "[train] starting\n" and out.pending == ""
+    log.write({"step": 1, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1000.0, "step_time_s": 0.25})
+    assert out.pending == ""
+    assert out.seen.splitlines()[-1] == "step 1/2 | loss 2.5000 | lr 1.00e-03 | grad_norm 0.500 | 1,000 tok/s | 0.250 s/step"

@@ -1,0 +1,468 @@
+"""parallel/engine.py's Engine (and the pipeline, tensor- and data-parallel wrappers it applies) on a micro
+GPT: in this process on a gloo group of one, and on a few ranks forked from it (parallel/local_ranks.py).
+
+Every expectation is independent of the engine: the initial weights are written out from model/init.py's
+documented recipe (a generator per parameter seeded by sha256("seed:name")), the loss and gradients come
+from a plain single-process GPT with F.cross_entropy (mean over every token of the global batch), the
+gradient norm is the plain square root of the sum of squares, and the layout facts (which ranks pair up,
+which schedule, how many replicas of a piece) are counted by hand from the ("pp", "dp", "tp") mesh order.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe  # also imports torch._dynamo once, here:
+from torch.distributed.tensor import DTensor  # forked ranks would each import it lazily
+
+from elastic_trainer.config import ModelConfig
+from elastic_trainer.model import init as model_init
+from elastic_trainer.model.dropout import sample_keys
+from elastic_trainer.model.gpt import GPT
+from elastic_trainer.parallel.data_parallel import apply_data_parallel
+from elastic_trainer.parallel.engine import Engine, resolve_dtype
+from elastic_trainer.parallel.local_ranks import run_ranks
+from elastic_trainer.parallel.mesh import build_mesh
+from elastic_trainer.plan.layout import Layout, LayoutError
+
+MODEL = ModelConfig(n_layers=2, d_model=16, n_heads=2, vocab_size=64, context_length=16, name="micro")
+T = 8
+SEED = 7
+CPU = torch.device("cpu")
+
+
+# -- independent expectations ---------------------------------------------------------------------------
+
+def _std(cfg: ModelConfig, name: str) -> float:
+    if name == "pos_emb.weight":
+        return 0.01
+    if name.endswith("o_proj.weight") or name.endswith("mlp.proj.weight"):
+        return 0.02 / math.sqrt(2 * cfg.n_layers)
+    return 0.02
+
+
+def initial_by_hand(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """model/init.py's recipe written out: LayerNorms 1/0, biases 0, weights N(0, std) from a generator
+    seeded with the first 8 bytes (little-endian, top bit cleared) of sha256("seed:global name")."""
+    d, v = cfg.d_model, cfg.vocab_size
+    shapes = {"tok_emb.weight": (v, d), "pos_emb.weight": (cfg.context_length, d), "ln_f.weight": (d,),
+              "ln_f.bias": (d,)}
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}."
+        shapes.update({p + "ln_1.weight": (d,), p + "ln_1.bias": (d,), p + "ln_2.weight": (d,),
+                       p + "ln_2.bias": (d,), p + "attn.qkv_proj.weight": (3 * d, d), p + "attn.qkv_proj.bias": (3 * d,),
+                       p + "attn.o_proj.weight": (d, d), p + "attn.o_proj.bias": (d,),
+                       p + "mlp.fc.weight": (4 * d, d), p + "mlp.fc.bias": (4 * d,),
+                       p + "mlp.proj.weight": (d, 4 * d), p + "mlp.proj.bias": (d,)})
+    out = {}
+    for name, shape in shapes.items():
+        if ".ln_" in name or name.startswith("ln_"):
+            out[name] = torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
+        elif name.endswith("bias"):
+            out[name] = torch.zeros(shape)
+        else:
+            key = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
+            out[name] = torch.empty(shape).normal_(0.0, _std(cfg, name), generator=torch.Generator().manual_seed(key))
+    return out
+
+
+def reference(cfg: ModelConfig, tokens: torch.Tensor, keys: torch.Tensor | None = None):
+    """(mean token cross-entropy, {name: grad}, grad norm) of one plain single-process step."""
+    model = GPT(cfg)
+    model.load_state_dict(initial_by_hand(cfg, SEED))
+    model.train()
+    logits = model(tokens[:, :-1], dropout_keys=keys)
+    loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    norm = math.sqrt(sum(float(g.double().square().sum()) for g in grads.values()))
+    return loss.item(), grads, norm
+
+
+def batch(n: int, cfg: ModelConfig = MODEL, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, cfg.vocab_size, (n, T + 1), generator=torch.Generator().manual_seed(seed))
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().clone()
+
+
+def local_shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple((t.to_local() if isinstance(t, DTensor) else t).shape)
+
+
+def assert_grads_match(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rel: float = 1e-5):
+    for name, g in got.items():
+        ref = want[name]
+        assert g.shape == ref.shape, name
+        err = float((g - ref).norm())
+        assert err <= rel * float(ref.norm()) + 1e-9, (name, err, float(ref.norm()))
+
+
+# -- on forked ranks ------------------------------------------------------------------------------------
+
+COUNTED = ("all_reduce", "reduce_scatter_single")
+
+
+def _rank_step(rank, world, layout: Layout, cfg: ModelConfig, tokens, keys=None, dtype=torch.float32) -> dict:
+    """Build this rank's Engine, run one forward/backward on its dp share of `tokens`, and report."""
+    engine = Engine(cfg, layout, build_mesh(layout, "cpu"), CPU, seed=SEED, global_batch=layout.global_batch,
+                    seq_len=T, param_dtype=dtype)
+    model = engine.model
+    sharded = []  # after each forward of this stage: are the blocks' / the root's parameters sharded again?
+
+    def probe(module, args, output):
+        root = model.tok_emb if model.tok_emb is not None else model.ln_f  # a middle stage has neither
+        sharded.append(([isinstance(b.ln_1.weight, DTensor) for b in model.layers.values()],
+                        None if root is None else isinstance(root.weight, DTensor)))
+
+    model.register_forward_hook(probe)
+    counts = dict.fromkeys(COUNTED, 0)
+    originals = {k: getattr(dist, k) for k in COUNTED}
+
+    def counting(k):
+        def call(*args, **kwargs):
+            counts[k] += 1
+            return originals[k](*args, **kwargs)
+        return call
+
+    share = layout.local_batch
+    rows = slice(engine.coords.dp * share, (engine.coords.dp + 1) * share)
+    for k in COUNTED:
+        setattr(dist, k, counting(k))
+    try:
+        local = engine.forward_backward(tokens[rows], None if keys is None else keys[rows])
+    finally:
+        for k in COUNTED:
+            setattr(dist, k, originals[k])
+    kept_outputs = None
+    if engine.schedule is not None and engine.last:
+        kept_outputs = len(engine.schedule._stage.output_chunks)
+    engine.reduce_tied_grads()
+    loss = engine.global_loss(local)
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = {names[id(p)]: r for r, ps in engine._norm_groups().items() for p in ps}
+    params = {n: p for n, p in model.named_parameters()}
+    return {
+        "coords": (engine.coords.pp, engine.coords.dp, engine.coords.tp),
+        "local": float(local), "loss": loss,
+        "grads": {n: full(p.grad) for n, p in params.items()},
+        "dtypes": {n: p.grad.dtype for n, p in params.items()},
+        "shapes": {n: local_shape(p) for n, p in params.items()},
+        "groups": groups,
+        "tied_copy": engine.tied_copy is not None,
+        "tied_ranks": None if engine.tied_group is None else dist.get_process_group_ranks(engine.tied_group),
+        "schedule": type(engine.schedule).__name__,
+        "kept_outputs": kept_outputs,
+        "sharded": sharded,
+        "counts": counts,
+        "norm": float(engine.clip_grad_norm_(0.0)),
+    }
+
+
+def ranks(world: int, *args) -> list[dict]:
+    gc.collect()  # see the group fixture: nothing of an in-process group may survive into the fork
+    return run_ranks(_rank_step, world, *args, timeout=120)
+
+
+def check_step(results, cfg, tokens, keys=None, rel=1e-5):
+    """Every rank's loss and norm are the reference's; every stage's gradients (the tied copy's included,
+    after reduce_tied_grads) are the reference's and together cover every parameter."""
+    want_loss, want_grads, want_norm = reference(cfg, tokens, keys)
+    covered = set()
+    for r in results:
+        assert r["loss"] == pytest.approx(want_loss, rel=rel)
+        assert r["norm"] == pytest.approx(want_norm, rel=rel)
+        assert_grads_match(r["grads"], want_grads, rel=rel)
+        covered |= set(r["grads"])
+    assert covered == set(want_grads)
+    return want_loss
+
+
+@pytest.mark.parametrize("mode, micro_batch, n_micro", [("fsdp", 2, 1), ("fsdp", 1, 4), ("ddp", 2, 1), ("ddp", 1, 4)])
+def test_two_data_parallel_ranks_take_the_plain_global_batch_step(mode, micro_batch, n_micro):
+    layout = Layout(2, 1, 1, micro_batch, n_micro, dp_mode=mode)
+    tokens = batch(layout.global_batch)
+    results = ranks(2, layout, MODEL, tokens)
+    want_loss = check_step(results, MODEL, tokens)
+    assert [r["coords"] for r in results] == [(0, 0, 0), (0, 1, 0)]
+    # each rank's own contribution is its half's share of the global token mean
+    halves = [reference(MODEL, tokens[i * layout.local_batch:(i + 1) * layout.local_batch])[0] / 2 for i in (0, 1)]
+    assert [r["local"] for r in results] == pytest.approx(halves, rel=1e-5)
+    assert sum(halves) == pytest.approx(want_loss, rel=1e-5)
+    units = MODEL.n_layers + 1  # each block, and the root (embeddings, final LayerNorm)
+    for r in results:
+        assert r["tied_ranks"] is None and not r["tied_copy"]
+        if mode == "fsdp":
+            # sharded over dp: each piece lives on one rank; reduce-scattered after every micro-batch
+            assert set(r["groups"].values()) == {1}
+            assert r["counts"] == {"all_reduce": 0, "reduce_scatter_single": units * n_micro}
+            # without a pipeline the blocks are freed (resharded) after their forward, the root is kept
+            assert r["sharded"] == [([True] * MODEL.n_layers, False)] * n_micro
+        else:
+            # replicated over dp: every piece on both ranks; one all-reduce per unit after the last micro-batch
+            assert set(r["groups"].values()) == {2}
+            assert r["counts"] == {"all_reduce": units, "reduce_scatter_single": 0}
+
+
+def test_bf16_data_parallel_gradients_are_reduced_in_fp32():
+    layout = Layout(2, 1, 1, 2, 1, dp_mode="fsdp")
+    tokens = batch(layout.global_batch)
+    results = ranks(2, layout, MODEL, tokens, None, torch.bfloat16)
+    want_loss, want_grads, _ = reference(MODEL, tokens)
+    for r in results:
+        assert r["loss"] == pytest.approx(want_loss, rel=2e-2)
+        assert_grads_match(r["grads"], want_grads, rel=0.1)
+        assert set(r["dtypes"].values()) == {torch.float32}
+        # the sum of the two ranks' bf16 gradients, taken in fp32, is mostly not a bf16 number
+        g = torch.cat([v.flatten() for v in r["grads"].values()])
+        g = g[g != 0]
+        exact_bf16 = (g.bfloat16().float() == g).float().mean()
+        assert exact_bf16 < 0.5
+
+
+DROPPING = ModelConfig(n_layers=2, d_model=16, n_heads=2, vocab_size=64, context_length=16, dropout=0.1)
+# split by tensor parallelism (Megatron: qkv and fc column-wise with their biases, o_proj and proj row-wise)
+TP_SPLIT = ("attn.qkv_proj.weight", "attn.qkv_proj.bias", "attn.o_proj.weight", "mlp.fc.weight", "mlp.fc.bias",
+            "mlp.proj.weight")
+
+
+def keys_for(n: int) -> torch.Tensor:
+    return sample_keys(SEED, torch.arange(n, dtype=torch.int64))
+
+
+def tp_local_shapes(cfg: ModelConfig, tp: int) -> dict[str, tuple[int, ...]]:
+    d = cfg.d_model
+    return {"attn.qkv_proj.weight": (3 * d // tp, d), "attn.qkv_proj.bias": (3 * d // tp,),
+            "attn.o_proj.weight": (d, d // tp), "attn.o_proj.bias": (d,), "mlp.fc.weight": (4 * d // tp, d),
+            "mlp.fc.bias": (4 * d // tp,), "mlp.proj.weight": (d, 4 * d // tp), "mlp.proj.bias": (d,),
+            "ln_1.weight": (d,), "tok_emb.weight": (cfg.vocab_size, d), "pos_emb.weight": (cfg.context_length, d)}
+
+
+def check_tp_shapes(r: dict, cfg: ModelConfig, tp: int) -> None:
+    want = tp_local_shapes(cfg, tp)
+    for name, shape in r["shapes"].items():
+        suffix = next((k for k in want if name.endswith(k)), None)
+        if suffix is not None:
+            assert shape == want[suffix], name
+
+
+def test_two_tensor_parallel_ranks_split_heads_and_columns_and_take_the_plain_step():
+    layout = Layout(1, 2, 1, 2, 2)
+    tokens, keys = batch(layout.global_batch), keys_for(layout.global_batch)
+    results = ranks(2, layout, DROPPING, tokens, keys)
+    want_loss = check_step(results, DROPPING, tokens, keys)
+    assert [r["coords"] for r in results] == [(0, 0, 0), (0, 0, 1)]
+    for r in results:
+        assert r["local"] == pytest.approx(want_loss, rel=1e-5)  # both ranks compute the whole loss ...
+        check_tp_shapes(r, DROPPING, 2)
+        # ... and hold the embeddings, LayerNorms and row-wise biases whole: 2 copies; the split pieces 1
+        assert r["groups"] == {n: 1 if n.endswith(TP_SPLIT) else 2 for n in r["grads"]}
+        assert r["tied_ranks"] is None
+
+
+@pytest.mark.parametrize("n_micro, schedule", [(1, "ScheduleGPipe"), (2, "Schedule1F1B")])
+def test_two_pipeline_stages_tie_the_embedding_and_take_the_plain_step(n_micro, schedule):
+    layout = Layout(1, 1, 2, 4 // n_micro, n_micro)
+    tokens, keys = batch(4), keys_for(4)
+    results = ranks(2, layout, DROPPING, tokens, keys)
+    want_loss = check_step(results, DROPPING, tokens, keys)
+    first, last = results
+    assert (first["coords"], last["coords"]) == ((0, 0, 0), (1, 0, 0))
+    assert first["schedule"] == last["schedule"] == schedule  # 1F1B once there are pp micro-batches
+    assert first["tied_ranks"] == last["tied_ranks"] == [0, 1]
+    assert (first["tied_copy"], last["tied_copy"]) == (False, True)
+    assert set(first["grads"]) == {"tok_emb.weight", "pos_emb.weight"} | {n for n in first["grads"] if n.startswith("layers.0.")}
+    assert {n for n in last["grads"] if not n.startswith("layers.1.")} == {"tok_emb.weight", "ln_f.weight", "ln_f.bias"}
+    assert (first["local"], last["local"]) == (0.0, pytest.approx(want_loss, rel=1e-5))
+    assert last["kept_outputs"] == 0  # the last stage does not keep the step's logits
+    # the tied copy is counted once, on the first stage
+    assert set(first["groups"]) == set(first["grads"]) and set(first["groups"].values()) == {1}
+    assert set(last["groups"]) == set(last["grads"]) - {"tok_emb.weight"} and set(last["groups"].values()) == {1}
+
+
+def test_three_pipeline_stages_pair_the_first_and_last_for_the_tied_embedding():
+    cfg = ModelConfig(n_layers=3, d_model=16, n_heads=2, vocab_size=64, context_length=16, dropout=0.1)
+    layout = Layout(1, 1, 3, 1, 2)
+    tokens, keys = batch(2), keys_for(2)
+    results = ranks(3, layout, cfg, tokens, keys)
+    want_loss = check_step(results, cfg, tokens, keys)  # the middle stage's dropout masks follow the keys too
+    assert [r["tied_ranks"] for r in results] == [[0, 2], None, [0, 2]]
+    assert [r["tied_copy"] for r in results] == [False, False, True]
+    assert [r["schedule"] for r in results] == ["ScheduleGPipe"] * 3  # 2 micro-batches < 3 stages
+    assert [r["local"] for r in results] == [0.0, 0.0, pytest.approx(want_loss, rel=1e-5)]
+    assert set(results[1]["grads"]) == {n for n in results[1]["grads"] if n.startswith("layers.1.")}
+
+
+def test_pipeline_and_fsdp_on_four_ranks_pair_each_replica_s_stages():
+    layout = Layout(2, 1, 2, 1, 2, dp_mode="fsdp")
+    tokens = batch(4)
+    results = ranks(4, layout, MODEL, tokens)
+    check_step(results, MODEL, tokens)
+    assert [r["coords"] for r in results] == [(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)]
+    assert [r["tied_ranks"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    for r in results:
+        assert r["schedule"] == "Schedule1F1B"
+        assert set(r["groups"].values()) == {1}
+        # with a pipeline each micro-batch's backward comes later: the stage stays gathered after forward
+        assert len(r["sharded"]) >= 2 and set(map(repr, r["sharded"])) == {repr(([False], False))}
+
+
+def test_data_and_tensor_parallel_on_four_ranks_count_each_piece_s_replicas():
+    layout = Layout(2, 2, 1, 1, 2, dp_mode="ddp")
+    tokens = batch(4)
+    results = ranks(4, layout, MODEL, tokens)
+    want_loss = check_step(results, MODEL, tokens)
+    assert [r["coords"] for r in results] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
+    for r in results:
+        check_tp_shapes(r, MODEL, 2)
+        # replicated over the 2 dp ranks, and over the 2 tp ranks unless split by them
+        assert r["groups"] == {n: 2 if n.endswith(TP_SPLIT) else 4 for n in r["grads"]}
+    halves = [reference(MODEL, tokens[:2])[0] / 2, reference(MODEL, tokens[2:])[0] / 2]
+    assert [r["local"] for r in results] == pytest.approx([halves[0]] * 2 + [halves[1]] * 2, rel=1e-5)
+    assert sum(halves) == pytest.approx(want_loss, rel=1e-5)
+
+
+# -- in this process ------------------------------------------------------------------------------------
+
+@pytest.fixture
+def group():
+    """A gloo process group of one in this process, gone after the test with its threads (torn down after
+    the test's monkeypatch, whose undo may hold the last reference to a group's user)."""
+    set_env = "GLOO_SOCKET_IFNAME" not in os.environ
+    if set_env:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    rng = torch.random.get_rng_state()
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(rng)
+        dist.destroy_process_group()
+        gc.collect()  # groups a test left in reference cycles: their gloo threads must not outlive it (a later fork would inherit them)
+        if set_env:
+            del os.environ["GLOO_SOCKET_IFNAME"]
+
+
+def engine1(layout: Layout, cfg: ModelConfig = MODEL, device: torch.device = CPU, **kwargs) -> Engine:
+    kwargs.setdefault("seed", SEED)
+    kwargs.setdefault("global_batch", layout.global_batch)
+    kwargs.setdefault("seq_len", T)
+    return Engine(cfg, layout, build_mesh(layout, "cpu"), device, **kwargs)
+
+
+def test_resolve_dtype():
+    assert resolve_dtype("auto", CPU) is torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) is torch.bfloat16  # a device object needs no GPU
+    assert resolve_dtype("auto", torch.device("cuda", 1)) is torch.bfloat16
+    assert resolve_dtype("fp32", CPU) is torch.float32
+    assert resolve_dtype("fp32", torch.device("cuda")) is torch.float32
+    assert resolve_dtype("bf16", CPU) is torch.bfloat16
+    with pytest.raises(KeyError) as err:
+        resolve_dtype("fp16", CPU)
+    assert err.value.args == ("fp16",)
+
+
+def test_weights_start_from_the_seed_by_default_and_are_left_for_a_load_otherwise(group, monkeypatch):
+    engine = engine1(Layout(1, 1, 1, 2, 1))
+    want = initial_by_hand(MODEL, SEED)
+    got = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    calls = []
+    monkeypatch.setattr(model_init, "init_weights", lambda model, seed: calls.append(seed))
+    engine1(Layout(1, 1, 1, 2, 1), initialize=False)
+    assert calls == []
+    engine1(Layout(1, 1, 1, 2, 1), initialize=True)
+    assert calls == [SEED]
+
+
+def test_the_layout_must_split_the_global_batch(group):
+    with pytest.raises(LayoutError) as err:
+        engine1(Layout(1, 1, 1, 2, 2), global_batch=6)
+    assert str(err.value) == "dp*micro_batch*num_microbatches = 1*2*2 = 4 does not equal global batch 6"
+
+
+@pytest.mark.parametrize("micro_batch, n_micro", [(4, 1), (2, 2), (1, 4)])
+def test_one_rank_step_is_the_plain_mean_cross_entropy_step(group, micro_batch, n_micro):
+    tokens = batch(4)
+    engine = engine1(Layout(1, 1, 1, micro_batch, n_micro))
+    assert engine.schedule is None and engine.tied_group is None and engine.tied_copy is None
+    loss = engine.forward_backward(tokens)
+    want_loss, want_grads, want_norm = reference(MODEL, tokens)
+    assert float(loss) == pytest.approx(want_loss, rel=1e-5)
+    assert engine.global_loss(loss) == pytest.approx(want_loss, rel=1e-5)
+    assert_grads_match({n: p.grad for n, p in engine.model.named_parameters()}, want_grads)
+    assert float(engine.clip_grad_norm_(0.0)) == pytest.approx(want_norm, rel=1e-5)
+    # every parameter lives on this one rank only
+    assert list(engine._norm_groups()) == [1]
+    assert len(engine._norm_groups()[1]) == len(want_grads)
+
+
+def test_a_micro_batch_loss_is_its_share_of_the_global_token_mean(group):
+    engine = engine1(Layout(1, 1, 1, 2, 2))  # 4 samples of 8 tokens: 32 tokens
+    logits = torch.randn(2, T, MODEL.vocab_size, generator=torch.Generator().manual_seed(1))
+    targets = torch.randint(0, MODEL.vocab_size, (2, T), generator=torch.Generator().manual_seed(2))
+    total = F.cross_entropy(logits.reshape(-1, MODEL.vocab_size), targets.reshape(-1), reduction="sum")
+    assert float(engine.loss_fn(logits, targets)) == pytest.approx(float(total) / 32, rel=1e-6)
+
+
+def test_recompute_runs_each_block_forward_again_in_backward(group):
+    tokens = batch(2)
+    for recompute, runs in [(False, 1), (True, 2)]:
+        engine = engine1(Layout(1, 1, 1, 2, 1, recompute=recompute))
+        calls = []
+        for block in engine.model.layers.values():
+            block.attn.register_forward_pre_hook(lambda *a: calls.append(1))
+        engine.forward_backward(tokens)
+        assert len(calls) == runs * MODEL.n_layers
+        _, want, _ = reference(MODEL, tokens)
+        assert_grads_match({n: p.grad for n, p in engine.model.named_parameters()}, want)
+
+
+def test_bf16_parameters_compute_in_bf16(group):
+    tokens = batch(2)
+    for mode in ("fsdp", "ddp"):
+        engine = engine1(Layout(1, 1, 1, 2, 1, dp_mode=mode), param_dtype=torch.bfloat16)
+        seen = []
+        original = engine.loss_fn
+        engine.loss_fn = lambda logits, targets: seen.append(logits.dtype) or original(logits, targets)
+        loss = engine.forward_backward(tokens)
+        assert seen == [torch.bfloat16], mode
+        want_loss, _, _ = reference(MODEL, tokens)
+        assert float(loss) == pytest.approx(want_loss, rel=2e-2)
+        grads = {n: full(p.grad) for n, p in engine.model.named_parameters()}
+        _, want, _ = reference(MODEL, tokens)
+        assert_grads_match(grads, want, rel=0.1)  # bf16 compute, but not scaled: summed, not averaged
+
+
+def test_the_step_runs_on_the_engine_s_device(group):
+    """Tokens and dropout keys are moved to the engine's device and the loss comes back there (the meta
+    device stands in for an accelerator: this machine has only the CPU)."""
+    meta = torch.device("meta")
+    engine = engine1(Layout(1, 1, 1, 1, 2), DROPPING, device=meta)
+    seen = []
+    engine.model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append((args[0].device, kwargs["dropout_keys"].device)), with_kwargs=True)
+    loss = engine.forward_backward(batch(2), keys_for(2))
+    assert loss.device == meta
+    assert seen == [(meta, meta)] * 2
+    assert engine.model.tok_emb.weight.grad.device == meta
+
+
+def test_an_unknown_data_parallel_mode_is_refused(group):
+    mesh = build_mesh(Layout(1, 1, 1, 1, 1), "cpu")
+    message = None
+    try:
+        apply_data_parallel(GPT(MODEL), mesh["dp"], "zero", torch.float32, True)
+    except ValueError as e:
+        message = str(e)
+    assert message == "unknown data-parallel mode 'zero' (valid: fsdp, ddp)"

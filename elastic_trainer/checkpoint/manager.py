@@ -131,8 +131,8 @@ class Checkpointer:
                 note = f", removed {', '.join(p.name for p in removed)}" if removed else ""
                 self.log(f"[checkpoint] step {meta['step']} saved to {final} in "
                          f"{time.perf_counter() - t0:.2f} s{note}", flush=True)
-            except OSError as e:
-                outcome = [f"error: {e}"]
+            except Exception as e:  # whatever it is, every rank must hear it: they wait in the broadcast below
+                outcome = [f"error: {e}" if isinstance(e, OSError) else f"error: {type(e).__name__}: {e}"]
         dist.broadcast_object_list(outcome, src=0, group=self.pg)
         if outcome[0].startswith("error: "):
             raise storage.CheckpointError(f"committing step {meta['step']} failed: {outcome[0][7:]}")

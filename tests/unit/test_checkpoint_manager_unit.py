@@ -193,6 +193,30 @@ def test_on_two_ranks_rank_zero_logs_and_each_rank_verifies_its_share(tmp_path):
     assert r0["candidates"] == r1["candidates"] == [folder]
 
 
+def _rank_zero_commit_fails(rank, world, root: str) -> str:
+    """Each rank saves; rank 0's pruning (after its commit) raises something that is not an OSError."""
+    if rank == 0:
+        def broken(*args, **kwargs):
+            raise ValueError("keep must be a number")
+        storage.remove_old = broken  # this forked rank only
+    layout = Layout(2, 1, 1, B // 2, 1)
+    t = Trainer(MODEL, CFG, layout, build_mesh(layout, "cpu"), CPU, tokens=TOKENS)
+    ck = Checkpointer(CheckpointConfig(dir=root), log=Log())
+    try:
+        ck.save(t)
+        return "saved"
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        ck.close()
+
+
+def test_any_failure_of_rank_zero_s_commit_reaches_every_rank(tmp_path):
+    """The other ranks wait for rank 0's verdict: an error of any kind must reach them, not leave them waiting."""
+    got = run_ranks(_rank_zero_commit_fails, 2, str(tmp_path), timeout=60)
+    assert got == ["CheckpointError: committing step 0 failed: ValueError: keep must be a number"] * 2
+
+
 # -- construction ---------------------------------------------------------------------------------
 
 def test_construction_makes_the_root_and_starts_with_nothing_saved(group, tmp_path, collectives):

@@ -3,6 +3,7 @@ results by rank, torchrun's variables, and a failure blamed on the right rank.""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import signal
 import time
@@ -18,7 +19,9 @@ def _report(rank, world, scale, *, offset):
     t = torch.tensor([float(rank)])
     dist.all_reduce(t)
     env = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    return rank * scale + offset, t.item(), env, torch.get_num_threads(), dist.get_world_size()
+    # daemonic: a rank dies with the process that forked it rather than keep it from exiting
+    return (rank * scale + offset, t.item(), env, torch.get_num_threads(), dist.get_world_size(), world,
+            mp.current_process().daemon)
 
 
 def test_results_come_back_by_rank_with_torchrun_s_variables():
@@ -26,7 +29,7 @@ def test_results_come_back_by_rank_with_torchrun_s_variables():
     assert [g[0] for g in got] == [1, 11, 21] and {g[1] for g in got} == {3.0}
     assert [g[2] for g in got] == [{"RANK": str(r), "WORLD_SIZE": "3", "LOCAL_RANK": str(r),
                                     "LOCAL_WORLD_SIZE": "3"} for r in range(3)]
-    assert {(g[3], g[4]) for g in got} == {(1, 3)}
+    assert {(g[3], g[4], g[5], g[6]) for g in got} == {(1, 3, 3, True)}
 
 
 def _fail_on(rank, world, bad):

@@ -1,0 +1,92 @@
+"""Our GPT as DeepSpeed trains it: the whole module under ZeRO, or as `PipelineModule` layers.
+
+`elastic-trainer checkpoint import-deepspeed` reads checkpoints of either. The pipeline's layers are, in order:
+the embeddings (tied with the output projection), one layer per transformer block, the final LayerNorm, and
+the output projection through the tied embedding. Parameter names inside each layer are the GPT's own
+(`tok_emb.weight`, `ln_1.weight`, `ln_f.bias`...), so a layer file maps back by position. DeepSpeed is
+imported only when a pipeline is built.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from elastic_trainer.config import ModelConfig
+from elastic_trainer.model.gpt import GPT, Block
+
+TIED_KEY = "embed"
+
+
+class Embed(nn.Module):
+    """Token and position embeddings (the pipeline's first layer, tied with its last)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.context_length, cfg.d_model)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tok_emb(tokens) + self.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
+
+
+class FinalNorm(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln_f(x)
+
+
+class PipeBlock(Block):
+    """A transformer block taking and returning one tensor, as pipeline layers do (no dropout keys)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x)
+
+
+def _project(embed: Embed, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, embed.tok_emb.weight)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy in fp32, the loss our trainer reports."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def copy_weights_into_pipeline(gpt: GPT, pipe: nn.Module) -> None:
+    """Give a PipelineModule's layers (on this stage) the weights of a whole GPT."""
+    sd = gpt.state_dict()
+    for name, tensor in pipe.state_dict().items():
+        ours = pipeline_param_name(name, gpt.config.n_layers)
+        if ours is not None:
+            tensor.copy_(sd[ours])
+
+
+def pipeline_param_name(name: str, n_layers: int) -> str | None:
+    """A PipelineModule parameter name ('tied_modules.embed.tok_emb.weight', '3.ln_1.weight') -> our GPT's
+    ('tok_emb.weight', 'layers.2.ln_1.weight'); None for a name that is not part of the layers above."""
+    if name.startswith(f"tied_modules.{TIED_KEY}."):
+        return name[len(f"tied_modules.{TIED_KEY}."):]
+    index, _, rest = name.partition(".")
+    if not index.isdigit():
+        return None
+    i = int(index)
+    if 1 <= i <= n_layers:
+        return f"layers.{i - 1}.{rest}"
+    if i == n_layers + 1 and rest.startswith("ln_f."):
+        return rest
+    return None
+
+
+def pipeline_module(cfg: ModelConfig, num_stages: int, loss_fn=lm_loss, **kwargs):
+    """DeepSpeed's PipelineModule of our GPT (partitioned by parameter count unless `partition_method` says)."""
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+    layers = [TiedLayerSpec(TIED_KEY, Embed, cfg, tied_weight_attr=["tok_emb.weight"])]
+    layers += [LayerSpec(PipeBlock, cfg, i) for i in range(cfg.n_layers)]
+    layers += [LayerSpec(FinalNorm, cfg),
+               TiedLayerSpec(TIED_KEY, Embed, cfg, forward_fn=_project, tied_weight_attr=["tok_emb.weight"])]
+    return PipelineModule(layers=layers, num_stages=num_stages, loss_fn=loss_fn, **kwargs)

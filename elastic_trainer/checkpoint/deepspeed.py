@@ -351,3 +351,203 @@ def _read_universal(folder: Path) -> DeepSpeedState:
             params[name] = ParamState(*tensors, step=float(step.item() if torch.is_tensor(step) else step),
                                       hyper=hyper)
     return _state("universal", params, ms, int(ms.get("dp_world_size", 1)))
+
+
+# -- into our names and settings ----------------------------------------------------------------------------
+
+
+def gpt_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Our GPT's parameter names and shapes (built on the meta device: no memory)."""
+    from elastic_trainer.model.gpt import GPT
+
+    with torch.device("meta"):
+        model = GPT(cfg)
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def _hf_names(cfg: ModelConfig, names: list[str]) -> dict[str, str]:
+    """our name -> the Hugging Face GPT-2 name (GPT2LMHeadModel's `transformer.` prefix or GPT2Model's none),
+    from model.hf's tables."""
+    from elastic_trainer.model import hf
+
+    prefix = "transformer." if any(n.startswith("transformer.") for n in names) else ""
+    out = {ours: prefix + theirs.removeprefix("transformer.") for ours, theirs in hf._TOP.items()}
+    for i in range(cfg.n_layers):
+        block = {**hf._BLOCK_RENAMES, **hf._BLOCK_TRANSPOSED, "attn.qkv_proj.weight": "attn.c_attn.weight",
+                 "attn.qkv_proj.bias": "attn.c_attn.bias"}
+        out.update({f"layers.{i}.{ours}": f"{prefix}h.{i}.{theirs}" for ours, theirs in block.items()})
+    return out
+
+
+def to_gpt(state: DeepSpeedState, cfg: ModelConfig) -> dict[str, ParamState]:
+    """The checkpoint's parameters under our GPT's names, shapes checked against `cfg`."""
+    from elastic_trainer.compat.deepspeed_gpt import pipeline_param_name
+
+    want = gpt_shapes(cfg)
+    names = list(state.params)
+    if set(want) <= set(names):
+        out = {n: state.params[n] for n in want}
+    elif any(n.startswith("tied_modules.") or n.split(".", 1)[0].isdigit() for n in names):
+        out = {}
+        for n in names:
+            ours = pipeline_param_name(n, cfg.n_layers)
+            if ours is None:
+                raise ConfigError(f"pipeline parameter {n!r} is not a layer of elastic_trainer.compat.deepspeed_gpt's "
+                                  f"PipelineModule for a {cfg.n_layers}-layer GPT (check --model)")
+            out.setdefault(ours, state.params[n])
+    elif any(n.startswith(("transformer.", "h.", "wte.")) for n in names):
+        source = _hf_names(cfg, names)
+        absent = [theirs for theirs in source.values() if theirs not in state.params]
+        if absent:
+            raise ConfigError(f"the checkpoint's Hugging Face GPT-2 parameters lack {absent[0]!r} for a "
+                              f"{cfg.n_layers}-layer GPT (check --model)")
+        out = {}
+        for ours, theirs in source.items():
+            p = state.params[theirs]
+            conv = {}
+            for what in ("weight", "exp_avg", "exp_avg_sq"):
+                try:
+                    conv[what] = _convert_hf_tensor(ours, getattr(p, what), cfg)
+                except RuntimeError:
+                    raise ConfigError(f"parameter {theirs!r} is {tuple(p.weight.shape)} in the checkpoint, which "
+                                      f"does not fit the model given (check --model)") from None
+            out[ours] = ParamState(**conv, step=p.step, hyper=p.hyper)
+    else:
+        raise ConfigError(f"unrecognized parameter names (first: {names[0]!r}): import reads DeepSpeed checkpoints "
+                          "of elastic_trainer's GPT, of Hugging Face GPT-2, or of the PipelineModule in "
+                          "elastic_trainer.compat.deepspeed_gpt")
+    missing = [n for n in want if n not in out]
+    if missing:
+        raise ConfigError(f"the checkpoint lacks {len(missing)} parameter(s) of a GPT with {cfg.n_layers} layers "
+                          f"(first: {missing[0]!r}; check --model)")
+    wrong = [(n, tuple(out[n].weight.shape), s) for n, s in want.items() if tuple(out[n].weight.shape) != s]
+    if wrong:
+        n, got, s = wrong[0]
+        raise ConfigError(f"parameter {n!r} is {got} in the checkpoint but {s} in the model given (check --model: "
+                          f"d_model, vocab_size, context_length)")
+    return out
+
+
+def _convert_hf_tensor(ours: str, t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """One HF GPT-2 tensor (weight or moment) as our parameter `ours`, by model.hf's element moves."""
+    from elastic_trainer.model import hf
+
+    if ours.endswith("attn.qkv_proj.weight"):
+        return hf._qkv_from_hf(t.t(), cfg).contiguous()
+    if ours.endswith("attn.qkv_proj.bias"):
+        return hf._qkv_from_hf(t, cfg).contiguous()
+    if any(ours.endswith(k) for k in hf._BLOCK_TRANSPOSED):
+        return t.t().contiguous()
+    return t.contiguous()
+
+
+@dataclass
+class ImportPlan:
+    """What an import writes: the step, and the settings the DeepSpeed run fixed."""
+
+    step: int
+    global_batch: int
+    grad_clip: float
+    weight_decay: float
+    beta1: float
+    beta2: float
+    eps: float
+    last_lr: float | None
+
+
+def settings_of(state: DeepSpeedState) -> ImportPlan:
+    """The training settings a DeepSpeed checkpoint records (ds_config and the optimizer's groups)."""
+    cfg = state.ds_config
+    hypers = [p.hyper for p in state.params.values() if p.hyper]
+    betas = hypers[0].get("betas", (0.9, 0.999)) if hypers else (0.9, 0.999)
+    decays = sorted({float(h.get("weight_decay", 0.0)) for h in hypers})
+    batch = cfg.get("train_batch_size")
+    if batch is None and state.global_steps:
+        batch = state.global_samples // state.global_steps
+    return ImportPlan(step=state.global_steps, global_batch=int(batch or 0),
+                      grad_clip=float(cfg.get("gradient_clipping", 0.0) or 0.0),
+                      weight_decay=decays[-1] if decays else 0.0, beta1=float(betas[0]), beta2=float(betas[1]),
+                      eps=float(hypers[0].get("eps", 1e-8)) if hypers else 1e-8,
+                      last_lr=float(hypers[0]["lr"]) if hypers and "lr" in hypers[0] else None)
+
+
+def check_settings(state: DeepSpeedState, params: dict[str, ParamState], cfg: TrainConfig) -> None:
+    """Refuse (one line) when continuing with `cfg` would not be the DeepSpeed run's trajectory."""
+    plan = settings_of(state)
+    if plan.step <= 0:
+        raise ConfigError("the DeepSpeed checkpoint is from before the first step (global_steps 0): there is "
+                          "nothing to import; start the run with elastic_trainer's own initialization")
+    problems = []
+    if plan.global_batch and plan.global_batch != cfg.global_batch:
+        problems.append(f"global batch {cfg.global_batch} (DeepSpeed's train_batch_size: {plan.global_batch}; "
+                        "pass --global-batch)")
+    if plan.grad_clip != cfg.grad_clip:
+        problems.append(f"grad_clip {cfg.grad_clip} (DeepSpeed's gradient_clipping: {plan.grad_clip}; pass "
+                        "--grad-clip)")
+    for key, value in (("beta1", plan.beta1), ("beta2", plan.beta2), ("eps", plan.eps)):
+        if not math.isclose(getattr(cfg, key), value, rel_tol=1e-12, abs_tol=0.0):
+            problems.append(f"{key} {getattr(cfg, key)} (DeepSpeed's optimizer: {value}; set [train] {key} in a "
+                            "--config file)")
+    for name, p in params.items():
+        want = cfg.weight_decay if p.weight.ndim >= 2 else 0.0
+        got = float(p.hyper.get("weight_decay", want))
+        if not math.isclose(got, want, rel_tol=1e-12, abs_tol=0.0):
+            problems.append(f"weight decay {want} on {name} (DeepSpeed's: {got}; elastic_trainer decays "
+                            "matrices and embeddings by --weight-decay and nothing else)")
+            break
+    if problems:
+        raise ConfigError("continuing this DeepSpeed checkpoint with these settings would change its loss "
+                          "trajectory: " + "; ".join(problems))
+
+
+# -- writing ours ---------------------------------------------------------------------------------------------
+
+
+def _write(rank: int, world: int, model_cfg: ModelConfig, cfg: TrainConfig, params: dict[str, ParamState],
+           step: int, out: str, tokens) -> str:
+    from elastic_trainer.checkpoint.manager import Checkpointer
+    from elastic_trainer.checkpoint.state import init_optimizer_state
+    from elastic_trainer.config import CheckpointConfig
+    from elastic_trainer.parallel.mesh import build_mesh
+    from elastic_trainer.plan.layout import Layout
+    from elastic_trainer.train.loop import Trainer
+
+    layout = Layout(1, 1, 1, cfg.global_batch, 1)
+    trainer = Trainer(model_cfg, cfg, layout, build_mesh(layout, "cpu"), torch.device("cpu"), tokens=tokens,
+                      initialize=False)
+    init_optimizer_state(trainer.optimizer)
+    with torch.no_grad():
+        for name, param in trainer.engine.model.named_parameters():
+            src = params[name]
+            param.copy_(src.weight)
+            state = trainer.optimizer.state[param]
+            state["exp_avg"].copy_(src.exp_avg)
+            state["exp_avg_sq"].copy_(src.exp_avg_sq)
+            state["step"].fill_(src.step)
+    trainer.restore(step, cfg)
+    checkpointer = Checkpointer(CheckpointConfig(dir=out, resume="never", keep=0), log=lambda *a, **k: None)
+    try:
+        checkpointer.prepare_fresh_run("never")
+        stats = checkpointer.save(trainer, blocking=True)
+    finally:
+        checkpointer.close()
+    return str(stats.path)
+
+
+def import_deepspeed(src: str | os.PathLike, out: str | os.PathLike, model_cfg: ModelConfig, cfg: TrainConfig, *,
+                     state: DeepSpeedState | None = None, tokens=None, log=print) -> Path:
+    """Write the DeepSpeed checkpoint `src` as a checkpoint of ours under the root `out` (which must hold no
+    checkpoint); training then resumes from it in any layout. Returns the checkpoint folder."""
+    from elastic_trainer.parallel.local_ranks import run_ranks
+
+    state = state or read_deepspeed(src)
+    params = to_gpt(state, model_cfg)
+    check_settings(state, params, cfg)
+    if state.global_samples and state.global_samples != state.global_steps * cfg.global_batch:
+        log(f"[import] note: DeepSpeed counted {state.global_samples} samples in {state.global_steps} steps; "
+            f"elastic_trainer continues at sample {state.global_steps * cfg.global_batch} of its own order")
+    folder = run_ranks(_write, 1, model_cfg, cfg, params, state.global_steps, str(out), tokens)[0]
+    n = sum(p.weight.numel() for p in params.values())
+    log(f"[import] {state.form} checkpoint of DeepSpeed {state.ds_version} (dp {state.dp_world_size}), step "
+        f"{state.global_steps}: {len(params)} tensors, {n / 1e6:.2f} M parameters with their Adam moments -> {folder}")
+    return Path(folder)

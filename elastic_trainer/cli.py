@@ -163,8 +163,28 @@ def run_checkpoint(args: argparse.Namespace) -> int:
         else:
             print(inspect.format_summary(summary, complete))
         return 0 if not summary["integrity"].startswith("FAILED") else 1
+    if args.checkpoint_command == "import-deepspeed":
+        return run_import_deepspeed(args)
     out = inspect.export_hf(args.dir, args.out)
     print(f"wrote {out}/config.json and model.safetensors (load with GPT2LMHeadModel.from_pretrained)")
+    return 0
+
+
+def run_import_deepspeed(args: argparse.Namespace) -> int:
+    from elastic_trainer.checkpoint import deepspeed
+
+    state = deepspeed.read_deepspeed(args.src)
+    found = deepspeed.settings_of(state)
+    if not args.config:  # a run TOML states its own settings; otherwise DeepSpeed's are the defaults
+        for key in ("global_batch", "grad_clip", "weight_decay"):
+            if getattr(args, key) is None:
+                setattr(args, key, getattr(found, key) or None)
+    model, train, _ = resolve.job_configs(args)
+    folder = deepspeed.import_deepspeed(args.src, args.out, model, train, state=state)
+    source = f"--config {args.config}" if args.config else f"--model {args.model}"
+    print(f"resume it in any layout: elastic-trainer train {source} --checkpoint-dir {args.out} --global-batch "
+          f"{train.global_batch} --grad-clip {train.grad_clip} --weight-decay {train.weight_decay} plus this "
+          f"import's --seq-len, --lr, schedule and --data (or `elastic-trainer launch --checkpoint-dir {args.out}`)")
     return 0
 
 

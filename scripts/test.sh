@@ -3,5 +3,5 @@
 # Extra arguments go to pytest, e.g. ./scripts/test.sh tests/unit -x
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/setup.sh dev
+source scripts/setup.sh dev,deepspeed
 exec "$ET_PY" -m pytest -q "$@"

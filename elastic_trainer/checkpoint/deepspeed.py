@@ -75,8 +75,10 @@ def safe_load(path: str | os.PathLike):
         raise CheckpointError(f"DeepSpeed checkpoint file {str(path)!r} cannot be read ({e.strerror or e})") from None
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError, AttributeError,
             KeyError, IndexError) as e:
-        raise CheckpointError(f"refusing DeepSpeed checkpoint file {str(path)!r}: {_refusal_reason(e)} (only "
-                              "tensors, containers and DeepSpeed's own records are read; nothing was run)") from None
+        named = re.search(r"GLOBAL (\S+)", str(e))
+        reason = f"it names {named.group(1)}, which is not allowed" if named else _refusal_reason(e)
+        raise CheckpointError(f"refusing DeepSpeed checkpoint file {str(path)!r}: {reason} (only tensors, "
+                              "containers and DeepSpeed's own records are read; nothing was run)") from None
 
 
 # -- the state read ---------------------------------------------------------------------------------------------
@@ -385,8 +387,12 @@ def to_gpt(state: DeepSpeedState, cfg: ModelConfig) -> dict[str, ParamState]:
 
     want = gpt_shapes(cfg)
     names = list(state.params)
-    if set(want) <= set(names):
-        out = {n: state.params[n] for n in want}
+    if "tok_emb.weight" in names:
+        extra = [n for n in names if n not in want]
+        if extra:
+            raise ConfigError(f"the checkpoint holds parameters a GPT with {cfg.n_layers} layers lacks (first: "
+                              f"{extra[0]!r}); it has {_layer_count(names)} layers (check --model)")
+        out = {n: state.params[n] for n in want if n in state.params}
     elif any(n.startswith("tied_modules.") or n.split(".", 1)[0].isdigit() for n in names):
         out = {}
         for n in names:
@@ -419,13 +425,19 @@ def to_gpt(state: DeepSpeedState, cfg: ModelConfig) -> dict[str, ParamState]:
     missing = [n for n in want if n not in out]
     if missing:
         raise ConfigError(f"the checkpoint lacks {len(missing)} parameter(s) of a GPT with {cfg.n_layers} layers "
-                          f"(first: {missing[0]!r}; check --model)")
+                          f"(first: {missing[0]!r}); it has {_layer_count(list(out))} layers (check --model)")
     wrong = [(n, tuple(out[n].weight.shape), s) for n, s in want.items() if tuple(out[n].weight.shape) != s]
     if wrong:
         n, got, s = wrong[0]
         raise ConfigError(f"parameter {n!r} is {got} in the checkpoint but {s} in the model given (check --model: "
                           f"d_model, vocab_size, context_length)")
     return out
+
+
+def _layer_count(names: list[str]) -> int:
+    """Transformer blocks in a set of our (or Hugging Face) parameter names."""
+    found = {m.group(1) for n in names if (m := re.match(r"^(?:transformer\.)?(?:layers|h)\.(\d+)\.", n))}
+    return len(found)
 
 
 def _convert_hf_tensor(ours: str, t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -538,8 +550,13 @@ def import_deepspeed(src: str | os.PathLike, out: str | os.PathLike, model_cfg: 
                      state: DeepSpeedState | None = None, tokens=None, log=print) -> Path:
     """Write the DeepSpeed checkpoint `src` as a checkpoint of ours under the root `out` (which must hold no
     checkpoint); training then resumes from it in any layout. Returns the checkpoint folder."""
+    from elastic_trainer.checkpoint.storage import complete_checkpoints
     from elastic_trainer.parallel.local_ranks import run_ranks
 
+    existing = complete_checkpoints(out) if Path(out).is_dir() else []
+    if existing:
+        raise ConfigError(f"{str(out)!r} already holds checkpoints ({existing[0].name}, ...): import into a new or "
+                          "empty folder")
     state = state or read_deepspeed(src)
     params = to_gpt(state, model_cfg)
     check_settings(state, params, cfg)

@@ -21,10 +21,9 @@ import warnings
 import numpy as np
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
-from elastic_trainer.checkpoint import CheckpointConfig, storage
-from elastic_trainer.checkpoint.deepspeed import gpt_shapes, import_deepspeed, read_deepspeed, to_gpt
+from elastic_trainer.checkpoint import CheckpointConfig
+from elastic_trainer.checkpoint.deepspeed import import_deepspeed, read_deepspeed, to_gpt
 from elastic_trainer.config import ModelConfig, TrainConfig
 from elastic_trainer.data.order import TokenSamples, samples_for
 from elastic_trainer.model.hf import config_to_hf, state_dict_from_hf, state_dict_to_hf
@@ -32,6 +31,7 @@ from elastic_trainer.parallel.local_ranks import run_ranks
 from elastic_trainer.plan.layout import Layout
 from elastic_trainer.train import run_job
 from elastic_trainer.train.optim import lr_at
+from tests.unit.test_deepspeed_reader import our_state
 
 INSTALL = "pip install --no-build-isolation deepspeed==0.19.8   (or ./scripts/test.sh, which installs it)"
 if importlib.util.find_spec("deepspeed") is None:
@@ -125,18 +125,6 @@ def resumed_losses(rank: int, world: int, layout: Layout, imported: str, run_dir
     return [r["loss"] for r in result.records]
 
 
-def our_state(folder) -> tuple[dict, dict, dict]:
-    """(weights, exp_avg, exp_avg_sq) of one of our checkpoints, by our names, read in this process."""
-    shapes = gpt_shapes(MODEL)
-    state = {"model": {n: torch.empty(s) for n, s in shapes.items()},
-             "optim": {f"state.{n}.{m}": torch.empty(s) for n, s in shapes.items() for m in ("exp_avg", "exp_avg_sq")}}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, storage_reader=storage.SafeReader(str(folder)), no_dist=True)
-    return (state["model"], {n: state["optim"][f"state.{n}.exp_avg"] for n in shapes},
-            {n: state["optim"][f"state.{n}.exp_avg_sq"] for n in shapes})
-
-
 def ds_universal(src: str, dst: str) -> None:
     """DeepSpeed's own converter, in a subprocess: its per-parameter fp32 weights and moments."""
     cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", src, "--output_folder",
@@ -173,7 +161,7 @@ def test_zero1_of_hugging_face_gpt2_imports_and_continues_on_deepspeed_s_traject
     state = read_deepspeed(root)
     assert state.form == "ZeRO-1" and state.global_steps == SAVE_AT and state.dp_world_size == 2
     folder = import_deepspeed(root, tmp_path / "imported", MODEL, CFG, tokens=TOKENS, log=lambda *a: None)
-    weights, avg, sq = our_state(folder)
+    weights, avg, sq = our_state(folder, MODEL)[:3]
     # weights: DeepSpeed's own zero_to_fp32 (HF names)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -191,7 +179,7 @@ def test_zero1_of_hugging_face_gpt2_imports_and_continues_on_deepspeed_s_traject
         assert any(t.abs().max() > 0 for t in theirs.values())
     # the universal form imports to the same state
     again = import_deepspeed(universal, tmp_path / "from-universal", MODEL, CFG, tokens=TOKENS, log=lambda *a: None)
-    for a, b in zip(our_state(again), (weights, avg, sq)):
+    for a, b in zip(our_state(again, MODEL)[:3], (weights, avg, sq)):
         _assert_close(a, b, "universal import")
     # the next steps in two layouts: DeepSpeed's losses
     for i, layout in enumerate([Layout(1, 1, 1, 8, 1), Layout(2, 1, 1, 2, 2)]):
@@ -205,7 +193,7 @@ def test_zero3_of_our_gpt_imports_and_continues_on_deepspeed_s_trajectory(runs, 
     state = read_deepspeed(root)
     assert state.form == "ZeRO-3" and state.global_steps == SAVE_AT
     folder = import_deepspeed(root, tmp_path / "imported", MODEL, CFG, tokens=TOKENS, log=lambda *a: None)
-    weights, avg, sq = our_state(folder)
+    weights, avg, sq = our_state(folder, MODEL)[:3]
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     with warnings.catch_warnings():
@@ -228,7 +216,7 @@ def test_pipeline_checkpoint_imports_and_continues_on_deepspeed_s_trajectory(run
     state = read_deepspeed(root)
     assert state.form.startswith("pipeline (2 stages") and state.global_steps == SAVE_AT and state.pipeline
     folder = import_deepspeed(root, tmp_path / "imported", MODEL, CFG, tokens=TOKENS, log=lambda *a: None)
-    weights, avg, sq = our_state(folder)
+    weights, avg, sq = our_state(folder, MODEL)[:3]
     # weights: the layer files DeepSpeed wrote from its fp32 module
     tag = os.path.join(root, f"global_step{SAVE_AT}")
     layers = {i: torch.load(os.path.join(tag, f"layer_{i:02d}-model_states.pt"), weights_only=True)

@@ -320,18 +320,21 @@ def ds_steps_job(rank, world, model, kind, seq_len, global_batch, micro, steps, 
     return times
 
 
-STEP_CASES = {  # name: (our layout degrees (dp, tp, pp), DeepSpeed's kind)
-    "dp4: FSDP2 vs ZeRO-1": ((4, 1, 1), "zero1"),
-    "dp4: FSDP2 vs ZeRO-3": ((4, 1, 1), "zero3"),
-    "pp2 x dp2: ours vs PipelineModule (ZeRO-1)": ((2, 1, 2), "pipeline"),
+STEP_CASES = {  # name: (our layout degrees (dp, tp, pp), our dp mode, DeepSpeed's kind)
+    "dp4: FSDP2 vs ZeRO-1": ((4, 1, 1), "fsdp", "zero1"),
+    "dp4: FSDP2 vs ZeRO-3": ((4, 1, 1), "fsdp", "zero3"),
+    "dp4: replicated (ddp) vs ZeRO-1": ((4, 1, 1), "ddp", "zero1"),
+    "pp2 x dp2: ours vs PipelineModule (ZeRO-1)": ((2, 1, 2), "fsdp", "pipeline"),
 }
 
 
 def step_time(model: str, seq_len: int, global_batch: int, micro: int, steps: int, warmup: int, rounds: int,
-              tokens) -> dict:
+              tokens, cases: list[str] | None = None) -> dict:
     out = {}
-    for name, ((dp, tp, pp), kind) in STEP_CASES.items():
-        layout = Layout(dp, tp, pp, micro, global_batch // (dp * micro))
+    for name, ((dp, tp, pp), mode, kind) in STEP_CASES.items():
+        if cases and name not in cases:
+            continue
+        layout = Layout(dp, tp, pp, micro, global_batch // (dp * micro), dp_mode=mode)
         ours, theirs = [], []
         for r in range(rounds):  # alternate: ours, DeepSpeed, ours, DeepSpeed
             print(f"[step {name}] round {r + 1}/{rounds}: ours ...", flush=True)
@@ -356,6 +359,8 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=3, help="measured steps per run")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--rounds", type=int, default=2, help="alternations of the two systems per step case")
+    p.add_argument("--step-cases", help="comma-separated names of STEP_CASES to run (default: all), e.g. 'dp4: "
+                                        "replicated (ddp) vs ZeRO-1'")
     p.add_argument("--dir", default="/tmp/elastic-trainer-vs-deepspeed", help="scratch folder")
     p.add_argument("--out", default=str(Path(__file__).with_name("results.json")))
     args = p.parse_args(argv)
@@ -368,7 +373,7 @@ def main(argv=None) -> None:
     results = json.loads(out_path.read_text()) if out_path.exists() else {}
     results.update({"torch": torch.__version__, "deepspeed": deepspeed.__version__, "cpus": os.cpu_count()})
     if args.only in (None, "reconfig"):
-        results["reconfiguration"] = {}
+        results.setdefault("reconfiguration", {})
         for model in args.reconfig_models.split(","):
             r = reconfiguration(model, Path(args.dir) / model, 4, 2,
                                 tokens_for(load_model_config(model), args.seq_len))
@@ -376,11 +381,14 @@ def main(argv=None) -> None:
             out_path.write_text(json.dumps(results, indent=1) + "\n")
     if args.only in (None, "step"):
         model = load_model_config(args.step_model)
-        results["step_time"] = {"model": args.step_model, "seq_len": args.seq_len, "global_batch": args.global_batch,
-                                "micro_batch": args.micro_batch,
-                                "cases": step_time(args.step_model, args.seq_len, args.global_batch, args.micro_batch,
-                                                   args.steps, args.warmup, args.rounds,
-                                                   tokens_for(model, args.seq_len))}
+        previous = results.get("step_time", {})
+        settings = {"model": args.step_model, "seq_len": args.seq_len, "global_batch": args.global_batch,
+                    "micro_batch": args.micro_batch}
+        kept = previous.get("cases", {}) if all(previous.get(k) == v for k, v in settings.items()) else {}
+        wanted = args.step_cases.split(",") if args.step_cases else None
+        cases = step_time(args.step_model, args.seq_len, args.global_batch, args.micro_batch, args.steps,
+                          args.warmup, args.rounds, tokens_for(model, args.seq_len), wanted)
+        results["step_time"] = {**settings, "cases": {**kept, **cases}}
         out_path.write_text(json.dumps(results, indent=1) + "\n")
     report(results)
     print(f"\nwrote {out_path}")

@@ -125,6 +125,14 @@ def resumed_losses(rank: int, world: int, layout: Layout, imported: str, run_dir
     return [r["loss"] for r in result.records]
 
 
+def continues_on_trajectory(folder, layouts: list[Layout], losses: list[float], tmp_path) -> None:
+    """Our trainer resumed from the import in each layout: DeepSpeed's losses after the save, within 1e-5."""
+    for i, layout in enumerate(layouts):
+        got = run_ranks(resumed_losses, layout.world_size, layout, str(folder), str(tmp_path / f"run{i}"),
+                        timeout=TIMEOUT)[0]
+        assert got == pytest.approx(losses[SAVE_AT:], rel=1e-5), (layout.describe(), got, losses)
+
+
 def ds_universal(src: str, dst: str) -> None:
     """DeepSpeed's own converter, in a subprocess: its per-parameter fp32 weights and moments."""
     cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", src, "--output_folder",
@@ -182,10 +190,7 @@ def test_zero1_of_hugging_face_gpt2_imports_and_continues_on_deepspeed_s_traject
     for a, b in zip(our_state(again, MODEL)[:3], (weights, avg, sq)):
         _assert_close(a, b, "universal import")
     # the next steps in two layouts: DeepSpeed's losses
-    for i, layout in enumerate([Layout(1, 1, 1, 8, 1), Layout(2, 1, 1, 2, 2)]):
-        got = run_ranks(resumed_losses, layout.world_size, layout, str(folder), str(tmp_path / f"run{i}"),
-                        timeout=TIMEOUT)[0]
-        assert got == pytest.approx(losses[SAVE_AT:], rel=1e-5), (layout.describe(), got, losses)
+    continues_on_trajectory(folder, [Layout(1, 1, 1, 8, 1), Layout(2, 1, 1, 2, 2)], losses, tmp_path)
 
 
 def test_zero3_of_our_gpt_imports_and_continues_on_deepspeed_s_trajectory(runs, tmp_path):
@@ -205,10 +210,7 @@ def test_zero3_of_our_gpt_imports_and_continues_on_deepspeed_s_trajectory(runs, 
     ref = to_gpt(read_deepspeed(runs["hf-zero1"][1]), MODEL)
     _assert_close(avg, {n: p.exp_avg for n, p in ref.items()}, "exp_avg", rel=1e-4)
     _assert_close(sq, {n: p.exp_avg_sq for n, p in ref.items()}, "exp_avg_sq", rel=1e-4)
-    for i, layout in enumerate([Layout(1, 1, 1, 8, 1), Layout(1, 2, 1, 8, 1)]):
-        got = run_ranks(resumed_losses, layout.world_size, layout, str(folder), str(tmp_path / f"run{i}"),
-                        timeout=TIMEOUT)[0]
-        assert got == pytest.approx(losses[SAVE_AT:], rel=1e-5), (layout.describe(), got, losses)
+    continues_on_trajectory(folder, [Layout(1, 1, 1, 8, 1), Layout(1, 2, 1, 8, 1)], losses, tmp_path)
 
 
 def test_pipeline_checkpoint_imports_and_continues_on_deepspeed_s_trajectory(runs, tmp_path):
@@ -227,10 +229,7 @@ def test_pipeline_checkpoint_imports_and_continues_on_deepspeed_s_trajectory(run
     _assert_close(weights, expected, "weight")
     one = to_gpt(read_deepspeed(runs["hf-zero1"][1]), MODEL)
     _assert_close(avg, {n: p.exp_avg for n, p in one.items()}, "exp_avg", rel=1e-4)
-    for i, layout in enumerate([Layout(1, 1, 2, 2, 4), Layout(2, 1, 1, 4, 1)]):
-        got = run_ranks(resumed_losses, layout.world_size, layout, str(folder), str(tmp_path / f"run{i}"),
-                        timeout=TIMEOUT)[0]
-        assert got == pytest.approx(losses[SAVE_AT:], rel=1e-5), (layout.describe(), got, losses)
+    continues_on_trajectory(folder, [Layout(1, 1, 2, 2, 4), Layout(2, 1, 1, 4, 1)], losses, tmp_path)
 
 
 def test_losses_before_the_save_match_between_the_three_deepspeed_runs(runs):

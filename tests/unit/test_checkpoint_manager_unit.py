@@ -49,25 +49,6 @@ COLLECTIVES = ("broadcast_object_list", "gather_object", "all_gather_object", "s
                "all_reduce", "broadcast", "all_gather", "gather", "scatter", "reduce_scatter", "reduce")
 
 
-@pytest.fixture
-def group():
-    """A gloo process group of one in this process, gone after the test with its threads (torn down after
-    the test's monkeypatch, whose undo may hold the last reference to a group's user)."""
-    set_env = "GLOO_SOCKET_IFNAME" not in os.environ
-    if set_env:
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    rng = torch.random.get_rng_state()
-    try:
-        yield
-    finally:
-        torch.random.set_rng_state(rng)
-        dist.destroy_process_group()
-        gc.collect()  # groups a test left in reference cycles: their gloo threads must not outlive it (a later fork would inherit them)
-        if set_env:
-            del os.environ["GLOO_SOCKET_IFNAME"]
-
-
 class Clock:
     """Stands in for the manager module's `time`: reads `now` for both clocks; tests move it."""
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import math
-import os
 
 import pytest
 import torch
@@ -331,25 +330,6 @@ def test_data_and_tensor_parallel_on_four_ranks_count_each_piece_s_replicas():
 
 
 # -- in this process ------------------------------------------------------------------------------------
-
-@pytest.fixture
-def group():
-    """A gloo process group of one in this process, gone after the test with its threads (torn down after
-    the test's monkeypatch, whose undo may hold the last reference to a group's user)."""
-    set_env = "GLOO_SOCKET_IFNAME" not in os.environ
-    if set_env:
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    rng = torch.random.get_rng_state()
-    try:
-        yield
-    finally:
-        torch.random.set_rng_state(rng)
-        dist.destroy_process_group()
-        gc.collect()  # groups a test left in reference cycles: their gloo threads must not outlive it (a later fork would inherit them)
-        if set_env:
-            del os.environ["GLOO_SOCKET_IFNAME"]
-
 
 def engine1(layout: Layout, cfg: ModelConfig = MODEL, device: torch.device = CPU, **kwargs) -> Engine:
     kwargs.setdefault("seed", SEED)

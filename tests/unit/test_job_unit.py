@@ -5,13 +5,11 @@ ranks, the agreement on stops and periodic saves. The expectations are written o
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from elastic_trainer.checkpoint import CheckpointConfig, storage
 from elastic_trainer.config import ConfigError, ModelConfig, TrainConfig
@@ -34,25 +32,6 @@ CFG = TrainConfig(global_batch=B, seq_len=T, steps=STEPS, seed=3, lr=1e-3, warmu
 LAYOUT = Layout(1, 1, 1, B, 1)
 CPU = torch.device("cpu")
 TOKENS = np.random.default_rng(1).integers(0, MODEL.vocab_size, 64 * T + 1).astype(np.uint16)
-
-
-@pytest.fixture
-def group():
-    """A gloo process group of one in this process, gone after the test with its threads (torn down after
-    the test's monkeypatch, whose undo may hold the last reference to a group's user)."""
-    set_env = "GLOO_SOCKET_IFNAME" not in os.environ
-    if set_env:
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    rng = torch.random.get_rng_state()
-    try:
-        yield
-    finally:
-        torch.random.set_rng_state(rng)
-        dist.destroy_process_group()
-        gc.collect()  # groups a test left in reference cycles: their gloo threads must not outlive it (a later fork would inherit them)
-        if set_env:
-            del os.environ["GLOO_SOCKET_IFNAME"]
 
 
 def job(**kwargs) -> Job:

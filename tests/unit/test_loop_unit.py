@@ -5,17 +5,14 @@ tokens come from. The expectations are written out from the documented behaviour
 from __future__ import annotations
 
 import copy
-import gc
 import hashlib
 import json
 import math
-import os
 import time
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from elastic_trainer.config import ModelConfig, TrainConfig
@@ -32,25 +29,6 @@ B, T = 4, 8
 CFG = TrainConfig(global_batch=B, seq_len=T, steps=5, seed=11, lr=1e-3, warmup_steps=4)
 LAYOUT = Layout(1, 1, 1, B, 1)
 TOKENS = np.random.default_rng(0).integers(0, MODEL.vocab_size, 41 * T + 1).astype(np.uint16)  # 41 samples
-
-
-@pytest.fixture
-def group():
-    """A gloo process group of one in this process, gone after the test with its threads (torn down after
-    the test's monkeypatch, whose undo may hold the last reference to a group's user)."""
-    set_env = "GLOO_SOCKET_IFNAME" not in os.environ
-    if set_env:
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    rng = torch.random.get_rng_state()
-    try:
-        yield
-    finally:
-        torch.random.set_rng_state(rng)
-        dist.destroy_process_group()
-        gc.collect()  # groups a test left in reference cycles: their gloo threads must not outlive it (a later fork would inherit them)
-        if set_env:
-            del os.environ["GLOO_SOCKET_IFNAME"]
 
 
 def make(model=MODEL, cfg=CFG, tokens=TOKENS, **kwargs) -> Trainer:

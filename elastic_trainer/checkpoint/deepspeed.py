@@ -24,7 +24,7 @@ import math
 import os
 import pickle
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -107,7 +107,6 @@ class DeepSpeedState:
     ds_version: str
     dp_world_size: int
     pipeline: bool = False
-    notes: list[str] = field(default_factory=list)
 
 
 _HYPER = ("lr", "betas", "eps", "weight_decay")
@@ -157,8 +156,20 @@ _MP_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 
 
 def read_deepspeed(src: str | os.PathLike) -> DeepSpeedState:
-    """Everything needed to continue training, from a DeepSpeed checkpoint folder (see the module's docstring)."""
+    """Everything needed to continue training, from a DeepSpeed checkpoint folder (see the module's docstring).
+    CheckpointError (one line) for a folder that is not one, is incomplete, or holds anything unsafe."""
     folder = tag_folder(src)
+    try:
+        return _read(folder)
+    except CheckpointError:  # already one line (a RuntimeError, so before the catch-all below)
+        raise
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError, RuntimeError) as e:
+        detail = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+        raise CheckpointError(f"{str(folder)!r} is not a DeepSpeed checkpoint of a form import reads ({detail}); "
+                              "valid: ZeRO-1/2/3, PipelineModule with ZeRO-1, or ds_to_universal's output") from None
+
+
+def _read(folder: Path) -> DeepSpeedState:
     names = sorted(os.listdir(folder))
     if (folder / "zero").is_dir():
         return _read_universal(folder)
@@ -553,6 +564,8 @@ def import_deepspeed(src: str | os.PathLike, out: str | os.PathLike, model_cfg: 
     from elastic_trainer.checkpoint.storage import complete_checkpoints
     from elastic_trainer.parallel.local_ranks import run_ranks
 
+    if Path(out).exists() and not Path(out).is_dir():
+        raise ConfigError(f"{str(out)!r} is a file: give a new or empty folder for the imported checkpoint")
     existing = complete_checkpoints(out) if Path(out).is_dir() else []
     if existing:
         raise ConfigError(f"{str(out)!r} already holds checkpoints ({existing[0].name}, ...): import into a new or "

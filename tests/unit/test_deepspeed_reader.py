@@ -372,6 +372,11 @@ def test_incomplete_or_unsupported_checkpoints_are_refused_in_one_line(tmp_path)
     _edit(f / "zero_pp_rank_1_mp_rank_00_optim_states.pt",
           lambda o: o["optimizer_state_dict"]["param_slice_mappings"][0].popitem())
     check(f, r"has \d+ of its \d+ elements in the rank files: incomplete or inconsistent checkpoint")
+    h = tmp_path / "h"
+    write_zero12(h, gpt_state(), 2)
+    _edit(h / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+          lambda o: o["optimizer_state_dict"].pop("param_slice_mappings"))
+    check(h, r"is not a DeepSpeed checkpoint of a form import reads \(KeyError: 'param_slice_mappings'\)")
     g = tmp_path / "g"
     g.mkdir()
     (g / "latest").write_text("global_step9")
@@ -436,6 +441,9 @@ def test_import_writes_a_checkpoint_of_ours_with_the_weights_moments_step_and_da
     for n, (w, a, s) in state.items():
         assert torch.equal(weights[n], w) and torch.equal(avg[n], a) and torch.equal(sq[n], s), n
     assert set(steps.values()) == {4.0}
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(ConfigError, match=r"is a file: give a new or empty folder"):
+        ds.import_deepspeed(tmp_path / "ds", tmp_path / "a-file", MODEL, CFG, tokens=tokens, log=lambda *a: None)
     with pytest.raises(ConfigError, match=r"already holds checkpoints \(step-00000004, ...\): import into a new"):  # a second import into the same root
         ds.import_deepspeed(tmp_path / "ds", tmp_path / "ours", MODEL, CFG, tokens=tokens, log=lambda *a: None)
 

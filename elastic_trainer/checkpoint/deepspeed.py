@@ -334,36 +334,47 @@ def _read_zero3(folder: Path, model_files: list[str], optim: dict[int, dict[int,
 
 
 def _read_universal(folder: Path) -> DeepSpeedState:
-    mp = sorted(folder.glob("mp_rank_*_model_states.pt"))
-    if not mp:
-        raise CheckpointError(f"{str(folder)!r} has a zero/ folder but no mp_rank_NN_model_states.pt: not a "
-                              "ds_to_universal output")
-    ms = _common(safe_load(mp[0]), mp[0])
+    # ds_to_universal copies the model-states files: mp_rank_SS_... (ZeRO-1/2, one per pipeline stage) or
+    # zero_pp_rank_R_mp_rank_00_... (ZeRO-3)
+    model_files = sorted(folder.glob("mp_rank_*_model_states.pt")) or \
+        sorted(folder.glob("zero_pp_rank_0_mp_rank_*_model_states.pt"))
+    if not model_files:
+        raise CheckpointError(f"{str(folder)!r} has a zero/ folder but no model-states file: not a ds_to_universal "
+                              "output")
+    states = [_common(safe_load(f), f) for f in model_files]
     groups = []
     opt_path = folder / "zero" / "optimizer_state.pt"
     if opt_path.exists():
         opt = safe_load(opt_path)
         groups = list(opt.get("param_groups", [])) if isinstance(opt, dict) else []
     params: dict[str, ParamState] = {}
-    for g, group_shapes in enumerate(_shapes(ms)):
-        hyper = _hyper(groups[g]) if g < len(groups) else {}
-        for name, shape in group_shapes.items():
-            d = folder / "zero" / name
-            if not d.is_dir():
-                raise CheckpointError(f"{str(folder)!r}: universal checkpoint lacks zero/{name}/")
-            tensors = []
-            for what in ("fp32", "exp_avg", "exp_avg_sq"):
-                if not (d / f"{what}.pt").exists():
-                    raise CheckpointError(f"{str(d)!r} lacks {what}.pt: import needs the weights and Adam moments")
-                item = safe_load(d / f"{what}.pt")
-                t = item.get("param") if isinstance(item, dict) else item
-                if not torch.is_tensor(t) or t.numel() != math.prod(shape):
-                    raise CheckpointError(f"{str(d / (what + '.pt'))!r} does not hold a tensor of {tuple(shape)}")
-                tensors.append(t.reshape(shape).float().clone())
-            step = safe_load(d / "step.pt") if (d / "step.pt").exists() else ms.get("global_steps", 0)
-            params[name] = ParamState(*tensors, step=float(step.item() if torch.is_tensor(step) else step),
-                                      hyper=hyper)
-    return _state("universal", params, ms, int(ms.get("dp_world_size", 1)))
+    for ms in states:  # pipeline stages in order: a tied parameter is taken from its first stage
+        for g, group_shapes in enumerate(_shapes(ms)):
+            hyper = _hyper(groups[g]) if g < len(groups) else {}
+            for name, shape in group_shapes.items():
+                if name not in params:
+                    params[name] = _universal_param(folder, name, shape, hyper, ms)
+    first = states[0]
+    pipeline = (first.get("checkpoint_parallel_dimensions") or {}).get("pp_degree", 1) > 1
+    return _state("universal" + (f" (pipeline, {len(states)} stages)" if pipeline else ""), params, first,
+                  int(first.get("dp_world_size", 1)), pipeline)
+
+
+def _universal_param(folder: Path, name: str, shape, hyper: dict, ms: dict) -> ParamState:
+    d = folder / "zero" / name
+    if not d.is_dir():
+        raise CheckpointError(f"{str(folder)!r}: universal checkpoint lacks zero/{name}/")
+    tensors = []
+    for what in ("fp32", "exp_avg", "exp_avg_sq"):
+        if not (d / f"{what}.pt").exists():
+            raise CheckpointError(f"{str(d)!r} lacks {what}.pt: import needs the weights and Adam moments")
+        item = safe_load(d / f"{what}.pt")
+        t = item.get("param") if isinstance(item, dict) else item
+        if not torch.is_tensor(t) or t.numel() != math.prod(shape):
+            raise CheckpointError(f"{str(d / (what + '.pt'))!r} does not hold a tensor of {tuple(shape)}")
+        tensors.append(t.reshape(shape).float().clone())
+    step = safe_load(d / "step.pt") if (d / "step.pt").exists() else ms.get("global_steps", 0)
+    return ParamState(*tensors, step=float(step.item() if torch.is_tensor(step) else step), hyper=hyper)
 
 
 # -- into our names and settings ----------------------------------------------------------------------------

@@ -1,10 +1,13 @@
 """Our GPT as DeepSpeed trains it: the whole module under ZeRO, or as `PipelineModule` layers.
 
 `elastic-trainer checkpoint import-deepspeed` reads checkpoints of either. The pipeline's layers are, in order:
-the embeddings (tied with the output projection), one layer per transformer block, the final LayerNorm, and
-the output projection through the tied embedding. Parameter names inside each layer are the GPT's own
-(`tok_emb.weight`, `ln_1.weight`, `ln_f.bias`...), so a layer file maps back by position. DeepSpeed is
-imported only when a pipeline is built.
+the token embedding (tied with the output projection), the position embedding, one layer per transformer
+block, the final LayerNorm, and the output projection through the tied token embedding. Only the token
+embedding is tied: a tied module is copied onto every stage that uses it, and a parameter of it that one
+stage never uses would drift there (its copy gets no gradient but still weight decay), which DeepSpeed's
+universal conversion may then keep. Parameter names inside each layer are the GPT's own (`tok_emb.weight`,
+`pos_emb.weight`, `ln_1.weight`, `ln_f.bias`...), so a layer maps back by position. DeepSpeed is imported
+only when a pipeline is built.
 """
 
 from __future__ import annotations
@@ -20,15 +23,25 @@ TIED_KEY = "embed"
 
 
 class Embed(nn.Module):
-    """Token and position embeddings (the pipeline's first layer, tied with its last)."""
+    """The token embedding (the pipeline's first layer, tied with its last)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos_emb = nn.Embedding(cfg.context_length, cfg.d_model)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.tok_emb(tokens) + self.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
+        return self.tok_emb(tokens)
+
+
+class Positions(nn.Module):
+    """Adds the learned position embedding."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.pos_emb = nn.Embedding(cfg.context_length, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.pos_emb(torch.arange(x.shape[1], device=x.device))
 
 
 class FinalNorm(nn.Module):
@@ -66,17 +79,20 @@ def copy_weights_into_pipeline(gpt: GPT, pipe: nn.Module) -> None:
 
 
 def pipeline_param_name(name: str, n_layers: int) -> str | None:
-    """A PipelineModule parameter name ('tied_modules.embed.tok_emb.weight', '3.ln_1.weight') -> our GPT's
-    ('tok_emb.weight', 'layers.2.ln_1.weight'); None for a name that is not part of the layers above."""
-    if name.startswith(f"tied_modules.{TIED_KEY}."):
-        return name[len(f"tied_modules.{TIED_KEY}."):]
+    """A PipelineModule parameter name ('tied_modules.embed.tok_emb.weight', '1.pos_emb.weight',
+    '4.ln_1.weight') -> our GPT's ('tok_emb.weight', 'pos_emb.weight', 'layers.2.ln_1.weight'); None for a
+    name that is not part of the layers above."""
+    if name == f"tied_modules.{TIED_KEY}.tok_emb.weight":
+        return "tok_emb.weight"
     index, _, rest = name.partition(".")
     if not index.isdigit():
         return None
     i = int(index)
-    if 1 <= i <= n_layers:
-        return f"layers.{i - 1}.{rest}"
-    if i == n_layers + 1 and rest.startswith("ln_f."):
+    if i == 1 and rest == "pos_emb.weight":
+        return rest
+    if 2 <= i < n_layers + 2 and rest.split(".", 1)[0] in ("ln_1", "attn", "ln_2", "mlp"):
+        return f"layers.{i - 2}.{rest}"
+    if i == n_layers + 2 and rest in ("ln_f.weight", "ln_f.bias"):
         return rest
     return None
 
@@ -85,7 +101,7 @@ def pipeline_module(cfg: ModelConfig, num_stages: int, loss_fn=lm_loss, **kwargs
     """DeepSpeed's PipelineModule of our GPT (partitioned by parameter count unless `partition_method` says)."""
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
-    layers = [TiedLayerSpec(TIED_KEY, Embed, cfg, tied_weight_attr=["tok_emb.weight"])]
+    layers = [TiedLayerSpec(TIED_KEY, Embed, cfg, tied_weight_attr=["tok_emb.weight"]), LayerSpec(Positions, cfg)]
     layers += [LayerSpec(PipeBlock, cfg, i) for i in range(cfg.n_layers)]
     layers += [LayerSpec(FinalNorm, cfg),
                TiedLayerSpec(TIED_KEY, Embed, cfg, forward_fn=_project, tied_weight_attr=["tok_emb.weight"])]

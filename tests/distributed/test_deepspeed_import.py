@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from elastic_trainer.checkpoint import CheckpointConfig
-from elastic_trainer.checkpoint.deepspeed import import_deepspeed, read_deepspeed, to_gpt
+from elastic_trainer.checkpoint.deepspeed import import_deepspeed, read_deepspeed
+from elastic_trainer.compat.deepspeed_gpt import pipeline_param_name
 from elastic_trainer.config import ModelConfig, TrainConfig
 from elastic_trainer.data.order import TokenSamples, samples_for
 from elastic_trainer.model.hf import config_to_hf, state_dict_from_hf, state_dict_to_hf
@@ -125,6 +126,22 @@ def resumed_losses(rank: int, world: int, layout: Layout, imported: str, run_dir
     return [r["loss"] for r in result.records]
 
 
+def universal_agrees(root: str, tmp_path, ours: tuple[dict, dict, dict], to_ours) -> None:
+    """DeepSpeed's own consolidation of the moments (ds_to_universal) equals the import exactly, and the
+    universal form imports to the same state."""
+    universal = str(tmp_path / "universal")
+    ds_universal(os.path.join(root, f"global_step{SAVE_AT}"), universal)
+    names = {to_ours(n): n for n in os.listdir(os.path.join(universal, "zero")) if n != "optimizer_state.pt"}
+    names.pop(None, None)
+    for what, mine in zip(("exp_avg", "exp_avg_sq"), ours[1:]):
+        theirs = {n: universal_tensor(universal, d, what).reshape(mine[n].shape) for n, d in names.items()}
+        assert set(theirs) == set(mine)
+        _assert_close(mine, theirs, what)
+    again = import_deepspeed(universal, tmp_path / "from-universal", MODEL, CFG, tokens=TOKENS, log=lambda *a: None)
+    for a, b in zip(our_state(again, MODEL)[:3], ours):
+        _assert_close(a, b, "universal import")
+
+
 def continues_on_trajectory(folder, layouts: list[Layout], losses: list[float], tmp_path) -> None:
     """Our trainer resumed from the import in each layout: DeepSpeed's losses after the save, within 1e-5."""
     for i, layout in enumerate(layouts):
@@ -205,11 +222,7 @@ def test_zero3_of_our_gpt_imports_and_continues_on_deepspeed_s_trajectory(runs, 
         warnings.simplefilter("ignore")
         ds_weights = get_fp32_state_dict_from_zero_checkpoint(root)
     _assert_close(weights, ds_weights, "weight")
-    # ZeRO-3's moments against the ZeRO-1 run's (the same steps on the same data; DeepSpeed's own universal
-    # conversion gave those)
-    ref = to_gpt(read_deepspeed(runs["hf-zero1"][1]), MODEL)
-    _assert_close(avg, {n: p.exp_avg for n, p in ref.items()}, "exp_avg", rel=1e-4)
-    _assert_close(sq, {n: p.exp_avg_sq for n, p in ref.items()}, "exp_avg_sq", rel=1e-4)
+    universal_agrees(root, tmp_path, (weights, avg, sq), lambda name: name)
     continues_on_trajectory(folder, [Layout(1, 1, 1, 8, 1), Layout(1, 2, 1, 8, 1)], losses, tmp_path)
 
 
@@ -222,13 +235,12 @@ def test_pipeline_checkpoint_imports_and_continues_on_deepspeed_s_trajectory(run
     # weights: the layer files DeepSpeed wrote from its fp32 module
     tag = os.path.join(root, f"global_step{SAVE_AT}")
     layers = {i: torch.load(os.path.join(tag, f"layer_{i:02d}-model_states.pt"), weights_only=True)
-              for i in range(MODEL.n_layers + 2)}
-    expected = {**layers[0], **layers[MODEL.n_layers + 1]}
+              for i in range(MODEL.n_layers + 3)}
+    expected = {**layers[0], **layers[1], **layers[MODEL.n_layers + 2]}
     for i in range(MODEL.n_layers):
-        expected.update({f"layers.{i}.{k}": v for k, v in layers[i + 1].items()})
+        expected.update({f"layers.{i}.{k}": v for k, v in layers[i + 2].items()})
     _assert_close(weights, expected, "weight")
-    one = to_gpt(read_deepspeed(runs["hf-zero1"][1]), MODEL)
-    _assert_close(avg, {n: p.exp_avg for n, p in one.items()}, "exp_avg", rel=1e-4)
+    universal_agrees(root, tmp_path, (weights, avg, sq), lambda name: pipeline_param_name(name, MODEL.n_layers))
     continues_on_trajectory(folder, [Layout(1, 1, 2, 2, 4), Layout(2, 1, 1, 4, 1)], losses, tmp_path)
 
 

@@ -266,24 +266,27 @@ def test_pipeline_names_map_to_ours_and_tied_parameters_come_from_the_first_stag
 
     n = MODEL.n_layers
     assert pipeline_param_name("tied_modules.embed.tok_emb.weight", n) == "tok_emb.weight"
-    assert pipeline_param_name("1.ln_1.weight", n) == "layers.0.ln_1.weight"
-    assert pipeline_param_name(f"{n}.mlp.fc.bias", n) == f"layers.{n - 1}.mlp.fc.bias"
-    assert pipeline_param_name(f"{n + 1}.ln_f.weight", n) == "ln_f.weight"
-    assert pipeline_param_name("0.tok_emb.weight", n) is None and pipeline_param_name(f"{n + 2}.x", n) is None
+    assert pipeline_param_name("1.pos_emb.weight", n) == "pos_emb.weight"
+    assert pipeline_param_name("2.ln_1.weight", n) == "layers.0.ln_1.weight"
+    assert pipeline_param_name(f"{n + 1}.mlp.fc.bias", n) == f"layers.{n - 1}.mlp.fc.bias"
+    assert pipeline_param_name(f"{n + 2}.ln_f.weight", n) == "ln_f.weight"
+    for other in ("0.tok_emb.weight", f"{n + 3}.x", "tied_modules.embed.pos_emb.weight", "2.ln_f.weight",
+                  f"{n + 2}.ln_1.weight", "1.tok_emb.weight"):
+        assert pipeline_param_name(other, n) is None, other
     first, second = gpt_state(1), gpt_state(2)
     state = ds.DeepSpeedState("pipeline", {}, 4, 24, 0, {}, "x", 1, pipeline=True)
     for src in (first, second):  # stage by stage, as the reader adds them: the second stage's tie must not win
-        for name in ("tok_emb.weight", "pos_emb.weight"):
-            state.params.setdefault(f"tied_modules.embed.{name}", ds.ParamState(*src[name], 4.0, {}))
+        state.params.setdefault("tied_modules.embed.tok_emb.weight", ds.ParamState(*src["tok_emb.weight"], 4.0, {}))
+    state.params["1.pos_emb.weight"] = ds.ParamState(*first["pos_emb.weight"], 4.0, {})
     for k in first:
         if k.startswith("layers."):
             i, rest = k.split(".", 2)[1:]
-            state.params[f"{int(i) + 1}.{rest}"] = ds.ParamState(*first[k], 4.0, {})
+            state.params[f"{int(i) + 2}.{rest}"] = ds.ParamState(*first[k], 4.0, {})
     for k in ("ln_f.weight", "ln_f.bias"):
-        state.params[f"{n + 1}.{k}"] = ds.ParamState(*first[k], 4.0, {})
+        state.params[f"{n + 2}.{k}"] = ds.ParamState(*first[k], 4.0, {})
     got = ds.to_gpt(state, MODEL)
     assert set(got) == set(first) and all(torch.equal(got[k].weight, first[k][0]) for k in first)
-    state.params["7.ln_f.weight"] = state.params[f"{n + 1}.ln_f.weight"]
+    state.params["7.ln_f.weight"] = state.params[f"{n + 2}.ln_f.weight"]
     with pytest.raises(ConfigError, match=r"pipeline parameter '7.ln_f.weight' is not a layer"):
         ds.to_gpt(state, MODEL)
 

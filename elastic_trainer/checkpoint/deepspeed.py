@@ -409,6 +409,8 @@ def to_gpt(state: DeepSpeedState, cfg: ModelConfig) -> dict[str, ParamState]:
 
     want = gpt_shapes(cfg)
     names = list(state.params)
+    if not names:
+        raise ConfigError("the DeepSpeed checkpoint lists no parameters (empty param_shapes)")
     if "tok_emb.weight" in names:
         extra = [n for n in names if n not in want]
         if extra:
@@ -428,7 +430,13 @@ def to_gpt(state: DeepSpeedState, cfg: ModelConfig) -> dict[str, ParamState]:
         absent = [theirs for theirs in source.values() if theirs not in state.params]
         if absent:
             raise ConfigError(f"the checkpoint's Hugging Face GPT-2 parameters lack {absent[0]!r} for a "
-                              f"{cfg.n_layers}-layer GPT (check --model)")
+                              f"{cfg.n_layers}-layer GPT; it has {_layer_count(names)} layers (check --model)")
+        extra = sorted(set(names) - set(source.values()))
+        if extra:
+            why = ("an untied output head is not supported" if extra[0].endswith("lm_head.weight") else
+                   f"it has {_layer_count(names)} layers (check --model)")
+            raise ConfigError(f"the checkpoint holds Hugging Face GPT-2 parameters a GPT with {cfg.n_layers} layers "
+                              f"lacks (first: {extra[0]!r}); {why}")
         out = {}
         for ours, theirs in source.items():
             p = state.params[theirs]

@@ -306,6 +306,29 @@ def test_wrong_model_is_refused_with_the_layer_count_found(tmp_path):
         ds.to_gpt(state, dataclasses.replace(MODEL, vocab_size=12))
 
 
+def test_hugging_face_names_of_another_depth_or_an_untied_head_are_refused():
+    def hf_state(model: ModelConfig, extra: dict | None = None) -> ds.DeepSpeedState:
+        g = torch.Generator().manual_seed(0)
+        ours = {n: torch.randn(s, generator=g) for n, s in ds.gpt_shapes(model).items()}
+        hf = {**state_dict_to_hf(ours, model), **(extra or {})}
+        params = {n: ds.ParamState(t, t.clone(), t.abs(), 4.0, {}) for n, t in hf.items()}
+        return ds.DeepSpeedState("ZeRO-1", params, 4, 24, 0, {}, "x", 1)
+
+    assert set(ds.to_gpt(hf_state(MODEL), MODEL)) == set(ds.gpt_shapes(MODEL))
+    deeper = dataclasses.replace(MODEL, n_layers=3)
+    with pytest.raises(ConfigError, match=r"GPT-2 parameters a GPT with 2 layers lacks \(first: 'transformer.h.2.attn"
+                                          r"\.c_attn\.bias'\); it has 3 layers"):
+        ds.to_gpt(hf_state(deeper), MODEL)
+    with pytest.raises(ConfigError, match=r"GPT-2 parameters lack 'transformer.h.2.ln_1.weight' for a 3-layer GPT; "
+                                          "it has 2 layers"):
+        ds.to_gpt(hf_state(MODEL), deeper)
+    head = {"lm_head.weight": torch.zeros(MODEL.vocab_size, MODEL.d_model)}
+    with pytest.raises(ConfigError, match="first: 'lm_head.weight'\\); an untied output head is not supported"):
+        ds.to_gpt(hf_state(MODEL, head), MODEL)
+    with pytest.raises(ConfigError, match="lists no parameters"):
+        ds.to_gpt(ds.DeepSpeedState("ZeRO-1", {}, 4, 24, 0, {}, "x", 1), MODEL)
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(global_batch=12), r"global batch 12 \(DeepSpeed's train_batch_size: 6; pass --global-batch\)"),
     (dict(grad_clip=0.5), r"grad_clip 0.5 \(DeepSpeed's gradient_clipping: 1.0"),

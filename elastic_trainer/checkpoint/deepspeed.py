@@ -403,10 +403,31 @@ def _hf_names(cfg: ModelConfig, names: list[str]) -> dict[str, str]:
     return out
 
 
+TIED_KEY = "embed"
+"""The tied-module key of the token embedding in elastic_trainer.compat.deepspeed_gpt's PipelineModule."""
+
+
+def pipeline_param_name(name: str, n_layers: int) -> str | None:
+    """A PipelineModule parameter name ('tied_modules.embed.tok_emb.weight', '1.pos_emb.weight',
+    '4.ln_1.weight') -> our GPT's ('tok_emb.weight', 'pos_emb.weight', 'layers.2.ln_1.weight'); None for a
+    name that is not part of the layers above."""
+    if name == f"tied_modules.{TIED_KEY}.tok_emb.weight":
+        return "tok_emb.weight"
+    index, _, rest = name.partition(".")
+    if not index.isdigit():
+        return None
+    i = int(index)
+    if i == 1 and rest == "pos_emb.weight":
+        return rest
+    if 2 <= i < n_layers + 2 and rest.split(".", 1)[0] in ("ln_1", "attn", "ln_2", "mlp"):
+        return f"layers.{i - 2}.{rest}"
+    if i == n_layers + 2 and rest in ("ln_f.weight", "ln_f.bias"):
+        return rest
+    return None
+
+
 def to_gpt(state: DeepSpeedState, cfg: ModelConfig) -> dict[str, ParamState]:
     """The checkpoint's parameters under our GPT's names, shapes checked against `cfg`."""
-    from elastic_trainer.compat.deepspeed_gpt import pipeline_param_name
-
     want = gpt_shapes(cfg)
     names = list(state.params)
     if not names:

@@ -16,10 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from elastic_trainer.checkpoint.deepspeed import TIED_KEY, pipeline_param_name  # noqa: F401 (re-exported)
 from elastic_trainer.config import ModelConfig
 from elastic_trainer.model.gpt import GPT, Block
-
-TIED_KEY = "embed"
 
 
 class Embed(nn.Module):
@@ -76,25 +75,6 @@ def copy_weights_into_pipeline(gpt: GPT, pipe: nn.Module) -> None:
         ours = pipeline_param_name(name, gpt.config.n_layers)
         if ours is not None:
             tensor.copy_(sd[ours])
-
-
-def pipeline_param_name(name: str, n_layers: int) -> str | None:
-    """A PipelineModule parameter name ('tied_modules.embed.tok_emb.weight', '1.pos_emb.weight',
-    '4.ln_1.weight') -> our GPT's ('tok_emb.weight', 'pos_emb.weight', 'layers.2.ln_1.weight'); None for a
-    name that is not part of the layers above."""
-    if name == f"tied_modules.{TIED_KEY}.tok_emb.weight":
-        return "tok_emb.weight"
-    index, _, rest = name.partition(".")
-    if not index.isdigit():
-        return None
-    i = int(index)
-    if i == 1 and rest == "pos_emb.weight":
-        return rest
-    if 2 <= i < n_layers + 2 and rest.split(".", 1)[0] in ("ln_1", "attn", "ln_2", "mlp"):
-        return f"layers.{i - 2}.{rest}"
-    if i == n_layers + 2 and rest in ("ln_f.weight", "ln_f.bias"):
-        return rest
-    return None
 
 
 def pipeline_module(cfg: ModelConfig, num_stages: int, loss_fn=lm_loss, **kwargs):

@@ -24,7 +24,7 @@ import torch
 
 from elastic_trainer.checkpoint import CheckpointConfig
 from elastic_trainer.checkpoint.deepspeed import import_deepspeed, read_deepspeed
-from elastic_trainer.compat.deepspeed_gpt import pipeline_param_name
+from elastic_trainer.checkpoint.deepspeed import pipeline_param_name
 from elastic_trainer.config import ModelConfig, TrainConfig
 from elastic_trainer.data.order import TokenSamples, samples_for
 from elastic_trainer.model.hf import config_to_hf, state_dict_from_hf, state_dict_to_hf

@@ -262,7 +262,7 @@ def test_universal_form_with_hugging_face_names_is_converted_to_ours(tmp_path):
 
 
 def test_pipeline_names_map_to_ours_and_tied_parameters_come_from_the_first_stage():
-    from elastic_trainer.compat.deepspeed_gpt import pipeline_param_name
+    from elastic_trainer.checkpoint.deepspeed import pipeline_param_name
 
     n = MODEL.n_layers
     assert pipeline_param_name("tied_modules.embed.tok_emb.weight", n) == "tok_emb.weight"

@@ -244,35 +244,56 @@ def max_rel_diff(a: dict, b: dict, keys=None) -> float:
     return worst
 
 
-def reconfiguration(model: str, scratch: Path, save_world: int, load_world: int, tokens) -> dict:
+def ours_reconfig(model: str, folder: Path, save_world: int, load_world: int, tokens) -> dict:
+    """Our path, back to back as a reconfiguration runs it: save on save_world ranks, load on load_world."""
+    print(f"[reconfig {model}] ours: save on {save_world} ranks, load on {load_world} ...", flush=True)
+    saved = run_ranks(ours_save_job, save_world, model, folder, tokens, timeout=TIMEOUT)
+    loaded = run_ranks(ours_load_job, load_world, model, folder, tokens, timeout=TIMEOUT)
+    nbytes = sum(f.stat().st_size for f in Path(saved[0]["path"]).iterdir())
+    return {"save_s": saved[0]["save_s"], "load_s": loaded[0]["load_s"], "bytes": nbytes,
+            "saved": merged(saved), "loaded": merged(loaded)}
+
+
+def ds_reconfig(model: str, folder: Path, save_world: int, load_world: int) -> dict:
+    """DeepSpeed's documented path, back to back: save_checkpoint, ds_to_universal, load_universal."""
+    print(f"[reconfig {model}] DeepSpeed: save on {save_world} ranks, ds_to_universal, load_universal on "
+          f"{load_world} ...", flush=True)
+    saved = run_ranks(ds_save_job, save_world, model, folder, timeout=TIMEOUT)
+    nbytes = sum(f.stat().st_size for f in (folder / TAG).iterdir())
+    conv = ds_convert(folder)
+    loaded = run_ranks(ds_load_job, load_world, model, folder, timeout=TIMEOUT)
+    return {"save_s": saved[0]["save_s"], **conv, "load_s": loaded[0]["load_s"], "bytes": nbytes,
+            "saved": merged(saved), "loaded": merged(loaded)}
+
+
+def reconfiguration(model: str, scratch: Path, save_world: int, load_world: int, tokens, rounds: int) -> dict:
+    """`rounds` alternations (ours first in even rounds, DeepSpeed first in odd ones); each side's save is
+    followed at once by its own load, so neither side's files are evicted by the other's work in between.
+    Per side the median of the totals and of each phase is reported (with two rounds: their means)."""
+    runs = {"ours": [], "deepspeed": []}
+    for r in range(rounds):
+        order = ("ours", "deepspeed") if r % 2 == 0 else ("deepspeed", "ours")
+        for side in order:
+            shutil.rmtree(scratch, ignore_errors=True)
+            scratch.mkdir(parents=True)
+            runs[side].append(ours_reconfig(model, scratch, save_world, load_world, tokens) if side == "ours"
+                              else ds_reconfig(model, scratch, save_world, load_world))
     shutil.rmtree(scratch, ignore_errors=True)
-    (scratch / "ours").mkdir(parents=True)
-    (scratch / "ds").mkdir(parents=True)
-    print(f"[reconfig {model}] ours: save on {save_world} ranks ...", flush=True)
-    o_save = run_ranks(ours_save_job, save_world, model, scratch / "ours", tokens, timeout=TIMEOUT)
-    print(f"[reconfig {model}] DeepSpeed: save on {save_world} ranks ...", flush=True)
-    d_save = run_ranks(ds_save_job, save_world, model, scratch / "ds", timeout=TIMEOUT)
-    print(f"[reconfig {model}] ours: load on {load_world} ranks ...", flush=True)
-    o_load = run_ranks(ours_load_job, load_world, model, scratch / "ours", tokens, timeout=TIMEOUT)
-    print(f"[reconfig {model}] DeepSpeed: ds_to_universal ...", flush=True)
-    conv = ds_convert(scratch / "ds")
-    print(f"[reconfig {model}] DeepSpeed: load_universal on {load_world} ranks ...", flush=True)
-    d_load = run_ranks(ds_load_job, load_world, model, scratch / "ds", timeout=TIMEOUT)
-    o_saved, o_loaded = merged(o_save), merged(o_load)
-    d_saved, d_loaded = merged(d_save), merged(d_load)
-    nbytes = sum(f.stat().st_size for f in Path(o_save[0]["path"]).iterdir())
-    ds_bytes = sum(f.stat().st_size for f in (scratch / "ds" / TAG).iterdir())
+    o_runs, d_runs = runs["ours"], runs["deepspeed"]
+    o_tot = [x["save_s"] + x["load_s"] for x in o_runs]
+    d_tot = [x["save_s"] + x["convert_s"] + x["load_s"] for x in d_runs]
+    o, d = o_runs[0], d_runs[0]
     # the two sides start from the same weights (our names; DeepSpeed sees the same module)
-    same_init = max_rel_diff(o_saved, d_saved, [k for k in o_saved if k.startswith("param/")])
-    ours_s = o_save[0]["save_s"] + o_load[0]["load_s"]
-    ds_s = d_save[0]["save_s"] + conv["convert_s"] + d_load[0]["load_s"]
-    shutil.rmtree(scratch, ignore_errors=True)
-    return {"model": model, "save_ranks": save_world, "load_ranks": load_world, "ours_bytes": nbytes,
-            "deepspeed_bytes": ds_bytes,
-            "ours": {"save_s": o_save[0]["save_s"], "load_s": o_load[0]["load_s"],
-                     "reloaded_max_rel_diff": max_rel_diff(o_saved, o_loaded)},
-            "deepspeed": {"save_s": d_save[0]["save_s"], **conv, "load_s": d_load[0]["load_s"],
-                          "reloaded_max_rel_diff": max_rel_diff(d_saved, d_loaded)},
+    same_init = max_rel_diff(o["saved"], d["saved"], [k for k in o["saved"] if k.startswith("param/")])
+    phases = ("save_s", "load_s")
+    ds_phases = ("save_s", "convert_s", "convert_with_startup_s", "startup_s", "load_s")
+    ours_s, ds_s = statistics.median(o_tot), statistics.median(d_tot)
+    return {"model": model, "save_ranks": save_world, "load_ranks": load_world, "rounds": rounds,
+            "ours_bytes": o["bytes"], "deepspeed_bytes": d["bytes"],
+            "ours": {**{k: statistics.median(x[k] for x in o_runs) for k in phases}, "totals_s": o_tot,
+                     "reloaded_max_rel_diff": max(max_rel_diff(x["saved"], x["loaded"]) for x in o_runs)},
+            "deepspeed": {**{k: statistics.median(x[k] for x in d_runs) for k in ds_phases}, "totals_s": d_tot,
+                          "reloaded_max_rel_diff": max(max_rel_diff(x["saved"], x["loaded"]) for x in d_runs)},
             "initial_weights_max_rel_diff": same_init,
             "ours_s": ours_s, "deepspeed_s": ds_s, "ratio": ds_s / ours_s}
 
@@ -352,6 +373,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", choices=("reconfig", "step"), help="run one part")
     p.add_argument("--reconfig-models", default="gpt3-small")
+    p.add_argument("--reconfig-rounds", type=int, default=2, help="alternations of the two systems per model")
     p.add_argument("--step-model", default="gpt3-small")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--global-batch", type=int, default=8)
@@ -376,7 +398,7 @@ def main(argv=None) -> None:
         results.setdefault("reconfiguration", {})
         for model in args.reconfig_models.split(","):
             r = reconfiguration(model, Path(args.dir) / model, 4, 2,
-                                tokens_for(load_model_config(model), args.seq_len))
+                                tokens_for(load_model_config(model), args.seq_len), args.reconfig_rounds)
             results["reconfiguration"][model] = r
             out_path.write_text(json.dumps(results, indent=1) + "\n")
     if args.only in (None, "step"):
@@ -394,15 +416,19 @@ def main(argv=None) -> None:
     print(f"\nwrote {out_path}")
 
 
+def _runs(side: dict) -> str:
+    return "(" + ", ".join(f"{t:.1f}" for t in side.get("totals_s", ())) + ")"
+
+
 def report(results: dict) -> None:
     for model, r in results.get("reconfiguration", {}).items():
         o, d = r["ours"], r["deepspeed"]
         print(f"\nreconfiguration {model}: {r['save_ranks']} ranks -> {r['load_ranks']} ranks, "
               f"ours {r['ours_bytes'] / 1e9:.2f} GB, DeepSpeed {r['deepspeed_bytes'] / 1e9:.2f} GB")
         print(f"  ours       save {o['save_s']:6.1f} s                          load {o['load_s']:6.1f} s"
-              f"   total {r['ours_s']:6.1f} s   reloaded max rel diff {o['reloaded_max_rel_diff']:.1e}")
+              f"   total {r['ours_s']:6.1f} s {_runs(o)}  reloaded max rel diff {o['reloaded_max_rel_diff']:.1e}")
         print(f"  DeepSpeed  save {d['save_s']:6.1f} s  ds_to_universal {d['convert_s']:6.1f} s "
-              f"(+{d['startup_s']:.1f} s start)  load {d['load_s']:6.1f} s   total {r['deepspeed_s']:6.1f} s   "
+              f"(+{d['startup_s']:.1f} s start)  load {d['load_s']:6.1f} s   total {r['deepspeed_s']:6.1f} s {_runs(d)}  "
               f"reloaded max rel diff {d['reloaded_max_rel_diff']:.1e}")
         print(f"  ratio deepspeed/ours {r['ratio']:.2f}   (same initial weights: max rel diff "
               f"{r['initial_weights_max_rel_diff']:.1e})")

@@ -74,6 +74,7 @@ class Checkpointer:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future | None = None
         self.history: list[SaveStats] = []
+        self._metadata = None  # (folder, its DCP metadata) as the last verify read it
         self.last_saved_step: int | None = None
         self._last_save_time = time.monotonic()
         if self.rank == 0:
@@ -96,28 +97,29 @@ class Checkpointer:
         os.makedirs(tmp, exist_ok=True)
         state = ckpt_state.tensor_state(trainer)
         meta = ckpt_state.build_meta(trainer)
-        writer = dcp.FileSystemWriter(str(tmp))
+        writer = storage.HashingWriter(str(tmp))
         stats = SaveStats(step=step, stall_s=0.0)
         if blocking is False or (blocking is None and self.cfg.async_save):
             upload = dcp.async_save(state, storage_writer=writer, process_group=self.pg)
             stats.stall_s = time.perf_counter() - t0
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-            self._pending = self._executor.submit(self._finish, upload, tmp, meta, stats, t0)
+            self._pending = self._executor.submit(self._finish, upload, tmp, meta, stats, t0, writer.digests)
         else:
             dcp.save(state, storage_writer=writer, process_group=self.pg)
-            self._finish(None, tmp, meta, stats, t0)
+            self._finish(None, tmp, meta, stats, t0, writer.digests)
             stats.stall_s = stats.total_s  # a synchronous save blocks until it is committed
         self.history.append(stats)
         self.last_saved_step = step
         self._last_save_time = time.monotonic()
         return stats
 
-    def _finish(self, upload, tmp: Path, meta: dict, stats: SaveStats, t0: float) -> None:
+    def _finish(self, upload, tmp: Path, meta: dict, stats: SaveStats, t0: float,
+                written: dict[str, dict] | None = None) -> None:
         if upload is not None:
             upload.result()  # this rank's files are written
         mine = sorted(p.name for p in tmp.glob(f"__{self.rank}_*.distcp"))
-        digests = storage.describe_files(tmp, mine)
+        digests = storage.describe_files(tmp, mine, written)  # hashed while written; any other file read now
         gathered = [None] * self.world if self.rank == 0 else None
         dist.gather_object(digests, gathered, dst=0, group=self.pg)
         outcome = [None]
@@ -167,7 +169,8 @@ class Checkpointer:
                 storage.verify(folder, self.rank, self.world)
             else:
                 storage.read_manifest(folder)
-            storage.read_dcp_metadata(folder / ".metadata")  # refuses unsafe metadata in one line
+            # refuses unsafe metadata in one line; kept for the load that follows (not unpickled twice)
+            self._metadata = (folder, storage.read_dcp_metadata(folder / ".metadata"))
             error = None
         except storage.CheckpointError as e:
             error = str(e)
@@ -199,7 +202,8 @@ class Checkpointer:
             t1 = time.perf_counter()
             state = ckpt_state.tensor_state(trainer)
             try:
-                dcp.load(state, storage_reader=storage.SafeReader(str(folder)),
+                known = self._metadata[1] if self._metadata and self._metadata[0] == folder else None
+                dcp.load(state, storage_reader=storage.SafeReader(str(folder), metadata=known),
                          planner=storage.SafeLoadPlanner(), process_group=self.pg)
             except CheckpointException as e:  # a BaseException carrying every rank's error
                 raise storage.CheckpointError(f"loading {folder.name} failed: {_first_failure(e)}") from None

@@ -25,10 +25,12 @@ import re
 import shutil
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
@@ -86,12 +88,17 @@ class SafeReader(FileSystemReader):
     """FileSystemReader whose metadata is read through the allowlisted unpickler.
 
     DCP swallows a failing read and retries with rank-local metadata, wrapping both errors; callers that
-    want the one-line reason call `read_dcp_metadata` first (Checkpointer does)."""
+    want the one-line reason call `read_dcp_metadata` first (Checkpointer does) and may pass what it returned
+    as `metadata`, so that the file is not unpickled twice (a quarter of a second at gpt3-medium)."""
+
+    def __init__(self, path: str | os.PathLike, metadata: Metadata | None = None, **kwargs):
+        super().__init__(path, **kwargs)
+        self._known_metadata = metadata
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         if kwargs.get("rank") is not None:  # we never write rank-local metadata
             raise CheckpointError("rank-local checkpoint metadata is not supported")
-        metadata = read_dcp_metadata(self._get_metadata_path())
+        metadata = self._known_metadata or read_dcp_metadata(self._get_metadata_path())
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -134,9 +141,97 @@ def file_digest(path: str | os.PathLike, chunk: int = 16 << 20) -> str:
     return h.hexdigest()
 
 
-def describe_files(folder: Path, names: list[str]) -> dict[str, dict]:
-    """{name: {"bytes", HASH}} for files in folder."""
-    return {n: {"bytes": (folder / n).stat().st_size, HASH: file_digest(folder / n)} for n in names}
+def describe_files(folder: Path, names: list[str], known: dict[str, dict] | None = None) -> dict[str, dict]:
+    """{name: {"bytes", HASH}} for files in folder; a name in `known` (digests taken while writing, see
+    HashingWriter) is taken from it when its size still matches, the others are read and hashed."""
+    known = known or {}
+    out = {}
+    for n in names:
+        size = (folder / n).stat().st_size
+        seen = known.get(n)
+        out[n] = seen if seen and seen["bytes"] == size else {"bytes": size, HASH: file_digest(folder / n)}
+    return out
+
+
+class _HashingStream(io.BufferedIOBase):
+    """A file opened for writing that hashes what passes through it, for HashingWriter. Any seek makes the
+    digest unusable (then the file is read back and hashed at commit, as without this stream)."""
+
+    def __init__(self, raw, on_close):
+        import xxhash
+
+        self._raw, self._on_close = raw, on_close
+        self._hash, self._bytes, self._sequential = xxhash.xxh3_128(), 0, True
+
+    @property
+    def name(self):
+        return self._raw.name
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        written = self._raw.write(data)
+        view = memoryview(data).cast("B")
+        if written is not None and written != len(view):
+            self._sequential = False
+        self._hash.update(view)
+        self._bytes += len(view)
+        return len(view) if written is None else written
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self._sequential = False
+        return self._raw.seek(offset, whence)
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def flush(self) -> None:
+        if not self._raw.closed:
+            self._raw.flush()
+
+    def close(self) -> None:
+        if not self.closed:
+            self._raw.close()
+            if self._sequential:
+                self._on_close(self._bytes, self._hash.hexdigest())
+        super().close()
+
+
+class _HashingFileSystem(FileSystem):
+    def __init__(self, digests: dict[str, dict]):
+        super().__init__()
+        self.digests = digests
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str):
+        if "w" not in mode or "+" in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        name = Path(path).name
+
+        def record(nbytes: int, digest: str) -> None:
+            self.digests[name] = {"bytes": nbytes, HASH: digest}
+
+        stream = _HashingStream(open(path, mode), record)
+        try:
+            yield stream
+        finally:
+            stream.close()
+
+
+class HashingWriter(FileSystemWriter):
+    """DCP's FileSystemWriter that takes each data file's checksum while writing it (`digests`, by file name),
+    so that the commit need not read the files back (one pass over the bytes instead of two)."""
+
+    def __init__(self, path: str | os.PathLike, **kwargs):
+        super().__init__(path, **kwargs)
+        self.digests: dict[str, dict] = {}
+        self.fs = _HashingFileSystem(self.digests)
 
 
 def read_manifest(folder: Path) -> dict[str, dict]:

@@ -777,3 +777,74 @@ def test_a_removal_that_fails_does_not_stop_the_run(tmp_path, monkeypatch):
     assert [p.name for p in storage.remove_old(tmp_path, keep=1)] == ["step-00000001"]
     storage.remove_abandoned(tmp_path)
     monkeypatch.setattr(storage.shutil, "rmtree", real_rmtree)
+
+
+# -- checksums taken while writing (HashingWriter) and metadata read once (SafeReader(metadata=...)) ---------
+
+def _save_with_hashing(folder: Path, state: dict, **kwargs) -> storage.HashingWriter:
+    writer = storage.HashingWriter(str(folder), **kwargs)
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    return writer
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_checksums_taken_while_writing_equal_the_files_read_back(tmp_path, threads):
+    """Every data file DCP writes (one per writer thread) gets the size and xxh3-128 of its bytes as they are
+    on disk: the independent reference is the file read back and hashed (file_digest)."""
+    state = {f"w{i}": torch.randn(64, 33 + i) for i in range(5)} | {"lr": 0.25, "step": torch.tensor(7)}
+    tmp = storage.new_tmp_dir(tmp_path, 3)
+    writer = _save_with_hashing(tmp, state, thread_count=threads)
+    files = sorted(p.name for p in tmp.glob("*.distcp"))
+    assert len(files) == threads and sorted(writer.digests.keys() & set(files)) == files
+    for name in files:
+        assert writer.digests[name] == {"bytes": (tmp / name).stat().st_size,
+                                        storage.HASH: storage.file_digest(tmp / name)}
+    # what commit records is what verify checks: the checkpoint verifies, and a flipped byte is still found
+    final = storage.commit(tmp, 3, storage.describe_files(tmp, files, writer.digests))
+    storage.verify(final)
+    data = bytearray((final / files[0]).read_bytes())
+    data[len(data) // 2] ^= 1
+    (final / files[0]).write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="fails its xxh3_128 checksum"):
+        storage.verify(final)
+
+
+def test_a_digest_is_used_only_when_the_file_still_has_its_size(tmp_path):
+    (tmp_path / "a").write_bytes(b"12345")
+    (tmp_path / "b").write_bytes(b"abc")
+    known = {"a": {"bytes": 5, storage.HASH: "taken while writing"}, "b": {"bytes": 99, storage.HASH: "stale"}}
+    got = storage.describe_files(tmp_path, ["a", "b"], known)
+    assert got["a"] == known["a"]
+    assert got["b"] == {"bytes": 3, storage.HASH: storage.file_digest(tmp_path / "b")}
+
+
+def test_a_stream_that_seeks_records_no_digest(tmp_path):
+    """Hashing in write order is right only for sequential writes: after a seek the stream records nothing,
+    so the commit reads the file back."""
+    fs = storage._HashingFileSystem({})
+    with fs.create_stream(tmp_path / "seq", "wb") as s:
+        s.write(b"hello ")
+        s.write(memoryview(b"world"))
+        assert s.tell() == 11 and s.name == str(tmp_path / "seq")
+    with fs.create_stream(tmp_path / "seeked", "wb") as s:
+        s.write(b"hello world")
+        s.seek(0)
+        s.write(b"J")
+    assert fs.digests == {"seq": {"bytes": 11, storage.HASH: storage.file_digest(tmp_path / "seq")}}
+    with fs.create_stream(tmp_path / "seq", "rb") as s:  # reading is plain reading
+        assert s.read() == b"hello world"
+    assert list(fs.digests) == ["seq"]
+
+
+def test_the_safe_reader_uses_metadata_it_is_given(tmp_path):
+    """The metadata verify has read (through the allowlist) is not unpickled a second time by the load."""
+    dcp.save({"t": torch.arange(4.0)}, checkpoint_id=str(tmp_path), no_dist=True)
+    metadata = storage.read_dcp_metadata(tmp_path / ".metadata")
+    (tmp_path / ".metadata").write_bytes(b"not a pickle")  # would fail if read again
+    out = {"t": torch.zeros(4)}
+    dcp.load(out, storage_reader=storage.SafeReader(str(tmp_path), metadata=metadata), no_dist=True)
+    assert out["t"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    with pytest.raises(CheckpointException, match="unsafe or corrupted checkpoint metadata"):
+        dcp.load(out, storage_reader=storage.SafeReader(str(tmp_path)), no_dist=True)

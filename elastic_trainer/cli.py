@@ -133,6 +133,29 @@ def parse_train_command(argv: list[str]) -> tuple[argparse.Namespace, ModelConfi
     return (args, *resolve.train_job(args))
 
 
+def run_kubernetes(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from elastic_trainer.launch.kubernetes import PyTorchJobSpec, render
+
+    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    if train_args and not train_args[0].startswith("-"):
+        raise ConfigError(f"unexpected {train_args[0]!r}: put `train` arguments after -- (see kubernetes --help)")
+    spec = PyTorchJobSpec(image=args.image, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+                          gpus_per_replica=args.gpus_per_replica, checkpoint_claim=args.checkpoint_claim,
+                          name=args.name, replicas=args.replicas, mount_path=args.mount_path,
+                          max_restarts=args.max_restarts, rdzv_port=args.rdzv_port, grace_s=args.grace_s,
+                          train_args=tuple(train_args))
+    text = render(spec)
+    if args.output:
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output}: PyTorchJob {spec.name}, {spec.min_replicas}..{spec.max_replicas} pods x "
+              f"{spec.gpus_per_replica} GPUs, checkpoints in claim {spec.checkpoint_claim} at {spec.checkpoint_dir}")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
 def run_launch(args: argparse.Namespace) -> int:
     from elastic_trainer.launch.commands import SshSettings
     from elastic_trainer.launch.driver import launch
@@ -315,6 +338,8 @@ def main(argv: list[str] | None = None, *, started: float | None = None, forked:
             return run_calibrate(args)
         if args.command == "experiment":
             return run_experiment(args)
+        if args.command == "kubernetes":
+            return run_kubernetes(args)
     except (ConfigError, CheckpointError) as e:
         code = report_bad_input(e)
         return code if forked else _finish_worker(code)

@@ -225,6 +225,31 @@ def _add_torchrun_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("argv", nargs=argparse.REMAINDER, help="torchrun flags, then train and its flags")
 
 
+def _add_kubernetes_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("kubernetes", help="print a Kubeflow PyTorchJob (elastic, c10d) running the job: "
+                                          "`... | kubectl apply -f -`",
+                       description="Renders launch/kubernetes/pytorchjob.yaml: MIN..MAX worker pods of "
+                                   "--gpus-per-replica GPUs, every pod running `elastic-trainer torchrun train` "
+                                   "with its checkpoints on a shared claim. Arguments after -- go to train.")
+    p.add_argument("--image", required=True, help="container image with this project installed")
+    p.add_argument("--min-replicas", type=POSITIVE, required=True, help="fewest pods the job trains on")
+    p.add_argument("--max-replicas", type=POSITIVE, required=True, help="most pods the job grows to")
+    p.add_argument("--replicas", type=POSITIVE, help="pods at the start (default: --max-replicas)")
+    p.add_argument("--gpus-per-replica", type=POSITIVE, required=True, help="GPUs (ranks) per pod")
+    p.add_argument("--checkpoint-claim", required=True,
+                   help="a ReadWriteMany PersistentVolumeClaim for the checkpoints (they outlive the pods)")
+    p.add_argument("--name", default="elastic-trainer", help="the PyTorchJob's name (default elastic-trainer)")
+    p.add_argument("--mount-path", default="/checkpoints", help="where pods mount the claim (default /checkpoints)")
+    p.add_argument("--max-restarts", type=POSITIVE, default=100,
+                   help="rendezvous rounds allowed: each scale event and each failure uses one (default 100)")
+    p.add_argument("--rdzv-port", type=Number(int, 1, 65535), default=29400,
+                   help="rendezvous port on the first worker pod (default 29400)")
+    p.add_argument("--grace-s", type=POSITIVE, default=300,
+                   help="seconds from a pod's SIGTERM to its SIGKILL; the final save must fit (default 300)")
+    p.add_argument("--output", help="write the manifest here instead of printing it")
+    p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then `train` arguments for every rank")
+
+
 def _add_experiment_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("experiment", help="the dynamic-resources experiment: every elasticity policy under a "
                                           "changing GPU allocation (benchmarks/dynamic_resources/)")
@@ -259,5 +284,6 @@ def build_parser(description: str = "") -> Parser:
     _add_checkpoint_parser(sub)
     _add_plan_parser(sub)
     _add_calibrate_parser(sub)
+    _add_kubernetes_parser(sub)
     _add_experiment_parser(sub)
     return parser

@@ -143,12 +143,14 @@ def agent_config(argv: list[str]):
 
 def run_agent(configured) -> int:
     """TorchElastic's agent for a torchrun command line's `agent_config`: 0 when the workers succeeded,
-    EXIT_BAD_INPUT after a worker's one-line bad-input error (not restarted); any other failure raises
-    TorchElastic's ChildFailedError."""
+    EXIT_BAD_INPUT after a worker's one-line bad-input error (not restarted), 128 + N after signal N stopped
+    the agent (its ranks got it too, and saved); any other failure raises TorchElastic's ChildFailedError."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
     from elastic_trainer.cli_parser import UsageError
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
 
     config, entrypoint, entry_args = configured
     if entrypoint is worker:
@@ -158,6 +160,13 @@ def run_agent(configured) -> int:
         elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)  # raises when the workers failed
     except ValueError as e:  # a rendezvous setting TorchElastic rejects before any worker starts
         raise UsageError(f"torchrun: {' '.join(str(e).split())}") from None
+    except SignalException as e:
+        # A scheduler's stop (Slurm's requeue, preemption or time limit; a Kubernetes pod's end): TorchElastic
+        # has passed the signal to the ranks and waited for them; they saved after their current step.
+        name = signal.Signals(e.sigval).name
+        print(f"[agent] stopped by {name}: the ranks were asked to save after their current step",
+              file=sys.stderr, flush=True)
+        return 128 + int(e.sigval)
     except ChildFailedError as e:
         code, line = _failure_line(e)
         if code != EXIT_BAD_INPUT:

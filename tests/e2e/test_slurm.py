@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,8 +41,13 @@ def cluster(tmp_path_factory):
         pytest.skip(why)
     if not (ROOT / ".venv" / "bin" / "python").exists():
         pytest.skip(f"{ROOT}/.venv is missing (the sbatch script runs the project's own environment)")
-    with slurm_cluster(tmp_path_factory.mktemp("slurm")) as c:
-        yield c
+    # not under pytest's temporary root: it is private to root, and munged runs as the munge user
+    folder = Path(tempfile.mkdtemp(prefix="et-slurm-"))
+    try:
+        with slurm_cluster(folder) as c:
+            yield c
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def submit(cluster, run_dir: Path, cpus: int, cache: str, log: Path) -> str:
@@ -101,9 +108,11 @@ def test_slurm_job_requeued_resubmitted_smaller_and_stopped_at_the_time_limit(cl
         loads = lambda: [e for e in events(run_dir, "state_loaded") if e["load"]]  # noqa: E731
         wait_until(lambda: loads(), "job A to resume", cluster, job_a, log_a)
         resumed = loads()[0]
-        last_before = max(r["step"] for r in metrics(run_dir)[:before])
-        # it resumed from the newest checkpoint that was complete when it was requeued (save every 3 steps)
-        assert resumed["step"] == resumed["load"]["step"] and resumed["step"] >= last_before - 3, resumed
+        (stop,) = events(run_dir, "stopping")  # written by rank 0 when the ranks agreed to stop
+        last_before = stop["step"]
+        # Slurm's SIGTERM reached the ranks, which saved the step they ended on; the job resumed from it
+        assert resumed["step"] == last_before and stop["reason"] == "SIGTERM", (resumed, stop)
+        assert f"[train] stopped after step {last_before} (SIGTERM)" in log_a.read_text()
         assert resumed["load"]["saved_layout"]["dp"] * resumed["load"]["saved_layout"]["tp"] * \
             resumed["load"]["saved_layout"]["pp"] == 4
         wait_until(step_reached(run_dir, resumed["step"] + 4, since=before), "job A's steps after the requeue",
@@ -134,7 +143,9 @@ def test_slurm_job_requeued_resubmitted_smaller_and_stopped_at_the_time_limit(cl
         assert state["JobState"] == "FAILED"  # Slurm's word for a non-zero exit; the code says "stopped"
         last_step = max(r["step"] for r in metrics(run_dir))
         assert newest_checkpoint(checkpoints) == last_step  # the stop saved the step it ended on
-        assert "time limit near (USR1)" in log_b.read_text()
+        text_b = log_b.read_text()
+        assert "time limit near (USR1)" in text_b and f"[train] stopped after step {last_step} (SIGTERM)" in text_b
+        assert "[agent] stopped by SIGTERM" in text_b and "Traceback" not in text_b
 
         # -- one trajectory throughout -----------------------------------------------------------------------
         kept = effective(metrics(run_dir))

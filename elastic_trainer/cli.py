@@ -105,7 +105,7 @@ def run_train(args: argparse.Namespace, model: ModelConfig, train: TrainConfig, 
         # The agent is stopping its workers: it will not collect a forked worker's return value (the worker
         # would wait for that until killed), and the state is saved.
         _finish_worker(0, force=True)
-    return exit_code(result.status)
+    return exit_code(result.status, result.reason)
 
 
 def _say_host_ranks(rank: int, world: int) -> None:

@@ -82,11 +82,16 @@ def _no_restart_on_bad_input() -> None:
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_quiet_bad_input)
 
 
+EXIT_REJOIN = 75
+"""A worker's exit code after saving because other ranks stopped (elastic.stop.EXIT_REJOIN): the agent restarts
+it in a new rendezvous, as it would after a failure; not an error worth a traceback."""
+
+
 def _quiet_bad_input(record: logging.LogRecord) -> bool:
     error = record.exc_info[1] if record.exc_info else None
-    if getattr(error, "exit_code", None) == EXIT_BAD_INPUT:
+    if getattr(error, "exit_code", None) in (EXIT_BAD_INPUT, EXIT_REJOIN):
         return False
-    return f"(exitcode: {EXIT_BAD_INPUT})" not in record.getMessage()
+    return not any(f"(exitcode: {code})" in record.getMessage() for code in (EXIT_BAD_INPUT, EXIT_REJOIN))
 
 
 def _failure_line(error) -> tuple[int, str | None]:

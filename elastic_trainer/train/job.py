@@ -27,7 +27,7 @@ import torch.distributed as dist
 from elastic_trainer.checkpoint import Checkpointer, LoadStats, SaveStats
 from elastic_trainer.config import CheckpointConfig, ModelConfig, TrainConfig
 from elastic_trainer.elastic.events import EventLog
-from elastic_trainer.elastic.stop import StopRequest
+from elastic_trainer.elastic.stop import PEER_REASON, StopRequest
 from elastic_trainer.parallel.mesh import build_mesh
 from elastic_trainer.plan.layout import Layout
 from elastic_trainer.train.loop import Diverged, Trainer
@@ -44,6 +44,8 @@ class JobResult:
     """Step records of this job's fit."""
     load: LoadStats | None = None
     saves: list[SaveStats] = field(default_factory=list)
+    reason: str | None = None
+    """Why it stopped (None when it finished): the local request, "until step N", or elastic.PEER_REASON."""
 
 
 def _quiet(*args, **kwargs) -> None:
@@ -93,7 +95,7 @@ class Job:
                                  layout=trainer.layout.to_dict())
             stop_now, save_due = _agree(stop, checkpointer, trainer.step)
             if stop_now:
-                reason = (stop.reason if stop is not None else None) or "requested on another rank"
+                reason = (stop.reason if stop is not None else None) or PEER_REASON
             elif save_due:
                 checkpointer.save(trainer)
         if reason is None and trainer.step < trainer.cfg.steps:
@@ -111,6 +113,7 @@ class Job:
                 self.events.emit("saved", step=trainer.step, save=dataclasses.asdict(saved))
         if reason is None:
             self.events.emit("finished", step=trainer.step)
+        self.stop_reason = reason
         return "finished" if reason is None else "stopped"
 
     def _diverged(self, error: Diverged) -> Diverged:
@@ -137,7 +140,8 @@ class Job:
 
     def result(self, status: str) -> JobResult:
         saves = self.checkpointer.history if self.checkpointer else []
-        return JobResult(status, self.trainer.step, self.trainer.layout, self.records, self.loaded, saves)
+        return JobResult(status, self.trainer.step, self.trainer.layout, self.records, self.loaded, saves,
+                         getattr(self, "stop_reason", None))
 
     def __enter__(self) -> "Job":
         return self

@@ -1,4 +1,5 @@
-"""The agent's ending when a scheduler stops it: one line and 128 + the signal, not TorchElastic's traceback."""
+"""The agent and the restart contract: a scheduler's signal ends the agent with one line and 128 + N; which exit
+codes of a worker mean stopped, rejoin or bad input; which failures it logs."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch.distributed.launcher.api as launcher_api
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
+from elastic_trainer.elastic.stop import EXIT_REJOIN, EXIT_STOPPED, PEER_REASON, PEER_STOP_ENV, exit_code
 from elastic_trainer.launch import agent
 
 
@@ -23,3 +25,40 @@ def test_a_signal_ends_the_agent_with_one_line_and_128_plus_its_number(monkeypat
     assert agent.run_agent(configured) == 128 + int(sig)
     err = capsys.readouterr().err
     assert err == f"[agent] stopped by {sig.name}: the ranks were asked to save after their current step\n"
+
+
+@pytest.mark.parametrize("status, reason, torchelastic, peer_env, code", [
+    ("finished", None, False, None, 0),
+    ("finished", None, True, "rejoin", 0),
+    ("stopped", "SIGTERM", False, None, 3),          # a plain process: stopped after saving
+    ("stopped", PEER_REASON, False, "rejoin", 3),    # ... whatever the reason
+    ("stopped", "SIGTERM", True, None, 0),           # under torchrun: 0, or the agent restarts it in the old size
+    ("stopped", "SIGTERM", True, "rejoin", 0),       # asked itself: its agent is stopping too
+    ("stopped", PEER_REASON, True, None, 0),         # the launcher's contract (no rejoin asked)
+    ("stopped", PEER_REASON, True, "rejoin", EXIT_REJOIN),  # a scale-down elsewhere: re-form in the new size
+    ("stopped", PEER_REASON, True, "other", 0),
+    ("stopped", "until step 5", True, "rejoin", 0),
+])
+def test_the_restart_contract(monkeypatch, status, reason, torchelastic, peer_env, code):
+    for var, value in (("TORCHELASTIC_RUN_ID", "job" if torchelastic else None), (PEER_STOP_ENV, peer_env)):
+        if value is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, value)
+    assert exit_code(status, reason) == code
+    assert (EXIT_REJOIN, EXIT_STOPPED) == (75, 3)
+
+
+def test_the_agent_and_the_workers_agree_on_the_codes():
+    from elastic_trainer import cli
+
+    assert agent.EXIT_REJOIN == EXIT_REJOIN and agent.EXIT_BAD_INPUT == cli.EXIT_BAD_INPUT == 2
+
+
+@pytest.mark.parametrize("code, shown", [(2, False), (75, False), (1, True), (-9, True)])
+def test_the_agent_quiets_only_the_failures_that_are_not_errors(code, shown):
+    import logging
+
+    record = logging.LogRecord("torch.distributed.elastic.multiprocessing.api", logging.ERROR, __file__, 1,
+                               f"failed (exitcode: {code}) local_rank: 0 (pid: 1) of fn: worker", None, None)
+    assert agent._quiet_bad_input(record) is shown

@@ -52,8 +52,9 @@ def ensure_slurm() -> str | None:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
         return f"apt-get could not install Slurm: {tail[0]}"
     # the packages' own services (started by dpkg where a service manager runs) would hold the default ports
-    for unit in ("slurmctld", "slurmd", "munge"):
-        subprocess.run(["service", unit, "stop"], capture_output=True, timeout=60)
+    if shutil.which("service"):
+        for unit in ("slurmctld", "slurmd", "munge"):
+            subprocess.run(["service", unit, "stop"], capture_output=True, timeout=60)
     return None
 
 

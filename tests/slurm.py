@@ -114,8 +114,10 @@ def _wait(what, timeout: float, message: str, step: float = 0.2):
 
 
 @contextlib.contextmanager
-def slurm_cluster(folder: Path) -> Iterator[SlurmCluster]:
-    """munged, slurmctld and slurmd up in `folder`; everything stopped by PID afterwards (jobs cancelled)."""
+def slurm_cluster(folder: Path, nodes: tuple[str, ...] | None = None) -> Iterator[SlurmCluster]:
+    """munged, slurmctld and a slurmd per node up in `folder`; everything stopped by PID afterwards (jobs
+    cancelled). `nodes`: names of emulated nodes, one slurmd each on this machine (`slurmd -N`), which must
+    resolve to this machine (e.g. this host's short name and localhost); default: this host alone."""
     folder.mkdir(parents=True, exist_ok=True)
     os.chmod(folder, 0o755)
     munge = pwd.getpwnam("munge")
@@ -129,6 +131,8 @@ def slurm_cluster(folder: Path) -> Iterator[SlurmCluster]:
     socket_path = munge_dir / "munge.sock"
     os.chmod(munge_dir, 0o711)  # clients reach the socket; only munge reads the key
     node = socket.gethostname().split(".")[0]
+    nodes = tuple(nodes or (node,))
+    multiple = len(nodes) > 1
     for sub in ("state", "spool"):
         (folder / sub).mkdir()
     conf = folder / "slurm.conf"
@@ -136,18 +140,18 @@ def slurm_cluster(folder: Path) -> Iterator[SlurmCluster]:
         "ClusterName=ettest",
         f"SlurmctldHost={node}(127.0.0.1)",
         f"SlurmctldPort={_free_port()}",
-        f"SlurmdPort={_free_port()}",
+        *([] if multiple else [f"SlurmdPort={_free_port()}"]),
         "SlurmUser=root",
         "SlurmdUser=root",
         "AuthType=auth/munge",
         "CredType=cred/munge",
         f"AuthInfo=socket={socket_path},cred_expire=10",
         f"StateSaveLocation={folder / 'state'}",
-        f"SlurmdSpoolDir={folder / 'spool'}",
+        f"SlurmdSpoolDir={folder / 'spool'}" + ("/%n" if multiple else ""),
         f"SlurmctldPidFile={folder / 'slurmctld.pid'}",
-        f"SlurmdPidFile={folder / 'slurmd.pid'}",
+        f"SlurmdPidFile={folder / 'slurmd'}" + ("-%n.pid" if multiple else ".pid"),
         f"SlurmctldLogFile={folder / 'slurmctld.log'}",
-        f"SlurmdLogFile={folder / 'slurmd.log'}",
+        f"SlurmdLogFile={folder / 'slurmd'}" + ("-%n.log" if multiple else ".log"),
         "SlurmctldDebug=info",
         "SlurmdDebug=info",
         "ProctrackType=proctrack/linuxproc",
@@ -164,9 +168,11 @@ def slurm_cluster(folder: Path) -> Iterator[SlurmCluster]:
         "KillWait=30",
         "MinJobAge=600",
         "InactiveLimit=0",
-        f"NodeName={node} NodeAddr=127.0.0.1 CPUs={CPUS} RealMemory={max(256, _real_memory_mb() // 2)} "
-        "State=UNKNOWN",
-        f"PartitionName=test Nodes={node} Default=YES MaxTime=INFINITE State=UP",
+        *(f"NodeName={name} NodeAddr=127.0.0.1"
+          + (f" Port={_free_port()}" if multiple else "")
+          + f" CPUs={CPUS} RealMemory={max(256, _real_memory_mb() // (2 * len(nodes)))} State=UNKNOWN"
+          for name in nodes),
+        f"PartitionName=test Nodes={','.join(nodes)} Default=YES MaxTime=INFINITE State=UP",
         "",
     ]))
     procs: dict[str, subprocess.Popen] = {}
@@ -185,16 +191,21 @@ def slurm_cluster(folder: Path) -> Iterator[SlurmCluster]:
         procs["slurmctld"] = subprocess.Popen([DAEMONS["slurmctld"], "-D", "-i", "-f", str(conf)], env=env,
                                               stdout=subprocess.DEVNULL, stderr=open(folder / "slurmctld.err", "w"))
         time.sleep(0.5)
-        procs["slurmd"] = subprocess.Popen([DAEMONS["slurmd"], "-D", "-f", str(conf)], env=env,
-                                           stdout=subprocess.DEVNULL, stderr=open(folder / "slurmd.err", "w"))
+        for name in nodes:
+            if multiple:
+                (folder / "spool" / name).mkdir()
+            key_ = f"slurmd-{name}" if multiple else "slurmd"
+            procs[key_] = subprocess.Popen([DAEMONS["slurmd"], "-D", "-f", str(conf),
+                                            *(["-N", name] if multiple else [])], env=env,
+                                           stdout=subprocess.DEVNULL, stderr=open(folder / f"{key_}.err", "w"))
 
         def node_idle() -> bool:
             for name, proc in procs.items():
                 if proc.poll() is not None:
                     err = (folder / f"{name}.err").read_text()[-1500:] + cluster.log(name)[-1500:]
                     raise RuntimeError(f"{name} exited with {proc.returncode}: {err}")
-            out = cluster.run("sinfo", "-h", "-N", "-o", "%T", check=False).stdout.strip()
-            return out == "idle"
+            out = cluster.run("sinfo", "-h", "-N", "-o", "%T", check=False).stdout.split()
+            return out == ["idle"] * len(nodes)
 
         _wait(node_idle, 60, "the Slurm node did not become idle")
         yield cluster
@@ -203,7 +214,7 @@ def slurm_cluster(folder: Path) -> Iterator[SlurmCluster]:
             cluster.run("scancel", "--full", "--signal=KILL", "--partition=test", check=False)
             with contextlib.suppress(Exception):
                 _wait(lambda: not cluster.run("squeue", "-h", check=False).stdout.strip(), 20, "jobs remain")
-        for name in ("slurmd", "slurmctld", "munged"):
+        for name in [n for n in procs if n.startswith("slurmd")] + ["slurmctld", "munged"]:
             proc = procs.get(name)
             if proc is None or proc.poll() is not None:
                 continue

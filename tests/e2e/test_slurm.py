@@ -1,10 +1,12 @@
-"""The job under a real Slurm (a single-node cluster brought up by the test: tests/slurm.py), through
-launch/slurm/train.sbatch exactly as a user submits it:
-- 4 ranks (one agent task with 4 CPUs; gloo) train on the single-process trajectory (1e-5 relative);
+"""The job under a real Slurm (brought up by the test: tests/slurm.py, two emulated nodes, each its own slurmd
+on this machine), through launch/slurm/train.sbatch exactly as a user submits it:
+- 2 nodes x 2 ranks (one agent per node through srun, each with 2 CPUs; gloo): 4 ranks train on the
+  single-process trajectory (1e-5 relative);
 - `scontrol requeue` mid-run: the job comes back under the same id and resumes from the newest complete
   checkpoint;
-- the job is cancelled and submitted again with 2 CPUs (a smaller allocation, as after a preemption): it
-  re-plans for 2 ranks, reshards the 4-rank checkpoint and stays on the trajectory, every sample once;
+- the job is cancelled and submitted again on 1 node x 2 ranks (a smaller allocation, as after a
+  preemption): it re-plans for 2 ranks, reshards the 4-rank checkpoint and stays on the trajectory, every
+  sample once;
 - the time-limit warning (`--signal=B:USR1@...`, delivered here with `scancel --batch --signal=USR1`) makes
   the ranks save and the job end with code 3 (stopped after saving), its last step checkpointed.
 """
@@ -44,19 +46,19 @@ def cluster(tmp_path_factory):
     # not under pytest's temporary root: it is private to root, and munged runs as the munge user
     folder = Path(tempfile.mkdtemp(prefix="et-slurm-"))
     try:
-        with slurm_cluster(folder) as c:
+        with slurm_cluster(folder, nodes=("et-n1", "et-n2")) as c:
             yield c
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def submit(cluster, run_dir: Path, cpus: int, cache: str, log: Path) -> str:
+def submit(cluster, run_dir: Path, nodes: int, cpus: int, cache: str, log: Path) -> str:
     train = ["--model", DEFAULT.model.name, "--seed", str(DEFAULT.train.seed),
              "--global-batch", str(DEFAULT.train.global_batch), "--seq-len", str(DEFAULT.train.seq_len),
              "--lr", str(DEFAULT.train.lr), "--warmup-steps", str(DEFAULT.train.warmup_steps),
              "--steps", str(STEPS), "--save-every", "3", "--keep", "0", "--data-cache", cache]
     env = cluster.env(ET_ROOT=str(ROOT), ET_RUN_DIR=str(run_dir), OMP_NUM_THREADS="1")
-    out = cluster.run("sbatch", "--parsable", f"--cpus-per-task={cpus}", f"--output={log}",
+    out = cluster.run("sbatch", "--parsable", f"--nodes={nodes}", f"--cpus-per-task={cpus}", f"--output={log}",
                       "--job-name=et-test", str(SCRIPT), *train, env=env)
     return out.stdout.strip().split(";")[0]
 
@@ -98,9 +100,12 @@ def test_slurm_job_requeued_resubmitted_smaller_and_stopped_at_the_time_limit(cl
     checkpoints = run_dir / "checkpoints"
     log_a, log_b = tmp_path / "job-a.out", tmp_path / "job-b.out"
     try:
-        # -- 4 ranks; requeued mid-run -----------------------------------------------------------------------
-        job_a = submit(cluster, run_dir, 4, data_cache, log_a)
+        # -- 2 nodes x 2 ranks; requeued mid-run --------------------------------------------------------------
+        job_a = submit(cluster, run_dir, 2, 2, data_cache, log_a)
         wait_until(step_reached(run_dir, 7), "job A's step 7", cluster, job_a, log_a)
+        text_a = log_a.read_text()
+        assert "on 2 node(s) x 2 rank(s): et-n[1-2], rendezvous 127.0.0.1:" in text_a  # NodeAddr of et-n1
+        assert [r["world_size"] for r in metrics(run_dir)][:7] == [4] * 7
         cluster.run("scontrol", "requeue", job_a)
         before = len(metrics(run_dir))
         wait_until(lambda: cluster.job(job_a).get("Restarts") == "1" and
@@ -118,13 +123,13 @@ def test_slurm_job_requeued_resubmitted_smaller_and_stopped_at_the_time_limit(cl
         wait_until(step_reached(run_dir, resumed["step"] + 4, since=before), "job A's steps after the requeue",
                    cluster, job_a, log_a)
 
-        # -- cancelled, then submitted again with 2 CPUs = 2 ranks -------------------------------------------
+        # -- cancelled, then submitted again on 1 node x 2 ranks ----------------------------------------------
         cluster.run("scancel", job_a)
         wait_until(lambda: cluster.job(job_a).get("JobState") in ("CANCELLED", "COMPLETED", "FAILED", None)
                    and not processes(str(checkpoints)), "job A to end", cluster, job_a, log_a, timeout=120)
         a_last = newest_checkpoint(checkpoints)
         before_b = len(metrics(run_dir))
-        job_b = submit(cluster, run_dir, 2, data_cache, log_b)
+        job_b = submit(cluster, run_dir, 1, 2, data_cache, log_b)
         wait_until(step_reached(run_dir, a_last + 5, since=before_b), "job B's steps", cluster, job_b, log_b)
         b_loads = [e for e in events(run_dir, "state_loaded") if e["load"]]
         b_resumed = b_loads[-1]

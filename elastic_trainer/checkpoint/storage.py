@@ -91,8 +91,8 @@ class SafeReader(FileSystemReader):
     want the one-line reason call `read_dcp_metadata` first (Checkpointer does) and may pass what it returned
     as `metadata`, so that the file is not unpickled twice (a quarter of a second at gpt3-medium)."""
 
-    def __init__(self, path: str | os.PathLike, metadata: Metadata | None = None, **kwargs):
-        super().__init__(path, **kwargs)
+    def __init__(self, path: str | os.PathLike, metadata: Metadata | None = None):
+        super().__init__(path)
         self._known_metadata = metadata
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
@@ -161,7 +161,7 @@ class _HashingStream(io.BufferedIOBase):
         import xxhash
 
         self._raw, self._on_close = raw, on_close
-        self._hash, self._bytes, self._sequential = xxhash.xxh3_128(), 0, True
+        self._hash, self._bytes = xxhash.xxh3_128(), 0
 
     @property
     def name(self):
@@ -171,19 +171,17 @@ class _HashingStream(io.BufferedIOBase):
         return True
 
     def write(self, data) -> int:
-        written = self._raw.write(data)
-        view = memoryview(data).cast("B")
-        if written is not None and written != len(view):
-            self._sequential = False
-        self._hash.update(view)
-        self._bytes += len(view)
-        return len(view) if written is None else written
+        written = self._raw.write(data)  # a buffered file in blocking mode: all of it, or an exception
+        if self._hash is not None:
+            self._hash.update(data)
+        self._bytes += written
+        return written
 
     def tell(self) -> int:
         return self._raw.tell()
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        self._sequential = False
+        self._hash = None  # bytes may be rewritten: no digest of this file from here
         return self._raw.seek(offset, whence)
 
     def fileno(self) -> int:
@@ -196,7 +194,7 @@ class _HashingStream(io.BufferedIOBase):
     def close(self) -> None:
         if not self.closed:
             self._raw.close()
-            if self._sequential:
+            if self._hash is not None:
                 self._on_close(self._bytes, self._hash.hexdigest())
         super().close()
 

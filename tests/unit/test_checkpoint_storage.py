@@ -827,13 +827,18 @@ def test_a_stream_that_seeks_records_no_digest(tmp_path):
         s.write(memoryview(b"world"))
         assert s.tell() == 11 and s.name == str(tmp_path / "seq")
     with fs.create_stream(tmp_path / "seeked", "wb") as s:
-        s.write(b"hello world")
-        s.seek(0)
-        s.write(b"J")
+        assert s.writable() and not s.readable()
+        assert s.write(b"hello world") == 11
+        assert s.seek(6) == 6 and s.write(b"W") == 1
+        assert s.seek(-2, io.SEEK_END) == 9 and s.write(b"LD") == 2
+    assert (tmp_path / "seeked").read_bytes() == b"hello WorLD"
     assert fs.digests == {"seq": {"bytes": 11, storage.HASH: storage.file_digest(tmp_path / "seq")}}
+    with fs.create_stream(tmp_path / "wide", "wb") as s:  # a buffer of 4-byte items: 12 bytes, all hashed
+        assert s.write(memoryview(torch.arange(3, dtype=torch.int32).numpy())) == 12
+    assert fs.digests["wide"] == {"bytes": 12, storage.HASH: storage.file_digest(tmp_path / "wide")}
     with fs.create_stream(tmp_path / "seq", "rb") as s:  # reading is plain reading
         assert s.read() == b"hello world"
-    assert list(fs.digests) == ["seq"]
+    assert sorted(fs.digests) == ["seq", "wide"]
 
 
 def test_the_safe_reader_uses_metadata_it_is_given(tmp_path):

@@ -100,8 +100,10 @@ def _failure_line(error) -> tuple[int, str | None]:
     message = failure.message.get("message") if isinstance(failure.message, dict) else failure.message
     if failure.exitcode != EXIT_BAD_INPUT:
         return failure.exitcode, None
-    # local rank 0 printed it already (cli.report_bad_input); another rank's line has not been seen
-    return EXIT_BAD_INPUT, (str(message) if failure.local_rank != 0 and message else None)
+    # local rank 0 printed its line already (cli.report_bad_input): print another rank's line only when local
+    # rank 0 did not fail the same way (the first failure is whichever rank's error file came first)
+    printed = any(f.local_rank == 0 and f.exitcode == EXIT_BAD_INPUT for f in error.failures.values())
+    return EXIT_BAD_INPUT, (str(message) if not printed and message else None)
 
 
 def _rendezvous_defaults(args) -> None:

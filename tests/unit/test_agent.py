@@ -62,3 +62,27 @@ def test_the_agent_quiets_only_the_failures_that_are_not_errors(code, shown):
     record = logging.LogRecord("torch.distributed.elastic.multiprocessing.api", logging.ERROR, __file__, 1,
                                f"failed (exitcode: {code}) local_rank: 0 (pid: 1) of fn: worker", None, None)
     assert agent._quiet_bad_input(record) is shown
+
+
+def _failure(local_rank: int, exitcode: int, message: str, timestamp: int):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    failure = ProcessFailure.__new__(ProcessFailure)
+    failure.local_rank, failure.pid, failure.exitcode, failure.error_file = local_rank, 100 + local_rank, exitcode, ""
+    failure.message, failure.timestamp, failure.error_file_data = {"message": message}, timestamp, {}
+    return failure
+
+
+@pytest.mark.parametrize("failures, line", [
+    # both ranks failed on bad input and rank 1's error file came first: rank 0 printed its own; nothing more
+    ({0: (0, 2, "rank 0's line", 2), 1: (1, 2, "rank 1's line", 1)}, None),
+    ({0: (0, 2, "rank 0's line", 1), 1: (1, 2, "rank 1's line", 2)}, None),
+    # only rank 1 had bad input (rank 0 was stopped by the agent): its line has not been seen
+    ({0: (0, -15, "", 2), 1: (1, 2, "rank 1's line", 1)}, "rank 1's line"),
+    ({1: (1, 2, "rank 1's line", 1)}, "rank 1's line"),
+])
+def test_the_bad_input_line_is_printed_once(failures, line):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    error = ChildFailedError("worker", {rank: _failure(*spec) for rank, spec in failures.items()})
+    assert agent._failure_line(error) == (2, line)

@@ -133,14 +133,21 @@ def parse_train_command(argv: list[str]) -> tuple[argparse.Namespace, ModelConfi
     return (args, *resolve.train_job(args))
 
 
+def _train_args(args: argparse.Namespace) -> list[str]:
+    """The `train` arguments given after `--` to a command that starts training elsewhere (launch, kubernetes)."""
+    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    if train_args and not train_args[0].startswith("-"):
+        raise ConfigError(f"unexpected {train_args[0]!r}: put `train` arguments after -- "
+                          f"(see {args.command} --help)")
+    return train_args
+
+
 def run_kubernetes(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from elastic_trainer.launch.kubernetes import PyTorchJobSpec, render
 
-    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
-    if train_args and not train_args[0].startswith("-"):
-        raise ConfigError(f"unexpected {train_args[0]!r}: put `train` arguments after -- (see kubernetes --help)")
+    train_args = _train_args(args)
     spec = PyTorchJobSpec(image=args.image, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                           gpus_per_replica=args.gpus_per_replica, checkpoint_claim=args.checkpoint_claim,
                           name=args.name, replicas=args.replicas, mount_path=args.mount_path,
@@ -161,9 +168,7 @@ def run_launch(args: argparse.Namespace) -> int:
     from elastic_trainer.launch.driver import launch
     from elastic_trainer.launch.setup import LaunchOptions, JobSetup, launch_train_argv
 
-    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
-    if train_args and not train_args[0].startswith("-"):
-        raise ConfigError(f"unexpected {train_args[0]!r}: put `train` arguments after -- (see launch --help)")
+    train_args = _train_args(args)
     train_argv, schedule = launch_train_argv(args.model, args.config, args.data, args.schedule, train_args)
     opts = LaunchOptions(hosts=args.hosts, gpus_per_host=args.gpus_per_host, detect_self_ip=args.detect_self_ip,
                          schedule=schedule, run_dir=args.run_dir, checkpoint_dir=args.checkpoint_dir,

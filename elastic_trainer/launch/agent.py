@@ -26,6 +26,7 @@ import sys
 import time
 
 from elastic_trainer.elastic.lifetime import die_with_parent
+from elastic_trainer.elastic.stop import EXIT_REJOIN  # a rejoin after a peer's stop: restarted, not an error
 
 WORKER_MODULE = "elastic_trainer.cli"
 START_ENV = "ELASTIC_TRAINER_WORKER_START"
@@ -80,11 +81,6 @@ def _no_restart_on_bad_input() -> None:
     # TorchElastic logs a failed worker with the traceback of its own exit-code check; for bad input the
     # worker's one line is the whole story
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_quiet_bad_input)
-
-
-EXIT_REJOIN = 75
-"""A worker's exit code after saving because other ranks stopped (elastic.stop.EXIT_REJOIN): the agent restarts
-it in a new rendezvous, as it would after a failure; not an error worth a traceback."""
 
 
 def _quiet_bad_input(record: logging.LogRecord) -> bool:
@@ -152,12 +148,11 @@ def run_agent(configured) -> int:
     """TorchElastic's agent for a torchrun command line's `agent_config`: 0 when the workers succeeded,
     EXIT_BAD_INPUT after a worker's one-line bad-input error (not restarted), 128 + N after signal N stopped
     the agent (its ranks got it too, and saved); any other failure raises TorchElastic's ChildFailedError."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
     from elastic_trainer.cli_parser import UsageError
-
-    from torch.distributed.elastic.multiprocessing.api import SignalException
 
     config, entrypoint, entry_args = configured
     if entrypoint is worker:

@@ -58,6 +58,8 @@ class Job:
                  log: MetricsLog | None = None, events: EventLog | None = None):
         self.log = log or MetricsLog(None, enabled=False)
         self.events = events or EventLog(None, enabled=False)
+        self.stop_reason: str | None = None
+        """Why the last fit stopped (None: it finished, or has not run)."""
         self.records: list[dict] = []
         self.log.info(f"[train] {model_cfg.name} ({model_cfg.num_params() / 1e6:.1f} M parameters) on "
                       f"{layout.world_size} rank(s), {device.type}: {layout.describe()}; global batch "
@@ -141,7 +143,7 @@ class Job:
     def result(self, status: str) -> JobResult:
         saves = self.checkpointer.history if self.checkpointer else []
         return JobResult(status, self.trainer.step, self.trainer.layout, self.records, self.loaded, saves,
-                         getattr(self, "stop_reason", None))
+                         self.stop_reason)
 
     def __enter__(self) -> "Job":
         return self

@@ -133,3 +133,14 @@ def test_the_cli_defaults_and_a_bad_setting_exiting_with_code_2(capsys):
     assert main(shlex.split("kubernetes --image i --min-replicas 2 --max-replicas 1 --gpus-per-replica 1 "
                             "--checkpoint-claim c")) == 2
     assert "--min-replicas 2 is above --max-replicas 1" in capsys.readouterr().err
+
+
+def test_a_train_argument_without_the_separator_is_refused_and_nothing_is_written(capsys, tmp_path):
+    out = tmp_path / "job.yaml"
+    argv = shlex.split(f"kubernetes --image i --min-replicas 1 --max-replicas 1 --gpus-per-replica 1 "
+                       f"--checkpoint-claim c --output {out} gpt-tiny")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == ("elastic-trainer: error: unexpected 'gpt-tiny': put `train` arguments after -- "
+                   "(see kubernetes --help)\n")
+    assert not out.exists()

@@ -139,7 +139,7 @@ class ModelConfig:
 
 
 DTYPES = ("auto", "fp32", "bf16")
-DP_MODES = ("fsdp", "ddp")
+DP_MODES = ("fsdp", "ddp", "zero1")
 
 
 @dataclass(frozen=True)

@@ -52,11 +52,16 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 def tensor_state(trainer) -> dict:
     """{"model": ..., "optim": ...} of DTensors/tensors, keyed by global names."""
     init_optimizer_state(trainer.optimizer)
+    if trainer.engine.zero is not None:
+        return trainer.engine.zero.state_dict(trainer.optimizer)
     model_sd, optim_sd = get_state_dict(trainer.engine.model, trainer.optimizer, options=OPTIONS)
     return {"model": model_sd, "optim": optim_sd}
 
 
 def apply_tensor_state(trainer, state: dict) -> None:
+    if trainer.engine.zero is not None:  # the load wrote into zero1's own buffers; the learning rate and the
+        trainer.engine.sync_params()     # other group settings come from the config, checked at resume
+        return
     set_state_dict(trainer.engine.model, trainer.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"], options=OPTIONS)
 

@@ -25,6 +25,7 @@ from elastic_trainer.parallel.data_parallel import apply_data_parallel, set_grad
 from elastic_trainer.parallel.mesh import Coords
 from elastic_trainer.parallel.pipeline import build_schedule, split_stage, tied_embedding_group
 from elastic_trainer.parallel.tensor import apply_tensor_parallel
+from elastic_trainer.parallel.zero import Zero1
 from elastic_trainer.plan.layout import Layout
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -50,6 +51,8 @@ class Engine:
         self.last = self.coords.pp == layout.pp - 1
         self.inv_tokens = 1.0 / (global_batch * seq_len)
         self.seed = seed
+        self.zero: Zero1 | None = None
+        """The gradient and master-weight buffers of dp_mode "zero1" (None in the other modes)."""
         self.model = self._build(model_cfg, param_dtype, initialize)
         self.tied_group = tied_embedding_group(mesh, layout)
         self._groups: dict[int, list[nn.Parameter]] | None = None
@@ -69,6 +72,11 @@ class Engine:
         if layout.recompute:
             for block in model.layers.values():
                 block.recompute = True
+        if layout.dp_mode == "zero1":
+            materialize(model, self.device, self.seed, initialize)
+            self.zero = Zero1(model, self.mesh, param_dtype)
+            self.zero.load_master_from_params()
+            return model
         if layout.dp > 1 or param_dtype != torch.float32:
             # With pp > 1 every micro-batch runs forward then backward later: keep blocks gathered.
             apply_data_parallel(model, self.mesh["dp"], layout.dp_mode, param_dtype,
@@ -86,7 +94,14 @@ class Engine:
         tokens = tokens.to(self.device, non_blocking=True)
         kwargs = {} if dropout_keys is None else {"dropout_keys": dropout_keys.to(self.device)}
         if self.schedule is not None:
-            return self._pipelined(tokens, kwargs)
+            total = self._pipelined(tokens, kwargs)
+        else:
+            total = self._sequential(tokens, kwargs)
+        if self.zero is not None:
+            self.zero.reduce()
+        return total
+
+    def _sequential(self, tokens: torch.Tensor, kwargs: dict) -> torch.Tensor:
         total = torch.zeros((), device=self.device)
         slices = microbatch_slices(tokens.shape[0], self.layout.micro_batch)
         for j, rows in enumerate(slices):
@@ -120,13 +135,24 @@ class Engine:
             return self.model.tok_emb.weight
         return None
 
+    def trained_params(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(parameter of the model, the tensor AdamW updates for it on this rank; its .grad is the gradient):
+        the parameter itself, or in zero1 this rank's shard of its fp32 master copy."""
+        params = list(self.model.parameters())
+        return list(zip(params, self.zero.masters if self.zero is not None else params))
+
+    def sync_params(self) -> None:
+        """After the optimizer step: in zero1, gather the updated shards into the whole parameters."""
+        if self.zero is not None:
+            self.zero.gather()
+
     @torch.no_grad()
     def reduce_tied_grads(self) -> None:
         """Sum the tied embedding's gradient between the first and the last stage."""
         if self.tied_group is None or not (self.first or self.last):
             return
-        grad = self.model.tok_emb.weight.grad
-        dist.all_reduce(_local(grad), group=self.tied_group)
+        tied = dict(self.trained_params())[self.model.tok_emb.weight]  # zero1: the same shard on both stages
+        dist.all_reduce(_local(tied.grad), group=self.tied_group)
 
     def _replicas(self, param: torch.Tensor) -> int:
         """On how many ranks of one stage this rank's piece of `param` (and of its gradient) also lives."""
@@ -144,12 +170,14 @@ class Engine:
         return n
 
     def _norm_groups(self) -> dict[int, list[nn.Parameter]]:
-        """Parameters grouped by replica count, the tied copy left out (it is counted on the first stage)."""
+        """What AdamW updates, grouped by replica count, the tied copy left out (counted on the first stage).
+        zero1's master shards are distinct over dp."""
         if self._groups is None:
             tied, groups = self.tied_copy, {}
-            for p in self.model.parameters():
+            per_dp = self.layout.dp if self.zero is not None else 1
+            for p, trained in self.trained_params():
                 if p is not tied:
-                    groups.setdefault(self._replicas(p), []).append(p)
+                    groups.setdefault(self._replicas(p) // per_dp, []).append(trained)
             self._groups = groups
         return self._groups
 
@@ -166,7 +194,7 @@ class Engine:
         dist.all_reduce(sq)
         norm = sq.sqrt()
         if max_norm > 0:
-            grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
+            grads = [_local(t.grad) for _, t in self.trained_params() if t.grad is not None]
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             torch._foreach_mul_(grads, coef)
         return norm

@@ -40,7 +40,7 @@ class Trainer:
         self.model_cfg, self.cfg, self.layout, self.device = model_cfg, cfg, layout, device
         self.engine = Engine(model_cfg, layout, mesh, device, seed=cfg.seed, global_batch=cfg.global_batch,
                              seq_len=cfg.seq_len, param_dtype=resolve_dtype(cfg.dtype, device), initialize=initialize)
-        self.optimizer = build_optimizer(self.engine.model, cfg)
+        self.optimizer = build_optimizer(self.engine.model, cfg, self.engine.trained_params())
         if tokens is None:
             tokens = load_tokens(cfg.data, cfg.data_cache, min_tokens=cfg.seq_len + 1, skip_bad=cfg.skip_bad_records)
         self.samples = TokenSamples(tokens, cfg.seq_len, cfg.seed)
@@ -83,6 +83,7 @@ class Trainer:
         lr = lr_at(self.step, cfg)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
+        engine.sync_params()
         self.step += 1
         dt = time.perf_counter() - t0
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,

@@ -11,11 +11,14 @@ from torch import nn
 from elastic_trainer.config import TrainConfig
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: TrainConfig,
+                    trained: list[tuple[nn.Parameter, torch.Tensor]] | None = None) -> torch.optim.AdamW:
+    """`trained`: (parameter, the tensor AdamW updates for it) pairs when that is not the parameter itself
+    (zero1's master shards, parallel/zero.py); decay follows the parameter's dimensions."""
     decay, no_decay = [], []
-    for p in model.parameters():
+    for p, t in trained if trained is not None else ((p, p) for p in model.parameters()):
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
+            (decay if p.ndim >= 2 else no_decay).append(t)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)

@@ -345,6 +345,7 @@ STEP_CASES = {  # name: (our layout degrees (dp, tp, pp), our dp mode, DeepSpeed
     "dp4: FSDP2 vs ZeRO-1": ((4, 1, 1), "fsdp", "zero1"),
     "dp4: FSDP2 vs ZeRO-3": ((4, 1, 1), "fsdp", "zero3"),
     "dp4: replicated (ddp) vs ZeRO-1": ((4, 1, 1), "ddp", "zero1"),
+    "dp4: zero1 vs ZeRO-1": ((4, 1, 1), "zero1", "zero1"),
     "pp2 x dp2: ours vs PipelineModule (ZeRO-1)": ((2, 1, 2), "fsdp", "pipeline"),
 }
 

@@ -75,7 +75,6 @@ class Engine:
         if layout.dp_mode == "zero1":
             materialize(model, self.device, self.seed, initialize)
             self.zero = Zero1(model, self.mesh, param_dtype)
-            self.zero.load_master_from_params()
             return model
         if layout.dp > 1 or param_dtype != torch.float32:
             # With pp > 1 every micro-batch runs forward then backward later: keep blocks gathered.

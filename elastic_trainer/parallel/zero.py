@@ -71,6 +71,8 @@ class Zero1:
     """The buffers, hooks and collectives of one rank's stage in `dp_mode="zero1"`."""
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype):
+        """`model`: this rank's materialized stage in fp32, after tensor parallelism; it is cast to
+        `param_dtype` here, the fp32 values kept as the master."""
         dp_mesh = mesh["dp"]
         self.mesh, self.group = mesh, dp_mesh.get_group()
         self.dp, self.rank = dp_mesh.size(), dp_mesh.get_local_rank()
@@ -96,9 +98,12 @@ class Zero1:
         """Leaf views of this rank's real rows of every parameter: what AdamW updates."""
         self.grads = [self._mine(self.grad_shard, s) for s in self.slots]
         self._seen = [False] * len(self.slots)
-        self.param_dtype = param_dtype
-        for i, slot in enumerate(self.slots):
-            slot.param.register_post_accumulate_grad_hook(lambda p, i=i: self._accumulate(i, p))
+        self._take_master()
+        if param_dtype != torch.float32:  # the compute copy (nn.Module.to swaps DTensor parameters' contents)
+            model.to(param_dtype)
+        for i, (slot, (_, p)) in enumerate(zip(self.slots, model.named_parameters())):
+            slot.param = p
+            p.register_post_accumulate_grad_hook(lambda p, i=i: self._accumulate(i, p))
 
     def _mine(self, flat: torch.Tensor, slot: _Slot) -> torch.Tensor:
         return flat[slot.offset:slot.offset + slot.mine * slot.row_numel].view(slot.mine, *slot.rest)
@@ -106,14 +111,11 @@ class Zero1:
     # -- setup and checkpoints ------------------------------------------------------------------------
 
     @torch.no_grad()
-    def load_master_from_params(self) -> None:
-        """Take the master shard from the (fp32) parameters, then cast these to the compute dtype."""
+    def _take_master(self) -> None:
+        """The master shard from the (fp32, initialized) parameters."""
         for slot, master in zip(self.slots, self.masters):
             lo = self.rank * slot.chunk
             master.copy_(_local(slot.param)[lo:lo + slot.mine])
-        if self.param_dtype != torch.float32:
-            for slot in self.slots:
-                slot.param.data = slot.param.data.to(self.param_dtype)
 
     def dtensor(self, slot: _Slot, local: torch.Tensor) -> DTensor:
         """`local` (this rank's rows of `slot`'s parameter) as a DTensor of the parameter's global shape."""

@@ -4,7 +4,7 @@ One chain of runs: each trains 3 steps in its layout, saves, and the next run (a
 world size) loads that checkpoint. Every link checks that the gathered weights and AdamW moments (and step
 counts) after loading equal, bitwise, what was saved; all per-step losses of the chain must be within
 1e-5 relative of one uninterrupted single-process run. The 13 links change every dimension up and down,
-the micro-batch split, and the data-parallel mode both ways (sharded <-> replicated).
+the micro-batch split, and the data-parallel mode both ways between sharded, replicated and ZeRO-1.
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ CHAIN = [  # dp, tp, pp, micro_batch, dp_mode
     (4, 1, 2, 1, "fsdp"),  # tp down, dp up
     (1, 1, 4, 1, "fsdp"),  # dp down, pp up
     (2, 1, 1, 4, "ddp"),   # pp down, dp up
+    (2, 2, 2, 2, "zero1"), # replicated -> ZeRO-1, every dimension up
+    (4, 1, 1, 1, "zero1"), # ZeRO-1 with other dp and tp, pp down
+    (2, 2, 1, 2, "fsdp"),  # ZeRO-1 -> sharded
 ]
 
 
@@ -52,10 +55,13 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def full_state(trainer: Trainer) -> dict[str, torch.Tensor]:
     """Every parameter and AdamW state tensor of this rank's stage, gathered to full global tensors."""
-    out = {}
-    for name, p in trainer.engine.model.named_parameters():
+    out, zero = {}, trainer.engine.zero
+    for i, (name, p) in enumerate(trainer.engine.model.named_parameters()):
         out[f"param/{name}"] = _full(p)
-        for key, value in trainer.optimizer.state.get(p, {}).items():
+        trained = zero.masters[i] if zero else p
+        for key, value in trainer.optimizer.state.get(trained, {}).items():
+            if zero and value.ndim:  # this rank's rows of the moment, as the checkpoint sees them
+                value = zero.dtensor(zero.slots[i], value)
             out[f"{key}/{name}"] = _full(value)
     return out
 

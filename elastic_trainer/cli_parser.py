@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from elastic_trainer.config import ConfigError
+from elastic_trainer.config import DP_MODES, ConfigError
 
 MAX_COUNT = 1 << 24
 """Upper bound of sizes (GPUs, samples, micro-batches): far beyond any real job, below overflow trouble."""
@@ -75,7 +75,9 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
                                     "(default: planned for the world size, see `plan`)")
     p.add_argument("--hardware", help="hardware profile for planning (default: cpu, or the one matching the GPU)")
     p.add_argument("--micro-batch", type=POSITIVE, help="samples per micro-batch (default: the whole dp share)")
-    p.add_argument("--dp-mode", choices=("fsdp", "ddp"), help="sharded (FSDP2, default) or replicated")
+    p.add_argument("--dp-mode", choices=DP_MODES,
+                   help="fsdp: FSDP2, all state sharded (default); ddp: replicated; zero1: replicated parameters, "
+                        "sharded optimizer state (ZeRO-1)")
     p.add_argument("--recompute", action="store_true", default=None, help="recompute block activations")
     p.add_argument("--global-batch", type=POSITIVE, help="samples per optimizer step (default 8)")
     p.add_argument("--seq-len", type=POSITIVE, help="tokens per sample (default 128)")
@@ -159,7 +161,7 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-len", type=POSITIVE, help="tokens per sample (default 128)")
     p.add_argument("--dtype", choices=("auto", "fp32", "bf16"))
     p.add_argument("--micro-batch", type=POSITIVE, help="only this micro-batch size")
-    p.add_argument("--dp-mode", choices=("fsdp", "ddp"), help="only this data-parallel mode")
+    p.add_argument("--dp-mode", choices=DP_MODES, help="only this data-parallel mode")
     p.add_argument("--recompute", action="store_true", default=None, help="only layouts with recompute")
     p.add_argument("--top", type=POSITIVE, default=10, help="rows of the table (default 10)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from elastic_trainer.config import (CheckpointConfig, ConfigError, ModelConfig, TrainConfig, divisors, env_int,
+from elastic_trainer.config import (DP_MODES, CheckpointConfig, ConfigError, ModelConfig, TrainConfig, divisors, env_int,
                                     fmt_values, load_model_config, load_run_config)
 from elastic_trainer.plan import Hardware, Plan, PlanError, Request, hardware_for_device, load_hardware, plan
 from elastic_trainer.plan.layout import Layout, LayoutError, parse_degrees, split_batch
@@ -79,7 +79,7 @@ def plan_request(args: argparse.Namespace, model: ModelConfig, train: TrainConfi
     micro, mode, recompute = layout_settings(args, layout_table)
     return Request(model, world_size, train.global_batch, train.seq_len, hw,
                    hw.gpus_per_host if gpus_per_host is None else gpus_per_host, host_sizes=host_sizes,
-                   dtype=train.dtype, micro_batch=micro, dp_modes=(mode,) if mode else ("fsdp", "ddp"),
+                   dtype=train.dtype, micro_batch=micro, dp_modes=(mode,) if mode else DP_MODES,
                    recompute=(False, True) if recompute is None else (recompute,))
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from elastic_trainer.config import ConfigError, ModelConfig, load_model_config, read_toml
+from elastic_trainer.config import DP_MODES, ConfigError, ModelConfig, load_model_config, read_toml
 from elastic_trainer.elastic.schedule import Phase, load_schedule
 from elastic_trainer.plan.layout import parse_degrees
 from elastic_trainer.plan.policy import DP_ONLY_FROZEN, POLICIES, TENPLEX_TABLE, Policy
@@ -76,8 +76,8 @@ def _job(table: dict, where: str) -> JobSpec:
 
 
 def _mode(value, where: str) -> str | None:
-    if value not in (None, "fsdp", "ddp"):
-        raise ConfigError(f"{where}: dp_mode={value!r} is not one of fsdp, ddp")
+    if value is not None and value not in DP_MODES:
+        raise ConfigError(f"{where}: dp_mode={value!r} is not one of {', '.join(DP_MODES)}")
     return value
 
 

@@ -32,9 +32,13 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 
-# torch 2.13 renamed the flat collectives (the old names warn); torch 2.11 and 2.12 have only the old ones
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+def _reduce_scatter(*args, **kwargs):
+    # torch 2.13 renamed the flat collectives (the old names warn); torch 2.11 and 2.12 have only the old ones
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
+
+
+def _all_gather(*args, **kwargs):
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

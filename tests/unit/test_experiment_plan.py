@@ -63,7 +63,7 @@ GOOD = DEFAULT_CONFIG.read_text()
     (GOOD, [{"gpus": 4, "duration_s": 6, "layout": "4,1,1"}], "without pinned layouts"),
     (GOOD.replace('"ours", ', '"mine", '), None, "unknown policy 'mine'"),
     (GOOD.replace('8 = "1,2,4"', '8 = "1,2,2"'), None, "8 = '1,2,2' does not use 8 GPUs"),
-    (GOOD.replace('dp_mode = "ddp"', 'dp_mode = "zero3"'), None, "dp_mode='zero3' is not one of fsdp, ddp"),
+    (GOOD.replace('dp_mode = "ddp"', 'dp_mode = "zero3"'), None, "dp_mode='zero3' is not one of fsdp, ddp, zero1"),
     (GOOD.replace('model = "gpt-tiny"', 'modle = "gpt-tiny"'), None, "[small]: unknown key(s) modle"),
 ])
 def test_bad_experiment_files_are_one_line_errors(tmp_path, text, phases, message):

@@ -34,7 +34,7 @@ def test_non_positive_degrees_rejected(field):
 
 
 def test_unknown_dp_mode_rejected():
-    with pytest.raises(LayoutError, match="dp_mode='zero3' is not one of fsdp, ddp"):
+    with pytest.raises(LayoutError, match="dp_mode='zero3' is not one of fsdp, ddp, zero1"):
         Layout(1, 1, 1, 1, 1, dp_mode="zero3")
 
 

@@ -1,0 +1,138 @@
+"""parallel/zero.py (dp_mode "zero1") on a micro GPT, against a plain single-process step.
+
+The expectations are independent of the code under test: the reference gradients come from a plain GPT
+with F.cross_entropy (tests/unit/test_engine_unit.py's `reference`), and each dp rank's shard is cut from
+them by hand with torch.chunk along dim 0, the split FSDP2 and DTensor's Shard(0) use.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from elastic_trainer.parallel.engine import Engine
+from elastic_trainer.parallel.local_ranks import run_ranks
+from elastic_trainer.parallel.mesh import build_mesh
+from elastic_trainer.parallel.zero import Zero1
+from elastic_trainer.plan.layout import Layout
+from tests.unit.test_engine_unit import CPU, MODEL, SEED, T, batch, initial_by_hand, reference
+
+COUNTED = ("all_reduce", "reduce_scatter_single", "all_gather_single")
+
+
+def _zero_step(rank, world, layout: Layout, tokens, dtype=torch.float32) -> dict:
+    engine = Engine(MODEL, layout, build_mesh(layout, "cpu"), CPU, seed=SEED, global_batch=layout.global_batch,
+                    seq_len=T, param_dtype=dtype)
+    counts = dict.fromkeys(COUNTED, 0)
+    originals = {k: getattr(dist, k) for k in COUNTED}
+    for k in COUNTED:
+        setattr(dist, k, lambda *a, k=k, **kw: (counts.__setitem__(k, counts[k] + 1), originals[k](*a, **kw))[1])
+    share = layout.local_batch
+    rows = slice(engine.coords.dp * share, (engine.coords.dp + 1) * share)
+    grads_alive = []
+    for block in engine.model.layers.values():  # after each block's backward: does any .grad stay set?
+        block.register_full_backward_hook(lambda *_: grads_alive.append(
+            any(p.grad is not None for p in engine.model.parameters())))
+    try:
+        local = engine.forward_backward(tokens[rows])
+    finally:
+        for k in COUNTED:
+            setattr(dist, k, originals[k])
+    zero = engine.zero
+    names = [s.name for s in zero.slots]
+    return {
+        "dp": engine.coords.dp, "loss": engine.global_loss(local), "counts": counts,
+        "grads": {n: m.grad.clone() for n, m in zip(names, zero.masters)},
+        "masters": {n: m.clone() for n, m in zip(names, zero.masters)},
+        "param_dtypes": {p.dtype for p in engine.model.parameters()},
+        "grads_alive": grads_alive,
+        "norm": float(engine.clip_grad_norm_(0.0)),
+    }
+
+
+def _shard(t: torch.Tensor, dp: int, rank: int) -> torch.Tensor:
+    pieces = torch.chunk(t, dp, dim=0)
+    return pieces[rank] if rank < len(pieces) else t[:0]
+
+
+@pytest.mark.parametrize("dp, micro_batch, n_micro", [(2, 2, 1), (2, 1, 4), (3, 1, 2)])
+def test_each_rank_holds_its_rows_of_the_global_gradient(dp, micro_batch, n_micro):
+    """dp=3 splits every width of the micro GPT (16, 48, 64) unevenly: the last rank's rows are fewer."""
+    layout = Layout(dp, 1, 1, micro_batch, n_micro, dp_mode="zero1")
+    tokens = batch(layout.global_batch)
+    gc.collect()
+    results = run_ranks(_zero_step, dp, layout, tokens, timeout=120)
+    want_loss, want_grads, want_norm = reference(MODEL, tokens)
+    init = initial_by_hand(MODEL, SEED)
+    for r in results:
+        assert r["loss"] == pytest.approx(want_loss, rel=1e-5)
+        assert r["norm"] == pytest.approx(want_norm, rel=1e-5)
+        # one gradient reduction per step whatever the number of micro-batches; no gather before the update
+        assert r["counts"] == {"all_reduce": 0, "reduce_scatter_single": 1, "all_gather_single": 0}
+        assert not any(r["grads_alive"]), "a whole .grad stayed alive after its hook"
+        for name, want in want_grads.items():
+            mine = _shard(want, dp, r["dp"])
+            assert r["grads"][name].shape == mine.shape, name
+            torch.testing.assert_close(r["grads"][name], mine, rtol=1e-5, atol=1e-7, msg=name)
+            assert torch.equal(r["masters"][name], _shard(init[name], dp, r["dp"])), name
+
+
+def test_bf16_gradients_accumulate_in_fp32():
+    """bf16 compute copy, fp32 master and accumulation: the sum of 4 micro-batches' bf16 gradients, taken in
+    fp32, is mostly not a bf16 number (it would be if .grad accumulated in bf16)."""
+    layout = Layout(2, 1, 1, 1, 4, dp_mode="zero1")
+    tokens = batch(layout.global_batch)
+    gc.collect()
+    results = run_ranks(_zero_step, 2, layout, tokens, torch.bfloat16, timeout=120)
+    want_loss, want_grads, _ = reference(MODEL, tokens)
+    for r in results:
+        assert r["param_dtypes"] == {torch.bfloat16}
+        assert r["loss"] == pytest.approx(want_loss, rel=2e-2)
+        g = torch.cat([v.flatten() for v in r["grads"].values()])
+        assert g.dtype == torch.float32
+        g = g[g != 0]
+        assert (g.bfloat16().float() == g).float().mean() < 0.5
+        ref = torch.cat([_shard(want_grads[n], 2, r["dp"]).flatten() for n in r["grads"]])
+        assert float((torch.cat([v.flatten() for v in r["grads"].values()]) - ref).norm()) <= 0.1 * float(ref.norm())
+
+
+class _TwoLinears(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, use_b: bool):
+        x = self.a(x)
+        return self.b(x) if use_b else x
+
+
+def test_a_parameter_without_gradient_this_step_contributes_zeros_not_last_steps(group):
+    torch.manual_seed(0)
+    model = _TwoLinears()
+    zero = Zero1(model, build_mesh(Layout(1, 1, 1, 1, 1), "cpu"), torch.float32)
+    x = torch.randn(3, 4)
+    model(x, True).sum().backward()
+    zero.reduce()
+    b_weight = [s.name for s in zero.slots].index("b.weight")
+    assert zero.grads[b_weight].abs().sum() > 0
+    model(x, False).square().sum().backward()  # b unused
+    zero.reduce()
+    assert torch.count_nonzero(zero.grads[b_weight]) == 0
+    want = torch.func.grad(lambda w: torch.nn.functional.linear(x, w, model.a.bias).square().sum())(model.a.weight)
+    torch.testing.assert_close(zero.grads[0], want)
+
+
+def test_gather_writes_the_updated_master_into_the_parameters(group):
+    model = _TwoLinears()
+    zero = Zero1(model, build_mesh(Layout(1, 1, 1, 1, 1), "cpu"), torch.float32)
+    with torch.no_grad():
+        for m in zero.masters:
+            m.add_(1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    zero.gather()
+    for p, b, m in zip(model.parameters(), before, zero.masters):
+        assert torch.equal(p.detach(), m) and torch.equal(p.detach(), b + 1.0)

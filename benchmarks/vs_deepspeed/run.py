@@ -347,6 +347,7 @@ STEP_CASES = {  # name: (our layout degrees (dp, tp, pp), our dp mode, DeepSpeed
     "dp4: replicated (ddp) vs ZeRO-1": ((4, 1, 1), "ddp", "zero1"),
     "dp4: zero1 vs ZeRO-1": ((4, 1, 1), "zero1", "zero1"),
     "pp2 x dp2: ours vs PipelineModule (ZeRO-1)": ((2, 1, 2), "fsdp", "pipeline"),
+    "pp2 x dp2: ours zero1 vs PipelineModule (ZeRO-1)": ((2, 1, 2), "zero1", "pipeline"),
 }
 
 

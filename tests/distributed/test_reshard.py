@@ -3,7 +3,7 @@
 One chain of runs: each trains 3 steps in its layout, saves, and the next run (another layout, another
 world size) loads that checkpoint. Every link checks that the gathered weights and AdamW moments (and step
 counts) after loading equal, bitwise, what was saved; all per-step losses of the chain must be within
-1e-5 relative of one uninterrupted single-process run. The 13 links change every dimension up and down,
+1e-5 relative of one uninterrupted single-process run. The 16 links change every dimension up and down,
 the micro-batch split, and the data-parallel mode both ways between sharded, replicated and ZeRO-1.
 """
 

@@ -1,5 +1,6 @@
 """Data parallelism: FSDP2 (`fully_shard`, parameters/gradients/optimizer state sharded over dp) or a
-replicated, DDP-like mode (`replicate`, the same FSDP2 machinery without sharding).
+replicated, DDP-like mode (`replicate`, the same FSDP2 machinery without sharding). The third mode, ZeRO-1
+(replicated parameters, sharded optimizer state), is parallel/zero.py.
 
 Each block is its own unit (its all-gather overlaps the previous block's compute), the root holds the
 embeddings and the final LayerNorm. Gradients are *summed* across dp, not averaged: the loss is already

@@ -53,7 +53,8 @@ class Layout:
     num_microbatches: int
     """Micro-batches per step and data-parallel rank (gradient accumulation / pipeline depth)."""
     dp_mode: str = "fsdp"
-    """fsdp: parameters, gradients and optimizer state sharded (FSDP2); ddp: replicated."""
+    """fsdp: parameters, gradients and optimizer state sharded (FSDP2); ddp: replicated; zero1: parameters
+    replicated, optimizer state sharded, gradients reduce-scattered once per step (parallel/zero.py)."""
     recompute: bool = False
     """Recompute each block's activations in backward instead of storing them."""
 

@@ -115,9 +115,10 @@ class Candidate:
         return self.time.total
 
     def rank_key(self) -> tuple:
-        """Fastest first; ties go to less memory, then fewer pipeline and tensor-parallel ranks."""
+        """Fastest first; ties go to less memory, then fewer pipeline and tensor-parallel ranks, no recompute,
+        then the data-parallel mode in DP_MODES' order (fsdp, ddp, zero1)."""
         return (round(self.time.total, 12), self.memory.total, self.pp, self.tp, self.recompute,
-                self.dp_mode != "fsdp")
+                DP_MODES.index(self.dp_mode))
 
 
 def degree_reason(req: Request, dp: int, tp: int, pp: int) -> str | None:
@@ -161,7 +162,8 @@ def candidates_for(req: Request, dp: int, tp: int, pp: int) -> list[Candidate]:
     """Every micro-batch, mode and recompute setting of valid degrees (dp, tp, pp)."""
     share = req.global_batch // dp
     micros = [req.micro_batch] if req.micro_batch is not None else divisors(share)
-    modes = req.dp_modes if dp > 1 else req.dp_modes[:1]  # with dp = 1 the modes are the same
+    # with dp = 1 fsdp and ddp run alike; zero1 keeps its buffers (worse), so it stands in only when alone
+    modes = req.dp_modes if dp > 1 else [m for m in req.dp_modes if m != "zero1"][:1] or req.dp_modes[:1]
     return [evaluate(req, Layout(dp, tp, pp, m, share // m, dp_mode=mode, recompute=rc))
             for m in micros for mode in modes for rc in req.recompute]
 

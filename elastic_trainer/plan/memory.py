@@ -7,8 +7,16 @@ Pure arithmetic that mirrors what the engine allocates (parallel/engine.py):
   copy, also under bf16 mixed precision). With FSDP (`dp_mode="fsdp"`) each one is split along dim 0 like
   `torch.chunk` into ceil(n / dp) rows per rank; FSDP2 pads every rank's parameter and gradient storage to
   that size, while AdamW's exp_avg and exp_avg_sq take the rank's real, possibly shorter, slice, plus a
-  4-byte `step` per parameter. Replicated data parallelism (`"ddp"`) keeps everything whole.
-- **Working memory** (modeled): the compute-dtype copies FSDP2 gathers and the gradient buffers it reduces:
+  4-byte `step` per parameter. Replicated data parallelism (`"ddp"`) keeps everything whole. ZeRO-1
+  (`"zero1"`, parallel/zero.py) keeps the parameters whole in the compute dtype (e bytes each) and shards
+  the rest as FSDP2 does: the padded fp32 master shard, the padded shard of the dp-summed gradients and
+  AdamW's state of the real rows, plus an fp32 gradient buffer of all dp padded shards: e + 4 bytes per
+  parameter more than FSDP.
+- **Working memory** (modeled): the compute-dtype copies FSDP2 gathers and the gradient buffers it reduces.
+  zero1's buffers are state; autograd's compute-dtype gradient of a parameter lives until the hook moves
+  it into the buffer, the largest parameter's at most (without a pipeline the tied embedding's: its head
+  gradient waits through the whole backward for the embedding's, and at the end of backward, activations
+  freed, the two and their sum are live: `end_of_backward`, measured in test_memory_peak.py):
 
   | case                       | parameter copies          | gradient buffers                  |
   |----------------------------|---------------------------|-----------------------------------|
@@ -16,6 +24,7 @@ Pure arithmetic that mirrors what the engine allocates (parallel/engine.py):
   | fsdp, pp=1                 | root + 2 blocks (e)       | root + 2 blocks (e + 4 fp32)      |
   | fsdp, pp>1 (no resharding) | whole stage (e)           | whole stage (4, accumulated)      |
   | ddp                        | whole stage (e)           | whole stage (4, accumulated)      |
+  | zero1                      | none (whole, in state)    | largest parameter (e)             |
 
   where e is the compute dtype's size and the root is the embeddings and final LayerNorm.
 - **Activations** (checked against autograd's saved tensors in tests/unit/test_memory.py): a block keeps
@@ -30,9 +39,11 @@ Pure arithmetic that mirrors what the engine allocates (parallel/engine.py):
   freed the activations and working buffers, AdamW allocates temporaries: torch's foreach implementation (the
   default on GPUs) takes the square root of a whole parameter group's exp_avg_sq at once, 4 bytes per local
   parameter; its single-tensor implementation (CPUs) one parameter at a time, two temporaries of its size
-  (the square root, then its division by the bias correction). The model takes the larger of the two. The
-  peak is the state plus the larger of the backward's (working + activations + transient) and this: on a
-  first pipeline stage, whose activations are small next to its embedding, the optimizer step is the peak.
+  (the square root, then its division by the bias correction). The model takes the larger of the two, over
+  the rank's real rows under fsdp and zero1 (whose AdamW updates the master shard). The peak is the state
+  plus the largest of the backward's (working + activations + transient), zero1's end of backward and
+  this: on a first pipeline stage, whose activations are small next to its embedding, the optimizer step
+  is the peak.
 """
 
 from __future__ import annotations
@@ -117,14 +128,27 @@ def shard_state(shapes: list[tuple[str, Shape]], shards: int, rank: int) -> Stat
     return StateBytes(params, params, optimizer)
 
 
-def state_bytes(model: ModelConfig, layout: Layout, stage: int, dp_rank: int = 0) -> StateBytes:
-    """Parameter, gradient and AdamW bytes held by data-parallel rank `dp_rank` of `stage` (any tp rank)."""
-    shards, rank = (layout.dp, dp_rank) if layout.dp_mode == "fsdp" else (1, 0)
+def zero1_state(shapes: list[tuple[str, Shape]], dp: int, rank: int, dtype: str) -> StateBytes:
+    """State bytes of `shapes` under zero1 on dp rank `rank`: the whole compute-dtype parameters and the padded
+    fp32 master shard; the gradient buffer (dp padded shards) and the reduced shard; AdamW as FSDP2's."""
+    sharded = shard_state(shapes, dp, rank)
+    whole = sum(math.prod(shape) for _, shape in shapes)
+    return StateBytes(whole * DTYPE_BYTES[dtype] + sharded.params, (dp + 1) * sharded.grads, sharded.optimizer)
+
+
+def state_bytes(model: ModelConfig, layout: Layout, stage: int, dp_rank: int = 0, dtype: str = "fp32") -> StateBytes:
+    """Parameter, gradient and AdamW bytes held by data-parallel rank `dp_rank` of `stage` (any tp rank);
+    `dtype`, the compute dtype, matters only to zero1's whole parameters."""
+    def state(shapes: list[tuple[str, Shape]]) -> StateBytes:
+        if layout.dp_mode == "zero1":
+            return zero1_state(shapes, layout.dp, dp_rank, dtype)
+        return shard_state(shapes, layout.dp, dp_rank) if layout.dp_mode == "fsdp" else shard_state(shapes, 1, 0)
+
     layers = stage_layers(model.n_layers, layout.pp)[stage]
-    root = shard_state(root_shapes(model, stage == 0, stage == layout.pp - 1), shards, rank)
+    root = state(root_shapes(model, stage == 0, stage == layout.pp - 1))
     if not layers:
         return root
-    return root + shard_state(block_shapes(model, layers[0], layout.tp), shards, rank) * len(layers)
+    return root + state(block_shapes(model, layers[0], layout.tp)) * len(layers)
 
 
 def stage_elements(model: ModelConfig, layout: Layout, stage: int) -> tuple[int, int, int]:
@@ -143,6 +167,8 @@ def stage_numel(model: ModelConfig, layout: Layout, stage: int) -> int:
 def working_bytes(model: ModelConfig, layout: Layout, stage: int, dtype: str) -> int:
     """Peak bytes of data-parallel working buffers: gathered compute copies and gradient buffers."""
     e = DTYPE_BYTES[dtype]
+    if layout.dp_mode == "zero1":  # autograd's gradient of one parameter, until the hook moves it
+        return e * max(math.prod(shape) for _, shape in stage_shapes(model, layout, stage))
     if layout.dp == 1 and dtype == "fp32":
         return 0  # the engine applies no data-parallel wrapper
     root, block, n = stage_elements(model, layout, stage)
@@ -156,7 +182,7 @@ def working_bytes(model: ModelConfig, layout: Layout, stage: int, dtype: str) ->
 def optimizer_step_bytes(model: ModelConfig, layout: Layout, stage: int, dp_rank: int = 0) -> int:
     """Peak temporaries of the AdamW step on one rank: 4 bytes per local parameter (foreach) or two copies of
     the largest local parameter (single-tensor), whichever is larger (see the module docstring)."""
-    shards, rank = (layout.dp, dp_rank) if layout.dp_mode == "fsdp" else (1, 0)
+    shards, rank = (layout.dp, dp_rank) if layout.dp_mode in ("fsdp", "zero1") else (1, 0)
 
     def local(shape: Shape) -> int:  # the rank's real slice, as exp_avg_sq holds it
         rows, rest = shape[0], math.prod(shape[1:])
@@ -169,6 +195,14 @@ def optimizer_step_bytes(model: ModelConfig, layout: Layout, stage: int, dp_rank
     total = sum(root) + n * sum(block)
     largest = max(root + block, default=0)
     return MASTER_BYTES * max(total, 2 * largest)
+
+
+def end_of_backward_bytes(model: ModelConfig, layout: Layout, dtype: str) -> int:
+    """zero1 without a pipeline: the tied embedding's head and embedding gradients and their sum (compute
+    dtype), live together at the end of backward until the hook moves the sum into the buffer."""
+    if layout.dp_mode != "zero1" or layout.pp > 1:
+        return 0
+    return 3 * model.vocab_size * model.d_model * DTYPE_BYTES[dtype]
 
 
 def in_flight(layout: Layout, stage: int) -> int:
@@ -221,10 +255,13 @@ class StageMemory:
     """Short-lived peaks: one block's backward (and recomputation), the loss gradient, pipeline buffers."""
     optimizer_step: int = 0
     """AdamW's temporaries, allocated after backward freed the working buffers and activations."""
+    end_of_backward: int = 0
+    """zero1's tied-embedding gradients at the end of backward, after the activations were freed."""
 
     @property
     def total(self) -> int:
-        return self.state.total + max(self.working + self.activations + self.transient, self.optimizer_step)
+        backward = self.working + self.activations + self.transient
+        return self.state.total + max(backward, self.optimizer_step, self.end_of_backward)
 
 
 def stage_memory(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, stage: int) -> StageMemory:
@@ -247,8 +284,9 @@ def stage_memory(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, s
         transient += b * seq_len * model.vocab_size * (8 + e)  # fp32 loss gradients and the cast back
     if layout.pp > 1:
         transient += 2 * hidden  # receive buffers for activations and their gradients
-    return StageMemory(stage, state_bytes(model, layout, stage), working_bytes(model, layout, stage, dtype),
-                       in_flight(layout, stage) * per_mb, transient, optimizer_step_bytes(model, layout, stage))
+    return StageMemory(stage, state_bytes(model, layout, stage, dtype=dtype),
+                       working_bytes(model, layout, stage, dtype), in_flight(layout, stage) * per_mb, transient,
+                       optimizer_step_bytes(model, layout, stage), end_of_backward_bytes(model, layout, dtype))
 
 
 def stage_memories(model: ModelConfig, layout: Layout, seq_len: int, dtype: str) -> list[StageMemory]:

@@ -4,7 +4,9 @@
   attention), split over tp ranks; backward costs twice that, recomputation once more. The output head
   (2*t*d*vocab forward) runs on the last stage and is replicated across tp ranks, as in the engine. The
   rate is `tflops` scaled by t / (t + half_rate_tokens) (small GEMMs run slower), plus a fixed time per
-  block and memory-bound work: softmax cross-entropy per logit, the embedding gradient.
+  block and memory-bound work at `memory_bandwidth_gbs`: softmax cross-entropy per logit, the embedding
+  gradient, and in zero1 the hooks moving every gradient into the fp32 buffer (read e bytes, read and
+  write 4; the first micro-batch's copy reads 4 fewer, left out).
 - **Tensor parallel**: 2 all-reduces of the (micro_batch, seq, d_model) activation per block in forward,
   2 in backward (2 more when recomputing), at intra-host bandwidth, not overlapped.
 - **Pipeline**: stage i takes t_i per micro-batch (compute, tp all-reduces, point-to-point sends);
@@ -13,11 +15,14 @@
 - **Data parallel**: FSDP gathers the stage's parameters (compute dtype) and reduce-scatters fp32
   gradients, one collective per unit (each block, and the root): every micro-batch without a pipeline
   (gather in forward and again in backward), once per step with one (the schedule defers the reduction to
-  the end); ddp all-reduces once per step. Bandwidth is
+  the end); ddp all-reduces once per step. zero1 reduce-scatters its fp32 gradient buffer (the whole
+  stage) once per step and all-gathers the updated fp32 master shards back after the optimizer step, then
+  copies them into the parameters (read 4 bytes, write e); none of it overlaps compute. Bandwidth is
   intra-host when each dp group fits within a host. Communication hides behind `overlap` of the compute it
   can run under; the rest adds to the step. The tied embedding's gradient is all-reduced between the first
-  and last stage.
-- **Optimizer**: `optimizer_ns_per_param` per local parameter (clipping + AdamW).
+  and last stage (1/dp of it under fsdp and zero1).
+- **Optimizer**: `optimizer_ns_per_param` per local parameter (clipping + AdamW): 1/dp of the stage under
+  fsdp and zero1.
 - **Shared hosts** (CPU processes): ranks share `compute_units` cores, so a step also takes at least the
   host's whole compute divided by its cores, and communication (which needs the CPU too) runs
   ranks / compute_units times slower than measured on idle ranks.
@@ -120,6 +125,9 @@ def stage_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw:
     emb_grad = 2 * model.vocab_size * model.d_model * MASTER_BYTES / (hw.memory_bandwidth_gbs * 1e9)
     if stage == 0:
         compute += emb_grad
+    if layout.dp_mode == "zero1":  # the hooks add every gradient into the fp32 buffer
+        grads = stage_numel(model, layout, stage) * (DTYPE_BYTES[dtype] + 2 * MASTER_BYTES)
+        compute += grads / (hw.memory_bandwidth_gbs * 1e9)
     if stage == layout.pp - 1:
         logits = tokens * model.vocab_size
         compute += 3 * head_flops(model, tokens) / head_rate + logits * hw.logit_ns * 1e-9 + emb_grad
@@ -144,13 +152,17 @@ def dp_comm_time(model: ModelConfig, layout: Layout, dtype: str, hw: Hardware, l
     """Exposed data-parallel communication of one stage per step; t_mb is its time per micro-batch."""
     root, block, n = stage_elements(model, layout, stage)
     a, dp, e = layout.num_microbatches, layout.dp, DTYPE_BYTES[dtype]
+    reduce_scatter = links.dp.all_reduce if hw.reduce_scatter_as_all_reduce else links.dp.gather
+    if layout.dp_mode == "zero1":  # one collective each way over the whole stage per step, and the copy back
+        whole = root + block * n
+        copy = whole * (MASTER_BYTES + e) / (hw.memory_bandwidth_gbs * 1e9)
+        return reduce_scatter(whole * MASTER_BYTES, dp) + links.dp.gather(whole * MASTER_BYTES, dp) + copy
     if dp == 1:
         return 0.0
     if layout.dp_mode == "ddp":
         comm = _per_unit(lambda b: links.dp.all_reduce(b, dp), root, block, n, 4)
         return _exposed(comm, 2 / 3 * t_mb if layout.pp == 1 else 0.0, hw.overlap)
     gather = _per_unit(lambda b: links.dp.gather(b, dp), root, block, n, e)
-    reduce_scatter = links.dp.all_reduce if hw.reduce_scatter_as_all_reduce else links.dp.gather
     scatter = _per_unit(lambda b: reduce_scatter(b, dp), root, block, n, 4)
     if layout.pp == 1:  # blocks are gathered again for backward; the root stays gathered
         regather = _per_unit(lambda b: links.dp.gather(b, dp), 0, block, n, e)
@@ -165,7 +177,8 @@ class StepTime:
     pipeline: float
     """Forward/backward of all micro-batches through all stages (with tp all-reduces and p2p sends)."""
     dp_comm: float
-    """Data-parallel and tied-embedding communication not hidden behind compute."""
+    """Data-parallel and tied-embedding communication not hidden behind compute (zero1: with the copy of the
+    gathered weights into the parameters)."""
     optimizer: float
     bubble: float
     """Idle share of the pipeline, (pp - 1) / (num_microbatches + pp - 1)."""
@@ -185,7 +198,7 @@ def step_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw: 
     a = layout.num_microbatches
     pipeline = sum(t.total for t in stages) + (a - 1) * max(t.total for t in stages)
     dp = max(dp_comm_time(model, layout, dtype, hw, links, s, t.total) for s, t in enumerate(stages))
-    shard = layout.dp if layout.dp_mode == "fsdp" else 1
+    shard = layout.dp if layout.dp_mode in ("fsdp", "zero1") else 1
     if layout.pp > 1:
         dp += links.pp.all_reduce(model.vocab_size * model.d_model * MASTER_BYTES / shard, 2)
     local = [stage_numel(model, layout, s) / shard for s in range(layout.pp)]

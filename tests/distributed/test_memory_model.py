@@ -3,8 +3,10 @@
 Each layout trains one step of gpt-tiny (vocab 50257, so dp=3 splits the embedding unevenly and FSDP2 pads)
 on forked gloo ranks. Every rank then adds up the storages (each counted once) behind its parameters'
 local tensors, their gradients and the optimizer's exp_avg, exp_avg_sq and step, and the test compares
-those sums byte for byte with `state_bytes` for that rank's stage and dp rank. It also checks that the
-stage holds exactly the parameters `stage_shapes` lists.
+those sums byte for byte with `state_bytes` for that rank's stage and dp rank. In zero1 the parameters
+also take the fp32 master shard, the gradients the buffer and the reduced shard (parallel/zero.py), and
+the optimizer's state is that of the master shard's views. It also checks that the stage holds exactly
+the parameters `stage_shapes` lists.
 """
 
 from __future__ import annotations
@@ -37,20 +39,25 @@ def held_bytes(rank: int, world: int, layout: Layout, dtype: str) -> dict:
     cfg = TrainConfig(global_batch=layout.global_batch, seq_len=8, steps=1, dtype=dtype)
     trainer = Trainer(MODEL, cfg, layout, build_mesh(layout, "cpu"), torch.device("cpu"), tokens=tokens)
     trainer.train_step()
-    params = dict(trainer.engine.model.named_parameters())
-    state = [trainer.optimizer.state[p] for p in params.values()]
-    coords = trainer.engine.coords
-    return {"stage": coords.pp, "dp_rank": coords.dp, "names": sorted(params),
-            "params": _storage_bytes(params.values()),
-            "grads": _storage_bytes(p.grad for p in params.values()),
+    engine = trainer.engine
+    params = dict(engine.model.named_parameters())
+    trained = [t for _, t in engine.trained_params()]  # the parameters, or zero1's master shard views
+    buffers = ([engine.zero.master], [engine.zero.buffer, engine.zero.grad_shard]) if engine.zero else ([], [])
+    state = [trainer.optimizer.state[t] for t in trained]
+    grads = [t.grad for t in [*params.values(), *trained] if t.grad is not None]
+    return {"stage": engine.coords.pp, "dp_rank": engine.coords.dp, "names": sorted(params),
+            "params": _storage_bytes([*params.values(), *buffers[0]]),
+            "grads": _storage_bytes([*grads, *buffers[1]]),
             "optimizer": _storage_bytes(t for s in state for t in (s["exp_avg"], s["exp_avg_sq"], s["step"]))}
 
 
 # (dp, tp, pp, dp_mode, dtype): no wrapper, uneven FSDP shards, replicated with tp, a 3-stage pipeline with
-# tp (middle stage without embeddings), all three dimensions, bf16 mixed precision (fp32 master state)
+# tp (middle stage without embeddings), all three dimensions, bf16 mixed precision (fp32 master state);
+# zero1 with uneven shards, with tp, with a pipeline in bf16 (whole bf16 parameters), and on one rank
 LAYOUTS = [(1, 1, 1, "fsdp", "fp32"), (3, 1, 1, "fsdp", "fp32"), (2, 2, 1, "ddp", "fp32"),
            (1, 2, 3, "fsdp", "fp32"), (2, 2, 2, "fsdp", "fp32"), (2, 1, 2, "ddp", "bf16"),
-           (2, 1, 2, "fsdp", "bf16")]
+           (2, 1, 2, "fsdp", "bf16"), (3, 1, 1, "zero1", "fp32"), (2, 2, 1, "zero1", "fp32"),
+           (2, 1, 2, "zero1", "bf16"), (1, 1, 1, "zero1", "fp32")]
 
 
 @pytest.mark.parametrize("dp, tp, pp, mode, dtype", LAYOUTS, ids=lambda v: str(v))
@@ -59,6 +66,6 @@ def test_state_bytes_equal_bytes_held_on_every_rank(dp, tp, pp, mode, dtype):
     for held in run_ranks(held_bytes, layout.world_size, layout, dtype):
         stage, dp_rank = held["stage"], held["dp_rank"]
         assert held["names"] == sorted(name for name, _ in stage_shapes(MODEL, layout, stage))
-        predicted = state_bytes(MODEL, layout, stage, dp_rank)
+        predicted = state_bytes(MODEL, layout, stage, dp_rank, dtype)
         assert (held["params"], held["grads"], held["optimizer"]) == \
             (predicted.params, predicted.grads, predicted.optimizer), f"stage {stage}, dp rank {dp_rank}"

@@ -184,12 +184,12 @@ def test_the_same_data_files_from_another_folder_do_not_hide_other_changes(tmp_p
 
 
 def tiny_trainer(seed: int) -> SimpleNamespace:
-    """What apply_tensor_state and tensor_state use of a Trainer: engine.model and its AdamW optimizer."""
+    """What apply_tensor_state and tensor_state use of a Trainer: engine.model (not zero1) and its AdamW optimizer."""
     import torch
 
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
-    return SimpleNamespace(engine=SimpleNamespace(model=model),
+    return SimpleNamespace(engine=SimpleNamespace(model=model, zero=None),
                            optimizer=torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.01))
 
 

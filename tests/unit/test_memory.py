@@ -156,6 +156,41 @@ def test_working_buffers_by_hand():
     assert working_bytes(two, Layout(2, 1, 2, 1, 2), 0, "bf16") == stage0 * 2 + stage0 * 4
 
 
+def test_zero1_state_by_hand():
+    """dp = 2 over SMALL's 16 tensors: torch.chunk's halves; only tok_emb (5 rows: 3 + 2) and pos_emb (3 rows:
+    2 + 1) are odd, so each rank's padded shard is 12 + 8 + 2 + 2 root + 244 / 2 block = 146 elements, of which
+    rank 1 really holds 8 + 4 + 2 + 2 + 122 = 138."""
+    zero1 = Layout(2, 1, 1, 1, 1, dp_mode="zero1")
+    # whole bf16 parameters and the fp32 master shard; the fp32 buffer of both shards and the reduced shard
+    assert state_bytes(SMALL, zero1, 0, dp_rank=1, dtype="bf16") == \
+        StateBytes(284 * 2 + 146 * 4, (2 + 1) * 146 * 4, 2 * 138 * 4 + 16 * 4)
+    assert state_bytes(SMALL, zero1, 0, dp_rank=0, dtype="fp32") == \
+        StateBytes(284 * 4 + 146 * 4, (2 + 1) * 146 * 4, 2 * 146 * 4 + 16 * 4)
+    # on one rank the engine still keeps the master, buffer and reduced copies: four fp32 copies and AdamW's
+    assert state_bytes(SMALL, Layout(1, 1, 1, 1, 1, dp_mode="zero1"), 0) == \
+        StateBytes(2 * 284 * 4, 2 * 284 * 4, 2 * 284 * 4 + 16 * 4)
+    # against FSDP: the same AdamW state, e + 4 bytes more per parameter (the buffer padded like the shards)
+    fsdp = state_bytes(SMALL, Layout(2, 1, 1, 1, 1), 0, dp_rank=1)
+    assert state_bytes(SMALL, zero1, 0, dp_rank=1, dtype="bf16").total - fsdp.total == 284 * 2 + 2 * 146 * 4
+
+
+def test_zero1_working_memory_end_of_backward_and_optimizer_step_by_hand():
+    zero1 = Layout(2, 1, 1, 1, 1, dp_mode="zero1")
+    # autograd's gradient of one parameter before the hook moves it, the largest: fc's or proj's 64 elements
+    assert working_bytes(SMALL, zero1, 0, "bf16") == 64 * 2
+    assert working_bytes(SMALL, Layout(1, 1, 1, 1, 1, dp_mode="zero1"), 0, "fp32") == 64 * 4  # even on one rank
+    # without a pipeline, the tied embedding's (5 x 4) head and embedding gradients and their sum end backward
+    m = stage_memory(SMALL, zero1, 3, "bf16", 0)
+    assert m.end_of_backward == 3 * 20 * 2
+    assert m.total == m.state.total + max(m.working + m.activations + m.transient, m.optimizer_step, 3 * 20 * 2)
+    two = ModelConfig(n_layers=2, d_model=4, n_heads=1, vocab_size=5, context_length=3)
+    assert [stage_memory(two, Layout(2, 1, 2, 1, 2, dp_mode="zero1"), 3, "bf16", s).end_of_backward
+            for s in range(2)] == [0, 0]  # a pipeline splits the two uses: each is a single gradient
+    assert stage_memory(SMALL, Layout(2, 1, 1, 1, 1), 3, "bf16", 0).end_of_backward == 0  # fsdp
+    # AdamW runs on the rank's real rows, as under FSDP (rank 7 of 8: only fc's weight and bias reach it)
+    assert optimizer_step_bytes(SMALL, Layout(8, 1, 1, 1, 1, dp_mode="zero1"), 0, dp_rank=7) == 2 * 4 * 8
+
+
 def test_two_stage_pipeline_keeps_two_micro_batches_on_its_first_stage():
     assert [in_flight(Layout(1, 1, 2, 1, 4), s) for s in range(2)] == [2, 1]
 

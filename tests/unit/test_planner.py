@@ -16,7 +16,7 @@ from elastic_trainer.plan import PlanError, Request, load_hardware, plan
 from elastic_trainer.plan.candidates import enumerate_candidates
 from elastic_trainer.plan.hardware import GIB
 from elastic_trainer.plan.layout import Layout
-from elastic_trainer.plan.memory import optimizer_step_bytes, stage_memory, state_bytes, working_bytes
+from elastic_trainer.plan.memory import StateBytes, optimizer_step_bytes, stage_memory, state_bytes, working_bytes
 from elastic_trainer.plan.report import candidate_dict, plan_dict
 from elastic_trainer.plan.step_time import step_time
 
@@ -24,6 +24,7 @@ XL = load_model_config("gpt3-xl")
 TINY = load_model_config("gpt-tiny")
 H100 = load_hardware("h100-80g")
 TENPLEX = {16: (2, 2, 4), 8: (1, 2, 4), 4: (1, 2, 2)}  # dp, tp, pp of Tenplex's GPT-3 XL runs
+MODES = ("fsdp", "ddp", "zero1")  # every data-parallel mode, in the ranking's tie-break order
 
 
 def xl_request(gpus: int, hardware=H100, **kw) -> Request:
@@ -40,7 +41,7 @@ def brute_force(req: Request) -> set:
         if dp * tp * pp != n or dp * m * a != b or req.model.n_heads % tp or pp > req.model.n_layers \
                 or hosts_of_tp != {1}:
             continue
-        for mode in (("fsdp", "ddp") if dp > 1 else ("fsdp",)):
+        for mode in (MODES if dp > 1 else ("fsdp",)):
             for rc in (False, True):
                 found.add((dp, tp, pp, m, a, mode, rc))
     return found
@@ -62,7 +63,7 @@ def tp_within_hosts(n: int, per_host: int, tp: int) -> bool:
 def brute_force_plan(req: Request) -> tuple[list, dict, set]:
     """The plan by exhaustive search, with its own loops and rules: (valid keys ranked fastest first, with
     their time and memory; {key: peak bytes} of those that do not fit; the invalid (dp, tp, pp)).
-    Ranking as documented: step time, then less memory, fewer pp, fewer tp, no recompute, fsdp before ddp."""
+    Ranking as documented: step time, then less memory, fewer pp, fewer tp, no recompute, fsdp, ddp, zero1."""
     model, n, batch, hw = req.model, req.world_size, req.global_batch, req.hardware
     dtype = hw.compute_dtype
     ranked, too_big, bad_degrees = [], {}, set()
@@ -76,7 +77,7 @@ def brute_force_plan(req: Request) -> tuple[list, dict, set]:
         for micro in range(1, batch // dp + 1):
             if (batch // dp) % micro:
                 continue
-            for mode in (("fsdp", "ddp") if dp > 1 else ("fsdp",)):
+            for mode in (MODES if dp > 1 else ("fsdp",)):
                 for rc in (False, True):
                     layout = Layout(dp, tp, pp, micro, batch // dp // micro, dp_mode=mode, recompute=rc)
                     key = (dp, tp, pp, micro, batch // dp // micro, mode, rc)
@@ -85,7 +86,7 @@ def brute_force_plan(req: Request) -> tuple[list, dict, set]:
                         too_big[key] = peak
                         continue
                     seconds = step_time(model, layout, req.seq_len, dtype, hw, req.gpus_per_host).total
-                    ranked.append(((round(seconds, 12), peak, pp, tp, rc, mode != "fsdp"), seconds, key))
+                    ranked.append(((round(seconds, 12), peak, pp, tp, rc, MODES.index(mode)), seconds, key))
     ranked.sort(key=lambda r: r[0])
     return [(key, seconds, order[1]) for order, seconds, key in ranked], too_big, bad_degrees
 
@@ -164,6 +165,10 @@ def test_memory_numbers_by_hand():
         shard = state_bytes(TINY, Layout(2, 1, 1, 1, 1), 0, dp_rank=rank)
         assert shard.params == shard.grads == 4 * (25129 * 64 + half_rest) == 6_865_920
         assert shard.optimizer == 8 * (emb_rows * 64 + half_rest) + 4 * TINY_TENSORS
+        # zero1 in bf16: the whole bf16 parameters besides the master shard; the fp32 buffer of both padded
+        # shards besides the reduced one; AdamW as FSDP's
+        zero1 = state_bytes(TINY, Layout(2, 1, 1, 1, 1, dp_mode="zero1"), 0, dp_rank=rank, dtype="bf16")
+        assert zero1 == StateBytes(2 * 3_432_896 + 6_865_920, 3 * 6_865_920, shard.optimizer)
     # the last of 2 pipeline stages: blocks 2 and 3, the final LayerNorm and its own copy of the tied embedding
     last = state_bytes(TINY, Layout(1, 1, 2, 1, 2), 1)
     assert last.params == 4 * (TINY_EMB + 2 * 64 + 2 * TINY_BLOCK)
@@ -212,6 +217,13 @@ def test_many_gpus_plan_and_constraints():
 def test_forced_choices_are_respected():
     result = plan(xl_request(8, micro_batch=2, dp_modes=("ddp",), recompute=(True,)))
     assert {(c.micro_batch, c.dp_mode, c.recompute) for c in result.candidates if c.dp > 1} == {(2, "ddp", True)}
+    # zero1 alone runs even on one dp rank (the engine keeps its buffers there too); listed with another mode,
+    # that one stands for dp = 1, where fsdp and ddp run alike and zero1 only adds buffers
+    only = plan(xl_request(8, dp_modes=("zero1",)))
+    assert {c.dp_mode for c in only.candidates} == {"zero1"} and any(c.dp == 1 for c in only.candidates)
+    mixed = plan(xl_request(8, dp_modes=("zero1", "ddp")))
+    assert {c.dp_mode for c in mixed.candidates if c.dp == 1} == {"ddp"}
+    assert {c.dp_mode for c in mixed.candidates if c.dp > 1} == {"zero1", "ddp"}
 
 
 @pytest.mark.parametrize("req, message", [

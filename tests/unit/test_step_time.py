@@ -78,6 +78,39 @@ def test_fsdp_pays_latency_per_unit_and_gloo_reduce_scatter_costs_an_all_reduce(
     assert predicted_us(layout, gloo) - predicted_us(layout) == pytest.approx(scatter)
 
 
+def test_zero1_reduces_and_gathers_once_per_step_and_copies_at_memory_bandwidth():
+    params = 4 * BLOCK_PARAMS + ROOT_PARAMS
+    hooks = params * (4 + 8) / 512e3   # per micro-batch: read each gradient, read and write the fp32 buffer
+    scatter = gather = 0.5 * params * 4 / 1e3  # fp32 buffer and master shard over 2 ranks, not overlapped
+    copy = params * (4 + 4) / 512e3    # the gathered fp32 weights into the parameters
+    compute = 4 * BLOCK + HEAD + 2 * EMB
+    layout = Layout(2, 1, 1, 2, 2, dp_mode="zero1")
+    assert predicted_us(layout) == pytest.approx(2 * (compute + hooks) + scatter + gather + copy)
+    # overlap hides none of it; bf16 moves 2-byte gradients and parameters (the collectives stay fp32)
+    assert predicted_us(layout, dataclasses.replace(HW, overlap=1.0)) == pytest.approx(predicted_us(layout))
+    bf16 = step_time(MODEL, layout, SEQ, "bf16", HW, 8).total * 1e6
+    assert predicted_us(layout) - bf16 == pytest.approx(2 * params * 2 / 512e3 + params * 2 / 512e3)
+    # one collective each way per step, whatever the micro-batches: two latencies; gloo's reduce-scatter is
+    # an all-reduce
+    slow = dataclasses.replace(HW, intra_host_latency_us=10.0)
+    for accumulation in (1, 4):
+        more = Layout(2, 1, 1, 2, accumulation, dp_mode="zero1")
+        assert predicted_us(more, slow) - predicted_us(more) == pytest.approx(2 * 10.0)
+    gloo = dataclasses.replace(HW, reduce_scatter_as_all_reduce=True)
+    assert predicted_us(layout, gloo) - predicted_us(layout) == pytest.approx(scatter)
+
+
+def test_zero1_pipeline_stages_communicate_their_own_parameters_and_a_shard_of_the_tied_embedding():
+    first, last = 2 * BLOCK_PARAMS + 1000 * 64 + 32 * 64, 2 * BLOCK_PARAMS + 1000 * 64 + 2 * 64
+    stage_first = 2 * BLOCK + EMB + HIDDEN + first * 12 / 512e3
+    stage_last = 2 * BLOCK + HEAD + EMB + HIDDEN + last * 12 / 512e3
+    comm = 2 * 0.5 * first * 4 / 1e3 + first * 8 / 512e3  # the first stage's, the larger
+    tied = 2 * (2 - 1) / 2 * 1000 * 64 * 4 / 2 / 1e3  # all-reduce of this rank's half of the embedding gradient
+    result = step_time(MODEL, Layout(2, 1, 2, 2, 1, dp_mode="zero1"), SEQ, "fp32", HW, 8)
+    assert result.total * 1e6 == pytest.approx(stage_first + stage_last + comm + tied)
+    assert result.dp_comm * 1e6 == pytest.approx(comm + tied)
+
+
 def test_data_parallel_across_hosts_uses_the_slower_link():
     layout = Layout(4, 1, 1, 2, 1, dp_mode="ddp")
     within, across = predicted_us(layout, gpus_per_host=4), predicted_us(layout, gpus_per_host=2)
@@ -90,8 +123,9 @@ def test_optimizer_time_counts_local_parameters():
     params = 4 * BLOCK_PARAMS + ROOT_PARAMS
     base = predicted_us(Layout(2, 1, 1, 2, 1, dp_mode="ddp"))
     assert predicted_us(Layout(2, 1, 1, 2, 1, dp_mode="ddp"), hw) - base == pytest.approx(params)
-    sharded = predicted_us(Layout(2, 1, 1, 2, 1), hw) - predicted_us(Layout(2, 1, 1, 2, 1))
-    assert sharded == pytest.approx(params / 2)
+    for mode in ("fsdp", "zero1"):  # both update their shard of the master weights
+        layout = Layout(2, 1, 1, 2, 1, dp_mode=mode)
+        assert predicted_us(layout, hw) - predicted_us(layout) == pytest.approx(params / 2)
 
 
 def test_shared_host_bounds_the_step_by_total_work_over_cores():

@@ -7,8 +7,8 @@ a step, so bf16 gradients accumulate in fp32 and no full-size .grad stays alive)
 micro-batch the step communicates twice, each one collective over all parameters of the stage:
 
 1. a reduce-scatter of the gradient buffer: dp rank r receives the sum over dp of its shard;
-2. after AdamW updated this rank's fp32 master shard, an all-gather of the shards back into the buffer,
-   copied into the parameters.
+2. after AdamW updated this rank's fp32 master shard, an all-gather of the shards (in the compute dtype)
+   back into the buffer, copied into the parameters.
 
 The buffer is laid out rank-major: rank r's part is, parameter after parameter, rows [r*c, (r+1)*c) of
 each parameter with c = ceil(rows / dp) (torch.chunk's split along dim 0, zero-padded to c rows). That is
@@ -98,10 +98,12 @@ class Zero1:
         self.grad_shard = torch.zeros(self.shard, **f32)
         """This rank's shard of the dp-summed gradients."""
         self._whole = [s.pieces(self.buffer, self.dp, self.shard) for s in self.slots]
+        self._whole_compute: list | None = None  # the same places in the buffer seen as the compute dtype
         self.masters = [self._mine(self.master, s) for s in self.slots]
         """Leaf views of this rank's real rows of every parameter: what AdamW updates."""
         self.grads = [self._mine(self.grad_shard, s) for s in self.slots]
         self._seen = [False] * len(self.slots)
+        self.param_dtype = param_dtype
         self._take_master()
         if param_dtype != torch.float32:  # the compute copy (nn.Module.to swaps DTensor parameters' contents)
             model.to(param_dtype)
@@ -166,14 +168,24 @@ class Zero1:
 
     @torch.no_grad()
     def gather(self) -> None:
-        """After the optimizer step: every rank's updated shard into every rank's whole parameters."""
-        if self.dp > 1:
-            _all_gather(self.buffer, self.master, group=self.group)
+        """After the optimizer step: every rank's updated shard into every rank's whole parameters, gathered
+        in the compute dtype (under bf16 half the bytes; the cast is the one the copy would make anyway)
+        into the front of the gradient buffer, which is free until the next backward."""
+        if self.param_dtype == torch.float32:
+            shard, whole, pieces = self.master, self.buffer, self._whole
         else:
-            self.buffer.copy_(self.master)
-        for slot, pieces in zip(self.slots, self._whole):
+            shard = self.master.to(self.param_dtype)
+            whole = self.buffer.view(self.param_dtype)[:self.buffer.numel()]
+            if self._whole_compute is None:
+                self._whole_compute = [s.pieces(whole, self.dp, self.shard) for s in self.slots]
+            pieces = self._whole_compute
+        if self.dp > 1:
+            _all_gather(whole, shard, group=self.group)
+        else:
+            whole.copy_(shard)
+        for slot, parts in zip(self.slots, pieces):
             local = _local(slot.param)
-            for src, rows in pieces:
+            for src, rows in parts:
                 local[rows].copy_(src)
 
     # -- checkpoints ----------------------------------------------------------------------------------

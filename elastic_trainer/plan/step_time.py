@@ -16,9 +16,9 @@
   gradients, one collective per unit (each block, and the root): every micro-batch without a pipeline
   (gather in forward and again in backward), once per step with one (the schedule defers the reduction to
   the end); ddp all-reduces once per step. zero1 reduce-scatters its fp32 gradient buffer (the whole
-  stage) once per step and all-gathers the updated fp32 master shards back after the optimizer step, then
-  copies them into the parameters (read 4 bytes, write e); none of it overlaps compute. Bandwidth is
-  intra-host when each dp group fits within a host. Communication hides behind `overlap` of the compute it
+  stage) once per step and all-gathers the updated master shards back (cast to the compute dtype) after
+  the optimizer step, then copies them into the parameters (read e bytes, write e); none of it overlaps
+  compute. Bandwidth is intra-host when each dp group fits within a host. Communication hides behind `overlap` of the compute it
   can run under; the rest adds to the step. The tied embedding's gradient is all-reduced between the first
   and last stage (1/dp of it under fsdp and zero1).
 - **Optimizer**: `optimizer_ns_per_param` per local parameter (clipping + AdamW): 1/dp of the stage under
@@ -155,8 +155,8 @@ def dp_comm_time(model: ModelConfig, layout: Layout, dtype: str, hw: Hardware, l
     reduce_scatter = links.dp.all_reduce if hw.reduce_scatter_as_all_reduce else links.dp.gather
     if layout.dp_mode == "zero1":  # one collective each way over the whole stage per step, and the copy back
         whole = root + block * n
-        copy = whole * (MASTER_BYTES + e) / (hw.memory_bandwidth_gbs * 1e9)
-        return reduce_scatter(whole * MASTER_BYTES, dp) + links.dp.gather(whole * MASTER_BYTES, dp) + copy
+        copy = whole * 2 * e / (hw.memory_bandwidth_gbs * 1e9)  # gathered in the compute dtype
+        return reduce_scatter(whole * MASTER_BYTES, dp) + links.dp.gather(whole * e, dp) + copy
     if dp == 1:
         return 0.0
     if layout.dp_mode == "ddp":

@@ -86,10 +86,12 @@ def test_zero1_reduces_and_gathers_once_per_step_and_copies_at_memory_bandwidth(
     compute = 4 * BLOCK + HEAD + 2 * EMB
     layout = Layout(2, 1, 1, 2, 2, dp_mode="zero1")
     assert predicted_us(layout) == pytest.approx(2 * (compute + hooks) + scatter + gather + copy)
-    # overlap hides none of it; bf16 moves 2-byte gradients and parameters (the collectives stay fp32)
+    # overlap hides none of it; bf16 moves 2-byte gradients and gathers and copies 2-byte parameters (the
+    # reduce-scatter stays fp32)
     assert predicted_us(layout, dataclasses.replace(HW, overlap=1.0)) == pytest.approx(predicted_us(layout))
     bf16 = step_time(MODEL, layout, SEQ, "bf16", HW, 8).total * 1e6
-    assert predicted_us(layout) - bf16 == pytest.approx(2 * params * 2 / 512e3 + params * 2 / 512e3)
+    assert predicted_us(layout) - bf16 == pytest.approx(2 * params * 2 / 512e3 + params * 4 / 512e3
+                                                        + 0.5 * params * 2 / 1e3)
     # one collective each way per step, whatever the micro-batches: two latencies; gloo's reduce-scatter is
     # an all-reduce
     slow = dataclasses.replace(HW, intra_host_latency_us=10.0)

@@ -65,7 +65,8 @@ def main(argv=None) -> None:
                         timeout=bench.TIMEOUT)
     print(f"{args.model}, {layout.describe()}, batch {args.global_batch} x {args.seq_len}: seconds per step, "
           f"median over {args.steps} steps of each rank, then the range over ranks")
-    for phase in results[0]:
+    order = ["step", "forward+backward", "  of which reduce-scatter", "clip", "adamw", "all-gather"]
+    for phase in [p for p in order if p in results[0]]:
         medians = [statistics.median(r[phase]) for r in results]
         print(f"  {phase:<26} {min(medians):6.2f} - {max(medians):6.2f}")
 

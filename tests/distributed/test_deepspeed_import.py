@@ -206,8 +206,9 @@ def test_zero1_of_hugging_face_gpt2_imports_and_continues_on_deepspeed_s_traject
     again = import_deepspeed(universal, tmp_path / "from-universal", MODEL, CFG, tokens=TOKENS, log=lambda *a: None)
     for a, b in zip(our_state(again, MODEL)[:3], (weights, avg, sq)):
         _assert_close(a, b, "universal import")
-    # the next steps in two layouts: DeepSpeed's losses
-    continues_on_trajectory(folder, [Layout(1, 1, 1, 8, 1), Layout(2, 1, 1, 2, 2)], losses, tmp_path)
+    # the next steps in two layouts (the second our own ZeRO-1): DeepSpeed's losses
+    continues_on_trajectory(folder, [Layout(1, 1, 1, 8, 1), Layout(2, 1, 1, 2, 2, dp_mode="zero1")], losses,
+                            tmp_path)
 
 
 def test_zero3_of_our_gpt_imports_and_continues_on_deepspeed_s_trajectory(runs, tmp_path):

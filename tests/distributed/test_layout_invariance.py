@@ -171,8 +171,9 @@ def test_other_microbatch_splits_match(degrees, reference, sotu_tokens):
     assert_matches(run(make_layout(*degrees), sotu_tokens), reference)
 
 
-def test_recompute_matches(reference, sotu_tokens):
-    layout = Layout(2, 1, 2, 2, 2, recompute=True)
+@pytest.mark.parametrize("mode", ["fsdp", "zero1"])
+def test_recompute_matches(mode, reference, sotu_tokens):
+    layout = Layout(2, 1, 2, 2, 2, dp_mode=mode, recompute=True)
     assert_matches(run(layout, sotu_tokens), reference)
 
 
@@ -190,7 +191,7 @@ def test_bf16_mixed_precision_runs_the_same_code(reference, sotu_tokens):
 # by (seed, global sample position, layer, site, element), so every split draws the same ones.
 DROPOUT_MODEL = dataclasses.replace(MODEL, dropout=0.1)
 DROPOUT_LAYOUTS = [(1, 1, 1, 2, "fsdp"), (2, 1, 1, 2, "ddp"), (1, 2, 1, 8, "fsdp"), (1, 1, 2, 2, "fsdp"),
-                   (2, 2, 2, 1, "fsdp")]
+                   (2, 2, 2, 1, "fsdp"), (2, 2, 1, 2, "zero1")]
 
 
 @pytest.fixture(scope="module")

@@ -57,7 +57,6 @@ class _Slot:
         self.chunk = -(-self.rows // dp)
         self.size = self.chunk * self.row_numel  # padded, per rank
         self.mine = max(0, min(self.chunk, self.rows - rank * self.chunk))  # this rank's real rows
-        self.even = self.rows == self.chunk * dp
 
     def pieces(self, buffer: torch.Tensor, dp: int, shard: int):
         """(view into the rank-major `buffer`, rows of the whole parameter) for every rank's real rows."""

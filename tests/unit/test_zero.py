@@ -137,3 +137,47 @@ def test_gather_writes_the_updated_master_into_the_parameters(group, dtype):
     zero.gather()
     for p, m in zip(model.parameters(), zero.masters):
         assert p.dtype == dtype and torch.equal(p.detach(), m.to(dtype))
+
+
+def _state_job(rank, world, layouts, tokens) -> dict:
+    """One step of each layout in this process; their checkpoint states, gathered to full tensors."""
+    from torch.distributed.tensor import DTensor
+
+    from elastic_trainer.checkpoint.state import tensor_state
+    from elastic_trainer.config import TrainConfig
+    from elastic_trainer.train import Trainer
+
+    out = []
+    for layout in layouts:
+        cfg = TrainConfig(global_batch=layout.global_batch, seq_len=T, steps=1, seed=SEED, lr=1e-2, warmup_steps=1)
+        trainer = Trainer(MODEL, cfg, layout, build_mesh(layout, "cpu"), CPU, tokens=tokens)
+        trainer.train_step()
+        state = tensor_state(trainer)
+        out.append({part: {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in state[part].items()}
+                    for part in state})
+        out[-1]["local_shapes"] = {k: tuple(v.to_local().shape) for k, v in state["optim"].items()
+                                   if isinstance(v, DTensor)}
+    return out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_checkpoint_state_has_fsdp2s_keys_shapes_and_values(tp):
+    """zero1's state for DCP against get_state_dict's of the same model trained by FSDP2 on the same ranks:
+    the same keys, global shapes and, with tp = 1, the same local shards (both split dim 0 like torch.chunk);
+    with tp = 2 the column-wise weights' strided dp shards must still assemble into the right full tensors."""
+    layouts = [Layout(2, tp, 1, 2, 1, dp_mode=mode) for mode in ("zero1", "fsdp")]
+    tokens = batch(512).flatten().numpy()
+    gc.collect()
+    for zero, fsdp in run_ranks(_state_job, 2 * tp, layouts, tokens, timeout=120):
+        for part in ("model", "optim"):
+            assert set(zero[part]) == set(fsdp[part]), part
+            for key, want in fsdp[part].items():
+                got = zero[part][key]
+                if isinstance(want, torch.Tensor):
+                    assert got.shape == want.shape, key
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=key)
+                else:
+                    assert got == want, key
+        assert any(v.abs().sum() > 0 for k, v in zero["optim"].items() if k.endswith("exp_avg"))
+        if tp == 1:
+            assert zero["local_shapes"] == fsdp["local_shapes"]

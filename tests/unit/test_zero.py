@@ -8,6 +8,7 @@ them by hand with torch.chunk along dim 0, the split FSDP2 and DTensor's Shard(0
 from __future__ import annotations
 
 import gc
+import warnings
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ COUNTED = ("all_reduce", "reduce_scatter_single", "all_gather_single")
 
 
 def _zero_step(rank, world, layout: Layout, tokens, dtype=torch.float32) -> dict:
+    warnings.simplefilter("error", FutureWarning)  # torch 2.13 deprecates the old names of the flat collectives
     engine = Engine(MODEL, layout, build_mesh(layout, "cpu"), CPU, seed=SEED, global_batch=layout.global_batch,
                     seq_len=T, param_dtype=dtype)
     counts = dict.fromkeys(COUNTED, 0)
@@ -181,3 +183,45 @@ def test_checkpoint_state_has_fsdp2s_keys_shapes_and_values(tp):
         assert any(v.abs().sum() > 0 for k, v in zero["optim"].items() if k.endswith("exp_avg"))
         if tp == 1:
             assert zero["local_shapes"] == fsdp["local_shapes"]
+
+
+class _Narrow(nn.Module):
+    """Parameters with fewer rows than dp ranks: the last rank holds none of them."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.arange(6.0).view(2, 3))
+        self.b = nn.Parameter(torch.tensor([0.5]))
+
+    def forward(self, x):
+        return (x @ self.w.t()).sum() * self.b
+
+
+def _narrow_job(rank, world) -> dict:
+    from elastic_trainer.parallel.mesh import build_mesh as mesh_of
+
+    model = _Narrow()
+    zero = Zero1(model, mesh_of(Layout(world, 1, 1, 1, 1), "cpu"), torch.float32)
+    model(torch.full((1, 3), float(rank + 1))).backward()
+    zero.reduce()
+    with torch.no_grad():
+        for m in zero.masters:
+            m.mul_(-1.0)
+    zero.gather()
+    return {"masters": [tuple(m.shape) for m in zero.masters], "grads": [g.clone() for g in zero.grads],
+            "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def test_a_rank_without_rows_of_a_parameter_holds_an_empty_shard():
+    """dp = 3 over a 2-row weight and a 1-element bias: rows go 1, 1, 0 and 1, 0, 0 (torch.chunk)."""
+    gc.collect()
+    results = run_ranks(_narrow_job, 3, timeout=60)
+    assert [r["masters"] for r in results] == [[(1, 3), (1,)], [(1, 3), (0,)], [(0, 3), (0,)]]
+    # the dp-summed gradient: inputs 1, 2, 3 -> x sums to 6 per column; d/dw = 6 * b, d/db = 6 * sum(w)
+    want_w, want_b = torch.full((2, 3), 6 * 0.5), torch.tensor([6 * 15.0])
+    for r, result in enumerate(results):
+        torch.testing.assert_close(result["grads"][0], torch.chunk(want_w, 3)[r] if r < 2 else want_w[:0])
+        torch.testing.assert_close(result["grads"][1], want_b if r == 0 else want_b[:0])
+        # every rank's shard, negated on its owner, is gathered into every rank's whole parameters
+        torch.testing.assert_close(result["params"][0], -torch.arange(6.0).view(2, 3))
+        torch.testing.assert_close(result["params"][1], torch.tensor([-0.5]))

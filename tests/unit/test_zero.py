@@ -149,6 +149,7 @@ def _state_job(rank, world, layouts, tokens) -> dict:
     from elastic_trainer.config import TrainConfig
     from elastic_trainer.train import Trainer
 
+    warnings.simplefilter("error", FutureWarning)
     out = []
     for layout in layouts:
         cfg = TrainConfig(global_batch=layout.global_batch, seq_len=T, steps=1, seed=SEED, lr=1e-2, warmup_steps=1)
@@ -186,12 +187,13 @@ def test_checkpoint_state_has_fsdp2s_keys_shapes_and_values(tp):
 
 
 class _Narrow(nn.Module):
-    """Parameters with fewer rows than dp ranks: the last rank holds none of them."""
+    """Parameters with fewer rows than dp ranks (the last rank holds none of them), and one without rows."""
 
     def __init__(self):
         super().__init__()
         self.w = nn.Parameter(torch.arange(6.0).view(2, 3))
         self.b = nn.Parameter(torch.tensor([0.5]))
+        self.none = nn.Parameter(torch.empty(0, 3))
 
     def forward(self, x):
         return (x @ self.w.t()).sum() * self.b
@@ -199,6 +201,8 @@ class _Narrow(nn.Module):
 
 def _narrow_job(rank, world) -> dict:
     from elastic_trainer.parallel.mesh import build_mesh as mesh_of
+
+    warnings.simplefilter("error", FutureWarning)
 
     model = _Narrow()
     zero = Zero1(model, mesh_of(Layout(world, 1, 1, 1, 1), "cpu"), torch.float32)
@@ -216,7 +220,7 @@ def test_a_rank_without_rows_of_a_parameter_holds_an_empty_shard():
     """dp = 3 over a 2-row weight and a 1-element bias: rows go 1, 1, 0 and 1, 0, 0 (torch.chunk)."""
     gc.collect()
     results = run_ranks(_narrow_job, 3, timeout=60)
-    assert [r["masters"] for r in results] == [[(1, 3), (1,)], [(1, 3), (0,)], [(0, 3), (0,)]]
+    assert [r["masters"] for r in results] == [[(1, 3), (1,), (0, 3)], [(1, 3), (0,), (0, 3)], [(0, 3), (0,), (0, 3)]]
     # the dp-summed gradient: inputs 1, 2, 3 -> x sums to 6 per column; d/dw = 6 * b, d/db = 6 * sum(w)
     want_w, want_b = torch.full((2, 3), 6 * 0.5), torch.tensor([6 * 15.0])
     for r, result in enumerate(results):

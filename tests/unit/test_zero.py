@@ -229,3 +229,18 @@ def test_a_rank_without_rows_of_a_parameter_holds_an_empty_shard():
         # every rank's shard, negated on its owner, is gathered into every rank's whole parameters
         torch.testing.assert_close(result["params"][0], -torch.arange(6.0).view(2, 3))
         torch.testing.assert_close(result["params"][1], torch.tensor([-0.5]))
+
+
+def test_buffers_are_fp32_on_the_parameters_device_whatever_torch_s_defaults(group):
+    """On a GPU the parameters' device is not torch's default one: the buffers must follow the parameters."""
+    model = _TwoLinears()
+    mesh = build_mesh(Layout(1, 1, 1, 1, 1), "cpu")
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with torch.device("meta"):
+            zero = Zero1(model, mesh, torch.float32)
+    finally:
+        torch.set_default_dtype(default)
+    for t in (zero.buffer, zero.master, zero.grad_shard):
+        assert (t.device.type, t.dtype) == ("cpu", torch.float32)

@@ -59,8 +59,10 @@ def tensor_state(trainer) -> dict:
 
 
 def apply_tensor_state(trainer, state: dict) -> None:
-    if trainer.engine.zero is not None:  # the load wrote into zero1's own buffers; the learning rate and the
-        trainer.engine.sync_params()     # other group settings come from the config, checked at resume
+    if trainer.engine.zero is not None:
+        # the load wrote into zero1's own buffers: gather the weights into the parameters; the learning rate
+        # and the other group settings come from the config, checked at resume
+        trainer.engine.sync_params()
         return
     set_state_dict(trainer.engine.model, trainer.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"], options=OPTIONS)

@@ -25,7 +25,7 @@ from elastic_trainer.parallel.data_parallel import apply_data_parallel, set_grad
 from elastic_trainer.parallel.mesh import Coords
 from elastic_trainer.parallel.pipeline import build_schedule, split_stage, tied_embedding_group
 from elastic_trainer.parallel.tensor import apply_tensor_parallel
-from elastic_trainer.parallel.zero import Zero1
+from elastic_trainer.parallel.zero import Zero1, local_tensor
 from elastic_trainer.plan.layout import Layout
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -54,6 +54,8 @@ class Engine:
         self.zero: Zero1 | None = None
         """The gradient and master-weight buffers of dp_mode "zero1" (None in the other modes)."""
         self.model = self._build(model_cfg, param_dtype, initialize)
+        params = list(self.model.parameters())
+        self._trained = list(zip(params, self.zero.masters if self.zero is not None else params))
         self.tied_group = tied_embedding_group(mesh, layout)
         self._groups: dict[int, list[nn.Parameter]] | None = None
         self.schedule = None
@@ -137,8 +139,7 @@ class Engine:
     def trained_params(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """(parameter of the model, the tensor AdamW updates for it on this rank; its .grad is the gradient):
         the parameter itself, or in zero1 this rank's shard of its fp32 master copy."""
-        params = list(self.model.parameters())
-        return list(zip(params, self.zero.masters if self.zero is not None else params))
+        return self._trained
 
     def sync_params(self) -> None:
         """After the optimizer step: in zero1, gather the updated shards into the whole parameters."""
@@ -151,7 +152,7 @@ class Engine:
         if self.tied_group is None or not (self.first or self.last):
             return
         tied = dict(self.trained_params())[self.model.tok_emb.weight]  # zero1: the same shard on both stages
-        dist.all_reduce(_local(tied.grad), group=self.tied_group)
+        dist.all_reduce(local_tensor(tied.grad), group=self.tied_group)
 
     def _replicas(self, param: torch.Tensor) -> int:
         """On how many ranks of one stage this rank's piece of `param` (and of its gradient) also lives."""
@@ -187,13 +188,13 @@ class Engine:
         # error on a 3M-element embedding gradient), which would make the norm depend on the sharding.
         sq = torch.zeros((), device=self.device, dtype=torch.float32)
         for replicas, params in self._norm_groups().items():
-            squares = [_local(p.grad).float().square().sum() for p in params if p.grad is not None]
+            squares = [local_tensor(p.grad).float().square().sum() for p in params if p.grad is not None]
             if squares:
                 sq += torch.stack(squares).sum() / replicas
         dist.all_reduce(sq)
         norm = sq.sqrt()
         if max_norm > 0:
-            grads = [_local(t.grad) for _, t in self.trained_params() if t.grad is not None]
+            grads = [local_tensor(t.grad) for _, t in self.trained_params() if t.grad is not None]
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             torch._foreach_mul_(grads, coef)
         return norm
@@ -206,6 +207,3 @@ class Engine:
         dist.all_reduce(value)
         return float(value)
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t

@@ -41,7 +41,8 @@ def _all_gather(*args, **kwargs):
     return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a DTensor; a plain tensor itself."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -49,20 +50,24 @@ class _Slot:
     """One parameter's place in the buffers."""
 
     def __init__(self, name: str, param: nn.Parameter, offset: int, dp: int, rank: int):
-        local = _local(param)
+        local = local_tensor(param)
         self.name, self.param, self.offset = name, param, offset
         self.rows = local.shape[0]
         self.rest = tuple(local.shape[1:])
         self.row_numel = local[0].numel() if self.rows else 0
         self.chunk = -(-self.rows // dp)
         self.size = self.chunk * self.row_numel  # padded, per rank
-        self.mine = max(0, min(self.chunk, self.rows - rank * self.chunk))  # this rank's real rows
+        self.mine = self.rows_on(rank)
+
+    def rows_on(self, rank: int) -> int:
+        """How many real rows (not padding) of the parameter dp rank `rank` holds."""
+        return max(0, min(self.chunk, self.rows - rank * self.chunk))
 
     def pieces(self, buffer: torch.Tensor, dp: int, shard: int):
         """(view into the rank-major `buffer`, rows of the whole parameter) for every rank's real rows."""
         out = []
         for r in range(dp):
-            n = max(0, min(self.chunk, self.rows - r * self.chunk))
+            n = self.rows_on(r)
             if n:
                 start = r * shard + self.offset
                 out.append((buffer[start:start + n * self.row_numel].view(n, *self.rest),
@@ -88,7 +93,7 @@ class Zero1:
             offset += slot.size
         self.shard = offset
         first = next(iter(model.parameters()))
-        device = _local(first).device
+        device = local_tensor(first).device
         f32 = dict(dtype=torch.float32, device=device)
         self.buffer = torch.zeros(self.dp * self.shard, **f32)
         """Gradients accumulated over the micro-batches (rank-major); then the gathered master weights."""
@@ -120,7 +125,7 @@ class Zero1:
         """The master shard from the (fp32, initialized) parameters."""
         for slot, master in zip(self.slots, self.masters):
             lo = self.rank * slot.chunk
-            master.copy_(_local(slot.param)[lo:lo + slot.mine])
+            master.copy_(local_tensor(slot.param)[lo:lo + slot.mine])
 
     def dtensor(self, slot: _Slot, local: torch.Tensor) -> DTensor:
         """`local` (this rank's rows of `slot`'s parameter) as a DTensor of the parameter's global shape."""
@@ -140,7 +145,7 @@ class Zero1:
 
     @torch.no_grad()
     def _accumulate(self, i: int, param: torch.Tensor) -> None:
-        grad = _local(param.grad)
+        grad = local_tensor(param.grad)
         first = not self._seen[i]
         for dst, rows in self._whole[i]:
             if first:
@@ -183,7 +188,7 @@ class Zero1:
         else:
             whole.copy_(shard)
         for slot, parts in zip(self.slots, pieces):
-            local = _local(slot.param)
+            local = local_tensor(slot.param)
             for src, rows in parts:
                 local[rows].copy_(src)
 

@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import sys
+import uuid
 
 from elastic_trainer import IMPORTED_AT, cli_parser, resolve
 from elastic_trainer.cli_parser import Parser
@@ -77,6 +78,7 @@ def run_train(args: argparse.Namespace, model: ModelConfig, train: TrainConfig, 
     stop = StopRequest(args.stop_file)
     rank0 = dist.get_rank() == 0
     tags = {k: v for k, v in (("phase", args.phase), ("restart", _restart_count())) if v is not None}
+    tags["start"] = uuid.uuid4().hex[:8]  # this start's records and events (only rank 0 writes them)
     events = EventLog(args.events_file, enabled=rank0, tags=tags)
     try:
         events.emit("processes_up", started=started, world_size=dist.get_world_size())

@@ -287,6 +287,33 @@ def write_json_atomic(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
+FAULT_ENV = "ELASTIC_TRAINER_TEST_FAULT"
+"""Tests only: `POINT:STEP:MARKER` SIGKILLs the committing process at POINT of the commit of STEP, once (the
+MARKER file is created first; while it exists nothing happens). POINT is `written` (every file and the manifest
+written, before the rename that commits) or `renamed` (committed, before `latest` is replaced)."""
+FAULT_POINTS = ("written", "renamed")
+
+
+def _fault(point: str, step: int) -> None:
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    where, _, rest = spec.partition(":")
+    at, _, marker = rest.partition(":")
+    if where not in FAULT_POINTS or not at.isdigit() or not marker:
+        raise ConfigError(f"{FAULT_ENV}={spec!r} is not POINT:STEP:MARKER with POINT one of {', '.join(FAULT_POINTS)}")
+    if where != point or int(at) != step:
+        return
+    try:
+        os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    except FileExistsError:
+        return
+    import signal
+
+    print(f"[checkpoint] {FAULT_ENV}: killing this process at {point!r} in the commit of step {step}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def commit(tmp: Path, step: int, file_info: dict[str, dict]) -> Path:
     """Write the manifest, make the checkpoint visible under its final name, point `latest` at it."""
     root = tmp.parent
@@ -296,6 +323,7 @@ def commit(tmp: Path, step: int, file_info: dict[str, dict]) -> Path:
             info.update(describe_files(tmp, [name]))
     write_json_atomic(tmp / MANIFEST, {"hash": HASH, "files": info, "committed": time.time()})
     _fsync_dir(tmp)
+    _fault("written", step)
     final = root / step_dirname(step)
     if final.exists():
         # The same step saved again (a resumed run stopping at once): the same state of the same trajectory
@@ -305,6 +333,7 @@ def commit(tmp: Path, step: int, file_info: dict[str, dict]) -> Path:
     else:
         os.rename(tmp, final)
         _fsync_dir(root)
+    _fault("renamed", step)
     latest = root / f".{LATEST}.{uuid.uuid4().hex[:8]}"
     latest.write_text(final.name + "\n")
     os.replace(latest, root / LATEST)

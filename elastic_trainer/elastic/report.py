@@ -3,8 +3,11 @@ reconfiguration (with where it went), the exactly-once check, and the loss plot.
 
 A rank that dies after its last checkpoint leaves step records that the restart redoes; the later record of
 a step replaces the earlier ones (`effective`). A *segment* is a run of effective steps trained by one start of
-the job (one phase, one torchrun restart); the gap between two segments is a reconfiguration's downtime:
-from the end of the last step before it to the start of the first step after it.
+the job (one phase, one torchrun restart, one launch: rank 0 tags its records with an id of its start, so a
+crashed job resumed with the same phase, restart count and layout is a segment of its own); the gap between
+two segments is a reconfiguration's (or a crash's) downtime: from the end of the last step kept before it to
+the start of the first step after it. A segment that begins by training again steps an earlier start had
+trained (it resumed from an older checkpoint) counts them as `redone`.
 """
 
 from __future__ import annotations
@@ -46,7 +49,13 @@ class Segment:
     restart: int | None
     world_size: int
     layout: dict
+    start_id: str | None = None
+    """The id rank 0 gave its start (None in records written before starts had one)."""
     records: list[dict] = field(default_factory=list)
+    redone: int = 0
+    """Steps this segment trained again: an earlier start had trained them after the checkpoint it resumed."""
+    trained_until: float | None = None
+    """When the last step before the next segment ended, kept or not (a crash's lost steps still ran)."""
 
     @property
     def start(self) -> float:
@@ -55,21 +64,31 @@ class Segment:
 
     @property
     def end(self) -> float:
-        return self.records[-1]["time"]
+        return self.trained_until if self.trained_until is not None else self.records[-1]["time"]
 
 
 def segments(records: list[dict]) -> list[Segment]:
+    before: dict[int, tuple[int, float | None]] = {}  # id of a record -> (highest step, last time) before it
+    highest, last = 0, None
+    for r in records:
+        before[id(r)] = (highest, last)
+        highest, last = max(highest, r["step"]), r["time"]
     out: list[Segment] = []
     for r in effective(records):
-        key = (r.get("phase"), r.get("restart"), r["world_size"], r["layout"])
-        if not out or (out[-1].phase, out[-1].restart, out[-1].world_size, out[-1].layout) != key:
-            out.append(Segment(*key))
+        key = (r.get("phase"), r.get("restart"), r["world_size"], r["layout"], r.get("start"))
+        if not out or (out[-1].phase, out[-1].restart, out[-1].world_size, out[-1].layout,
+                       out[-1].start_id) != key:
+            trained, ended = before[id(r)]
+            if out:
+                out[-1].trained_until = ended
+            out.append(Segment(*key, redone=max(0, trained - r["step"] + 1)))
         out[-1].records.append(r)
     return out
 
 
 def downtime(before: Segment, after: Segment, events: list[dict]) -> dict:
-    """The gap between two segments and its stages (seconds; None where the event was not recorded)."""
+    """The gap between two segments, when no step ran (steps redone after it are counted apart, in
+    `after.redone`), and its stages (seconds; None where the event was not recorded)."""
     window = [e for e in events if before.end <= e["time"] <= after.records[0]["time"]]
     out: dict = {"downtime_s": after.start - before.end}
     last = before.end
@@ -89,26 +108,32 @@ def phase_rows(records: list[dict], events: list[dict]) -> list[dict]:
     rows = []
     for i, seg in enumerate(segs):
         gap = downtime(segs[i - 1], seg, events) if i else None
-        rows.append({"phase": seg.phase, "restart": seg.restart, "ranks": seg.world_size,
+        previous = segs[i - 1] if i else None
+        resumed = previous is not None and (previous.phase, previous.restart) == (seg.phase, seg.restart) \
+            and previous.start_id != seg.start_id
+        rows.append({"phase": seg.phase, "restart": seg.restart, "resumed": resumed, "ranks": seg.world_size,
                      "layout": Layout.from_dict(seg.layout).compact(),
                      "steps": (seg.records[0]["step"], seg.records[-1]["step"]), "loss": seg.records[-1]["loss"],
-                     "downtime": gap})
+                     "downtime": gap, "redone": seg.redone})
     return rows
 
 
 def format_rows(rows: list[dict]) -> str:
     if not rows:
         return "(no steps recorded)"
-    head = ("phase", "ranks", "layout", "steps", "loss at end", "downtime s", "of which load s")
+    head = ("phase", "ranks", "layout", "steps", "loss at end", "downtime s", "of which load s", "steps redone")
     table = []
     for r in rows:
         gap = r["downtime"]
         phase = "-" if r["phase"] is None else str(r["phase"] + 1)
         if r["restart"]:
             phase += f" (restart {r['restart']})"
+        if r.get("resumed"):
+            phase += " (resumed)"
         table.append((phase, str(r["ranks"]), r["layout"], f"{r['steps'][0]}-{r['steps'][1]}", f"{r['loss']:.4f}",
                       "-" if gap is None else f"{gap['downtime_s']:.1f}",
-                      "-" if not gap or gap.get("load_s") is None else f"{gap['load_s']:.2f}"))
+                      "-" if not gap or gap.get("load_s") is None else f"{gap['load_s']:.2f}",
+                      str(r.get("redone", 0)) if gap else "-"))
     widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(head)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in table]

@@ -57,9 +57,40 @@ EXIT_BAD_INPUT = 2
 """A worker's exit code for bad input (and divergence): final, never restarted (cli.EXIT_BAD_INPUT)."""
 
 
-def _no_restart_on_bad_input() -> None:
+_events = None
+"""The run's event log as this agent writes it (set by run_agent when the workers train with --events-file)."""
+_rdzv_endpoint = ""
+
+
+def _emit(event: str, **fields) -> None:
+    if _events is not None:
+        _events.emit(event, **fields)
+
+
+def _open_events(entry_args: list[str]) -> None:
+    """Agents record their side of a restart (when they saw the workers fail, when the rendezvous completed) in
+    the events file the ranks write, tagged writer=agent and the host."""
+    global _events
+    from elastic_trainer.elastic.events import EventLog
+
+    def flag(name: str) -> str | None:
+        return entry_args[entry_args.index(name) + 1] if name in entry_args[:-1] else None
+
+    path, phase = flag("--events-file"), flag("--phase")
+    if path and _events is None:
+        import socket
+
+        from elastic_trainer.launch.commands import HOST_ENV
+
+        tags = {"writer": "agent", "host": os.environ.get(HOST_ENV) or socket.gethostname()}
+        if phase is not None and phase.isdigit():
+            tags["phase"] = int(phase)
+        _events = EventLog(path, tags=tags)
+
+
+def _agent_class() -> None:
     """Make TorchElastic's agent (as `elastic_launch` builds it, in this process only) skip its restarts once a
-    worker exits with EXIT_BAD_INPUT."""
+    worker exits with EXIT_BAD_INPUT, and record its restarts in the run's events."""
     import torch.distributed.launcher.api as launcher_api
     from torch.distributed.elastic.agent.server.api import WorkerState
 
@@ -70,12 +101,36 @@ def _no_restart_on_bad_input() -> None:
     class Agent(base):
         _elastic_trainer = True
 
+        def __init__(self, spec, *args, **kwargs):
+            super().__init__(spec, *args, **kwargs)
+            from elastic_trainer.launch import live_hosts
+
+            why = live_hosts.from_environment(spec.rdzv_handler, _rdzv_endpoint)
+            if why:
+                print(f"[agent] warning: the rendezvous waits its last call after a lost host: {why}",
+                      file=sys.stderr, flush=True)
+
+        def _restarts(self) -> int:
+            return self._worker_group.spec.max_restarts - self._remaining_restarts
+
         def _monitor_workers(self, worker_group):
             result = super()._monitor_workers(worker_group)
             if result.state == WorkerState.FAILED and any(
                     f.exitcode == EXIT_BAD_INPUT for f in result.failures.values()):
                 self._remaining_restarts = 0
             return result
+
+        def _restart_workers(self, worker_group):
+            state = worker_group.state
+            reason = "a host joined" if state == WorkerState.HEALTHY else f"workers {state.name.lower()}"
+            _emit("workers_restarting", reason=reason, restart=self._restarts())
+            return super()._restart_workers(worker_group)
+
+        def _rendezvous(self, worker_group):
+            began = time.time()
+            super()._rendezvous(worker_group)
+            _emit("rendezvous_done", began=began, hosts=worker_group.group_world_size,
+                  group_rank=worker_group.group_rank, restart=self._restarts())
 
     launcher_api.LocalElasticAgent = Agent
     # TorchElastic logs a failed worker with the traceback of its own exit-code check; for bad input the
@@ -154,10 +209,13 @@ def run_agent(configured) -> int:
 
     from elastic_trainer.cli_parser import UsageError
 
+    global _rdzv_endpoint
     config, entrypoint, entry_args = configured
     if entrypoint is worker:
         preload()
-    _no_restart_on_bad_input()
+    _rdzv_endpoint = config.rdzv_endpoint
+    _agent_class()
+    _open_events([str(a) for a in entry_args])
     try:
         elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)  # raises when the workers failed
     except ValueError as e:  # a rendezvous setting TorchElastic rejects before any worker starts
@@ -205,16 +263,28 @@ def main(argv: list[str] | None = None) -> None:
     # SIGTERM, not SIGKILL: TorchElastic turns it into stopping the workers (which save if they can).
     die_with_parent(signal.SIGTERM)
     from elastic_trainer.config import ConfigError
+    from elastic_trainer.launch.relay import start_relay
 
+    relay = start_relay()  # under the launcher: the ranks' output outlives the launcher
+    if relay is not None and relay.log_error:
+        print(f"[agent] warning: {relay.log_error}; the output goes to the launcher only", file=sys.stderr,
+              flush=True)
     try:
         code = run_agent(agent_config(sys.argv[1:] if argv is None else argv))
     except ConfigError as e:
         print(f"elastic-trainer: error: {e}", file=sys.stderr)
         code = EXIT_BAD_INPUT
+    except BaseException:  # TorchElastic's report of failed workers, or a bug: its traceback, through the relay
+        import traceback
+
+        traceback.print_exc()
+        code = 1
     # Its workers are gone and its output flushed; skip the interpreter's teardown of torch (about a second on
     # a busy host), which would only delay the next phase's start.
     sys.stdout.flush()
     sys.stderr.flush()
+    if relay is not None:
+        relay.close()
     os._exit(code)
 
 

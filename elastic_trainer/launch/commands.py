@@ -13,12 +13,23 @@ from elastic_trainer.config import positive_int
 from elastic_trainer.launch.hosts import Host, HostsError
 
 # c10d rendezvous settings: the launcher hosts the store (no agent is its host, so losing any host leaves the
-# rendezvous up); a lost host is noticed within keep_alive_interval * keep_alive_max_attempt seconds.
-RDZV_CONF = {"is_host": "false", "join_timeout": "600", "last_call_timeout": "10", "keep_alive_interval": "2",
-             "keep_alive_max_attempt": "3"}
+# rendezvous up). A lost host leaves the completed round when its heartbeat is keep_alive_interval *
+# keep_alive_max_attempt seconds old; the survivors then close their round at once (launch/live_hosts.py), so
+# that product is most of a lost host's cost: 2 s measured 2.1 s to recover, 3 s 4.3 s and torch's 6 s 7.5 s
+# (benchmarks/rescale/failures.py). A heartbeat comes from an agent's own thread, which woke at most 0.6 ms
+# late with 8 ranks training on 2 cores; a live host taken for dead costs nothing until the next restart.
+# last_call_timeout only matters when a phase's host is slow to start and alive.
+RDZV_CONF = {"is_host": "false", "join_timeout": "600", "last_call_timeout": "10", "keep_alive_interval": "1",
+             "keep_alive_max_attempt": "2"}
 # torch >= 2.4 shares one store across rendezvous rounds without a per-round prefix, so restarted workers can
 # read a dead peer's address and fail once more (measured: one wasted restart, 15 s); opt out.
-AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"}
+# TorchElastic gives stopping workers 30 s before SIGKILL; a stop (the launcher gone, a scheduler's SIGTERM)
+# must leave time to finish the step and write a large model's checkpoint to shared storage.
+AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1",
+             "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "300"}
+
+HOST_ENV = "ELASTIC_TRAINER_HOST"
+"""The host's name in the hosts file, for the agent's events (set by the launcher per host)."""
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -25,6 +26,7 @@ from elastic_trainer.config import ConfigError
 from elastic_trainer.elastic.events import EVENTS_FILE, EventLog, read_jsonl
 from elastic_trainer.elastic.schedule import Phase, run_end
 from elastic_trainer.elastic.report import format_rows, phase_rows, plot
+from elastic_trainer.launch import live_hosts
 from elastic_trainer.launch.commands import AgentSpec, Placement
 from elastic_trainer.launch.setup import JobSetup
 
@@ -59,11 +61,19 @@ class Output:
         self._log = open(path, "a", buffering=1)
         self.errors: list[str] = []
         """The ranks' one-line errors (without the mark), each once, in order of arrival."""
+        self.terminal_gone = False
+        """Standard output failed (a closed terminal or a reader that went away): the log goes on alone."""
 
     def line(self, text: str) -> None:
         with self._lock:
-            print(text, flush=True)
             self._log.write(text + "\n")
+            if self.terminal_gone:
+                return
+            try:
+                print(text, flush=True)
+            except OSError:  # EIO from a hung-up terminal, EPIPE from a dead pipe reader
+                self.terminal_gone = True
+                sys.stdout = open(os.devnull, "w")  # nothing left for the interpreter to flush at exit
 
     def pump(self, host: str, stream) -> None:
         for raw in iter(stream.readline, b""):
@@ -101,7 +111,7 @@ class Driver:
         job.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         self.out = Output(job.run_dir / "launch.log")
         self.events = EventLog(job.run_dir / EVENTS_FILE, tags={"writer": "launch"})
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        previous = {s: signal.signal(s, self._on_signal) for s in self._stop_signals()}
         try:
             for line in job.describe():
                 self.say(line)
@@ -109,7 +119,7 @@ class Driver:
                 code = self._nothing_to_do()
             else:
                 store = self._start_store()  # referenced until the phases are done: it is the rendezvous
-                code = self._phases(first, store.port)
+                code = self._phases(first, store)
             self.summary()
             if self.failure:
                 raise ConfigError(self.failure)
@@ -150,8 +160,16 @@ class Driver:
 
             self.say(skipped_note(self.job.train.data, self.job.train.data_cache))
 
+    @staticmethod
+    def _stop_signals() -> tuple[int, ...]:
+        """Signals that stop the job with a save: Ctrl-C, a scheduler's SIGTERM, and SIGHUP (the terminal or
+        ssh session that started the launcher closed), unless SIGHUP is ignored (nohup): then it keeps running."""
+        hangup = () if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (signal.SIGHUP,)
+        return (signal.SIGINT, signal.SIGTERM, *hangup)
+
     def _on_signal(self, signum, frame) -> None:
-        self._interrupts += 1
+        # a second Ctrl-C or SIGTERM aborts the save; a hang-up (which may come with the first) never does
+        self._interrupts = max(self._interrupts, 1) if signum == signal.SIGHUP else self._interrupts + 1
 
     def _nothing_to_do(self) -> int:
         step, steps = self.job.checkpoint_step(), self.job.train.steps
@@ -159,14 +177,14 @@ class Driver:
                  + (" and the schedule ends there" if step < steps else ""))
         return 0
 
-    def _phases(self, index: int, port: int) -> int:
+    def _phases(self, index: int, store) -> int:
         job = self.job
         while index is not None:
             phase = job.phases[index]
             if phase.waits:
                 outcome = self.wait_phase(index, phase)
             else:
-                outcome = self.run_phase(index, phase, port)
+                outcome = self.run_phase(index, phase, store)
             step = job.checkpoint_step()
             failed = {h: c for h, c in outcome.codes.items() if c != 0}
             if EXIT_BAD_INPUT in failed.values():
@@ -193,14 +211,17 @@ class Driver:
                  "continue with --resume (and a schedule)")
         return 0
 
-    def run_phase(self, index: int, phase: Phase, port: int) -> PhaseOutcome:
+    def run_phase(self, index: int, phase: Phase, store) -> PhaseOutcome:
         job = self.job
         placements = job.placements(phase)
         job.stop_file.unlink(missing_ok=True)
-        spec = job.agent_spec(index, phase, placements, port, self.job_id)
+        spec = job.agent_spec(index, phase, placements, store.port, self.job_id)
         self.say(job.phase_line(index))
         self.say(job.plans[index][1])
+        prefix = live_hosts.key_prefix(spec.run_id)
+        live_hosts.publish(store, prefix, len(placements))
         agents = [self._start(p, spec) for p in placements]
+        gone: set[str] = set()
         launched = time.time()
         self.events.emit("launched", phase=index, gpus=phase.gpus, run_id=spec.run_id,
                          hosts=[[p.host.name, p.nproc] for p in placements])
@@ -208,6 +229,12 @@ class Driver:
         duration = job.run_duration(index)
         while any(a.proc.poll() is None for a in agents):
             time.sleep(POLL_S)
+            for a in agents:
+                if a.host not in gone and a.proc.poll() not in (None, 0):
+                    gone.add(a.host)  # the survivors' rendezvous stops waiting for it
+                    left = live_hosts.lost(store, prefix)
+                    self.say(f"{_codes({a.host: a.proc.returncode})}: the other hosts go on without it")
+                    self.events.emit("host_lost", phase=index, host=a.host, code=a.proc.returncode, hosts_left=left)
             if bad_since is None and any(a.proc.poll() == EXIT_BAD_INPUT for a in agents):
                 bad_since = time.time()
             if bad_since is not None and time.time() - bad_since > BAD_INPUT_GRACE_S:

@@ -15,7 +15,10 @@ from elastic_trainer import resolve
 from elastic_trainer.config import ConfigError
 from elastic_trainer.elastic.events import EVENTS_FILE, read_jsonl
 from elastic_trainer.elastic.schedule import Phase, load_schedule, phase_at, run_end, step_ends
-from elastic_trainer.launch.commands import RDZV_CONF, AgentSpec, Placement, SshSettings, allocate, host_command
+from elastic_trainer.launch.commands import (HOST_ENV, RDZV_CONF, AgentSpec, Placement, SshSettings, allocate,
+                                             host_command)
+from elastic_trainer.launch import live_hosts
+from elastic_trainer.launch.relay import LOG_ENV
 from elastic_trainer.launch.hosts import HostsError, default_slots, interface_ipv4, is_local, read_hosts
 from elastic_trainer.plan.layout import Layout
 from elastic_trainer.plan.topology import Topology
@@ -248,9 +251,15 @@ class JobSetup:
     def remote_python(self) -> str:
         return f"{self.remote_root}/.venv/bin/python"
 
+    def host_log(self, host: str) -> Path:
+        """Everything one host's agent and ranks print, written on that host (launch/relay.py)."""
+        return self.run_dir / "hosts" / f"{host}.log"
+
     def command(self, placement: Placement, spec: AgentSpec) -> tuple[list[str], dict[str, str]]:
         """(argv to run here, environment additions) of one host's agent."""
-        return host_command(placement, spec, self.agent_env(), python=sys.executable, remote_root=self.remote_root,
+        env = {**self.agent_env(), LOG_ENV: str(self.host_log(placement.host.name)), HOST_ENV: placement.host.name,
+               live_hosts.ENV: live_hosts.key_prefix(spec.run_id)}
+        return host_command(placement, spec, env, python=sys.executable, remote_root=self.remote_root,
                             remote_python=self.remote_python, ssh=self.opts.ssh)
 
     # -- what the user reads first ----------------------------------------------------------------------
@@ -271,8 +280,8 @@ class JobSetup:
                 f"data: {data} ({len(files)} file(s), from {files[0].parent})",
                 f"token cache: {cache} (on each host; built on first use)",
                 f"checkpoints: {self.checkpoint_dir} (every host must see this folder)",
-                f"logs: {self.run_dir}/launch.log, metrics.jsonl, {EVENTS_FILE}; stop gracefully with "
-                f"`touch {self.stop_file}`"]
+                f"logs: {self.run_dir}/launch.log, hosts/HOST.log (each host's own, also after this launcher "
+                f"is gone), metrics.jsonl, {EVENTS_FILE}; stop gracefully with `touch {self.stop_file}`"]
 
     def starts(self, first: int = 0) -> list[int]:
         """The phases at which the job starts (or waits) from phase `first` on: one per run of `same_run` phases."""

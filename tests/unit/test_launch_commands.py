@@ -17,7 +17,7 @@ from elastic_trainer.launch.hosts import Host, HostsError
 
 A, B, C = Host("a", 4, 1), Host("b", 2, 2), Host("c", 8, 3)
 HOSTS = [A, B, C]
-CONF = "is_host=false,join_timeout=600,last_call_timeout=10,keep_alive_interval=2,keep_alive_max_attempt=3"
+CONF = "is_host=false,join_timeout=600,last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=2"
 TRAIN = ("--model", "gpt-tiny", "--steps", "32", "--schedule", "default")
 SPEC = AgentSpec(run_id="job-7", endpoint="10.0.0.1:29400", max_nodes=3, max_restarts=5, train_argv=TRAIN)
 NODE2 = Placement(Host("node2", 4, 2), 4, False)

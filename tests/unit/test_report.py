@@ -106,7 +106,8 @@ def test_segments_split_on_phase_and_restart():
                                                                            (1, 1, 8, L8)]
     assert [[r["step"] for r in s.records] for s in segs] == [[1, 2, 3, 4], [5, 6], [7, 8, 9, 10]]
     assert all(r["attempt"] == "redo" for r in segs[2].records)
-    assert [(s.start, s.end) for s in segs] == [(1000.0, 1008.0), (1027.0, 1032.0), (1049.5, 1059.0)]
+    # the failed start trained steps 7 and 8 too (redone after the restart): its training ended at 1036
+    assert [(s.start, s.end) for s in segs] == [(1000.0, 1008.0), (1027.0, 1036.0), (1049.5, 1059.0)]
 
 
 def test_downtime_of_a_phase_change_and_its_stages():
@@ -118,11 +119,12 @@ def test_downtime_of_a_phase_change_and_its_stages():
 
 
 def test_downtime_of_a_restart_within_a_phase():
-    """No saved/exited/launched events: those stages are None and start_s counts from the last kept step."""
+    """No saved/exited/launched events: those stages are None; the gap starts when the last step before it
+    ended (step 8, redone after the restart), so the lost steps are not downtime but `redone`."""
     segs = segments(RECORDS)
     gap = downtime(segs[1], segs[2], EVENTS)
-    assert gap == {"downtime_s": 17.5,  # 1049.5 (1053 - 3.5) - 1032
-                   "save_s": None, "exit_s": None, "relaunch_s": None, "start_s": 13.0, "setup_s": 4.0,
+    assert gap == {"downtime_s": 13.5,  # 1049.5 (1053 - 3.5) - 1036
+                   "save_s": None, "exit_s": None, "relaunch_s": None, "start_s": 9.0, "setup_s": 4.0,
                    "load_s": 1.25, "first_step_s": 3.5}
 
 
@@ -140,7 +142,7 @@ def test_phase_rows_one_per_segment():
         (1, 0, 8, "dp4 tp1 pp2, 2x1 fsdp+rc", (5, 6), 9.4),
         (1, 1, 8, "dp4 tp1 pp2, 2x1 fsdp+rc", (7, 10), 9.0)]
     assert rows[0]["downtime"] is None
-    assert (rows[1]["downtime"]["downtime_s"], rows[2]["downtime"]["downtime_s"]) == (19.0, 17.5)
+    assert (rows[1]["downtime"]["downtime_s"], rows[2]["downtime"]["downtime_s"]) == (19.0, 13.5)
 
 
 def test_format_rows_table():
@@ -148,11 +150,30 @@ def test_format_rows_table():
     assert len(lines) == 4
     assert lines[0].split("  ")[0] == "phase" and "downtime s" in lines[0] and "of which load s" in lines[0]
     cells = [[c.strip() for c in line.split("  ") if c.strip()] for line in lines[1:]]
-    assert cells == [["1", "4", "dp2 tp1 pp2, 4x1 ddp", "1-4", "9.6000", "-", "-"],
-                     ["2", "8", "dp4 tp1 pp2, 2x1 fsdp+rc", "5-6", "9.4000", "19.0", "2.50"],
-                     ["2 (restart 1)", "8", "dp4 tp1 pp2, 2x1 fsdp+rc", "7-10", "9.0000", "17.5", "1.25"]]
+    assert cells == [["1", "4", "dp2 tp1 pp2, 4x1 ddp", "1-4", "9.6000", "-", "-", "-"],
+                     ["2", "8", "dp4 tp1 pp2, 2x1 fsdp+rc", "5-6", "9.4000", "19.0", "2.50", "0"],
+                     ["2 (restart 1)", "8", "dp4 tp1 pp2, 2x1 fsdp+rc", "7-10", "9.0000", "13.5", "1.25", "2"]]
     column = lines[0].index("downtime s")
-    assert lines[2][column:].startswith("19.0") and lines[3][column:].startswith("17.5")
+    assert lines[2][column:].startswith("19.0") and lines[3][column:].startswith("13.5")
+
+
+def test_segments_count_the_steps_a_restart_trained_again():
+    assert [s.redone for s in segments(RECORDS)] == [0, 0, 2]  # steps 7 and 8 were trained before the restart
+
+
+# A job killed whole after step 7 (checkpoint at 6) and resumed by a new launch: the same phase, restart count
+# and layout, told apart only by the id rank 0 gave each start.
+CRASHED = [{**rec(s, 1000 + 2 * s), "start": "aaaa"} for s in range(1, 8)]
+RESUMED = [{**rec(s, 1100 + 2 * s), "start": "bbbb"} for s in range(7, 11)]
+
+
+def test_a_crash_and_resume_is_a_segment_of_its_own():
+    rows = phase_rows(CRASHED + RESUMED, [ev("launched", 1105.0, 0)])
+    assert [(r["steps"], r["resumed"], r["redone"]) for r in rows] == [((1, 6), False, 0), ((7, 10), True, 1)]
+    assert rows[1]["downtime"]["downtime_s"] == 1114 - 2 - 1014  # from the lost step 7's end to its redo's start
+    cells = [line.split("  ")[0].strip() for line in format_rows(rows).splitlines()[1:]]
+    assert cells == ["1", "1 (resumed)"]
+    assert len(phase_rows([{k: v for k, v in r.items() if k != "start"} for r in CRASHED + RESUMED], [])) == 1
 
 
 def test_plot_writes_a_png(tmp_path):

@@ -1,0 +1,138 @@
+"""What an unplanned loss costs: a worker, a host, or the host of rank 0 SIGKILLed in a running job.
+
+    python benchmarks/rescale/failures.py [--repeats 3] [--out benchmarks/rescale/failures.json]
+
+Two hosts on this machine (127.0.0.1 and 127.0.0.2, 2 ranks each) run the default model through `elastic-trainer
+launch` with the launcher's default settings, saving every step. Once step 6 is in the metrics, one of:
+
+- worker: one rank process of 127.0.0.2 is SIGKILLed (its agent restarts its workers, the job stays at 4 ranks);
+- host: 127.0.0.2's agent is SIGKILLed (its ranks die with it; the job goes on with 2 ranks);
+- first host: 127.0.0.1's agent, the host of rank 0, is SIGKILLed (the same, with the other host).
+
+**Recovery** is from the kill to the start of the first step after it, from the job's events, in stages:
+detect (kill -> the first surviving agent restarts its workers), rendezvous (-> the last agent's rendezvous
+completed), start (-> process group formed, `processes_up`), setup (-> state loaded: plan, build, load). The first
+step after a restart is reported apart (gloo connects lazily), as are the steps redone. Medians of the repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from elastic_trainer.elastic.events import read_jsonl
+
+HERE = Path(__file__).resolve().parent
+KINDS = ("worker", "host", "first host")
+EXTRA = [a for a in os.environ.get("ET_BENCH_LAUNCH_ARGS", "").split() if a]
+STAGES = ("detect_s", "rendezvous_s", "start_s", "setup_s")
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return out
+
+
+def agent_of(launcher: int, host: str) -> int:
+    for pid in children(launcher):
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if b"elastic_trainer.launch.agent" in argv and argv[argv.index(b"--local-addr") + 1] == host.encode():
+            return pid
+    raise SystemExit(f"no agent for {host} under the launcher {launcher}")
+
+
+def wait(what, proc: subprocess.Popen, timeout: float = 300.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = what()
+        if found:
+            return found
+        if proc.poll() is not None:
+            raise SystemExit(f"the job ended early:\n{proc.stdout.read()[-3000:]}")
+        time.sleep(0.02)
+    raise SystemExit("timed out")
+
+
+def trial(folder: Path, kind: str, data_cache: str) -> dict:
+    folder.mkdir(parents=True)
+    (folder / "hosts.txt").write_text("127.0.0.1 slots=2\n127.0.0.2 slots=2\n")
+    run_dir = folder / "run"
+    cmd = [sys.executable, "-m", "elastic_trainer.cli", "launch", "--hosts", str(folder / "hosts.txt"), "--run-dir",
+           str(run_dir), "--schedule", "none", *EXTRA, "--", "--steps", "400", "--save-every", "1", "--data-cache", data_cache]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        wait(lambda: any(r["step"] >= 6 for r in read_jsonl(metrics)), proc)
+        agent = agent_of(proc.pid, "127.0.0.1" if kind == "first host" else "127.0.0.2")
+        victim = children(agent)[0] if kind == "worker" else agent
+        killed = time.time()
+        os.kill(victim, signal.SIGKILL)
+        world = 4 if kind == "worker" else 2
+        first = wait(lambda: next((r for r in read_jsonl(metrics) if r["time"] > killed and r["world_size"] == world
+                                   and r["time"] - r["step_time_s"] > killed), None), proc)
+        (run_dir / "stop").touch()
+        proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    events = [e for e in read_jsonl(run_dir / "events.jsonl") if killed <= e["time"] <= first["time"]]
+
+    def at(name: str, pick=min) -> float | None:
+        times = [e["time"] for e in events if e["event"] == name]
+        return pick(times) if times else None
+
+    marks = [killed, at("workers_restarting"), at("rendezvous_done", max), at("processes_up"), at("state_loaded")]
+    stages = {name: (b - a if a is not None and b is not None else None)
+              for name, a, b in zip(STAGES, marks, marks[1:])}
+    loaded = next((e for e in events if e["event"] == "state_loaded"), {})
+    before = max(r["step"] for r in read_jsonl(metrics) if r["time"] <= killed)
+    return {"kind": kind, "recovery_s": first["time"] - first["step_time_s"] - killed, **stages,
+            "load_s": (loaded.get("load") or {}).get("total_s"), "first_step_s": first["step_time_s"],
+            "redone": before - first["step"] + 1}
+
+
+def median(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return round(statistics.median(values), 3) if values else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated, from: " + ", ".join(KINDS))
+    parser.add_argument("--out", default=str(HERE / "failures.json"))
+    args = parser.parse_args()
+    kinds = [k.strip() for k in args.kinds.split(",")]
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = str(Path(tmp) / "data-cache")
+        for r in range(args.repeats):
+            for kind in kinds:  # the kinds alternate, so the machine's noise hits each alike
+                row = trial(Path(tmp) / f"{kind.replace(' ', '-')}-{r}", kind, cache)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    keys = ("recovery_s", *STAGES, "load_s", "first_step_s", "redone")
+    summary = {kind: {k: median([x for x in rows if x["kind"] == kind], k) for k in keys} for kind in kinds}
+    print(f"{'lost':<11}" + "".join(f"{k:>14}" for k in keys))
+    for kind, values in summary.items():
+        print(f"{kind:<11}" + "".join(f"{'-' if values[k] is None else values[k]:>14}" for k in keys))
+    Path(args.out).write_text(json.dumps({"medians": summary, "runs": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

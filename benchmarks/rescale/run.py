@@ -26,7 +26,7 @@ from elastic_trainer.elastic.events import read_jsonl
 from elastic_trainer.elastic.report import downtime, segments
 
 HERE = Path(__file__).resolve().parent
-STAGES = ("save_s", "exit_s", "relaunch_s", "start_s", "setup_s", "load_s", "first_step_s")
+STAGES = ("save_s", "exit_s", "relaunch_s", "rendezvous_s", "start_s", "setup_s", "load_s", "first_step_s")
 
 
 def env(worker_start: str = "fork") -> dict:

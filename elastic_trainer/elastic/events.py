@@ -5,9 +5,14 @@ object has `event` and `time` (seconds since the epoch) plus the writer's tags (
 one reconfiguration, in order:
 
     stop_requested (driver, time-based phases) -> stopping (rank 0: after the last step, with its end time)
-    -> saved -> exited (driver: agents gone) -> launched (driver) -> processes_up (rank 0: process group formed,
-    with the time its interpreter started) -> planned -> state_loaded (with the load's timings and the layout it was
-    saved in) -> first_step_done (with that step's time) ... -> finished | stopping
+    -> saved -> exited (driver: agents gone) -> launched (driver) -> rendezvous_done (each agent: its round
+    closed, with when it began) -> processes_up (rank 0: process group formed, with the time its interpreter
+    started) -> planned -> state_loaded (with the load's timings and the layout it was saved in) ->
+    first_step_done (with that step's time) ... -> finished | stopping
+
+and of a failure within a start: host_lost (driver: an agent exited with a failure, with the hosts left) ->
+workers_restarting (each surviving agent, when it saw its workers fail, or a host join) -> rendezvous_done ->
+processes_up -> ... as above. Agents write with writer=agent and their host.
 
 `elastic.report` turns them, with the metrics, into the phase table and the downtime of each event.
 """

@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 
 from elastic_trainer.plan.layout import Layout
 
-# Stages of a reconfiguration, each ending at the named event (see elastic.events).
-STAGES = (("save_s", "saved"), ("exit_s", "exited"), ("relaunch_s", "launched"), ("start_s", "processes_up"),
-          ("setup_s", "state_loaded"))
+# Stages of a reconfiguration, each ending at the named event (see elastic.events): a planned one saves, exits
+# and is launched again; a failure is detected by a surviving agent, which restarts its workers. Both then pass
+# the rendezvous (the agents'), start (workers up, process group formed) and setup (plan, build, load).
+STAGES = (("save_s", "saved"), ("exit_s", "exited"), ("relaunch_s", "launched"), ("detect_s", "workers_restarting"),
+          ("rendezvous_s", "rendezvous_done"), ("start_s", "processes_up"), ("setup_s", "state_loaded"))
 
 
 def effective(records: list[dict]) -> list[dict]:

@@ -46,7 +46,9 @@ def preload() -> None:
 def worker(*argv: str) -> int:
     """A forked worker: `elastic-trainer ARGV`; a non-zero code fails the worker as a process exit would."""
     from elastic_trainer import cli
+    from elastic_trainer.launch.relay import whole_lines
 
+    whole_lines()  # this host's ranks share one pipe
     code = cli.main(list(argv), started=time.time(), forked=True)
     if code:
         raise SystemExit(code)

@@ -115,6 +115,9 @@ class Driver:
         try:
             for line in job.describe():
                 self.say(line)
+            if signal.SIGHUP in self._stop_signals() and sys.stdout.isatty():
+                self.say("closing this terminal stops the job after a save (continue with --resume); to keep it "
+                         "running, start it as `nohup ./run.sh ... > run.log 2>&1 &` or inside tmux or screen")
             if first is None:
                 code = self._nothing_to_do()
             else:

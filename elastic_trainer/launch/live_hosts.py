@@ -93,7 +93,7 @@ def _follow_class():
     return _settings_class
 
 
-def follow(handler, endpoint: str, prefix: str) -> str | None:
+def follow(handler, endpoint: str, prefix: str, timeout_s: float = 10.0) -> str | None:
     """Make `handler` (TorchElastic's c10d rendezvous handler of this agent) follow the launcher's count; None
     when it does, else why not (the rendezvous then stays as it is)."""
     try:
@@ -106,7 +106,7 @@ def follow(handler, endpoint: str, prefix: str) -> str | None:
             or not isinstance(settings.__dict__.get("max_nodes"), int):
         return f"the rendezvous handler is a {type(handler).__name__}, not torch's c10d one"
     try:
-        live = LiveHosts(endpoint, prefix)
+        live = LiveHosts(endpoint, prefix, timeout_s)
     except Exception as e:  # noqa: BLE001 - whatever the store says, the rendezvous still works without it
         return f"the launcher's store at {endpoint} did not answer ({' '.join(str(e).split())[:200]})"
     object.__setattr__(settings, "_live_hosts", live)

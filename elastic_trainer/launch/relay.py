@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 from pathlib import Path
 
@@ -91,6 +92,25 @@ class Relay:
         self._forward.join(timeout)
         if self._log is not None:
             os.close(self._log)
+
+
+def whole_lines() -> None:
+    """This process's sys.stdout and sys.stderr write each line with one write(2), however Python buffers
+    (PYTHONUNBUFFERED writes a print's text and its newline apart): ranks sharing a host's pipe then never
+    split each other's lines (a pipe keeps writes of up to 4 KiB whole)."""
+    import io
+
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        old = getattr(sys, name)
+        if old is None:
+            continue
+        try:
+            old.flush()
+        except (OSError, ValueError):
+            pass
+        stream = io.TextIOWrapper(io.BufferedWriter(io.FileIO(fd, "w", closefd=False)), encoding=old.encoding,
+                                  errors=old.errors, line_buffering=True)
+        setattr(sys, name, stream)
 
 
 def start_relay() -> Relay | None:

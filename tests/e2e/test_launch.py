@@ -271,6 +271,12 @@ def test_crash_then_resume(tmp_path, data_cache, reference):
     assert "phase 2/2: 4 GPUs" in resumed.stdout and "phase 1/2" not in resumed.stdout
     kept = assert_on_trajectory(run_dir, reference, 32)
     assert before >= 13 and {r["world_size"] for r in kept if r["step"] > 10} == {4}
+    # the crash is a segment boundary of its own, with its downtime and the steps trained twice
+    rows = [line.split() for line in resumed.stdout[resumed.stdout.index("phases:"):].splitlines()[2:]
+            if line[:1].isdigit()]
+    resumed_at = next(r["step"] for r in kept if r["step"] > 10 and r["start"] != kept[10]["start"])
+    assert [r[:2] for r in rows] == [["1", "2"], ["2", "4"], ["2", "(resumed)"]]
+    assert f"{resumed_at}-32" in rows[2] and float(rows[2][-3]) > 0 and rows[2][-1] == str(before - resumed_at + 1)
 
 
 def test_timed_phases_stop_on_request(tmp_path, data_cache, reference):

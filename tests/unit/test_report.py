@@ -114,7 +114,8 @@ def test_downtime_of_a_phase_change_and_its_stages():
     segs = segments(RECORDS)
     gap = downtime(segs[0], segs[1], EVENTS)
     assert gap == {"downtime_s": 19.0,  # 1027 (1030 - 3) - 1008
-                   "save_s": 3.0, "exit_s": 2.0, "relaunch_s": 1.0, "start_s": 6.0, "setup_s": 5.0, "load_s": 2.5,
+                   "save_s": 3.0, "exit_s": 2.0, "relaunch_s": 1.0, "detect_s": None, "rendezvous_s": None,
+                   "start_s": 6.0, "setup_s": 5.0, "load_s": 2.5,
                    "first_step_s": 3.0}
 
 
@@ -124,15 +125,27 @@ def test_downtime_of_a_restart_within_a_phase():
     segs = segments(RECORDS)
     gap = downtime(segs[1], segs[2], EVENTS)
     assert gap == {"downtime_s": 13.5,  # 1049.5 (1053 - 3.5) - 1036
-                   "save_s": None, "exit_s": None, "relaunch_s": None, "start_s": 9.0, "setup_s": 4.0,
+                   "save_s": None, "exit_s": None, "relaunch_s": None, "detect_s": None, "rendezvous_s": None,
+                   "start_s": 9.0, "setup_s": 4.0,
                    "load_s": 1.25, "first_step_s": 3.5}
+
+
+def test_downtime_of_a_failure_recorded_by_the_agents():
+    """The surviving agents' events split the restart's start: detection, their rendezvous, the workers' start."""
+    agents = [ev("workers_restarting", 1038.0, 1, writer="agent"), ev("workers_restarting", 1038.5, 1, writer="agent"),
+              ev("rendezvous_done", 1041.0, 1, writer="agent"), ev("rendezvous_done", 1041.2, 1, writer="agent")]
+    segs = segments(RECORDS)
+    gap = downtime(segs[1], segs[2], sorted(EVENTS + agents, key=lambda e: e["time"]))
+    assert (gap["detect_s"], gap["rendezvous_s"], gap["start_s"], gap["setup_s"]) == (2.0, 3.0, 4.0, 4.0)
+    assert gap["downtime_s"] == 13.5 and gap["save_s"] is None
 
 
 def test_downtime_without_events_has_no_stages():
     segs = segments(RECORDS)
     gap = downtime(segs[0], segs[1], [])
     assert gap["downtime_s"] == 19.0 and gap["first_step_s"] == 3.0 and "load_s" not in gap
-    assert [gap[k] for k in ("save_s", "exit_s", "relaunch_s", "start_s", "setup_s")] == [None] * 5
+    assert [gap[k] for k in ("save_s", "exit_s", "relaunch_s", "detect_s", "rendezvous_s", "start_s",
+                             "setup_s")] == [None] * 7
 
 
 def test_phase_rows_one_per_segment():

@@ -331,7 +331,9 @@ def main(argv: list[str] | None = None, *, started: float | None = None, forked:
         if argv[:1] == ["torchrun"] and not {"-h", "--help"} & set(argv[1:2]):
             from elastic_trainer.launch.agent import run_torchrun  # torchrun's flags are its parser's to read
 
-            return run_torchrun(argv[1:])
+            # its workers are gone: no interpreter teardown of torch (seconds, and a scheduler's second signal
+            # could land in it), as the launcher's agents end
+            return _finish_worker(run_torchrun(argv[1:]), force=True)
         args = build_parser().parse_args(argv)
         if args.command == "train":
             return run_train_command(args, started or IMPORTED_AT, forked)

@@ -288,30 +288,30 @@ def write_json_atomic(path: Path, obj) -> None:
 
 
 FAULT_ENV = "ELASTIC_TRAINER_TEST_FAULT"
-"""Tests only: `POINT:STEP:MARKER` SIGKILLs the committing process at POINT of the commit of STEP, once (the
-MARKER file is created first; while it exists nothing happens). POINT is `written` (every file and the manifest
-written, before the rename that commits) or `renamed` (committed, before `latest` is replaced)."""
+"""Tests only: `POINT:STEP:MARKER[,...]` SIGKILLs the committing process at POINT of the commit of STEP, once
+(the MARKER file is created first; while it exists nothing happens). POINT is `written` (every file and the
+manifest written, before the rename that commits) or `renamed` (committed, before `latest` is replaced)."""
 FAULT_POINTS = ("written", "renamed")
 
 
 def _fault(point: str, step: int) -> None:
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    where, _, rest = spec.partition(":")
-    at, _, marker = rest.partition(":")
-    if where not in FAULT_POINTS or not at.isdigit() or not marker:
-        raise ConfigError(f"{FAULT_ENV}={spec!r} is not POINT:STEP:MARKER with POINT one of {', '.join(FAULT_POINTS)}")
-    if where != point or int(at) != step:
-        return
-    try:
-        os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-    except FileExistsError:
-        return
-    import signal
+    for spec in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
+        where, _, rest = spec.partition(":")
+        at, _, marker = rest.partition(":")
+        if where not in FAULT_POINTS or not at.isdigit() or not marker:
+            raise ConfigError(f"{FAULT_ENV}: {spec!r} is not POINT:STEP:MARKER with POINT one of "
+                              f"{', '.join(FAULT_POINTS)}")
+        if where != point or int(at) != step:
+            continue
+        try:
+            os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        except FileExistsError:
+            continue
+        import signal
 
-    print(f"[checkpoint] {FAULT_ENV}: killing this process at {point!r} in the commit of step {step}", flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
+        print(f"[checkpoint] {FAULT_ENV}: killing this process at {point!r} in the commit of step {step}",
+              flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def commit(tmp: Path, step: int, file_info: dict[str, dict]) -> Path:

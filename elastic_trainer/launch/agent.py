@@ -224,7 +224,9 @@ def run_agent(configured) -> int:
         raise UsageError(f"torchrun: {' '.join(str(e).split())}") from None
     except SignalException as e:
         # A scheduler's stop (Slurm's requeue, preemption or time limit; a Kubernetes pod's end): TorchElastic
-        # has passed the signal to the ranks and waited for them; they saved after their current step.
+        # has passed the signal to the ranks and waited for them; they saved after their current step. The same
+        # signal again (a scheduler cancelling the step sends its own) must not interrupt the rest of the exit.
+        signal.signal(e.sigval, signal.SIG_IGN)
         name = signal.Signals(e.sigval).name
         print(f"[agent] stopped by {name}: the ranks were asked to save after their current step",
               file=sys.stderr, flush=True)

@@ -7,7 +7,8 @@ same steps (fp32, 1e-5 relative) and checks from the metrics that every global s
   (torchrun SIGTERMs the workers, they save, all re-plan);
 - time-based phases (the launcher's stop file); a crashing rank naming itself in the launch log;
 - hosts of different sizes (3 + 1) train as one job with one plan, tp inside a host;
-- the second host reached through a real sshd, both agents' output in the driver's log;
+- the second host reached through a real sshd, both agents' output in the driver's log; the launcher
+  SIGKILLed: both hosts save the step in flight, and a resumed launch finishes on the trajectory;
 - a crash of the whole job, then `launch --resume`.
 """
 
@@ -25,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from elastic_trainer.checkpoint.storage import complete_checkpoints, step_dirname
 from elastic_trainer.config import configs_dir, load_run_config
 from elastic_trainer.elastic.events import read_jsonl
 from elastic_trainer.elastic.report import effective, samples_consumed_once
@@ -226,7 +228,11 @@ def test_hosts_of_different_sizes_train_with_one_plan(tmp_path, data_cache, refe
     assert hosts == ["[127.0.0.1", "[127.0.0.2"]
 
 
-def test_second_host_through_ssh(tmp_path, data_cache, reference):
+def test_second_host_through_ssh_saves_when_the_launcher_dies(tmp_path, data_cache, reference):
+    """The second host is reached through a real sshd. Once step 3 is recorded the launcher is SIGKILLed, its
+    stdout closed first: the local agent gets SIGTERM from the kernel, the remote one from remote.sh when ssh's
+    connection ends; all ranks finish the step in flight and save it; both hosts' logs go on without the
+    launcher, nothing is left running, and a resumed launch through ssh finishes the phase on the trajectory."""
     reason = ensure_sshd()
     if reason:
         pytest.skip(reason)
@@ -235,14 +241,34 @@ def test_second_host_through_ssh(tmp_path, data_cache, reference):
         ssh = ["--force-ssh", server.host, "--ssh-port", str(server.port), "--ssh-identity", server.identity,
                "--ssh-config", "/dev/null", "--ssh-option", f"UserKnownHostsFile={server.known_hosts}",
                "--ssh-option", "StrictHostKeyChecking=yes", "--ssh-option", "IdentityAgent=none"]
-        argv = launch_argv(run_dir, f"127.0.0.1 slots=2\n{server.host} slots=2\n", "--schedule",
-                           schedule(tmp_path / "s.json", (4, 4)), *ssh, cache=data_cache)
-        proc = subprocess.run(argv, capture_output=True, text=True, env=env(), timeout=300)
-        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-        log = (run_dir / "launch.log").read_text()
-        assert f"{server.host} (ssh)" not in log  # a real run, not a dry run
-        assert "[127.0.0.1] [ranks] " in log and f"[{server.host}] [ranks] " in log
-        assert_on_trajectory(run_dir, reference, 4)
+
+        def argv(*extra: str) -> list[str]:
+            return launch_argv(run_dir, f"127.0.0.1 slots=2\n{server.host} slots=2\n", "--schedule",
+                               schedule(tmp_path / "s.json", (4, 12)), *ssh, *extra, cache=data_cache)
+
+        proc = subprocess.Popen(argv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env(),
+                                start_new_session=True)
+        try:
+            wait_for_step(run_dir, proc, 3)
+            log = (run_dir / "launch.log").read_text()
+            assert "[127.0.0.1] [ranks] " in log and f"[{server.host}] [ranks] " in log  # both hosts, pumped
+            proc.stdout.close()
+            proc.kill()
+            proc.wait(timeout=30)
+            deadline = time.monotonic() + 120
+            while processes(f"--local-addr\x00{server.host}\x00") or processes(f"--local-addr\x00127.0.0.1\x00"):
+                assert time.monotonic() < deadline, "the job's processes outlived the launcher"
+                time.sleep(0.2)
+        finally:
+            proc.kill()
+        trained = effective(metrics(run_dir))[-1]["step"]
+        assert [p.name for p in complete_checkpoints(run_dir / "checkpoints")] == [step_dirname(trained)]
+        remote_log = (run_dir / "hosts" / f"{server.host}.log").read_text()
+        assert "[agent] stopped by SIGTERM" in remote_log and "BrokenPipeError" not in remote_log
+        resumed = subprocess.run(argv("--resume"), capture_output=True, text=True, env=env(), timeout=300)
+        assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-2000:]
+        assert f"{server.host} (ssh)" not in resumed.stdout  # a real run, not a dry run
+        assert_on_trajectory(run_dir, reference, 12)
         assert not processes(f"--local-addr\x00{server.host}\x00")
 
 

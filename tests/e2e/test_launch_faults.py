@@ -122,22 +122,22 @@ def test_losing_the_host_of_rank_0(tmp_path, data_cache, reference):
     assert not processes(str(run_dir))
 
 
-@pytest.mark.parametrize("point, resumed_from", [("written", 2), ("renamed", 4)])
-def test_a_kill_inside_the_commit_resumes_the_newest_complete_checkpoint(point, resumed_from, tmp_path, data_cache,
-                                                                        reference):
-    """Rank 0 SIGKILLs itself in the commit of step 4 (ELASTIC_TRAINER_TEST_FAULT): after the files and the
-    manifest are written but before the rename, the step-4 folder is still temporary and the restart resumes
-    step 2; after the rename but before `latest`, step 4 is complete and is what the restart resumes."""
-    run_dir = tmp_path / point
+def test_kills_inside_the_commit_resume_the_newest_complete_checkpoint(tmp_path, data_cache, reference):
+    """Rank 0 SIGKILLs itself twice in one job (ELASTIC_TRAINER_TEST_FAULT), each time torchrun restarts the
+    ranks: in the commit of step 4 after the files and the manifest are written but before the rename, so step 4
+    is still a temporary folder and the restart resumes step 2; in the commit of step 8 after the rename but
+    before `latest` is replaced, so step 8 is complete (while `latest` still names step 6) and is resumed."""
+    run_dir = tmp_path / "commit"
     argv = launch_argv(run_dir, "localhost slots=2\n", "--schedule", "none", cache=data_cache)
-    marker = tmp_path / f"{point}.fired"
-    proc = subprocess.run([*argv, "--save-every", "2", "--steps", str(STEPS)], capture_output=True, text=True, timeout=300,
-                          env={**env(), storage.FAULT_ENV: f"{point}:4:{marker}"})
+    faults = f"written:4:{tmp_path / 'written.fired'},renamed:8:{tmp_path / 'renamed.fired'}"
+    proc = subprocess.run([*argv, "--save-every", "2", "--steps", str(STEPS)], capture_output=True, text=True,
+                          timeout=300, env={**env(), storage.FAULT_ENV: faults})
     assert proc.returncode == 0, proc.stdout[-4000:]
-    assert marker.exists() and f"killing this process at {point!r} in the commit of step 4" in proc.stdout
+    for point, step in (("written", 4), ("renamed", 8)):
+        assert (tmp_path / f"{point}.fired").exists()
+        assert f"killing this process at {point!r} in the commit of step {step}" in proc.stdout
     loads = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "state_loaded"]
-    assert [(e["restart"], e["step"]) for e in loads] == [(0, 0), (1, resumed_from)]
-    kept = effective(metrics(run_dir))
+    assert [(e["restart"], e["step"]) for e in loads] == [(0, 0), (1, 2), (2, 8)]
     assert_on_trajectory(run_dir, reference, STEPS)
     names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert names == ["latest", "step-00000008", "step-00000010", "step-00000012"]  # --keep 3, no temporary left

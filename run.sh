@@ -4,6 +4,8 @@
 #   ./run.sh                  # the default job: gpt-tiny on localhost ranks through 4 -> 8 -> 2 -> 4 ranks,
 #                             # then a phase table and runs/default/loss.png (about a minute on 2 CPU cores)
 #   ./run.sh --resume         # after a crash: continue from the newest complete checkpoint
+#   nohup ./run.sh > run.log 2>&1 &   # keep it running after the terminal closes (closing it otherwise stops
+#                                     # the job with a save; each host's output is in runs/default/hosts/)
 #   ./run.sh --dry-run        # print the plan and the command each host would start; start nothing
 #   ./run.sh --hosts cluster.txt --gpus-per-host 8 --model gpt3-xl --schedule none -- --global-batch 128
 #

@@ -104,15 +104,24 @@ def downtime(before: Segment, after: Segment, events: list[dict]) -> dict:
     return out
 
 
+def _resumed(before: Segment, after: Segment) -> bool:
+    """A new start of the same phase and restart count: the job was started again (a crash, then --resume)."""
+    return (before.phase, before.restart) == (after.phase, after.restart) and before.start_id != after.start_id
+
+
+def _unplanned(before: Segment, after: Segment) -> bool:
+    """The gap was a failure's, not a schedule's: a torchrun restart, a resumed job, or steps trained twice."""
+    return after.redone > 0 or _resumed(before, after) or (after.phase == before.phase
+                                                             and after.restart != before.restart)
+
+
 def phase_rows(records: list[dict], events: list[dict]) -> list[dict]:
     """One row per segment: phase, ranks, layout, steps, loss at its end, downtime before it."""
     segs = segments(records)
     rows = []
     for i, seg in enumerate(segs):
         gap = downtime(segs[i - 1], seg, events) if i else None
-        previous = segs[i - 1] if i else None
-        resumed = previous is not None and (previous.phase, previous.restart) == (seg.phase, seg.restart) \
-            and previous.start_id != seg.start_id
+        resumed = bool(i) and _resumed(segs[i - 1], seg)
         rows.append({"phase": seg.phase, "restart": seg.restart, "resumed": resumed, "ranks": seg.world_size,
                      "layout": Layout.from_dict(seg.layout).compact(),
                      "steps": (seg.records[0]["step"], seg.records[-1]["step"]), "loss": seg.records[-1]["loss"],
@@ -160,12 +169,19 @@ def plot(records: list[dict], path: str, title: str = "") -> str:
             axes[0, col].plot(xs, losses, color="C0")
             axes[1, col].step(xs, [seg.world_size] * len(xs), where="post", color="C1")
     for a, b in zip(segs, segs[1:]):
-        axes[0, 1].axvspan((a.end - t0) / 60, (b.start - t0) / 60, color="0.85")
+        failure = _unplanned(a, b)
+        axes[0, 1].axvspan((a.end - t0) / 60, (b.start - t0) / 60, color="mistyrose" if failure else "0.85")
         axes[1, 1].plot([(a.end - t0) / 60, (b.start - t0) / 60], [0, 0], color="C3", lw=4)
+        if failure:  # where the trajectory went on after the failure, and what it trained twice
+            first = b.records[0]["step"]
+            axes[0, 0].axvline(first - 0.5, color="C3", ls=":", lw=1)
+            axes[0, 0].annotate(f"restart, {b.redone} redone" if b.redone else "restart", (first - 0.5, 1.0),
+                                xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right",
+                                fontsize=7, color="C3")
     axes[0, 0].set_ylabel("loss")
     axes[1, 0].set_ylabel("ranks")
-    axes[1, 0].set_xlabel("step")
-    axes[1, 1].set_xlabel("minutes (grey: reconfiguration)")
+    axes[1, 0].set_xlabel("step (red: a restart after a failure)")
+    axes[1, 1].set_xlabel("minutes (grey: reconfiguration; red: failure)")
     for ax in axes[1]:
         ax.set_ylim(bottom=0)
     if title:

@@ -194,3 +194,17 @@ def test_plot_writes_a_png(tmp_path):
     assert plot(RECORDS, str(path), "test run") == str(path)
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+
+
+def test_the_plot_marks_restarts_after_failures(tmp_path, monkeypatch):
+    """A planned phase change is shaded grey; a torchrun restart and a resumed crash are shaded red and marked
+    on the step axis with the steps they trained twice."""
+    import matplotlib.axes
+
+    notes = []
+    monkeypatch.setattr(matplotlib.axes.Axes, "annotate", lambda self, text, *a, **k: notes.append(text))
+    plot(RECORDS, str(tmp_path / "a.png"))
+    assert notes == ["restart, 2 redone"]  # phase 0 -> 1 is planned; the restart in phase 1 redid 7 and 8
+    notes.clear()
+    plot(CRASHED + RESUMED, str(tmp_path / "b.png"))
+    assert notes == ["restart, 1 redone"]

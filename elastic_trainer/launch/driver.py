@@ -236,8 +236,9 @@ class Driver:
                 if a.host not in gone and a.proc.poll() not in (None, 0):
                     gone.add(a.host)  # the survivors' rendezvous stops waiting for it
                     left = live_hosts.lost(store, prefix)
-                    self.say(f"{_codes({a.host: a.proc.returncode})}: the other hosts go on without it")
                     self.events.emit("host_lost", phase=index, host=a.host, code=a.proc.returncode, hosts_left=left)
+                    if a.proc.returncode != EXIT_BAD_INPUT and any(b.proc.poll() is None for b in agents):
+                        self.say(f"{_codes({a.host: a.proc.returncode})}: the other hosts go on without it")
             if bad_since is None and any(a.proc.poll() == EXIT_BAD_INPUT for a in agents):
                 bad_since = time.time()
             if bad_since is not None and time.time() - bad_since > BAD_INPUT_GRACE_S:

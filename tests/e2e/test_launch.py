@@ -2,9 +2,9 @@
 agents, real process groups. Every test compares the per-step losses with a static single-process run of the
 same steps (fp32, 1e-5 relative) and checks from the metrics that every global sample was consumed once:
 - the default job (4 -> 8 -> 2 -> 4 ranks) through ./run.sh;
-- two hosts on one machine (127.0.0.1 and 127.0.0.2), one agent SIGKILLed mid-run: the job re-plans for
-  2 ranks and resumes from its last periodic checkpoint; then the host comes back and the job grows to 4 again
-  (torchrun SIGTERMs the workers, they save, all re-plan);
+- two hosts on one machine (127.0.0.1 and 127.0.0.2), the agent of rank 0's host SIGKILLed mid-run: the
+  other host re-plans for 2 ranks and resumes from the last periodic checkpoint; then the host comes back and
+  the job grows to 4 again (torchrun SIGTERMs the workers, they save, all re-plan);
 - time-based phases (the launcher's stop file); a crashing rank naming itself in the launch log;
 - hosts of different sizes (3 + 1) train as one job with one plan, tp inside a host;
 - the second host reached through a real sshd, both agents' output in the driver's log; the launcher
@@ -15,6 +15,7 @@ same steps (fp32, 1e-5 relative) and checks from the metrics that every global s
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import signal
@@ -166,10 +167,11 @@ def wait_for(run_dir: Path, proc: subprocess.Popen, what, timeout: float = 300) 
 
 
 def test_lost_host_then_back(tmp_path, data_cache, sotu_tokens):
-    """127.0.0.1 and 127.0.0.2 (2 ranks each) form one job; 127.0.0.2's agent is SIGKILLed: the survivors
-    re-plan for 2 ranks and resume from the last periodic checkpoint. Then the host comes back (its agent
-    restarted with the same command): torchrun stops the workers (SIGTERM: they save), and all re-plan for 4
-    and resume from that save. Every step on the single-process trajectory; every sample once."""
+    """127.0.0.1 and 127.0.0.2 (2 ranks each) form one job, ranks 0-1 on 127.0.0.1. Its agent is SIGKILLed:
+    the rendezvous is the launcher's, so it stays up; 127.0.0.2 re-forms the job alone, re-planned for 2 ranks,
+    from the last periodic checkpoint. Then the host comes back (its agent restarted by hand with the same
+    command, which the launcher does not know of): torchrun stops the workers (SIGTERM: they save), and all
+    re-plan for 4 and resume from that save. Every step on the single-process trajectory; every sample once."""
     run_dir = tmp_path / "lost"
     argv = launch_argv(run_dir, "127.0.0.1 slots=2\n127.0.0.2 slots=2\n", "--schedule", "none", cache=data_cache)
     proc = subprocess.Popen([*argv, "--save-every", "2", "--steps", "400"], stdout=subprocess.PIPE,
@@ -177,16 +179,19 @@ def test_lost_host_then_back(tmp_path, data_cache, sotu_tokens):
     joiner = None
     try:
         wait_for(run_dir, proc, lambda r: r["step"] >= 5)
-        agent = agent_of("127.0.0.2")
+        assert "(host 0): ranks 0-1 of 4" in (run_dir / "hosts" / "127.0.0.1.log").read_text()
+        agent = agent_of("127.0.0.1")
         command = Path(f"/proc/{agent}/cmdline").read_bytes().decode().split("\0")[:-1]
         environ = dict(kv.split("=", 1) for kv in Path(f"/proc/{agent}/environ").read_bytes().decode().split("\0")
                        if "=" in kv)
+        killed = time.time()
         os.kill(agent, signal.SIGKILL)  # the host is gone: its workers die with their agent
         wait_for(run_dir, proc, lambda r: r["world_size"] == 2)
+        alone = [e for e in read_jsonl(run_dir / "events.jsonl") if e["time"] >= killed]
         joiner = subprocess.Popen(command, env=environ, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                   stdin=subprocess.PIPE, start_new_session=True)  # the host is back
-        # torchrun counts the failure as a restart, not the membership change: restart 1 in both worlds
-        wait_for(run_dir, proc, lambda r: r["world_size"] == 4 and r.get("restart") == 1)
+        back = time.time()
+        wait_for(run_dir, proc, lambda r: r["world_size"] == 4 and r["time"] > back)
         (run_dir / "stop").touch()
         out, _ = proc.communicate(timeout=300)
         assert joiner.wait(timeout=120) == 0
@@ -195,7 +200,12 @@ def test_lost_host_then_back(tmp_path, data_cache, sotu_tokens):
         if joiner is not None:
             joiner.kill()
     assert proc.returncode == 0, out[-4000:]
-    assert "agent on 127.0.0.2: killed by SIGKILL; the job went on without them" in out and "stopped at step" in out
+    assert "agent on 127.0.0.1: killed by SIGKILL: the other hosts go on without it" in out
+    assert "agent on 127.0.0.1: killed by SIGKILL; the job went on without them" in out and "stopped at step" in out
+    assert [e["host"] for e in alone if e["event"] == "host_lost"] == ["127.0.0.1"]
+    assert {e["host"] for e in alone if e["event"] in ("workers_restarting", "rendezvous_done")} == {"127.0.0.2"}
+    planned = [e for e in alone if e["event"] == "planned"]
+    assert [(e["hosts"], Layout.from_dict(e["layout"]).world_size) for e in planned] == [([2], 2)]
     kept = effective(metrics(run_dir))
     steps = kept[-1]["step"]
     reference = static_run(sotu_tokens, dataclasses.replace(DEFAULT.train, steps=400), steps)
@@ -203,16 +213,17 @@ def test_lost_host_then_back(tmp_path, data_cache, sotu_tokens):
         assert abs(r["loss"] - reference[r["step"] - 1]) / reference[r["step"] - 1] <= 1e-5, r
     assert [r["step"] for r in kept] == list(range(1, steps + 1)) and samples_consumed_once(kept)
     events = read_jsonl(run_dir / "events.jsonl")
-    loads = [e for e in events if e["event"] == "state_loaded" and e.get("restart")]
+    loads = [e for e in events if e["event"] == "state_loaded"][1:]  # the two restarts
     assert [Layout.from_dict(e["load"]["saved_layout"]).world_size for e in loads] == [4, 2]
     lost_at, back_at = loads[0]["step"], loads[1]["step"]
     assert lost_at % 2 == 0 and lost_at >= 4  # the newest periodic checkpoint before the loss
     sigterm = [e for e in events if e["event"] == "stopping" and e["reason"] == "SIGTERM"]
     assert sigterm and sigterm[-1]["step"] == back_at  # the joiner's restart lost no step
-    worlds = [(r["world_size"], r.get("restart")) for r in kept]
-    assert worlds == sorted(worlds, key=lambda w: w[1]) and {w for w, _ in worlds} == {4, 2}
-    assert [w for w, _ in dict.fromkeys(worlds)] == [4, 2, 4]
-    assert not processes("--local-addr\x00127.0.0.2\x00")
+    # rank 0 (whose records these are) moved to 127.0.0.2 and back to the new agent of 127.0.0.1, whose own
+    # restart count starts at 0 again
+    assert [w for w, _ in itertools.groupby(r["world_size"] for r in kept)] == [4, 2, 4]
+    assert [k for k, _ in itertools.groupby(r.get("restart") for r in kept)] == [0, 1, 0]
+    assert not processes("--local-addr\x00127.0.0.1\x00")
 
 
 def test_hosts_of_different_sizes_train_with_one_plan(tmp_path, data_cache, reference):

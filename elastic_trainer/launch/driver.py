@@ -111,11 +111,12 @@ class Driver:
         job.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         self.out = Output(job.run_dir / "launch.log")
         self.events = EventLog(job.run_dir / EVENTS_FILE, tags={"writer": "launch"})
-        previous = {s: signal.signal(s, self._on_signal) for s in self._stop_signals()}
+        stop_signals = self._stop_signals()
+        previous = {s: signal.signal(s, self._on_signal) for s in stop_signals}
         try:
             for line in job.describe():
                 self.say(line)
-            if signal.SIGHUP in self._stop_signals() and sys.stdout.isatty():
+            if signal.SIGHUP in stop_signals and sys.stdout.isatty():
                 self.say("closing this terminal stops the job after a save (continue with --resume); to keep it "
                          "running, start it as `nohup ./run.sh ... > run.log 2>&1 &` or inside tmux or screen")
             if first is None:

@@ -168,7 +168,7 @@ def run_kubernetes(args: argparse.Namespace) -> int:
 def run_launch(args: argparse.Namespace) -> int:
     from elastic_trainer.launch.commands import SshSettings
     from elastic_trainer.launch.driver import launch
-    from elastic_trainer.launch.setup import LaunchOptions, JobSetup, launch_train_argv
+    from elastic_trainer.launch.job_setup import LaunchOptions, JobSetup, launch_train_argv
 
     train_args = _train_args(args)
     train_argv, schedule = launch_train_argv(args.model, args.config, args.data, args.schedule, train_args)
@@ -183,19 +183,19 @@ def run_launch(args: argparse.Namespace) -> int:
 
 
 def run_checkpoint(args: argparse.Namespace) -> int:
-    from elastic_trainer.checkpoint import inspect
+    from elastic_trainer.checkpoint import offline
 
     if args.checkpoint_command == "inspect":
-        folder, complete = inspect.resolve(args.dir)
-        summary = inspect.summarize(folder, verify=not args.no_verify)
+        folder, complete = offline.resolve(args.dir)
+        summary = offline.summarize(folder, verify=not args.no_verify)
         if args.json:
             print(json.dumps({**summary, "complete": [str(p) for p in complete]}, indent=1))
         else:
-            print(inspect.format_summary(summary, complete))
+            print(offline.format_summary(summary, complete))
         return 0 if not summary["integrity"].startswith("FAILED") else 1
     if args.checkpoint_command == "import-deepspeed":
         return run_import_deepspeed(args)
-    out = inspect.export_hf(args.dir, args.out)
+    out = offline.export_hf(args.dir, args.out)
     print(f"wrote {out}/config.json and model.safetensors (load with GPT2LMHeadModel.from_pretrained)")
     return 0
 

@@ -10,8 +10,8 @@ The Keras 3 adapter is `elastic_trainer.compat.keras`; importing this package do
 Nothing in the core trainer imports this package.
 """
 
-from elastic_trainer.compat import optim
+from elastic_trainer.compat import accumulating_optim as optim  # compat.optim.AdamW(...): the public name
 from elastic_trainer.compat.accumulation import GradientAccumulation
-from elastic_trainer.compat.elastic import ElasticConfig, init
+from elastic_trainer.compat.runai import ElasticConfig, init
 
 __all__ = ["ElasticConfig", "GradientAccumulation", "init", "optim"]

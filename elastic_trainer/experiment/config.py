@@ -11,7 +11,7 @@ from pathlib import Path
 from elastic_trainer.config import DP_MODES, ConfigError, ModelConfig, load_model_config, read_toml
 from elastic_trainer.elastic.schedule import Phase, load_schedule
 from elastic_trainer.plan.layout import parse_degrees
-from elastic_trainer.plan.policy import DP_ONLY_FROZEN, POLICIES, TENPLEX_TABLE, Policy
+from elastic_trainer.experiment.policy import DP_ONLY_FROZEN, POLICIES, TENPLEX_TABLE, Policy
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = PROJECT_ROOT / "benchmarks" / "dynamic_resources" / "experiment.toml"

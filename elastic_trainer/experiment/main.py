@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elastic_trainer.config import ConfigError
-from elastic_trainer.elastic.simclock import simulate
+from elastic_trainer.experiment.simclock import simulate
 from elastic_trainer.experiment import results
 from elastic_trainer.experiment.config import Experiment
 from elastic_trainer.experiment.profile import ProfilePlan, plan_profile

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 from elastic_trainer.config import ConfigError
 from elastic_trainer.elastic.schedule import Phase, same_run
-from elastic_trainer.elastic.simclock import Timeline, auto_scale, reconfiguration_s, simulate
+from elastic_trainer.experiment.simclock import Timeline, auto_scale, reconfiguration_s, simulate
 from elastic_trainer.experiment.config import Experiment, JobSpec
 from elastic_trainer.plan import Hardware, Request, load_hardware
 from elastic_trainer.plan.memory import stage_numel
 from elastic_trainer.plan.layout import Layout
-from elastic_trainer.plan.policy import Choice, choices
+from elastic_trainer.experiment.policy import Choice, choices
 
 
 @dataclass

@@ -17,7 +17,7 @@ from elastic_trainer.config import ConfigError
 from elastic_trainer.elastic.events import EVENTS_FILE, read_jsonl
 from elastic_trainer.elastic.report import effective, segments
 from elastic_trainer.plan.layout import Layout
-from elastic_trainer.plan.policy import Choice
+from elastic_trainer.experiment.policy import Choice
 
 COLUMNS = ("time_s", "step", "loss", "gpus", "ranks", "layout", "ran_as", "downtime_s", "measured_downtime_s")
 

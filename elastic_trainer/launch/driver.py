@@ -28,7 +28,7 @@ from elastic_trainer.elastic.schedule import Phase, run_end
 from elastic_trainer.elastic.report import format_rows, phase_rows, plot
 from elastic_trainer.launch import live_hosts
 from elastic_trainer.launch.commands import AgentSpec, Placement
-from elastic_trainer.launch.setup import JobSetup
+from elastic_trainer.launch.job_setup import JobSetup
 
 POLL_S = 0.1
 EXIT_BAD_INPUT = 2

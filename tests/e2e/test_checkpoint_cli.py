@@ -99,7 +99,7 @@ def test_inspect_reports_the_checkpoint(crashed_and_resumed):
 @pytest.mark.slow
 def test_export_hf_loads_in_transformers(crashed_and_resumed):
     transformers = pytest.importorskip("transformers")
-    from elastic_trainer.checkpoint.inspect import load_model_weights, resolve
+    from elastic_trainer.checkpoint.offline import load_model_weights, resolve
     from elastic_trainer.model import GPT
 
     out = crashed_and_resumed["tmp"] / "hf"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from elastic_trainer import cli
-from elastic_trainer.launch.setup import PROJECT_ROOT
+from elastic_trainer.launch.job_setup import PROJECT_ROOT
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,7 @@ import pytest
 
 from elastic_trainer.config import load_model_config
 from elastic_trainer.plan import PlanError, Request, load_hardware
-from elastic_trainer.plan.policy import POLICIES, Policy, choices
+from elastic_trainer.experiment.policy import POLICIES, Policy, choices
 
 XL = load_model_config("gpt3-xl")
 

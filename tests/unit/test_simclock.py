@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_trainer.elastic.simclock import auto_scale, hosts_of, reconfiguration_s, simulate
+from elastic_trainer.experiment.simclock import auto_scale, hosts_of, reconfiguration_s, simulate
 from elastic_trainer.plan import load_hardware
-from elastic_trainer.plan.policy import Choice
+from elastic_trainer.experiment.policy import Choice
 
 
 class FakeCandidate:

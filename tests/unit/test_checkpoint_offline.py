@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 
 from elastic_trainer import __version__
 from elastic_trainer.checkpoint import storage
-from elastic_trainer.checkpoint.inspect import export_hf, format_summary, load_model_weights, resolve, summarize
+from elastic_trainer.checkpoint.offline import export_hf, format_summary, load_model_weights, resolve, summarize
 from elastic_trainer.config import CheckpointError, ConfigError, ModelConfig, TrainConfig, load_model_config
 from elastic_trainer.parallel.local_ranks import run_ranks
 from elastic_trainer.plan.layout import Layout

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from elastic_trainer.plan.hardware import Hardware
-from elastic_trainer.plan.policy import Choice
+from elastic_trainer.experiment.policy import Choice
 
 STATE_BYTES_PER_PARAM = 12
 """What a checkpoint holds per parameter: fp32 master weights and AdamW's two fp32 moments."""

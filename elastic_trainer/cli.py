@@ -24,16 +24,15 @@ import argparse
 import json
 import os
 import sys
-import uuid
 
-from elastic_trainer import IMPORTED_AT, cli_parser, resolve
+from elastic_trainer import cli_parser, resolve
 from elastic_trainer.cli_parser import Parser
-from elastic_trainer.config import CheckpointConfig, CheckpointError, ConfigError, ModelConfig, TrainConfig, env_int
+from elastic_trainer.config import CheckpointError, ConfigError
+from elastic_trainer.elastic.exit_codes import EXIT_BAD_INPUT
+from elastic_trainer.elastic.torchrun_env import TorchrunEnv
 from elastic_trainer.plan import Hardware, PlanError, load_hardware
-from elastic_trainer.plan.layout import Layout, parse_degrees
+from elastic_trainer.plan.layout import parse_degrees
 from elastic_trainer.plan.report import format_table, plan_dict
-
-EXIT_BAD_INPUT = 2
 
 def run_experiment(args: argparse.Namespace) -> int:
     from pathlib import Path
@@ -50,89 +49,6 @@ def run_experiment(args: argparse.Namespace) -> int:
 
 def build_parser() -> Parser:
     return cli_parser.build_parser(__doc__.split("\n\n")[0])
-
-
-def world_size_from_env() -> int:
-    return env_int("WORLD_SIZE", 1, minimum=1)
-
-
-def run_train(args: argparse.Namespace, model: ModelConfig, train: TrainConfig, layout: Layout | None,
-              layout_table: dict, ckpt: CheckpointConfig | None = None, started: float = IMPORTED_AT,
-              forked: bool = False, tokens=None) -> int:
-    """Join the process group, settle one layout for the job (planned on rank 0 for the real hosts unless
-    given), then the job sequence (train.job)."""
-    import torch.distributed as dist
-
-    from elastic_trainer.elastic import StopRequest, exit_code
-    from elastic_trainer.elastic.events import EventLog
-    from elastic_trainer.parallel import default_device, init_process_group
-    from elastic_trainer.parallel.agree import agree, gather_topology
-    from elastic_trainer.train import MetricsLog, run_job
-
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        from elastic_trainer.elastic.lifetime import die_with_parent
-
-        die_with_parent()  # a killed agent (a lost host) takes its workers with it; the survivors re-form
-    device = default_device()
-    init_process_group(device)
-    stop = StopRequest(args.stop_file)
-    rank0 = dist.get_rank() == 0
-    tags = {k: v for k, v in (("phase", args.phase), ("restart", _restart_count())) if v is not None}
-    tags["start"] = uuid.uuid4().hex[:8]  # this start's records and events (only rank 0 writes them)
-    events = EventLog(args.events_file, enabled=rank0, tags=tags)
-    try:
-        events.emit("processes_up", started=started, world_size=dist.get_world_size())
-        topology = gather_topology()
-        if layout is None:
-            layout, line = agree(lambda: resolve.plan_for_hosts(args, model, train, layout_table, topology))
-            if rank0:
-                print(line, flush=True)
-        resolve.check_hosts(layout, model, topology)
-        events.emit("planned", layout=layout.to_dict(), hosts=list(topology.sizes))
-        _say_host_ranks(dist.get_rank(), dist.get_world_size())
-        log = MetricsLog(train.metrics_file, enabled=rank0, log_every=train.log_every, total_steps=train.steps,
-                         tags=tags)
-        result = run_job(model, train, layout, device, ckpt=ckpt, stop=stop, until=args.until_step, log=log,
-                         events=events, tokens=tokens)
-        log.close()
-        if rank0 and train.skip_bad_records:
-            from elastic_trainer.data.corpus import skipped_note
-
-            print(f"[data] {skipped_note(train.data, train.data_cache)}", flush=True)
-    finally:
-        stop.close()
-        events.close()
-        dist.destroy_process_group()
-    if forked and stop.reason == "SIGTERM":
-        # The agent is stopping its workers: it will not collect a forked worker's return value (the worker
-        # would wait for that until killed), and the state is saved.
-        _finish_worker(0, force=True)
-    return exit_code(result.status, result.reason)
-
-
-def _say_host_ranks(rank: int, world: int) -> None:
-    """Under torchrun, one line per host: which global ranks it holds (torchrun numbers a host's ranks
-    consecutively)."""
-    local, size = os.environ.get("LOCAL_RANK"), os.environ.get("LOCAL_WORLD_SIZE")
-    if local == "0" and size and size.isascii() and size.isdigit() and "GROUP_RANK" in os.environ:
-        import socket
-
-        print(f"[ranks] {socket.gethostname()} (host {os.environ['GROUP_RANK']}): ranks {rank}-{rank + int(size) - 1} "
-              f"of {world}", flush=True)
-
-
-def _restart_count() -> int | None:
-    """torchrun's count of worker-group restarts (None outside torchrun)."""
-    value = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    return int(value) if value and value.isascii() and value.isdigit() else None
-
-
-def parse_train_command(argv: list[str]) -> tuple[argparse.Namespace, ModelConfig, TrainConfig, Layout | None,
-                                                   dict]:
-    """`train` arguments as the launcher forwards them to every rank, resolved to configs (the layout, if
-    given, is checked per phase). ConfigError on bad input."""
-    args = build_parser().parse_args(["train", *argv])
-    return (args, *resolve.train_job(args))
 
 
 def _train_args(args: argparse.Namespace) -> list[str]:
@@ -168,7 +84,7 @@ def run_kubernetes(args: argparse.Namespace) -> int:
 def run_launch(args: argparse.Namespace) -> int:
     from elastic_trainer.launch.commands import SshSettings
     from elastic_trainer.launch.driver import launch
-    from elastic_trainer.launch.job_setup import LaunchOptions, JobSetup, launch_train_argv
+    from elastic_trainer.launch.job_setup import JobSetup, LaunchOptions, launch_train_argv
 
     train_args = _train_args(args)
     train_argv, schedule = launch_train_argv(args.model, args.config, args.data, args.schedule, train_args)
@@ -201,7 +117,7 @@ def run_checkpoint(args: argparse.Namespace) -> int:
 
 
 def run_import_deepspeed(args: argparse.Namespace) -> int:
-    from elastic_trainer.checkpoint import deepspeed
+    from elastic_trainer.interop import deepspeed
 
     state = deepspeed.read_deepspeed(args.src)
     found = deepspeed.settings_of(state)
@@ -219,9 +135,7 @@ def run_import_deepspeed(args: argparse.Namespace) -> int:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    model, train, layout_table = resolve.job_configs(args)
-    result = resolve.planned(args, layout_table,
-                             resolve.plan_request(args, model, train, layout_table, args.gpus, args.gpus_per_host))
+    result = resolve.plan_table(args)
     try:
         compare = result.best_for(*parse_degrees(args.compare, "--compare")) if args.compare else None
     except PlanError as err:
@@ -261,71 +175,25 @@ def run_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _finish_worker(code: int, force: bool = False) -> int:
-    """A torchrun worker whose files are closed and process groups destroyed ends here without Python's
-    interpreter teardown, which takes ~2 s of 8 ranks on 2 cores and delays every reconfiguration."""
-    if force or "TORCHELASTIC_RUN_ID" in os.environ:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
+def run_train_command(args: argparse.Namespace) -> int:
+    """Describe the job (resolve.train_spec) and check every input before the process group forms
+    (preflight), then this process is a rank of it."""
+    from elastic_trainer import preflight, rank
 
-
-def _recorded(fn):
-    """Under torchrun, record an uncaught exception in the error file its agent reads, so a failing rank
-    names itself (rank, host, traceback) in the agent's and the launcher's log."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return fn
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    return record(fn)
-
-
-def run_train_command(args, started: float, forked: bool) -> int:
-    """Check every input before the process group forms (resolve, then preflight), then train."""
-    from elastic_trainer import preflight
-
-    preflight.check_environment()
-    ckpt = resolve.checkpoint_config(args)
-    model, train, layout, layout_table = resolve.resolve_train_args(args, world_size_from_env())
-    tokens = preflight.train_inputs(args, model, train, ckpt)
+    env = preflight.check_environment()
+    spec = resolve.train_spec(args, built_by="train", world_size=env.world_size,
+                              local_world_size=env.local_world_size, hosts_known=env.world_size == env.local_world_size)
+    tokens = preflight.train_inputs(spec)
     if args.check:
+        layout = spec.phases[0].layout
         planned = layout.describe() if layout is not None else "planned at start for the hosts the ranks are on"
-        print(f"[check] inputs are valid: {model.name} on {world_size_from_env()} rank(s) ({planned}); data "
-              f"{len(tokens):,} tokens; {preflight.resume_summary(ckpt)}; nothing was started")
+        print(f"[check] inputs are valid: {spec.model.name} on {env.world_size} rank(s) ({planned}); data "
+              f"{len(tokens):,} tokens; {preflight.resume_summary(spec.checkpoint)}; nothing was started")
         return 0
-    code = _recorded(run_train)(args, model, train, layout, layout_table, ckpt, started, forked, tokens)
-    return code if forked else _finish_worker(code)
+    return rank.finish_worker(rank.recorded(rank.run, env)(spec, None, env, tokens=tokens), env)
 
 
-def report_bad_input(error: Exception) -> int:
-    """One line on stderr, exit code 2. Under torchrun the line also goes into the rank's error file (what
-    torchrun and our agent report as the root cause), and only each host's local rank 0 prints it: every
-    rank checks the same inputs and would print the same line."""
-    message = " ".join(str(error).split()) or type(error).__name__
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        _write_error_file(error_file, message)
-    if os.environ.get("LOCAL_RANK", "0") == "0" or "TORCHELASTIC_RUN_ID" not in os.environ:
-        print(f"elastic-trainer: error: {message}", file=sys.stderr, flush=True)
-    return EXIT_BAD_INPUT
-
-
-def _write_error_file(path: str, message: str) -> None:
-    import time
-
-    try:
-        with open(path, "w") as f:
-            json.dump({"message": {"message": f"elastic-trainer: error: {message}",
-                                   "extraInfo": {"py_callstack": f"elastic-trainer: error: {message}",
-                                                 "timestamp": str(int(time.time()))}}}, f)
-    except OSError:
-        pass
-
-
-def main(argv: list[str] | None = None, *, started: float | None = None, forked: bool = False) -> int:
-    """`started`: when this worker's process began (a forked one: at the fork; default: the package import);
-    `forked`: a worker forked by the launcher's agent, which ends through multiprocessing's own exit."""
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         if argv[:1] == ["torchrun"] and not {"-h", "--help"} & set(argv[1:2]):
@@ -333,26 +201,24 @@ def main(argv: list[str] | None = None, *, started: float | None = None, forked:
 
             # its workers are gone: no interpreter teardown of torch (seconds, and a scheduler's second signal
             # could land in it), as the launcher's agents end
-            return _finish_worker(run_torchrun(argv[1:]), force=True)
-        args = build_parser().parse_args(argv)
-        if args.command == "train":
-            return run_train_command(args, started or IMPORTED_AT, forked)
-        if args.command == "launch":
-            return run_launch(args)
-        if args.command == "checkpoint":
-            return run_checkpoint(args)
-        if args.command == "plan":
-            return run_plan(args)
-        if args.command == "calibrate":
-            return run_calibrate(args)
-        if args.command == "experiment":
-            return run_experiment(args)
-        if args.command == "kubernetes":
-            return run_kubernetes(args)
+            code = run_torchrun(argv[1:])
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        if argv[:1] == ["train"]:
+            args = cli_parser.train_args(argv[1:])
+        else:
+            args = build_parser().parse_args(argv)
+        return COMMANDS[args.command](args)
     except (ConfigError, CheckpointError) as e:
-        code = report_bad_input(e)
-        return code if forked else _finish_worker(code)
-    return 0
+        from elastic_trainer import rank
+
+        env = TorchrunEnv.lenient()
+        return rank.finish_worker(rank.report_bad_input(e, env), env)
+
+
+COMMANDS = {"train": run_train_command, "launch": run_launch, "checkpoint": run_checkpoint, "plan": run_plan,
+            "calibrate": run_calibrate, "experiment": run_experiment, "kubernetes": run_kubernetes}
 
 
 if __name__ == "__main__":

@@ -75,6 +75,9 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
                                     "(default: planned for the world size, see `plan`)")
     p.add_argument("--hardware", help="hardware profile for planning (default: cpu, or the one matching the GPU)")
     p.add_argument("--micro-batch", type=POSITIVE, help="samples per micro-batch (default: the whole dp share)")
+    p.add_argument("--use-gpus", choices=("all", "fastest"), default="all",
+                   help="all (default): every GPU some layout can use (when none fits all, the largest count "
+                        "that one does; the rest idle); fastest: the count predicted fastest")
     p.add_argument("--dp-mode", choices=DP_MODES,
                    help="fsdp: FSDP2, all state sharded (default); ddp: replicated; zero1: replicated parameters, "
                         "sharded optimizer state (ZeRO-1)")
@@ -289,3 +292,11 @@ def build_parser(description: str = "") -> Parser:
     _add_kubernetes_parser(sub)
     _add_experiment_parser(sub)
     return parser
+
+
+def train_args(argv: list[str]) -> argparse.Namespace:
+    """`train`'s flags parsed (by whoever describes the job: the launcher, `torchrun`, `train`)."""
+    from elastic_trainer.test_hooks import count
+
+    count("parse_train_flags")
+    return build_parser().parse_args(["train", *argv])

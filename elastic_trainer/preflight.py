@@ -1,7 +1,7 @@
 """What a train job checks before its process group forms and before it creates or changes a file.
 
-`resolve` turns flags and config files into checked configs and a layout; this module checks the rest of a
-job's inputs, in the order that creates nothing until everything cheaper has passed:
+`resolve` turns flags and config files into a checked job spec; this module checks the rest of a job's
+inputs, in the order that creates nothing until everything cheaper has passed:
 
 1. the environment variables the job reads (torchrun's, and ours);
 2. the paths it will write (metrics, events, checkpoints): not a folder where a file goes or the reverse,
@@ -18,36 +18,18 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from elastic_trainer.config import CheckpointConfig, CheckpointError, ConfigError, ModelConfig, TrainConfig, env_int
+from elastic_trainer.config import CheckpointConfig, CheckpointError, ConfigError, ModelConfig, TrainConfig
+from elastic_trainer.elastic.torchrun_env import TorchrunEnv
+from elastic_trainer.job_spec import JobSpec
 
 WORKER_START_VALUES = ("fork", "spawn")
 
 
-def check_environment() -> None:
-    """torchrun's variables (all or none of RANK and WORLD_SIZE; ranks in range; a port) and ours."""
+def check_environment() -> TorchrunEnv:
+    """torchrun's variables (all or none of RANK and WORLD_SIZE; ranks in range; a port), read once into the
+    object the rank uses, and ours."""
     env = os.environ
-    if ("RANK" in env) != ("WORLD_SIZE" in env):
-        given, missing = ("RANK", "WORLD_SIZE") if "RANK" in env else ("WORLD_SIZE", "RANK")
-        raise ConfigError(f"environment variable {given} is set but {missing} is not (torchrun sets both; "
-                          f"unset {given} to train as one process)")
-    if "RANK" in env:
-        world = env_int("WORLD_SIZE", 1, minimum=1)
-        rank = env_int("RANK", 0, minimum=0)
-        if rank >= world:
-            raise ConfigError(f"environment variable RANK={rank} must be below WORLD_SIZE={world}")
-        local_world = env_int("LOCAL_WORLD_SIZE", 1, minimum=1)
-        local_rank = env_int("LOCAL_RANK", 0, minimum=0)
-        if local_rank >= local_world:
-            raise ConfigError(f"environment variable LOCAL_RANK={local_rank} must be below "
-                              f"LOCAL_WORLD_SIZE={local_world}")
-        port = env_int("MASTER_PORT", 29500, minimum=1)
-        if port > 65535:
-            raise ConfigError(f"environment variable MASTER_PORT={port} is not a port (valid: 1-65535)")
-        if not env.get("MASTER_ADDR", "localhost").strip():
-            raise ConfigError("environment variable MASTER_ADDR is empty (valid: the rank-0 host's name or address)")
-    for name in ("GROUP_RANK", "TORCHELASTIC_RESTART_COUNT"):
-        if name in env:
-            env_int(name, 0, minimum=0)
+    torchrun = TorchrunEnv.read()
     start = env.get("ELASTIC_TRAINER_WORKER_START")
     if start is not None and start not in WORKER_START_VALUES:
         raise ConfigError(f"environment variable ELASTIC_TRAINER_WORKER_START={start!r} is not one of "
@@ -59,6 +41,7 @@ def check_environment() -> None:
     cache = env.get("ELASTIC_TRAINER_CACHE")
     if cache:
         check_dir_target(cache, "environment variable ELASTIC_TRAINER_CACHE")
+    return torchrun
 
 
 def _creatable(path: Path, what: str) -> None:
@@ -141,13 +124,12 @@ def check_checkpoint(ckpt: CheckpointConfig | None, model: ModelConfig, train: T
     return int(meta["step"])
 
 
-def check_outputs(args) -> None:
-    for flag in ("metrics_file", "events_file"):
-        value = getattr(args, flag, None)
+def check_outputs(spec: JobSpec) -> None:
+    for flag, value in (("--metrics-file", spec.train.metrics_file), ("--events-file", spec.events_file)):
         if value:
-            check_file_target(value, "--" + flag.replace("_", "-"))
-    if getattr(args, "stop_file", None) and Path(args.stop_file).is_dir():
-        raise ConfigError(f"--stop-file {args.stop_file!r} is a folder (valid: a file path that does not exist yet)")
+            check_file_target(value, flag)
+    if spec.stop_file and Path(spec.stop_file).is_dir():
+        raise ConfigError(f"--stop-file {spec.stop_file!r} is a folder (valid: a file path that does not exist yet)")
 
 
 def resume_summary(ckpt: CheckpointConfig | None) -> str:
@@ -158,15 +140,16 @@ def resume_summary(ckpt: CheckpointConfig | None) -> str:
             else f"starts from the seed, saves to {ckpt.dir}")
 
 
-def train_inputs(args, model: ModelConfig, train: TrainConfig, ckpt: CheckpointConfig | None):
-    """Check everything a train job reads and writes (after `check_environment` and `resolve`), then tokenize
-    its data: the token stream, memory-mapped."""
+def train_inputs(spec: JobSpec):
+    """Check everything a train job reads and writes (after `check_environment` and the spec's own checks),
+    then tokenize its data: the token stream, memory-mapped."""
     from elastic_trainer.data import records
     from elastic_trainer.data.corpus import default_cache_dir, load_tokens, resolve_files
 
-    check_outputs(args)
-    step = check_checkpoint(ckpt, model, train)
-    until = getattr(args, "until_step", None)
+    train, ckpt = spec.train, spec.checkpoint
+    check_outputs(spec)
+    step = check_checkpoint(ckpt, spec.model, train)
+    until = spec.phases[0].until_step
     if until is not None and step and until < step:
         raise ConfigError(f"--until-step {until} is before step {step}, where this run resumes "
                           f"({ckpt.dir}); valid: a step after {step}")

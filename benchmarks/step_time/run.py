@@ -45,7 +45,7 @@ def build_ours(model_cfg, train_cfg, tokens):
     from elastic_trainer.train import Trainer
 
     device = default_device()
-    init_process_group(device)
+    init_process_group(device, distributed=False)  # one process: a group of one
     layout = Layout(1, 1, 1, train_cfg.global_batch, 1)
     trainer = Trainer(model_cfg, train_cfg, layout, build_mesh(layout, device.type), device, tokens=tokens)
     assert dist.get_world_size() == 1

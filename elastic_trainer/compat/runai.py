@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from elastic_trainer.config import ConfigError, divisors, env_int, positive_int
+from elastic_trainer.config import ConfigError, divisors, positive_int
+from elastic_trainer.elastic.torchrun_env import int_variable
 
 
 @dataclass(frozen=True)
@@ -54,13 +55,13 @@ def init(global_batch_size: int, max_gpu_batch_size: int, world_size: int | None
 def _detected_world() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
-    return env_int("WORLD_SIZE", 1, minimum=1)
+    return int_variable("WORLD_SIZE", 1, minimum=1)
 
 
 def _rank() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    return env_int("RANK", 0, minimum=0)
+    return int_variable("RANK", 0, minimum=0)
 
 
 def _check_global_batch(value: object, world: int) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from elastic_trainer.config import ConfigError
+from elastic_trainer.elastic.torchrun_env import TorchrunEnv
 from elastic_trainer.data import records, tokenizer
 
 SUFFIXES = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -128,7 +129,7 @@ def _check_cached(out: Path, files: list[Path], min_tokens: int, skip_bad: bool)
     if summary:
         if not skip_bad:
             raise records.DataError(f"the data has {summary} (pass --skip-bad-records to leave them out)")
-        if os.environ.get("LOCAL_RANK", "0") == "0":  # once per host, not once per rank
+        if TorchrunEnv.lenient().local_rank == 0:  # once per host, not once per rank
             print(f"[data] skipped {summary}", flush=True)
     if stream.size < min_tokens:
         raise records.DataError(_too_short(int(stream.size), min_tokens, files))

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 
 from elastic_trainer.plan.candidates import Candidate, PlanError, Request
 from elastic_trainer.plan.planner import plan
+from elastic_trainer.plan.use_gpus import largest_dp, plan_gpus, sized
 
 POLICIES = ("ours", "tenplex-table", "dp-only", "fsdp-only", "static")
 TENPLEX_TABLE = {16: (2, 2, 4), 8: (1, 2, 4), 4: (1, 2, 2)}
@@ -81,12 +82,8 @@ class Policy:
             return Choice(held, 0, None, str(e))
 
     def _ours(self, req: Request) -> Choice:
-        best = _on(req, req.world_size, plan(req).chosen)
-        for used in _smaller_counts(req):
-            other = plan(_sized(req, used)).chosen
-            if other.step_time_s < best.step_time_s * (1 - 1e-9):
-                best = _on(req, used, other)
-        return best
+        chosen = plan_gpus(req, "fastest")  # the job's use_gpus=fastest: what a real start of it runs
+        return _on(req, chosen.used, chosen.plan.chosen)
 
     def _tenplex_table(self, req: Request) -> Choice:
         degrees = self.table.get(req.world_size)
@@ -97,47 +94,20 @@ class Policy:
 
     def _dp_only(self, req: Request) -> Choice:
         tp, pp = self.frozen
-        dp = _largest_dp(req.world_size // (tp * pp), req.global_batch)
+        dp = largest_dp(req.world_size // (tp * pp), req.global_batch)
         if dp == 0:
             return Choice(req.world_size, 0, None, f"fewer than one tp{tp} x pp{pp} replica ({tp * pp} GPUs)")
-        return _on(req, dp * tp * pp, plan(_sized(req, dp * tp * pp)).best_for(dp, tp, pp))
+        return _on(req, dp * tp * pp, plan(sized(req, dp * tp * pp)).best_for(dp, tp, pp))
 
     def _fsdp_only(self, req: Request) -> Choice:
-        dp = _largest_dp(req.world_size, req.global_batch)
-        sharded = replace(_sized(req, dp), dp_modes=("fsdp",))
+        dp = largest_dp(req.world_size, req.global_batch)
+        sharded = replace(sized(req, dp), dp_modes=("fsdp",))
         return _on(req, dp, plan(sharded).best_for(dp, 1, 1))
 
     def _static(self, req: Request) -> Choice:
         if req.world_size < self.static_gpus:
             return Choice(req.world_size, 0, None, f"fewer than its {self.static_gpus} GPUs")
-        return _on(req, self.static_gpus, plan(_sized(req, self.static_gpus)).chosen)
-
-
-def _smaller_counts(req: Request) -> list[int]:
-    """Fewer GPUs than held that may be faster: the largest multiple of the host size, the largest power of
-    two, the largest divisor of the global batch (at least half of what is held; few, so planning stays cheap)."""
-    held, host = req.world_size, req.topology.largest
-    options = {held // host * host, 1 << (held.bit_length() - 1), _largest_dp(held, req.global_batch)}
-    return sorted(n for n in options if held / 2 <= n < held)
-
-
-def _largest_dp(limit: int, global_batch: int) -> int:
-    """The largest data-parallel degree <= limit that splits the global batch (0 when limit is 0)."""
-    return next((d for d in range(limit, 0, -1) if global_batch % d == 0), 0)
-
-
-def _sized(req: Request, used: int) -> Request:
-    """`req` for `used` of its GPUs (the first hosts' worth when the hosts are known)."""
-    if used == req.world_size:
-        return req
-    if req.host_sizes is None:
-        return replace(req, world_size=used)
-    sizes, left = [], used
-    for n in req.host_sizes:
-        if left:
-            sizes.append(min(n, left))
-            left -= sizes[-1]
-    return replace(req, world_size=used, host_sizes=tuple(sizes))
+        return _on(req, self.static_gpus, plan(sized(req, self.static_gpus)).chosen)
 
 
 def _on(req: Request, used: int, candidate: Candidate) -> Choice:

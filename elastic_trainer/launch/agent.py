@@ -1,9 +1,9 @@
 """The agent of one host: TorchElastic's agent, as the torchrun command line configures it, in a process that
 dies with its parent (the launcher, or remote.sh on another host), so no agent outlives its job.
 
-    python -m elastic_trainer.launch.agent TORCHRUN-ARGS... -m elastic_trainer.cli train ...
+    python -m elastic_trainer.launch.agent TORCHRUN-ARGS... -m elastic_trainer.rank --job RUN_DIR/job.json --phase N
 
-When the workers run `elastic_trainer.cli`, the agent imports the training stack once and forks its workers
+When the workers run `elastic_trainer.rank`, the agent imports the training stack once and forks its workers
 (TorchElastic's `start_method="fork"` with a function entrypoint) instead of starting fresh interpreters: each
 new interpreter spends ~2.4 s of CPU importing torch, DTensor, FSDP, DCP and the pipeline schedules, which
 on a host with few cores per rank was most of a reconfiguration's downtime. Everything else (rendezvous,
@@ -25,10 +25,10 @@ import signal
 import sys
 import time
 
+from elastic_trainer.elastic.exit_codes import EXIT_BAD_INPUT, FINAL_CODES, error_line
 from elastic_trainer.elastic.lifetime import die_with_parent
-from elastic_trainer.elastic.stop import EXIT_REJOIN  # a rejoin after a peer's stop: restarted, not an error
 
-WORKER_MODULE = "elastic_trainer.cli"
+WORKER_MODULE = "elastic_trainer.rank"
 START_ENV = "ELASTIC_TRAINER_WORKER_START"
 """`spawn` makes the agent start fresh interpreters, as plain torchrun does (default `fork`)."""
 
@@ -37,26 +37,23 @@ def preload() -> None:
     """Import what every worker imports, so forked workers start with it loaded (no CUDA calls here)."""
     import torch.distributed.pipelining  # noqa: F401  (torch._dynamo)
 
-    import elastic_trainer.cli  # noqa: F401
     import elastic_trainer.data  # noqa: F401
+    import elastic_trainer.rank  # noqa: F401
     import elastic_trainer.parallel.agree  # noqa: F401
     import elastic_trainer.train  # noqa: F401
 
 
 def worker(*argv: str) -> int:
-    """A forked worker: `elastic-trainer ARGV`; a non-zero code fails the worker as a process exit would."""
-    from elastic_trainer import cli
+    """A forked worker: `python -m elastic_trainer.rank ARGV`; a non-zero code fails the worker as a process
+    exit would."""
+    from elastic_trainer import rank
     from elastic_trainer.launch.relay import whole_lines
 
     whole_lines()  # this host's ranks share one pipe
-    code = cli.main(list(argv), started=time.time(), forked=True)
+    code = rank.main(list(argv), started=time.time(), forked=True)
     if code:
         raise SystemExit(code)
     return code
-
-
-EXIT_BAD_INPUT = 2
-"""A worker's exit code for bad input (and divergence): final, never restarted (cli.EXIT_BAD_INPUT)."""
 
 
 _events = None
@@ -78,7 +75,16 @@ def _open_events(entry_args: list[str]) -> None:
     def flag(name: str) -> str | None:
         return entry_args[entry_args.index(name) + 1] if name in entry_args[:-1] else None
 
-    path, phase = flag("--events-file"), flag("--phase")
+    job, phase = flag("--job"), flag("--phase")
+    path = None
+    if job:
+        from elastic_trainer.config import ConfigError
+        from elastic_trainer.job_spec import JobSpec
+
+        try:
+            path = JobSpec.read(job).events_file
+        except ConfigError:
+            path = None  # the ranks say what is wrong with it
     if path and _events is None:
         import socket
 
@@ -142,9 +148,9 @@ def _agent_class() -> None:
 
 def _quiet_bad_input(record: logging.LogRecord) -> bool:
     error = record.exc_info[1] if record.exc_info else None
-    if getattr(error, "exit_code", None) in (EXIT_BAD_INPUT, EXIT_REJOIN):
+    if getattr(error, "exit_code", None) in FINAL_CODES:
         return False
-    return not any(f"(exitcode: {code})" in record.getMessage() for code in (EXIT_BAD_INPUT, EXIT_REJOIN))
+    return not any(f"(exitcode: {code})" in record.getMessage() for code in FINAL_CODES)
 
 
 def _failure_line(error) -> tuple[int, str | None]:
@@ -153,7 +159,7 @@ def _failure_line(error) -> tuple[int, str | None]:
     message = failure.message.get("message") if isinstance(failure.message, dict) else failure.message
     if failure.exitcode != EXIT_BAD_INPUT:
         return failure.exitcode, None
-    # local rank 0 printed its line already (cli.report_bad_input): print another rank's line only when local
+    # local rank 0 printed its line already (rank.report_bad_input): print another rank's line only when local
     # rank 0 did not fail the same way (the first failure is whichever rank's error file came first)
     printed = any(f.local_rank == 0 and f.exitcode == EXIT_BAD_INPUT for f in error.failures.values())
     return EXIT_BAD_INPUT, (str(message) if not printed and message else None)
@@ -177,7 +183,7 @@ def _rendezvous_defaults(args) -> None:
 
 def agent_config(argv: list[str]):
     """A torchrun command line checked (one line on an error) and turned into TorchElastic's launch config,
-    entrypoint and arguments; `python -m elastic_trainer.cli` workers become forked ones."""
+    entrypoint and arguments; `python -m elastic_trainer.rank` workers become forked ones."""
     from torch.distributed.run import config_from_args, get_args_parser
 
     from elastic_trainer.cli_parser import UsageError
@@ -242,9 +248,14 @@ def run_agent(configured) -> int:
 
 
 def run_torchrun(argv: list[str]) -> int:
-    """`elastic-trainer torchrun [TORCHRUN FLAGS] train [TRAIN FLAGS]`: torchrun's flags and then the train inputs
-    checked here once, before any worker starts (one line, exit 2), then the agent with forked workers."""
-    from elastic_trainer.cli_parser import UsageError
+    """`elastic-trainer torchrun [TORCHRUN FLAGS] train [TRAIN FLAGS]`: torchrun's flags checked, then the job
+    described once (the spec, its inputs checked: one line, exit 2), then the agent with forked workers that
+    read the spec."""
+    import shutil
+    import tempfile
+
+    from elastic_trainer import preflight, resolve
+    from elastic_trainer.cli_parser import UsageError, train_args
 
     if "train" not in argv:
         raise UsageError("elastic-trainer torchrun needs `train` and its flags after torchrun's flags (for example "
@@ -253,14 +264,19 @@ def run_torchrun(argv: list[str]) -> int:
     flags, train_argv = argv[:split], argv[split + 1:]
     if any(f in ("-m", "--module", "--no-python", "--no_python") for f in flags):
         raise UsageError("elastic-trainer torchrun runs `train` itself: drop -m/--no-python and the script")
-    from elastic_trainer import preflight
-    from elastic_trainer.cli import parse_train_command, resolve
-
-    configured = agent_config([*flags, "-m", WORKER_MODULE, "train", *train_argv])
-    args, model, train, _, _ = parse_train_command(train_argv)
-    preflight.check_environment()
-    preflight.train_inputs(args, model, train, resolve.checkpoint_config(args))
-    return run_agent(configured)
+    folder = tempfile.mkdtemp(prefix="elastic-trainer-job-")
+    try:
+        job = os.path.join(folder, "job.json")
+        config, entrypoint, entry_args = agent_config([*flags, "-m", WORKER_MODULE, "--job", job])
+        preflight.check_environment()
+        per_host = int(config.nproc_per_node)
+        spec = resolve.train_spec(train_args(train_argv), built_by="torchrun", world_size=per_host * config.max_nodes,
+                                  local_world_size=per_host, hosts_known=config.max_nodes == 1)
+        preflight.train_inputs(spec)
+        spec.write(job)
+        return run_agent((config, entrypoint, entry_args))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -276,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = run_agent(agent_config(sys.argv[1:] if argv is None else argv))
     except ConfigError as e:
-        print(f"elastic-trainer: error: {e}", file=sys.stderr)
+        print(error_line(str(e)), file=sys.stderr)
         code = EXIT_BAD_INPUT
     except BaseException:  # TorchElastic's report of failed workers, or a bug: its traceback, through the relay
         import traceback

@@ -70,19 +70,19 @@ class AgentSpec:
     min_nodes: int = 1
     max_restarts: int = 3
     rdzv_conf: dict = field(default_factory=lambda: dict(RDZV_CONF))
-    train_argv: tuple[str, ...] = ()
-    """Arguments of `elastic-trainer train`."""
+    worker_argv: tuple[str, ...] = ()
+    """Arguments of every rank (`python -m elastic_trainer.rank`): the job spec and the phase."""
 
 
 def agent_argv(python: str, spec: AgentSpec, placement: Placement) -> list[str]:
     """The agent of one host: torchrun's own entry (wrapped so the agent dies with its parent) running
-    `elastic-trainer train` on its ranks."""
+    `python -m elastic_trainer.rank` on its ranks."""
     conf = ",".join(f"{k}={v}" for k, v in spec.rdzv_conf.items())
     return [python, "-m", "elastic_trainer.launch.agent",
             "--nnodes", f"{spec.min_nodes}:{spec.max_nodes}", "--nproc-per-node", str(placement.nproc),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", spec.endpoint, "--rdzv-id", spec.run_id,
             "--rdzv-conf", conf, "--max-restarts", str(spec.max_restarts), "--local-addr", placement.host.name,
-            "-m", "elastic_trainer.cli", "train", *spec.train_argv]
+            "-m", "elastic_trainer.rank", *spec.worker_argv]
 
 
 def remote_argv(remote_root: str, env: dict[str, str], argv: list[str]) -> list[str]:

@@ -23,6 +23,7 @@ from pathlib import Path
 from dataclasses import dataclass, field
 
 from elastic_trainer.config import ConfigError
+from elastic_trainer.elastic.exit_codes import ERROR_MARK, EXIT_BAD_INPUT
 from elastic_trainer.elastic.events import EVENTS_FILE, EventLog, read_jsonl
 from elastic_trainer.elastic.schedule import Phase, run_end
 from elastic_trainer.elastic.report import format_rows, phase_rows, plot
@@ -31,9 +32,6 @@ from elastic_trainer.launch.commands import AgentSpec, Placement
 from elastic_trainer.launch.job_setup import JobSetup
 
 POLL_S = 0.1
-EXIT_BAD_INPUT = 2
-"""An agent's exit code when a rank reported bad input or divergence (one line, never restarted)."""
-ERROR_MARK = "elastic-trainer: error: "
 BAD_INPUT_GRACE_S = 3.0
 """After one agent exits with EXIT_BAD_INPUT, how long the others get to end by themselves: a rank that failed
 before the process group formed leaves the others waiting for it."""
@@ -109,6 +107,7 @@ class Driver:
         job.check_inputs(tokenize=first is not None)
         job.run_dir.mkdir(parents=True, exist_ok=True)
         job.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        job.spec.write(job.job_file)
         self.out = Output(job.run_dir / "launch.log")
         self.events = EventLog(job.run_dir / EVENTS_FILE, tags={"writer": "launch"})
         stop_signals = self._stop_signals()

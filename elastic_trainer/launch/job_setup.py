@@ -5,6 +5,7 @@ ConfigError here, before a file is written or a process started (so a dry run ch
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import socket
 import sys
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from elastic_trainer import resolve
+from elastic_trainer.cli_parser import train_args
 from elastic_trainer.config import ConfigError
 from elastic_trainer.elastic.events import EVENTS_FILE, read_jsonl
 from elastic_trainer.elastic.schedule import Phase, load_schedule, phase_at, run_end, step_ends
@@ -20,6 +22,7 @@ from elastic_trainer.launch.commands import (HOST_ENV, RDZV_CONF, AgentSpec, Pla
 from elastic_trainer.launch import live_hosts
 from elastic_trainer.launch.relay import LOG_ENV
 from elastic_trainer.launch.hosts import HostsError, default_slots, interface_ipv4, is_local, read_hosts
+from elastic_trainer.job_spec import JOB_FILE, JobSpec, PhaseSpec
 from elastic_trainer.plan.layout import Layout
 from elastic_trainer.plan.topology import Topology
 
@@ -78,8 +81,6 @@ def _owned(argv: tuple[str, ...]) -> str | None:
 
 class JobSetup:
     def __init__(self, opts: LaunchOptions):
-        from elastic_trainer import cli
-
         self.opts = opts
         if opts.gpus_per_host is not None and opts.gpus_per_host < 1:
             raise HostsError(f"--gpus-per-host {opts.gpus_per_host} must be a positive integer")
@@ -94,16 +95,31 @@ class JobSetup:
         if owned:
             raise ConfigError(f"{owned} is set by launch for every phase; use launch's own options "
                               "(--checkpoint-dir, --run-dir, --resume, --schedule)")
-        self.args, self.model, self.train, self.layout, self.layout_table = cli.parse_train_command(
-            list(opts.train_argv))
-        if self.layout is not None and any(p.layout for p in self.phases):
-            raise ConfigError(f"the schedule {opts.schedule} pins layouts per phase; drop --layout (or the run "
-                              "config's [layout] degrees)")
         self.run_dir = Path(opts.run_dir).resolve()
         self.checkpoint_dir = Path(opts.checkpoint_dir or self.run_dir / "checkpoints").resolve()
         self.stop_file = self.run_dir / "stop"
+        self.job_file = self.run_dir / JOB_FILE
         self.iface = interface_ipv4(opts.detect_self_ip) if opts.detect_self_ip else None
-        self.plans = [self._plan(i, p) for i, p in enumerate(self.phases)]
+        base = self._describe_job(train_args(list(opts.train_argv)))
+        self.plans = [self._plan(base, i, p) for i, p in enumerate(self.phases)]
+        self.spec = dataclasses.replace(base, phases=tuple(phase for phase, _ in self.plans))
+        self.model, self.train = self.spec.model, self.spec.train
+
+    def _describe_job(self, args) -> JobSpec:
+        """The job as every rank will run it, without its phases: configs, checkpoints, outputs, hardware (given,
+        or this machine's when every host is this machine; else detected by rank 0 on the hosts)."""
+        from elastic_trainer.data.corpus import resolve_files
+
+        model, train, table = resolve.job_configs(args)
+        resolve_files(train.data)  # a missing or unsupported data source fails here
+        settings = resolve.layout_settings(args, table)
+        if settings.degrees is not None and any(p.layout for p in self.phases):
+            raise ConfigError(f"the schedule {self.opts.schedule} pins layouts per phase; drop --layout (or the run "
+                              "config's [layout] degrees)")
+        train = dataclasses.replace(train, metrics_file=str(self.run_dir / "metrics.jsonl"))
+        hardware = resolve.resolve_hardware(args.hardware) if args.hardware or self._all_local_if_placed() else None
+        return JobSpec(model, train, resolve.checkpoint_config(args, str(self.checkpoint_dir), "auto"), settings,
+                       hardware, args.use_gpus, str(self.run_dir / EVENTS_FILE), str(self.stop_file), built_by="launch")
 
     # -- checks and plans -------------------------------------------------------------------------------
 
@@ -113,26 +129,32 @@ class JobSetup:
         return [Placement(h, n, is_local(h.name) and h.name not in self.opts.force_ssh)
                 for h, n in allocate(self.hosts, phase.gpus, self.opts.hosts)]
 
-    def pinned_layout(self, phase: Phase) -> Layout | None:
-        """The layout the phase pins, completed as the ranks complete --layout (resolve.layout_of)."""
+    def pinned_layout(self, spec: JobSpec, phase: Phase) -> Layout | None:
+        """The layout the phase (or the flags) pins, completed as the ranks complete --layout."""
         if phase.layout is None:
-            return self.layout
-        return resolve.layout_of(self.args, self.train, self.layout_table, phase.layout, phase.micro_batch)
+            return resolve.given_layout(spec)
+        return resolve.layout_of(spec, phase.layout, phase.micro_batch)
 
-    def _plan(self, index: int, phase: Phase) -> tuple[Layout | None, str]:
-        """The layout rank 0 will choose for this phase's hosts (the same function, the same inputs)."""
+    def _plan(self, spec: JobSpec, index: int, phase: Phase) -> tuple[PhaseSpec, str]:
+        """The phase as the ranks will run it, with the layout rank 0 takes for these hosts, and the plan's line."""
         where = (f"schedule phase {index + 1} ({phase.gpus} GPUs)" if self.opts.schedule
                  else f"all {phase.gpus} GPUs of {self.opts.hosts}")
+        until = step_ends(self.phases)[run_end(self.phases, index)] if phase.steps is not None else None
         if phase.waits:
-            return None, "[plan] no GPUs: the job waits"
+            return PhaseSpec(index, until), "[plan] no GPUs: the job waits"
         try:
             topology = Topology(tuple(p.nproc for p in self.placements(phase)))
-            layout = self.pinned_layout(phase)
+            layout = self.pinned_layout(spec, phase)
             if layout is not None:
-                layout.validate(topology.world_size, self.model, self.train.global_batch)
-                resolve.check_hosts(layout, self.model, topology)
-                return layout, f"[plan] given: {layout.describe()}"
-            return resolve.plan_for_hosts(self.args, self.model, self.train, self.layout_table, topology)
+                layout = resolve.checked(layout, spec, topology.world_size)
+                resolve.check_hosts(layout, spec.model, topology)
+                return PhaseSpec(index, until, topology.sizes, layout, True), f"[plan] given: {layout.describe()}"
+            if spec.hardware is None:  # the bad settings still fail here, planned with this machine's profile
+                resolve.plan_for_hosts(spec, resolve.resolve_hardware(None), topology)
+                return (PhaseSpec(index, until, topology.sizes), "[plan] made by rank 0 at start for the hosts' "
+                        "GPUs (give --hardware to plan here)")
+            layout, _, line = resolve.plan_for_hosts(spec, spec.hardware, topology)
+            return PhaseSpec(index, until, topology.sizes, layout), line
         except ConfigError as e:
             raise type(e)(f"{where}: {e}") from None
 
@@ -185,6 +207,13 @@ class JobSetup:
 
     # -- what each host runs ----------------------------------------------------------------------------
 
+    def _all_local_if_placed(self) -> bool:
+        """`all_local`, False when a phase cannot be placed (its plan says so, naming the phase)."""
+        try:
+            return self.all_local
+        except HostsError:
+            return False
+
     @functools.cached_property
     def all_local(self) -> bool:
         """Every host of every phase is this machine (fixed by the hosts, schedule and --force-ssh)."""
@@ -221,17 +250,6 @@ class JobSetup:
             env.setdefault("NCCL_SOCKET_IFNAME", iface)
         return env
 
-    def train_argv(self, index: int, phase: Phase) -> list[str]:
-        argv = [*self.opts.train_argv, "--checkpoint-dir", str(self.checkpoint_dir),
-                "--metrics-file", str(self.run_dir / "metrics.jsonl"), "--events-file", str(self.run_dir / EVENTS_FILE),
-                "--stop-file", str(self.stop_file), "--phase", str(index)]
-        if phase.layout is not None:
-            layout = self.plans[index][0]
-            argv += ["--layout", ",".join(map(str, phase.layout)), "--micro-batch", str(layout.micro_batch)]
-        if phase.steps is not None:
-            argv += ["--until-step", str(step_ends(self.phases)[run_end(self.phases, index)])]
-        return argv
-
     def agent_spec(self, index: int, phase: Phase, placements: list[Placement], port: int | str,
                    job_id: str = "et-job") -> AgentSpec:
         conf = dict(RDZV_CONF)
@@ -241,7 +259,7 @@ class JobSetup:
         return AgentSpec(run_id=f"{job_id}-p{index}", endpoint=f"{self.endpoint_host()}:{port}",
                          max_nodes=len(placements), min_nodes=min(self.opts.min_hosts, len(placements)),
                          max_restarts=self.opts.max_restarts, rdzv_conf=conf,
-                         train_argv=tuple(self.train_argv(index, phase)))
+                         worker_argv=("--job", str(self.job_file), "--phase", str(index)))
 
     @property
     def remote_root(self) -> str:
@@ -280,6 +298,8 @@ class JobSetup:
                 f"data: {data} ({len(files)} file(s), from {files[0].parent})",
                 f"token cache: {cache} (on each host; built on first use)",
                 f"checkpoints: {self.checkpoint_dir} (every host must see this folder)",
+                f"job spec: {self.job_file} (what every rank reads; hardware "
+                + (f"{self.spec.hardware.name})" if self.spec.hardware else "detected on the hosts by rank 0)"),
                 f"logs: {self.run_dir}/launch.log, hosts/HOST.log (each host's own, also after this launcher "
                 f"is gone), metrics.jsonl, {EVENTS_FILE}; stop gracefully with `touch {self.stop_file}`"]
 

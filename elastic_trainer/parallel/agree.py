@@ -8,7 +8,6 @@ first learn the real topology (which host each rank is on), then rank 0 decides 
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, TypeVar
@@ -28,10 +27,10 @@ class _Refused:
     message: str
 
 
-def gather_topology() -> Topology:
-    """Ranks per host, in host order (torchrun's GROUP_RANK; one host when it is not set)."""
+def gather_topology(group_rank: int | None) -> Topology:
+    """Ranks per host, in host order (`group_rank`: torchrun's GROUP_RANK of this rank; one host when None)."""
     hosts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, int(os.environ.get("GROUP_RANK", "0")))
+    dist.all_gather_object(hosts, group_rank or 0)
     counts = Counter(hosts)
     return Topology(tuple(counts[h] for h in sorted(counts)))
 

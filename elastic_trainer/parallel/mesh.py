@@ -12,12 +12,10 @@ from elastic_trainer.plan.layout import Layout
 MESH_DIMS = ("pp", "dp", "tp")
 
 
-def default_device() -> torch.device:
-    """cuda:LOCAL_RANK when GPUs are present, else cpu."""
+def default_device(local_rank: int = 0) -> torch.device:
+    """cuda:`local_rank` (torchrun's LOCAL_RANK) when GPUs are present, else cpu."""
     if torch.cuda.is_available():
-        import os
-
-        index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        index = local_rank % torch.cuda.device_count()
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device("cpu")
@@ -48,16 +46,19 @@ class Coords:
         return cls(*(mesh.get_local_rank(d) for d in MESH_DIMS))
 
 
-def init_process_group(device: torch.device) -> None:
-    """Join the job's process group: torchrun's (env://) when launched by it, else a group of one."""
-    import os
+def backend_for(device: torch.device) -> str:
+    return "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
 
+
+def init_process_group(device: torch.device, distributed: bool) -> None:
+    """Join the job's process group: torchrun's (env://) when `distributed` (RANK and WORLD_SIZE are set),
+    else a group of one."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
-    backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    backend = backend_for(device)
+    if distributed:
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)

@@ -64,7 +64,7 @@ def usable_degrees(req: Request) -> tuple[int, int, int]:
     return req.global_batch, max(tps), req.model.n_layers
 
 
-def _degrees_possible(req: Request) -> bool:
+def degrees_possible(req: Request) -> bool:
     return any(degree_reason(req, *d) is None for d in factorizations(req.world_size))
 
 
@@ -72,7 +72,7 @@ def first_world_with_plan(req: Request, counts, tries: int = 64) -> int | None:
     """The first GPU count of `counts` with a valid layout, planning at most `tries` of them in full."""
     for m in counts:
         other = replace(req, world_size=m, host_sizes=None)  # other counts: hosts of gpus_per_host
-        if _degrees_possible(other):
+        if degrees_possible(other):
             if plan_or_none(other) is not None:
                 return m
             tries -= 1

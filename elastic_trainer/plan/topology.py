@@ -53,6 +53,19 @@ class Topology:
         """Whether every aligned group of `size` consecutive ranks stays on one host."""
         return self.common % size == 0
 
+    def first(self, ranks: int) -> "Topology":
+        """The hosts of the first `ranks` ranks (hosts in rank order, the last one possibly in part)."""
+        sizes, left = [], ranks
+        for n in self.sizes:
+            if left:
+                sizes.append(min(n, left))
+                left -= sizes[-1]
+        return Topology(tuple(sizes))
+
+    def same_hosts(self, sizes: tuple[int, ...] | None) -> bool:
+        """Whether `sizes` are these hosts' rank counts, in any order."""
+        return sizes is not None and sorted(sizes) == sorted(self.sizes)
+
     def describe(self) -> str:
         """'8 per host', or '3+1 per host' when the hosts differ."""
         if len(set(self.sizes)) == 1:

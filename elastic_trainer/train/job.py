@@ -27,7 +27,8 @@ import torch.distributed as dist
 from elastic_trainer.checkpoint import Checkpointer, LoadStats, SaveStats
 from elastic_trainer.config import CheckpointConfig, ModelConfig, TrainConfig
 from elastic_trainer.elastic.events import EventLog
-from elastic_trainer.elastic.stop import PEER_REASON, StopRequest
+from elastic_trainer.elastic.exit_codes import PEER_REASON
+from elastic_trainer.elastic.stop import StopRequest
 from elastic_trainer.parallel.mesh import build_mesh
 from elastic_trainer.plan.layout import Layout
 from elastic_trainer.train.loop import Diverged, Trainer

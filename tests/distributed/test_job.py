@@ -95,8 +95,7 @@ def test_every_checkpoint_corrupt_stops_instead_of_starting_over(tmp_path, sotu_
 
 
 def hosts_and_agreement(rank, world, groups):
-    os.environ["GROUP_RANK"] = str(groups[rank])
-    topology = gather_topology()
+    topology = gather_topology(groups[rank])
     chosen = agree(lambda: ("rank", rank, topology.sizes))  # each rank would "decide" differently
     try:
         agree(lambda: (_ for _ in ()).throw(ConfigError("no layout of 5 GPUs")))

@@ -26,7 +26,7 @@ import pytest
 from elastic_trainer.checkpoint import storage
 from elastic_trainer.elastic.events import read_jsonl
 from elastic_trainer.elastic.report import effective, samples_consumed_once
-from elastic_trainer.elastic.stop import EXIT_STOPPED
+from elastic_trainer.elastic.exit_codes import EXIT_STOPPED
 from tests.e2e.test_launch import DEFAULT, processes, static_run
 from tests.slurm import ensure_slurm, slurm_cluster
 

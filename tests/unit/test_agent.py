@@ -9,7 +9,8 @@ import pytest
 import torch.distributed.launcher.api as launcher_api
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from elastic_trainer.elastic.stop import EXIT_REJOIN, EXIT_STOPPED, PEER_REASON, PEER_STOP_ENV, exit_code
+from elastic_trainer.elastic.exit_codes import EXIT_REJOIN, EXIT_STOPPED, PEER_REASON, exit_code
+from elastic_trainer.elastic.torchrun_env import TorchrunEnv
 from elastic_trainer.launch import agent
 
 
@@ -40,19 +41,31 @@ def test_a_signal_ends_the_agent_with_one_line_and_128_plus_its_number(monkeypat
     ("stopped", "until step 5", True, "rejoin", 0),
 ])
 def test_the_restart_contract(monkeypatch, status, reason, torchelastic, peer_env, code):
-    for var, value in (("TORCHELASTIC_RUN_ID", "job" if torchelastic else None), (PEER_STOP_ENV, peer_env)):
-        if value is None:
-            monkeypatch.delenv(var, raising=False)
-        else:
-            monkeypatch.setenv(var, value)
-    assert exit_code(status, reason) == code
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    if torchelastic:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    assert exit_code(status, reason, under_torchrun=TorchrunEnv.read().under_torchrun, peer_stop=peer_env) == code
     assert (EXIT_REJOIN, EXIT_STOPPED) == (75, 3)
 
 
-def test_the_agent_and_the_workers_agree_on_the_codes():
-    from elastic_trainer import cli
+def test_the_exit_codes_and_the_error_mark_are_defined_in_one_module():
+    """Every module takes them from elastic/exit_codes.py: no other module assigns a name of theirs."""
+    import ast
+    from pathlib import Path
 
-    assert agent.EXIT_REJOIN == EXIT_REJOIN and agent.EXIT_BAD_INPUT == cli.EXIT_BAD_INPUT == 2
+    import elastic_trainer
+
+    names = {"EXIT_BAD_INPUT", "EXIT_STOPPED", "EXIT_REJOIN", "ERROR_MARK"}
+    package = Path(elastic_trainer.__file__).parent
+    assigned = []
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, ast.AnnAssign) else []
+            assigned += [(path.relative_to(package).as_posix(), t.id) for t in targets
+                         if isinstance(t, ast.Name) and t.id in names]
+    assert sorted(assigned) == sorted(("elastic/exit_codes.py", n) for n in names)
+    assert (agent.EXIT_BAD_INPUT, EXIT_REJOIN) == (2, 75)
 
 
 @pytest.mark.parametrize("code, shown", [(2, False), (75, False), (1, True), (-9, True)])

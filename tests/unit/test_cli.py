@@ -3,7 +3,7 @@
 import pytest
 import torch.distributed as dist
 
-from elastic_trainer import cli, resolve
+from elastic_trainer import cli, rank, resolve
 from elastic_trainer.config import ConfigError, load_model_config
 from elastic_trainer.plan.layout import Layout
 from elastic_trainer.plan.topology import Topology
@@ -11,7 +11,7 @@ from elastic_trainer.plan.topology import Topology
 
 @pytest.fixture(autouse=True)
 def no_training(monkeypatch):
-    monkeypatch.setattr(cli, "run_train", lambda *a: pytest.fail("bad input reached training"))
+    monkeypatch.setattr(rank, "run", lambda *a, **k: pytest.fail("bad input reached training"))
 
 
 @pytest.mark.parametrize("world, argv, message", [
@@ -50,29 +50,36 @@ def test_bad_torchrun_environment_is_one_line(monkeypatch, capsys, name, value):
     assert not dist.is_initialized()
 
 
-def test_good_input_resolves_layout(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "8")
-    args = cli.build_parser().parse_args(["train", "--layout", "2,2,2", "--micro-batch", "2", "--dp-mode", "ddp"])
-    model, train, layout, _ = resolve.resolve_train_args(args, 8)
+def spec_of(argv: list[str], world: int, local: int | None = None):
+    args = cli.build_parser().parse_args(["train", *argv])
+    return resolve.train_spec(args, built_by="test", world_size=world, local_world_size=local or world,
+                              hosts_known=local in (None, world))
+
+
+def test_good_input_resolves_layout():
+    spec = spec_of(["--layout", "2,2,2", "--micro-batch", "2", "--dp-mode", "ddp"], 8)
+    layout = spec.phases[0].layout
     assert (layout.dp, layout.tp, layout.pp, layout.micro_batch, layout.num_microbatches) == (2, 2, 2, 2, 2)
-    assert layout.dp_mode == "ddp" and model.name == "gpt-tiny" and train.global_batch == 8
+    assert layout.dp_mode == "ddp" and spec.model.name == "gpt-tiny" and spec.train.global_batch == 8
+    assert spec.phases[0].pinned
 
 
-def test_default_layout_is_planned_for_the_real_hosts(monkeypatch):
-    """Without --layout nothing is fixed before the process group; rank 0 plans for the hosts it finds."""
+def test_default_layout_is_planned_for_the_real_hosts():
+    """On one known host the spec carries the plan; across hosts nothing is fixed before the process group and
+    rank 0 plans for the hosts it finds."""
     from elastic_trainer.plan import Request, load_hardware, plan
     from elastic_trainer.plan.topology import Topology
 
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    args = cli.build_parser().parse_args(["train"])
-    model, train, layout, table = resolve.resolve_train_args(args, 4)
-    assert layout is None
-    chosen, line = resolve.plan_for_hosts(args, model, train, table, Topology((4,)))
-    expected = plan(Request(model, 4, train.global_batch, train.seq_len, load_hardware("cpu"), 4)).chosen
-    assert chosen == expected.layout and chosen.global_batch == train.global_batch == 8
+    one_host = spec_of([], 4)
+    expected = plan(Request(one_host.model, 4, 8, one_host.train.seq_len, load_hardware("cpu"), 4)).chosen
+    assert one_host.phases[0].layout == expected.layout and one_host.phases[0].hosts == (4,)
+    spec = spec_of([], 4, local=2)
+    assert spec.phases[0].layout is None and spec.phases[0].hosts is None
+    chosen, _, line = resolve.plan_for_hosts(spec, spec.hardware, Topology((4,)))
+    assert chosen == expected.layout and chosen.global_batch == spec.train.global_batch == 8
     assert line.startswith("[plan] 4 x cpu (4 per host)") and expected.layout.describe() in line
-    tp2 = cli.build_parser().parse_args(["train", "--hardware", "h100-80g"])
-    split, line = resolve.plan_for_hosts(tp2, model, train, table, Topology((3, 1)))
+    h100 = spec_of(["--hardware", "h100-80g"], 4, local=2)
+    split, _, line = resolve.plan_for_hosts(h100, h100.hardware, Topology((3, 1)))
     assert split.tp == 1 and "(3+1 per host)" in line
 
 

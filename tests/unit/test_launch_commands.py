@@ -19,7 +19,7 @@ A, B, C = Host("a", 4, 1), Host("b", 2, 2), Host("c", 8, 3)
 HOSTS = [A, B, C]
 CONF = "is_host=false,join_timeout=600,last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=2"
 TRAIN = ("--model", "gpt-tiny", "--steps", "32", "--schedule", "default")
-SPEC = AgentSpec(run_id="job-7", endpoint="10.0.0.1:29400", max_nodes=3, max_restarts=5, train_argv=TRAIN)
+SPEC = AgentSpec(run_id="job-7", endpoint="10.0.0.1:29400", max_nodes=3, max_restarts=5, worker_argv=TRAIN)
 NODE2 = Placement(Host("node2", 4, 2), 4, False)
 
 # Arguments a shell would mangle if the remote command were not quoted element by element.
@@ -79,7 +79,7 @@ def test_agent_argv_options_and_values():
 
 def test_agent_argv_ends_with_the_train_command_in_order():
     argv = agent_argv("/venv/bin/python", SPEC, NODE2)
-    assert argv[-len(TRAIN) - 3:] == ["-m", "elastic_trainer.cli", "train", *TRAIN]
+    assert argv[-len(TRAIN) - 2:] == ["-m", "elastic_trainer.rank", *TRAIN]
     # every agent option comes before the worker's module; none of them is taken for a train argument
     worker = len(argv) - len(TRAIN) - 3
     assert all(argv.index(flag) < worker for flag in ("--nnodes", "--rdzv-conf", "--local-addr", "--max-restarts"))
@@ -92,7 +92,7 @@ def test_agent_argv_uses_the_spec_and_placement_values():
     flags = ("--nnodes", "--nproc-per-node", "--max-restarts", "--rdzv-conf", "--local-addr", "--rdzv-endpoint")
     assert [value_after(argv, f) for f in flags] == ["2:8", "3", "0", "is_host=false,join_timeout=30", "10.0.0.9",
                                                      "[fe80::1]:1234"]
-    assert argv[-3:] == ["-m", "elastic_trainer.cli", "train"]
+    assert argv[-2:] == ["-m", "elastic_trainer.rank"]
 
 
 # ---------------------------------------------------------------- ssh argv
@@ -160,7 +160,7 @@ def test_remote_host_runs_the_agent_through_ssh_and_remote_sh():
     assignments = remote[2:agent]
     assert all("=" in a for a in assignments)
     assert {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "NCCL_SOCKET_IFNAME=eth0", "ODD=a b;$(x)"} <= set(assignments)
-    assert remote[-len(TRAIN) - 3:] == ["-m", "elastic_trainer.cli", "train", *TRAIN]
+    assert remote[-len(TRAIN) - 2:] == ["-m", "elastic_trainer.rank", *TRAIN]
     assert value_after(remote, "--local-addr") == "node2" and value_after(remote, "--nproc-per-node") == "4"
 
 
@@ -177,7 +177,7 @@ def test_remote_command_survives_a_real_shell(tmp_path):
         script.chmod(script.stat().st_mode | stat.S_IXUSR)
     probes = [tmp_path / f"probe{i}" for i in range(3)]
     train = (*HOSTILE, f"$(touch '{probes[0]}')", f"`touch '{probes[1]}'`", f"; touch '{probes[2]}'")
-    spec = AgentSpec(run_id="job-7", endpoint="10.0.0.1:29400", max_nodes=3, train_argv=train)
+    spec = AgentSpec(run_id="job-7", endpoint="10.0.0.1:29400", max_nodes=3, worker_argv=train)
     odd = f"x'; touch '{probes[2]}'; echo '"
     argv, _ = host_command(NODE2, spec, {"ODD": odd}, python="unused", remote_root=str(root),
                            remote_python=str(fake_agent), ssh=SshSettings())
@@ -187,7 +187,7 @@ def test_remote_command_survives_a_real_shell(tmp_path):
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert out["argv"][:2] == ["-m", "elastic_trainer.launch.agent"]
-    assert out["argv"][-len(train) - 3:] == ["-m", "elastic_trainer.cli", "train", *train]
+    assert out["argv"][-len(train) - 2:] == ["-m", "elastic_trainer.rank", *train]
     assert out["argv"] == agent_argv(str(fake_agent), spec, NODE2)[1:]
     assert out["odd"] == odd
     assert not any(p.exists() for p in probes)

@@ -77,7 +77,7 @@ def test_shell_injection_in_hosts_file_is_refused(capsys, tmp_path, line):
 
 @pytest.mark.parametrize("argv, message", [
     (["--schedule", "SCHEDULE:4,16"], "schedule phase 2 (16 GPUs): 16 GPUs asked for, but the hosts in"),
-    (["--schedule", "SCHEDULE:4,5"], "schedule phase 2 (5 GPUs): no DP,TP,PP of 5 GPUs is valid"),
+    (["--schedule", "SCHEDULE:4,5", "--", "--micro-batch", "3"], "schedule phase 1 (4 GPUs): with --micro-batch 3"),
     (["--gpus-per-host", "0"], "argument --gpus-per-host: '0' is not an integer in [1, "),
     (["--force-ssh", "elsewhere"], "--force-ssh 'elsewhere' is not a host of"),
     (["--detect-self-ip", "nosuchif0"], "--detect-self-ip 'nosuchif0': no such interface"),
@@ -86,7 +86,7 @@ def test_shell_injection_in_hosts_file_is_refused(capsys, tmp_path, line):
     (["--", "--checkpoint-dir", "/tmp/x"], "--checkpoint-dir is set by launch for every phase"),
     (["--", "--until-step=3"], "--until-step is set by launch for every phase"),
     (["--", "--micro-batch", "3"], "micro_batch=3 does not divide the per-replica batch"),
-    (["--schedule", "SCHEDULE:4,2", "--", "--layout", "2,1,2"], "schedule phase 2 (2 GPUs): layout dp*tp*pp"),
+    (["--schedule", "SCHEDULE:4,2", "--", "--layout", "2,1,2"], "schedule phase 2 (2 GPUs): --layout 2,1,2: layout dp*tp*pp"),
     (["--model", "gpt-5"], "unknown model 'gpt-5'"),
     (["--data", "/nonexistent/corpus.txt"], "is neither 'sotu' nor an existing file or folder"),
     (["stray"], "unexpected 'stray': put `train` arguments after --"),
@@ -119,8 +119,8 @@ def test_dry_run_of_four_hosts_with_eight_gpus(capsys, tmp_path):
         assert agent[1:3] == ["-m", "elastic_trainer.launch.agent"]
         assert agent[agent.index("--nnodes") + 1] == "1:4" and agent[agent.index("--nproc-per-node") + 1] == "8"
         assert agent[agent.index("--local-addr") + 1] == host.split()[-1]
-        train = agent[agent.index("train") + 1:]
-        assert train[:2] == ["--model", "gpt3-xl"] and "--checkpoint-dir" in train
+        assert agent[agent.index("-m", 3):] == ["-m", "elastic_trainer.rank", "--job", str(tmp_path / "run" / "job.json"),
+                                                "--phase", "0"]
     assert not (tmp_path / "run").exists()
 
 
@@ -185,7 +185,6 @@ def test_pinned_layouts_waits_and_runs_through_in_a_dry_run(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "phase 1-2/4: 4 GPUs on localhost:4 for 60 s" in out
     assert "[plan] given: dp=1 tp=2 pp=2 micro_batch=2 num_microbatches=4 (fsdp)" in out
-    assert "--layout 1,2,2 --micro-batch 2" in out
     assert "phase 3/4: no GPUs for 20 s: the job waits" in out
     assert "phase 4/4: 2 GPUs on localhost:2 for 30 s" in out and "phase 2/4" not in out
     assert out.count("elastic_trainer.launch.agent") == 2  # one start for phases 1-2, one for phase 4
@@ -207,8 +206,8 @@ def test_bad_pinned_layouts_are_refused_before_anything_runs(tmp_path, capsys, p
 
 
 def test_a_pinned_layout_takes_the_run_configs_mode_as_the_ranks_do(tmp_path, capsys):
-    """The launcher completes a phase's degrees as the ranks complete --layout: the run config's [layout]
-    dp_mode and recompute apply (the ranks get --layout and --micro-batch only)."""
+    """The launcher completes a phase's degrees as --layout is completed: the run config's [layout] dp_mode and
+    recompute apply."""
     config = tmp_path / "run.toml"
     config.write_text('model = "gpt-tiny"\n[train]\nglobal_batch = 8\n[layout]\ndp_mode = "ddp"\nrecompute = true\n')
     path = tmp_path / "pinned.json"

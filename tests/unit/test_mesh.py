@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from elastic_trainer.config import ConfigError
+from elastic_trainer.elastic.torchrun_env import TorchrunEnv
 from elastic_trainer.parallel import mesh
 
 
@@ -24,7 +26,7 @@ def calls(monkeypatch):
 
 
 def test_without_torchrun_a_group_of_one_on_a_private_store(calls):
-    mesh.init_process_group(torch.device("cpu"))
+    mesh.init_process_group(torch.device("cpu"), TorchrunEnv.read().distributed)
     [(args, kwargs)] = calls
     assert args == ("gloo",) and set(kwargs) == {"store", "rank", "world_size"}
     assert isinstance(kwargs["store"], dist.HashStore) and kwargs["rank"] == 0 and kwargs["world_size"] == 1
@@ -33,7 +35,9 @@ def test_without_torchrun_a_group_of_one_on_a_private_store(calls):
 @pytest.mark.parametrize("only", ["RANK", "WORLD_SIZE"])
 def test_half_of_torchrun_s_variables_is_not_torchrun(calls, monkeypatch, only):
     monkeypatch.setenv(only, "0")
-    mesh.init_process_group(torch.device("cpu"))
+    with pytest.raises(ConfigError, match=f"environment variable {only} is set but"):
+        TorchrunEnv.read()  # the rank stops here, with one line
+    mesh.init_process_group(torch.device("cpu"), distributed=False)
     assert calls[0][0] == ("gloo",) and isinstance(calls[0][1]["store"], dist.HashStore)
 
 
@@ -44,13 +48,13 @@ def test_half_of_torchrun_s_variables_is_not_torchrun(calls, monkeypatch, only):
 def test_under_torchrun_the_env_group_with_the_device_s_backend(calls, monkeypatch, device, backend, device_id):
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")
-    mesh.init_process_group(device)
+    mesh.init_process_group(device, TorchrunEnv.read().distributed)
     assert calls == [((backend,), {"device_id": device_id})]
 
 
 def test_a_joined_group_is_kept(calls, monkeypatch):
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    mesh.init_process_group(torch.device("cpu"))
+    mesh.init_process_group(torch.device("cpu"), True)
     assert calls == []
 
 
@@ -59,8 +63,9 @@ def _join_for_real(env: dict, queue) -> None:
 
     os.environ.update(env)
     try:
-        mesh.init_process_group(torch.device("cpu"))
-        mesh.init_process_group(torch.device("cpu"))  # a second call joins nothing new
+        distributed = TorchrunEnv.read().distributed
+        mesh.init_process_group(torch.device("cpu"), distributed)
+        mesh.init_process_group(torch.device("cpu"), distributed)  # a second call joins nothing new
         t = torch.ones(2)
         dist.all_reduce(t)
         queue.put((dist.get_backend(), dist.get_rank(), dist.get_world_size(), t.tolist()))
@@ -90,7 +95,7 @@ def test_the_group_really_forms(torchrun):
 
 
 def test_the_device_is_the_local_rank_s_gpu_or_the_cpu(monkeypatch):
-    """cuda:(LOCAL_RANK mod the GPUs this process sees), made current; cpu without GPUs. The CUDA calls are
+    """cuda:(the local rank mod the GPUs this process sees), made current; cpu without GPUs. The CUDA calls are
     replaced (this machine has none): what is checked is which device is asked for."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: pytest.fail("asked a GPU's name without GPUs"))
@@ -100,8 +105,6 @@ def test_the_device_is_the_local_rank_s_gpu_or_the_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", current.append)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: f"NVIDIA H100 #{i}")
-    monkeypatch.setenv("LOCAL_RANK", "3")
-    assert mesh.default_device() == torch.device("cuda", 1) and current == [1]
-    monkeypatch.delenv("LOCAL_RANK")
+    assert mesh.default_device(3) == torch.device("cuda", 1) and current == [1]
     assert mesh.default_device() == torch.device("cuda", 0) and current == [1, 0]
     assert mesh.accelerator() == ("cuda", "NVIDIA H100 #0")

@@ -1,0 +1,235 @@
+"""The life of one rank: read the job spec, join the process group, settle one layout with every rank, run the
+job sequence (train.job) and exit with the restart contract's code (elastic.exit_codes).
+
+    python -m elastic_trainer.rank --job RUN_DIR/job.json [--phase N]
+
+The launcher's agents fork their workers into `worker` (launch/agent.py) and spawned or plain-torchrun
+workers run this module; `elastic-trainer train` calls `run` in its own process. A rank never sees the flags
+the job was described with: the spec was built and checked once (resolve.train_spec, launch.job_setup).
+
+Rank 0 takes the spec's layout for the phase when the hosts it really got are the hosts the spec was planned
+for, and plans again (saying why) when they differ or when the hardware was left to detection on the hosts.
+When no layout fits all the ranks (or the job's use_gpus prefers fewer), the first `used` ranks train and the
+others wait idle (parallel/active.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+
+from elastic_trainer import IMPORTED_AT
+from elastic_trainer.config import CheckpointError, ConfigError
+from elastic_trainer.elastic.exit_codes import EXIT_BAD_INPUT, PEER_STOP_ENV, error_line, exit_code
+from elastic_trainer.elastic.torchrun_env import TorchrunEnv
+from elastic_trainer.job_spec import JobSpec, PhaseSpec
+from elastic_trainer.plan.layout import Layout
+from elastic_trainer.plan.topology import Topology
+from elastic_trainer.test_hooks import count
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The layout every rank of this start runs, as rank 0 settled it."""
+
+    layout: Layout
+    line: str
+    source: str
+    """spec (the job spec's plan for these hosts), given (fixed by the user or the schedule), planned (here)."""
+    reason: str
+    """Why rank 0 planned ("" when it took the spec's layout)."""
+    start: str
+    """This start's id (its records, events and the idle ranks' store keys)."""
+    held: int
+
+    @property
+    def idle(self) -> int:
+        return self.held - self.layout.world_size
+
+
+def decide(spec: JobSpec, phase: PhaseSpec, topology: Topology, start: str) -> Decision:
+    """Rank 0's choice of layout for these hosts (a ConfigError when a fixed layout does not fit them)."""
+    from elastic_trainer import resolve
+
+    held = topology.world_size
+    if phase.layout is not None and phase.pinned:
+        layout = resolve.checked(phase.layout, spec, held)
+        resolve.check_hosts(layout, spec.model, topology)
+        return Decision(layout, f"[plan] given: {layout.describe()}", "given", "", start, held)
+    layout = phase.layout
+    if layout is not None and spec.hardware is not None and topology.same_hosts(phase.hosts) and \
+            topology.first(layout.world_size).within(layout.tp):
+        idle = held - layout.world_size
+        line = (f"[plan] as planned by {spec.built_by} for {topology.describe()}: {layout.describe()}"
+                + (f"; {idle} of the {held} GPUs idle" if idle else ""))
+        return Decision(layout, line, "spec", "", start, held)
+    if spec.hardware is None:
+        reason = "the job's hardware is detected on the hosts"
+    elif phase.hosts is None:
+        reason = "the hosts were not known when the job was described"
+    else:
+        reason = f"planned for {Topology(phase.hosts).describe()}, got {topology.describe()}"
+    hardware = spec.hardware or resolve.resolve_hardware(None)
+    layout, _, line = resolve.plan_for_hosts(spec, hardware, topology)
+    return Decision(layout, f"{line} [{reason}]", "planned", reason, start, held)
+
+
+def run(spec: JobSpec, phase_index: int | None, env: TorchrunEnv, *, started: float = IMPORTED_AT,
+        forked: bool = False, tokens=None) -> int:
+    """Join the process group, settle one layout, run the job; the exit code."""
+    import torch.distributed as dist
+
+    from elastic_trainer.elastic import StopRequest
+    from elastic_trainer.elastic.events import EventLog
+    from elastic_trainer.parallel import active, default_device, init_process_group
+    from elastic_trainer.parallel.agree import agree, gather_topology
+
+    if tokens is None:
+        tokens = load_tokens(spec)
+    if env.under_torchrun:
+        from elastic_trainer.elastic.lifetime import die_with_parent
+
+        die_with_parent()  # a killed agent (a lost host) takes its workers with it; the survivors re-form
+    device = default_device(env.local_rank)
+    init_process_group(device, env.distributed)
+    phase = spec.phase(phase_index)
+    stop = StopRequest(spec.stop_file)
+    rank0, world = dist.get_rank() == 0, dist.get_world_size()
+    tags = {k: v for k, v in (("phase", phase.index), ("restart", env.restart_count)) if v is not None}
+    tags["start"] = uuid.uuid4().hex[:8]  # this start's records and events (only rank 0 writes them)
+    events = EventLog(spec.events_file, enabled=rank0, tags=tags)
+    store, decision, status, reason = None, None, "stopped", None
+    try:
+        events.emit("processes_up", started=started, world_size=world)
+        topology = gather_topology(env.group_rank)
+        decision = agree(lambda: decide(spec, phase, topology, tags["start"]))
+        if rank0:
+            print(decision.line, flush=True)
+        events.emit("planned", layout=decision.layout.to_dict(), hosts=list(topology.sizes), source=decision.source,
+                    reason=decision.reason, idle=decision.idle, held=decision.held)
+        if decision.idle:
+            rank = dist.get_rank()
+            store = active.narrow(decision.layout.world_size, decision.start, device)
+            if rank >= decision.layout.world_size:
+                code = active.wait_idle(store, decision.start, stop.local)
+                return 0 if code is None else code
+        status, reason = _train(spec, phase, decision.layout, device, stop, events, tags, tokens, env)
+    finally:
+        stop.close()
+        events.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    code = exit_code(status, reason, under_torchrun=env.under_torchrun, peer_stop=os.environ.get(PEER_STOP_ENV))
+    if store is not None and rank0:
+        active.release(store, decision.start, code)
+    if forked and stop.reason == "SIGTERM":
+        # The agent is stopping its workers: it will not collect a forked worker's return value (the worker
+        # would wait for that until killed), and the state is saved.
+        finish_worker(0, env, force=True)
+    return code
+
+
+def _train(spec: JobSpec, phase: PhaseSpec, layout: Layout, device, stop, events, tags: dict, tokens,
+           env: TorchrunEnv) -> tuple[str, str | None]:
+    import torch.distributed as dist
+
+    from elastic_trainer.train import MetricsLog, run_job
+
+    rank0 = dist.get_rank() == 0
+    _say_host_ranks(dist.get_rank(), dist.get_world_size(), env)
+    train = spec.train
+    log = MetricsLog(train.metrics_file, enabled=rank0, log_every=train.log_every, total_steps=train.steps, tags=tags)
+    result = run_job(spec.model, train, layout, device, ckpt=spec.checkpoint, stop=stop, until=phase.until_step,
+                     log=log, events=events, tokens=tokens)
+    log.close()
+    if rank0 and train.skip_bad_records:
+        from elastic_trainer.data.corpus import skipped_note
+
+        print(f"[data] {skipped_note(train.data, train.data_cache)}", flush=True)
+    return result.status, result.reason
+
+
+def load_tokens(spec: JobSpec):
+    """The job's token stream, memory-mapped from the token cache (built by whoever described the job on its
+    host; a host's first rank builds its own cache when it has none)."""
+    from elastic_trainer.data.corpus import load_tokens as load
+
+    train = spec.train
+    return load(train.data, train.data_cache, min_tokens=train.seq_len + 1, skip_bad=train.skip_bad_records)
+
+
+def _say_host_ranks(rank: int, world: int, env: TorchrunEnv) -> None:
+    """Under torchrun, one line per host: which global ranks it holds (torchrun numbers a host's ranks
+    consecutively)."""
+    if env.local_rank == 0 and env.group_rank is not None and env.under_torchrun and rank < world:
+        import socket
+
+        last = min(rank + env.local_world_size, world) - 1
+        print(f"[ranks] {socket.gethostname()} (host {env.group_rank}): ranks {rank}-{last} of {world}", flush=True)
+
+
+# -- the process's end ---------------------------------------------------------------------------------------
+
+def finish_worker(code: int, env: TorchrunEnv, force: bool = False) -> int:
+    """A torchrun worker whose files are closed and process groups destroyed ends here without Python's
+    interpreter teardown, which takes ~2 s of 8 ranks on 2 cores and delays every reconfiguration."""
+    if force or env.under_torchrun:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def recorded(fn, env: TorchrunEnv):
+    """Under torchrun, record an uncaught exception in the error file its agent reads, so a failing rank
+    names itself (rank, host, traceback) in the agent's and the launcher's log."""
+    if not env.under_torchrun:
+        return fn
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(fn)
+
+
+def report_bad_input(error: Exception, env: TorchrunEnv) -> int:
+    """One line on stderr, exit code 2. Under torchrun the line also goes into the rank's error file (what
+    torchrun and our agent report as the root cause), and only each host's local rank 0 prints it: every
+    rank checks the same inputs and would print the same line."""
+    line = error_line(str(error) or type(error).__name__)
+    if env.error_file:
+        try:
+            with open(env.error_file, "w") as f:
+                json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                      "timestamp": str(int(time.time()))}}}, f)
+        except OSError:
+            pass
+    if env.local_rank == 0 or not env.under_torchrun:
+        print(line, file=sys.stderr, flush=True)
+    return EXIT_BAD_INPUT
+
+
+def main(argv: list[str] | None = None, *, started: float | None = None, forked: bool = False) -> int:
+    """`--job PATH [--phase N]`: the spec read once, then `run`. `forked`: a worker forked by our agent, which
+    ends through multiprocessing's own exit."""
+    from elastic_trainer.cli_parser import NON_NEGATIVE, Parser
+
+    parser = Parser(prog="python -m elastic_trainer.rank", description="one rank of a described job")
+    parser.add_argument("--job", required=True, help="the job spec (job.json)")
+    parser.add_argument("--phase", type=NON_NEGATIVE, help="the schedule phase this start runs")
+    env = TorchrunEnv.lenient()
+    try:
+        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+        env = TorchrunEnv.read()
+        spec = JobSpec.read(args.job)
+        count("read_spec")
+        code = recorded(run, env)(spec, args.phase, env, started=started or IMPORTED_AT, forked=forked)
+    except (ConfigError, CheckpointError) as e:
+        code = report_bad_input(e, env)
+    return code if forked else finish_worker(code, env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

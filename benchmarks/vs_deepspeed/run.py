@@ -105,7 +105,7 @@ def ds_engine(model_name: str, world_dp: int, stage: int, *, micro: int = 1, gas
     """A DeepSpeed engine over our GPT (our initialization for SEED), torch AdamW with our decay groups."""
     import deepspeed
 
-    from elastic_trainer.compat import deepspeed_gpt
+    from elastic_trainer.interop.deepspeed import pipeline_gpt
     from elastic_trainer.model.gpt import GPT
     from elastic_trainer.model.init import materialize
 
@@ -116,8 +116,8 @@ def ds_engine(model_name: str, world_dp: int, stage: int, *, micro: int = 1, gas
     gpt = materialize(gpt, "cpu", SEED)
     module = gpt
     if pipeline:
-        module = deepspeed_gpt.pipeline_module(cfg, pipeline, partition_method="uniform")
-        deepspeed_gpt.copy_weights_into_pipeline(gpt, module)
+        module = pipeline_gpt.pipeline_module(cfg, pipeline, partition_method="uniform")
+        pipeline_gpt.copy_weights_into_pipeline(gpt, module)
         del gpt
     params = [p for p in module.parameters()]
     optimizer = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
@@ -314,7 +314,7 @@ def ours_steps_job(rank, world, model, layout, seq_len, steps, warmup, tokens):
 
 def ds_steps_job(rank, world, model, kind, seq_len, global_batch, micro, steps, warmup, tokens):
     quiet()
-    from elastic_trainer.compat.deepspeed_gpt import lm_loss
+    from elastic_trainer.interop.deepspeed.pipeline_gpt import lm_loss
 
     pipeline = 2 if kind == "pipeline" else 0
     dp = world // (pipeline or 1)

@@ -74,16 +74,21 @@ def train_dict(cfg: TrainConfig) -> dict:
 
 
 def build_meta(trainer) -> dict:
-    cfg, layout = trainer.cfg, trainer.layout
+    return meta_of(trainer.model_cfg, trainer.cfg, trainer.step, trainer.layout.to_dict(), len(trainer.samples))
+
+
+def meta_of(model_cfg: ModelConfig, cfg: TrainConfig, step: int, layout: dict, num_samples: int) -> dict:
+    """meta.json of a checkpoint after `step` steps, saved by `layout` (Layout.to_dict()) from a sample order
+    of `num_samples` samples."""
     return {
         "format": FORMAT,
-        "step": trainer.step,
-        "consumed_samples": trainer.consumed_samples,
-        "model": dataclasses.asdict(trainer.model_cfg),
+        "step": step,
+        "consumed_samples": step * cfg.global_batch,
+        "model": dataclasses.asdict(model_cfg),
         "train": train_dict(cfg),
-        "layout": layout.to_dict(),
-        "world_size": layout.world_size,
-        "data": {"num_samples": len(trainer.samples), "seq_len": cfg.seq_len, "files_id": data_files_id(cfg)},
+        "layout": layout,
+        "world_size": layout["dp"] * layout["tp"] * layout["pp"],
+        "data": {"num_samples": num_samples, "seq_len": cfg.seq_len, "files_id": data_files_id(cfg)},
         "rng": {"scheme": "reseed every step from (seed, step, stage, dp rank)", "seed": cfg.seed},
         "time": time.time(),
         "saved_at": time.strftime("%Y-%m-%d %H:%M:%S %z"),

@@ -8,7 +8,8 @@ A checkpoint directory DIR holds complete checkpoints and nothing half-written i
 
 A save writes into a temporary folder; the commit records every file's size and xxh3-128 checksum in
 manifest.json, then renames the folder to its final name (atomic on POSIX), fsyncs, and replaces `latest`.
-Readers list `step-*` folders, so a crash at any point leaves at most an ignored temporary folder.
+Readers list `step-*` folders, so a crash at any point leaves at most an ignored temporary folder. Tests kill
+the commit at chosen points through `checkpoint.faults`.
 
 Security: loading never unpickles arbitrary objects. DCP's own reader unpickles `.metadata` without
 restriction (pytorch issue 189308) and its load planner reads non-tensor items with
@@ -34,6 +35,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from elastic_trainer.checkpoint import faults
 from elastic_trainer.config import CheckpointError, ConfigError
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -287,33 +289,6 @@ def write_json_atomic(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
-FAULT_ENV = "ELASTIC_TRAINER_TEST_FAULT"
-"""Tests only: `POINT:STEP:MARKER[,...]` SIGKILLs the committing process at POINT of the commit of STEP, once
-(the MARKER file is created first; while it exists nothing happens). POINT is `written` (every file and the
-manifest written, before the rename that commits) or `renamed` (committed, before `latest` is replaced)."""
-FAULT_POINTS = ("written", "renamed")
-
-
-def _fault(point: str, step: int) -> None:
-    for spec in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
-        where, _, rest = spec.partition(":")
-        at, _, marker = rest.partition(":")
-        if where not in FAULT_POINTS or not at.isdigit() or not marker:
-            raise ConfigError(f"{FAULT_ENV}: {spec!r} is not POINT:STEP:MARKER with POINT one of "
-                              f"{', '.join(FAULT_POINTS)}")
-        if where != point or int(at) != step:
-            continue
-        try:
-            os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-        except FileExistsError:
-            continue
-        import signal
-
-        print(f"[checkpoint] {FAULT_ENV}: killing this process at {point!r} in the commit of step {step}",
-              flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def commit(tmp: Path, step: int, file_info: dict[str, dict]) -> Path:
     """Write the manifest, make the checkpoint visible under its final name, point `latest` at it."""
     root = tmp.parent
@@ -323,7 +298,7 @@ def commit(tmp: Path, step: int, file_info: dict[str, dict]) -> Path:
             info.update(describe_files(tmp, [name]))
     write_json_atomic(tmp / MANIFEST, {"hash": HASH, "files": info, "committed": time.time()})
     _fsync_dir(tmp)
-    _fault("written", step)
+    faults.fault("written", step)
     final = root / step_dirname(step)
     if final.exists():
         # The same step saved again (a resumed run stopping at once): the same state of the same trajectory
@@ -333,7 +308,7 @@ def commit(tmp: Path, step: int, file_info: dict[str, dict]) -> Path:
     else:
         os.rename(tmp, final)
         _fsync_dir(root)
-    _fault("renamed", step)
+    faults.fault("renamed", step)
     latest = root / f".{LATEST}.{uuid.uuid4().hex[:8]}"
     latest.write_text(final.name + "\n")
     os.replace(latest, root / LATEST)

@@ -23,8 +23,7 @@ import pytest
 import torch
 
 from elastic_trainer.checkpoint import CheckpointConfig
-from elastic_trainer.checkpoint.deepspeed import import_deepspeed, read_deepspeed
-from elastic_trainer.checkpoint.deepspeed import pipeline_param_name
+from elastic_trainer.interop.deepspeed import import_deepspeed, pipeline_param_name, read_deepspeed
 from elastic_trainer.config import ModelConfig, TrainConfig
 from elastic_trainer.data.order import TokenSamples, samples_for
 from elastic_trainer.model.hf import config_to_hf, state_dict_from_hf, state_dict_to_hf
@@ -68,7 +67,7 @@ def deepspeed_run(rank: int, world: int, kind: str, out: str) -> list[float]:
     import deepspeed
     import torch.distributed as dist
 
-    from elastic_trainer.compat import deepspeed_gpt
+    from elastic_trainer.interop.deepspeed import pipeline_gpt
     from elastic_trainer.model.gpt import GPT
 
     warnings.simplefilter("ignore")
@@ -86,8 +85,8 @@ def deepspeed_run(rank: int, world: int, kind: str, out: str) -> list[float]:
     else:
         gpt = GPT(MODEL)
         gpt.load_state_dict(initial)
-        model = deepspeed_gpt.pipeline_module(MODEL, world, partition_method="uniform")
-        deepspeed_gpt.copy_weights_into_pipeline(gpt, model)
+        model = pipeline_gpt.pipeline_module(MODEL, world, partition_method="uniform")
+        pipeline_gpt.copy_weights_into_pipeline(gpt, model)
     optimizer = torch.optim.AdamW(_groups(model.parameters()), lr=CFG.lr, betas=(CFG.beta1, CFG.beta2), eps=CFG.eps)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, CFG) / CFG.lr)
     dp = 1 if pipeline else world
@@ -110,7 +109,7 @@ def deepspeed_run(rank: int, world: int, kind: str, out: str) -> list[float]:
         total = torch.zeros(())
         for x, y in micro_batches:
             logits = engine(x).logits if kind == "hf-zero1" else engine(x)
-            loss = deepspeed_gpt.lm_loss(logits, y)
+            loss = pipeline_gpt.lm_loss(logits, y)
             engine.backward(loss)
             engine.step()
             total += loss.detach() / len(micro_batches)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from elastic_trainer.checkpoint import storage
+from elastic_trainer.checkpoint.faults import FAULT_ENV
 from elastic_trainer.elastic.events import read_jsonl
 from elastic_trainer.elastic.report import effective
 from tests.e2e.test_launch import (DEFAULT, assert_on_trajectory, descendants, env, launch_argv, metrics, processes,
@@ -100,7 +101,7 @@ def test_kills_inside_the_commit_resume_the_newest_complete_checkpoint(tmp_path,
     argv = launch_argv(run_dir, "localhost slots=2\n", "--schedule", "none", cache=data_cache)
     faults = f"written:4:{tmp_path / 'written.fired'},renamed:8:{tmp_path / 'renamed.fired'}"
     proc = subprocess.run([*argv, "--save-every", "2", "--steps", str(STEPS)], capture_output=True, text=True,
-                          timeout=300, env={**env(), storage.FAULT_ENV: faults})
+                          timeout=300, env={**env(), FAULT_ENV: faults})
     assert proc.returncode == 0, proc.stdout[-4000:]
     for point, step in (("written", 4), ("renamed", 8)):
         assert (tmp_path / f"{point}.fired").exists()

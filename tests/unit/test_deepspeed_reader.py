@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from elastic_trainer.checkpoint import deepspeed as ds
+from elastic_trainer.interop import deepspeed as ds
+from elastic_trainer.interop.deepspeed import safe as ds_safe
 from elastic_trainer.config import CheckpointError, ConfigError, ModelConfig, TrainConfig
 from elastic_trainer.model.hf import state_dict_to_hf
 from tests.unit.test_checkpoint_storage import NOT_LIVE, PAYLOADS, as_item, assert_nothing_ran, plant  # noqa: F401
@@ -262,7 +263,7 @@ def test_universal_form_with_hugging_face_names_is_converted_to_ours(tmp_path):
 
 
 def test_pipeline_names_map_to_ours_and_tied_parameters_come_from_the_first_stage():
-    from elastic_trainer.checkpoint.deepspeed import pipeline_param_name
+    from elastic_trainer.interop.deepspeed import pipeline_param_name
 
     n = MODEL.n_layers
     assert pipeline_param_name("tied_modules.embed.tok_emb.weight", n) == "tok_emb.weight"
@@ -442,7 +443,7 @@ def test_a_pickled_payload_in_any_deepspeed_file_is_refused_and_nothing_runs(tmp
 
 def test_the_stand_ins_are_inert_records():
     """DeepSpeed's three records load as data: no DeepSpeed code runs, and nothing else is allowed by them."""
-    assert ds._zero_stage(ZeroStageEnum.weights) == 3
+    assert ds_safe._zero_stage(ZeroStageEnum.weights) == 3
     assert {name for _, name in ds.STAND_INS} == {
         "deepspeed.runtime.zero.config.ZeroStageEnum", "deepspeed.runtime.fp16.loss_scaler.LossScaler",
         "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler", "deepspeed.utils.tensor_fragment.fragment_address"}

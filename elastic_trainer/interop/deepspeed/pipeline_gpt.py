@@ -6,8 +6,9 @@ block, the final LayerNorm, and the output projection through the tied token emb
 embedding is tied: a tied module is copied onto every stage that uses it, and a parameter of it that one
 stage never uses would drift there (its copy gets no gradient but still weight decay), which DeepSpeed's
 universal conversion may then keep. Parameter names inside each layer are the GPT's own (`tok_emb.weight`,
-`pos_emb.weight`, `ln_1.weight`, `ln_f.bias`...), so a layer maps back by position. DeepSpeed is imported
-only when a pipeline is built.
+`pos_emb.weight`, `ln_1.weight`, `ln_f.bias`...), so a layer maps back by position
+(`names.pipeline_param_name`). DeepSpeed is imported only when a pipeline is built. Used by DeepSpeed's side
+of tests/distributed/test_deepspeed_import.py and benchmarks/vs_deepspeed.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from elastic_trainer.checkpoint.deepspeed import TIED_KEY, pipeline_param_name  # noqa: F401 (re-exported)
 from elastic_trainer.config import ModelConfig
+from elastic_trainer.interop.deepspeed.names import TIED_KEY, pipeline_param_name
 from elastic_trainer.model.gpt import GPT, Block
 
 

@@ -102,7 +102,7 @@ def run(spec: JobSpec, phase_index: int | None, env: TorchrunEnv, *, started: fl
     tags = {k: v for k, v in (("phase", phase.index), ("restart", env.restart_count)) if v is not None}
     tags["start"] = uuid.uuid4().hex[:8]  # this start's records and events (only rank 0 writes them)
     events = EventLog(spec.events_file, enabled=rank0, tags=tags)
-    store, decision, status, reason = None, None, "stopped", None
+    store, decision, status, reason, idle_code = None, None, "stopped", None, None
     try:
         events.emit("processes_up", started=started, world_size=world)
         topology = gather_topology(env.group_rank)
@@ -112,20 +112,23 @@ def run(spec: JobSpec, phase_index: int | None, env: TorchrunEnv, *, started: fl
         events.emit("planned", layout=decision.layout.to_dict(), hosts=list(topology.sizes), source=decision.source,
                     reason=decision.reason, idle=decision.idle, held=decision.held)
         if decision.idle:
-            rank = dist.get_rank()
-            store = active.narrow(decision.layout.world_size, decision.start, device)
-            if rank >= decision.layout.world_size:
-                code = active.wait_idle(store, decision.start, stop.local)
-                return 0 if code is None else code
-        status, reason = _train(spec, phase, decision.layout, device, stop, events, tags, tokens, env)
+            rank, used = dist.get_rank(), decision.layout.world_size
+            store = active.narrow(used, decision.start, device)
+            if rank >= used:  # this GPU is left idle: wait for the trainers' outcome
+                idle_code = active.wait_idle(store, decision.start, stop.local) or 0
+        if idle_code is None:
+            status, reason = _train(spec, phase, decision.layout, device, stop, events, tags, tokens, env)
     finally:
         stop.close()
         events.close()
         if dist.is_initialized():
             dist.destroy_process_group()
-    code = exit_code(status, reason, under_torchrun=env.under_torchrun, peer_stop=os.environ.get(PEER_STOP_ENV))
-    if store is not None and rank0:
-        active.release(store, decision.start, code)
+    if idle_code is not None:
+        code = idle_code
+    else:
+        code = exit_code(status, reason, under_torchrun=env.under_torchrun, peer_stop=os.environ.get(PEER_STOP_ENV))
+        if store is not None and rank0:
+            active.release(store, decision.start, code)
     if forked and stop.reason == "SIGTERM":
         # The agent is stopping its workers: it will not collect a forked worker's return value (the worker
         # would wait for that until killed), and the state is saved.

@@ -6,7 +6,9 @@ same steps (fp32, 1e-5 relative) and checks from the metrics that every global s
   other host re-plans for 2 ranks and resumes from the last periodic checkpoint; then the host comes back and
   the job grows to 4 again (torchrun SIGTERMs the workers, they save, all re-plan);
 - time-based phases (the launcher's stop file); a crashing rank naming itself in the launch log;
-- hosts of different sizes (3 + 1) train as one job with one plan, tp inside a host;
+- any GPU count runs: 8 -> 5 -> 7 -> 3 GPUs where 5 and 7 leave one idle, every layout the dry run's;
+- hosts of different sizes (3 + 2) train as one job with one plan, tp inside a host, one GPU idle; then the
+  2-slot host is lost and the survivors re-plan;
 - the second host reached through a real sshd, both agents' output in the driver's log; the launcher
   SIGKILLed: both hosts save the step in flight, and a resumed launch finishes on the trajectory;
 - a crash of the whole job, then `launch --resume`.
@@ -226,17 +228,81 @@ def test_lost_host_then_back(tmp_path, data_cache, sotu_tokens):
     assert not processes("--local-addr\x00127.0.0.1\x00")
 
 
-def test_hosts_of_different_sizes_train_with_one_plan(tmp_path, data_cache, reference):
-    run_dir = tmp_path / "uneven"
-    argv = launch_argv(run_dir, "127.0.0.1 slots=3\n127.0.0.2 slots=1\n", "--schedule",
-                       schedule(tmp_path / "s.json", (4, 6)), cache=data_cache)
-    proc = subprocess.run([*argv, "--hardware", "h100-80g"], capture_output=True, text=True, env=env(), timeout=300)
+def dry_run_plans(argv: list[str]) -> list[str]:
+    """The `[plan] ...` line of each phase a dry run of `argv` prints."""
+    out = subprocess.run([*argv[:argv.index("--")], "--dry-run", *argv[argv.index("--"):]], capture_output=True,
+                         text=True, env=env(), timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return [line.split("[plan] ", 1)[1] for line in out.stdout.splitlines() if "[plan] " in line]
+
+
+def test_any_gpu_count_runs_as_the_dry_run_said(tmp_path, data_cache, sotu_tokens):
+    """8 -> 5 -> 7 -> 3 GPUs, gpt-tiny with global batch 12: no layout fits 5 or 7 GPUs, so those phases train
+    on 4 and 6 with one GPU idle, saying so, on the single-process trajectory. The launcher runs on this CPU
+    machine, the job names h100-80g: each phase's layout is the dry run's, which the ranks take from job.json
+    (no rank plans), and the flags are parsed once, by the launcher."""
+    run_dir = tmp_path / "counts"
+    counts = tmp_path / "counts.txt"
+    argv = launch_argv(run_dir, "localhost slots=8\n", "--schedule",
+                       schedule(tmp_path / "s.json", (8, 2), (5, 2), (7, 2), (3, 2)), cache=data_cache)
+    argv += ["--global-batch", "12", "--steps", "8", "--hardware", "h100-80g"]
+    said = dry_run_plans(argv)
+    proc = subprocess.run(argv, capture_output=True, text=True, env=dict(env(), ELASTIC_TRAINER_TEST_COUNTS=str(counts)),
+                          timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert_on_trajectory(run_dir, reference, 6)
+    spec = json.loads((run_dir / "job.json").read_text())
+    assert spec["hardware"]["name"] == "h100-80g" and spec["built_by"] == "launch"
     planned = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "planned"]
-    assert len(planned) == 1 and sorted(planned[0]["hosts"]) == [1, 3] and planned[0]["layout"]["tp"] == 1
-    hosts = sorted(line.split("]")[0] for line in proc.stdout.splitlines() if "] [ranks] " in line)
-    assert hosts == ["[127.0.0.1", "[127.0.0.2"]
+    assert [e["source"] for e in planned] == ["spec"] * 4
+    assert [(e["held"], e["idle"]) for e in planned] == [(8, 0), (5, 1), (7, 1), (3, 0)]
+    assert [e["layout"] for e in planned] == [p["layout"] for p in spec["phases"]]
+    for line, event in zip(said, planned):
+        assert Layout.from_dict(event["layout"]).describe() in line, (line, event)
+    assert "1 idle: no layout of 5 GPUs is valid" in said[1] and "1 idle: no layout of 7 GPUs is valid" in said[2]
+    assert proc.stdout.count("1 of the 5 GPUs idle") == 1 and proc.stdout.count("1 of the 7 GPUs idle") == 1
+    kept = effective(metrics(run_dir))
+    assert [r["world_size"] for r in kept] == [8, 8, 4, 4, 6, 6, 3, 3]
+    reference = static_run(sotu_tokens, dataclasses.replace(DEFAULT.train, global_batch=12, steps=8), 8)
+    for r in kept:
+        assert abs(r["loss"] - reference[r["step"] - 1]) / reference[r["step"] - 1] <= 1e-5, r
+    assert samples_consumed_once(kept) and kept[-1]["samples"][1] == 8 * 12
+    seen = [line.split()[0] for line in counts.read_text().splitlines()]
+    assert seen.count("parse_train_flags") == 1  # by the launcher
+    assert seen.count("plan") == 4  # the launcher's own, per phase; no rank planned
+    assert seen.count("read_spec") == 8 + 5 + 7 + 3  # once per rank start
+
+
+def test_uneven_hosts_leave_a_gpu_idle_then_lose_one(tmp_path, data_cache, sotu_tokens):
+    """Hosts of 3 and 2 slots (5 ranks), global batch 12: one plan for both hosts (tp inside a host) on 4 ranks,
+    one idle, taken from job.json. Then the 2-slot host's agent is SIGKILLed: the 3 survivors re-plan for the
+    hosts they really have (saying why) and resume from the last periodic checkpoint, on the trajectory."""
+    run_dir = tmp_path / "uneven"
+    argv = launch_argv(run_dir, "127.0.0.1 slots=3\n127.0.0.2 slots=2\n", "--schedule", "none", cache=data_cache)
+    proc = subprocess.Popen([*argv, "--save-every", "2", "--steps", "400", "--global-batch", "12", "--hardware",
+                             "h100-80g"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env())
+    try:
+        wait_for(run_dir, proc, lambda r: r["step"] >= 3)
+        os.kill(agent_of("127.0.0.2"), signal.SIGKILL)
+        lost = time.time()
+        wait_for(run_dir, proc, lambda r: r["world_size"] == 3 and r["time"] > lost)
+        (run_dir / "stop").touch()
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    planned = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "planned"]
+    first, last = planned[0], planned[-1]
+    assert sorted(first["hosts"]) == [2, 3] and first["source"] == "spec" and (first["held"], first["idle"]) == (5, 1)
+    assert first["layout"]["tp"] == 1 and "1 of the 5 GPUs idle" in out
+    assert last["hosts"] == [3] and last["source"] == "planned" and last["idle"] == 0
+    assert last["reason"] == "planned for 3+2 per host, got 3 per host"
+    kept = effective(metrics(run_dir))
+    steps = kept[-1]["step"]
+    reference = static_run(sotu_tokens, dataclasses.replace(DEFAULT.train, global_batch=12, steps=400), steps)
+    for r in kept:
+        assert abs(r["loss"] - reference[r["step"] - 1]) / reference[r["step"] - 1] <= 1e-5, r
+    assert [r["step"] for r in kept] == list(range(1, steps + 1)) and samples_consumed_once(kept)
+    assert [w for w, _ in itertools.groupby(r["world_size"] for r in kept)] == [4, 3]
 
 
 def test_second_host_through_ssh_saves_when_the_launcher_dies(tmp_path, data_cache, reference):

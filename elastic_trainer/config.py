@@ -83,14 +83,6 @@ def check_field_types(obj, prefix: str, error: type[ConfigError] = ConfigError) 
             raise error(f"{prefix}.{f.name}={value!r} {why}")
 
 
-def env_int(name: str, default: int, minimum: int) -> int:
-    """Integer environment variable `name` (default when unset); ConfigError when it is not one >= minimum."""
-    value = os.environ.get(name, str(default))
-    if not (value.isascii() and value.isdigit()) or int(value) < minimum:
-        raise ConfigError(f"environment variable {name}={value!r} must be an integer >= {minimum}")
-    return int(value)
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     """A GPT: learned positions, pre-LayerNorm blocks, GELU MLP of width 4*d_model, tied embeddings."""

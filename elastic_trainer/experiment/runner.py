@@ -4,7 +4,8 @@ per policy and profile, its output in the run folder's launch.log), then the res
 - simulated clock: the small model trains on this machine's ranks, one rank per GPU, in the degrees each
   policy chose for the target; each phase runs the steps the simulated clock gives it;
 - real clock: the target job itself on the hosts file's GPUs, phases of wall time (`--time-scale` shortens
-  them), layouts pinned by the policy (ours: re-planned by the runtime at every start).
+  them), layouts pinned by the policy (ours: all the GPUs held, re-planned by the runtime at every start with
+  `--use-gpus fastest`).
 """
 
 from __future__ import annotations
@@ -66,13 +67,14 @@ def run_simulated(exp: Experiment, plan: ProfilePlan, work: Path, extra: tuple[s
 
 
 def real_schedule(policy: PolicyPlan, durations: list[float]) -> list[Phase]:
-    """Time phases of the policy's choices: waits hold 0 GPUs; ours is re-planned by the runtime."""
+    """Time phases of the policy's choices: waits hold 0 GPUs; ours holds every GPU of the phase and the runtime
+    re-plans it with the job's `--use-gpus fastest` (plan.use_gpus: the same choice of GPUs to leave idle)."""
     out = []
     for choice, seconds in zip(policy.choices, durations):
         if choice.waits:
             out.append(Phase(0, duration_s=seconds))
         elif policy.name == "ours":
-            out.append(Phase(choice.used, duration_s=seconds))
+            out.append(Phase(choice.held, duration_s=seconds))
         else:
             c = choice.candidate
             out.append(Phase(choice.used, duration_s=seconds, layout=c.degrees, micro_batch=c.micro_batch))
@@ -86,6 +88,8 @@ def run_real(exp: Experiment, plan: ProfilePlan, work: Path, hosts: str, duratio
     for name, policy in plan.policies.items():
         say(f"[experiment] {plan.profile} / {name}: {len(durations)} phase(s), {sum(durations):.0f} s of schedule")
         args = [*train_args(exp.target, steps), "--hardware", plan.profile, *extra]
+        if name == "ours":
+            args += ["--use-gpus", "fastest"]
         walls[name] = launch(work / name, hosts, exp.target.model.name, real_schedule(policy, durations), args,
                              say=say)
         say(f"[experiment] {plan.profile} / {name}: done in {walls[name]:.0f} s")

@@ -66,6 +66,30 @@ POSITIVE_FLOAT = Number(float, 0, low_open=True)
 NON_NEGATIVE_FLOAT = Number(float, 0)
 
 
+def _batch_flags(p: argparse.ArgumentParser, deepspeed: bool = False) -> None:
+    """The global batch and the sequence length (train, plan, import-deepspeed: declared once)."""
+    p.add_argument("--global-batch", type=POSITIVE, help="samples per optimizer step (default "
+                                                         + ("DeepSpeed's train_batch_size)" if deepspeed else "8)"))
+    p.add_argument("--seq-len", type=POSITIVE, help="tokens per sample (default 128)")
+
+
+def _trajectory_flags(p: argparse.ArgumentParser, deepspeed: bool = False) -> None:
+    """What defines the training trajectory besides the model (TrainConfig): for `train`, and for
+    `checkpoint import-deepspeed`, whose run continues on it."""
+    _batch_flags(p, deepspeed)
+    p.add_argument("--steps", type=STEPS, help="train until this global step (default 10)")
+    p.add_argument("--seed", type=SEED, help="seed of initialization and sample order")
+    p.add_argument("--lr", type=POSITIVE_FLOAT, help="peak learning rate")
+    p.add_argument("--warmup-steps", type=STEPS)
+    p.add_argument("--decay-steps", type=STEP, help="length of the cosine schedule (default: --steps)")
+    p.add_argument("--grad-clip", type=NON_NEGATIVE_FLOAT, help="clip the global gradient norm (0: off)"
+                   + ("; default: DeepSpeed's gradient_clipping" if deepspeed else ""))
+    p.add_argument("--weight-decay", type=NON_NEGATIVE_FLOAT, help="AdamW's weight decay"
+                   + (" (default: DeepSpeed's optimizer's)" if deepspeed else ""))
+    p.add_argument("--data", nargs="+", help="'sotu' (default) or .txt/.jsonl/.json/.parquet files or folders")
+    p.add_argument("--data-cache", help="folder for tokenized corpora (default ~/.cache/elastic_trainer)")
+
+
 def _add_train_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a GPT on this process group (one process, or under torchrun)")
     src = p.add_mutually_exclusive_group()
@@ -82,18 +106,8 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
                    help="fsdp: FSDP2, all state sharded (default); ddp: replicated; zero1: replicated parameters, "
                         "sharded optimizer state (ZeRO-1)")
     p.add_argument("--recompute", action="store_true", default=None, help="recompute block activations")
-    p.add_argument("--global-batch", type=POSITIVE, help="samples per optimizer step (default 8)")
-    p.add_argument("--seq-len", type=POSITIVE, help="tokens per sample (default 128)")
-    p.add_argument("--steps", type=STEPS, help="train until this global step (default 10)")
-    p.add_argument("--seed", type=SEED, help="seed of initialization and sample order")
-    p.add_argument("--lr", type=POSITIVE_FLOAT, help="peak learning rate")
-    p.add_argument("--warmup-steps", type=STEPS)
-    p.add_argument("--decay-steps", type=STEP, help="length of the cosine schedule (default: --steps)")
-    p.add_argument("--grad-clip", type=NON_NEGATIVE_FLOAT, help="clip the global gradient norm (0: off)")
-    p.add_argument("--weight-decay", type=NON_NEGATIVE_FLOAT)
+    _trajectory_flags(p)
     p.add_argument("--dtype", choices=("auto", "fp32", "bf16"))
-    p.add_argument("--data", nargs="+", help="'sotu' (default) or .txt/.jsonl/.json/.parquet files or folders")
-    p.add_argument("--data-cache", help="folder for tokenized corpora (default ~/.cache/elastic_trainer)")
     p.add_argument("--skip-bad-records", action="store_true", default=None,
                    help="skip data records that cannot be read (counted and reported) instead of stopping at "
                         "the first with its file and line")
@@ -139,17 +153,7 @@ def _add_checkpoint_parser(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--model", help="the model DeepSpeed trained: a preset name or a model TOML (its head count "
                                      "cannot be read from the weights)")
     src.add_argument("--config", help="run TOML file with the model and the [train] settings to continue with")
-    d.add_argument("--global-batch", type=POSITIVE, help="samples per step (default: DeepSpeed's train_batch_size)")
-    d.add_argument("--seq-len", type=POSITIVE, help="tokens per sample (default 128)")
-    d.add_argument("--steps", type=STEPS, help="the run's last step (default 10)")
-    d.add_argument("--seed", type=SEED, help="seed of the sample order the run continues in")
-    d.add_argument("--lr", type=POSITIVE_FLOAT, help="peak learning rate of the schedule to continue on")
-    d.add_argument("--warmup-steps", type=STEPS)
-    d.add_argument("--decay-steps", type=STEP, help="length of the cosine schedule (default: --steps)")
-    d.add_argument("--grad-clip", type=NON_NEGATIVE_FLOAT, help="default: DeepSpeed's gradient_clipping")
-    d.add_argument("--weight-decay", type=NON_NEGATIVE_FLOAT, help="default: DeepSpeed's optimizer's")
-    d.add_argument("--data", nargs="+", help="the data the run continues on ('sotu' by default)")
-    d.add_argument("--data-cache", help="folder for tokenized corpora (default ~/.cache/elastic_trainer)")
+    _trajectory_flags(d, deepspeed=True)
 
 
 def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -160,8 +164,7 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus", type=POSITIVE, required=True, help="number of GPUs (ranks) to plan for")
     p.add_argument("--gpus-per-host", type=POSITIVE, help="GPUs per host (default: the hardware profile's)")
     p.add_argument("--hardware", help="profile name (configs/hardware/) or TOML file (default: this machine's)")
-    p.add_argument("--global-batch", type=POSITIVE, help="samples per optimizer step (default 8)")
-    p.add_argument("--seq-len", type=POSITIVE, help="tokens per sample (default 128)")
+    _batch_flags(p)
     p.add_argument("--dtype", choices=("auto", "fp32", "bf16"))
     p.add_argument("--micro-batch", type=POSITIVE, help="only this micro-batch size")
     p.add_argument("--dp-mode", choices=DP_MODES, help="only this data-parallel mode")

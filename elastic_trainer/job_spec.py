@@ -65,6 +65,8 @@ class PhaseSpec:
     """The layout planned (or pinned) for `hosts`; None: rank 0 plans at start."""
     pinned: bool = False
     """The schedule or the flags fixed `layout`: it is taken whatever the hosts."""
+    plan_line: str = ""
+    """The plan's one line where it was made (what a single `train` process prints)."""
 
     @classmethod
     def from_json(cls, values: dict) -> "PhaseSpec":

@@ -64,8 +64,8 @@ def decide(spec: JobSpec, phase: PhaseSpec, topology: Topology, start: str) -> D
     if layout is not None and spec.hardware is not None and topology.same_hosts(phase.hosts) and \
             topology.first(layout.world_size).within(layout.tp):
         idle = held - layout.world_size
-        line = (f"[plan] as planned by {spec.built_by} for {topology.describe()}: {layout.describe()}"
-                + (f"; {idle} of the {held} GPUs idle" if idle else ""))
+        line = phase.plan_line or (f"[plan] as planned by {spec.built_by} for {topology.describe()}: "
+                                   f"{layout.describe()}" + (f"; {idle} of the {held} GPUs idle" if idle else ""))
         return Decision(layout, line, "spec", "", start, held)
     if spec.hardware is None:
         reason = "the job's hardware is detected on the hosts"

@@ -103,15 +103,15 @@ def train_spec(args: argparse.Namespace, *, built_by: str, world_size: int, loca
     spec = JobSpec(model, train, checkpoint_config(args), layout_settings(args, table),
                    resolve_hardware(args.hardware), args.use_gpus, args.events_file, args.stop_file,
                    built_by=built_by)
-    layout, pinned = given_layout(spec), True
+    layout, pinned, line = given_layout(spec), True, ""
     if layout is not None:
         checked(layout, spec, world_size)
     else:
         pinned = False
         topology = Topology.uniform(world_size, local_world_size)
-        layout, _, _ = plan_for_hosts(spec, spec.hardware, topology)
+        layout, _, line = plan_for_hosts(spec, spec.hardware, topology)
     phase = PhaseSpec(args.phase, args.until_step, (world_size,) if hosts_known else None,
-                      layout if (hosts_known or pinned) else None, pinned)
+                      layout if (hosts_known or pinned) else None, pinned, line if hosts_known else "")
     return dataclasses.replace(spec, phases=(phase,))
 
 

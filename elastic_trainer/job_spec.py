@@ -120,6 +120,16 @@ class JobSpec:
         if not isinstance(values, dict) or values.pop("version", None) != SPEC_VERSION:
             raise ConfigError(f"{where} is not a version-{SPEC_VERSION} job spec (written by another version of "
                               "elastic_trainer? start the job again with this one)")
+        try:
+            return cls._from_values(values, where)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"{where} is not a complete job spec ({type(e).__name__}: {e}); start the job again "
+                              "to write it") from None
+
+    @classmethod
+    def _from_values(cls, values: dict, where: str) -> "JobSpec":
         hw, ckpt = values.get("hardware"), values.get("checkpoint")
         if hw is not None:
             hw = from_dict(Hardware, {**hw, "device_names": tuple(hw.get("device_names", ()))}, f"{where} hardware")

@@ -15,6 +15,7 @@ others wait idle (parallel/active.py).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -88,6 +89,7 @@ def run(spec: JobSpec, phase_index: int | None, env: TorchrunEnv, *, started: fl
     from elastic_trainer.parallel import active, default_device, init_process_group
     from elastic_trainer.parallel.agree import agree, gather_topology
 
+    spec = for_restart(spec, env)
     if tokens is None:
         tokens = load_tokens(spec)
     if env.under_torchrun:
@@ -112,12 +114,9 @@ def run(spec: JobSpec, phase_index: int | None, env: TorchrunEnv, *, started: fl
         events.emit("planned", layout=decision.layout.to_dict(), hosts=list(topology.sizes), source=decision.source,
                     reason=decision.reason, idle=decision.idle, held=decision.held)
         if decision.idle:
-            rank, used = dist.get_rank(), decision.layout.world_size
-            store = active.narrow(used, decision.start, device)
-            if rank >= used:  # this GPU is left idle: wait for the trainers' outcome
-                idle_code = active.wait_idle(store, decision.start, stop.local) or 0
+            store, idle_code = _narrow(decision, device, stop)
         if idle_code is None:
-            status, reason = _train(spec, phase, decision.layout, device, stop, events, tags, tokens, env)
+            status, reason = _train_releasing(spec, phase, decision, device, stop, events, tags, tokens, env, store)
     finally:
         stop.close()
         events.close()
@@ -128,12 +127,50 @@ def run(spec: JobSpec, phase_index: int | None, env: TorchrunEnv, *, started: fl
     else:
         code = exit_code(status, reason, under_torchrun=env.under_torchrun, peer_stop=os.environ.get(PEER_STOP_ENV))
         if store is not None and rank0:
-            active.release(store, decision.start, code)
+            active.release(store, decision.start, code, decision.idle)
     if forked and stop.reason == "SIGTERM":
         # The agent is stopping its workers: it will not collect a forked worker's return value (the worker
         # would wait for that until killed), and the state is saved.
         finish_worker(0, env, force=True)
     return code
+
+
+def for_restart(spec: JobSpec, env: TorchrunEnv) -> JobSpec:
+    """A worker group restarted by its agent goes on from the newest save: `--resume never` or `--resume PATH`
+    meant the job's first start (never: the first save would refuse the restart; PATH: a step already passed)."""
+    ckpt = spec.checkpoint
+    if not env.restart_count or ckpt is None or ckpt.resume == "auto":
+        return spec
+    return dataclasses.replace(spec, checkpoint=dataclasses.replace(ckpt, resume="auto"))
+
+
+def _narrow(decision: Decision, device, stop):
+    """Leave the world to the first `used` ranks; the store and, on an idle rank, its exit code (once the
+    trainers are done; a stop file does not end the wait, a signal does)."""
+    import torch.distributed as dist
+
+    from elastic_trainer.parallel import active
+
+    rank, used = dist.get_rank(), decision.layout.world_size
+    store = active.narrow(used, decision.start, device)
+    if rank < used:
+        return store, None
+    return store, active.wait_idle(store, decision.start, lambda: stop.reason is not None) or 0
+
+
+def _train_releasing(spec, phase, decision, device, stop, events, tags, tokens, env, store):
+    """`_train`; when it raises on the trainers' rank 0 with GPUs idle, the idle ranks exit with a failure too."""
+    import torch.distributed as dist
+
+    try:
+        return _train(spec, phase, decision.layout, device, stop, events, tags, tokens, env)
+    except BaseException as e:
+        if store is not None and dist.get_rank() == 0:
+            from elastic_trainer.parallel import active
+
+            bad = isinstance(e, (ConfigError, CheckpointError))
+            active.release(store, decision.start, EXIT_BAD_INPUT if bad else 1, 0)
+        raise
 
 
 def _train(spec: JobSpec, phase: PhaseSpec, layout: Layout, device, stop, events, tags: dict, tokens,

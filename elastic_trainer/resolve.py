@@ -91,28 +91,40 @@ def resolve_hardware(name: str | None) -> Hardware:
     return hardware_for_device(*accelerator())
 
 
-def train_spec(args: argparse.Namespace, *, built_by: str, world_size: int, local_world_size: int,
-               hosts_known: bool) -> JobSpec:
-    """`train`'s flags as a checked spec for `world_size` ranks on hosts of `local_world_size` (`hosts_known`:
-    one host holds them all, so the plan is made here and the ranks take it). Bad settings (a layout that does
-    not fit, a micro-batch that splits no count) fail here, before any process group."""
+def train_spec(args: argparse.Namespace, *, built_by: str, world_size: int | None, local_world_size: int,
+               hosts_known: bool, detect_hardware: bool = True) -> JobSpec:
+    """`train`'s flags as a checked spec for `world_size` ranks (None: not known before the rendezvous) on hosts
+    of `local_world_size` (`hosts_known`: one host holds them all, so the plan is made here and the ranks take
+    it). Bad settings (a layout that does not fit, a micro-batch that splits no count) fail here, before any
+    process group. Without --hardware the profile is this machine's when `detect_hardware` (a process that
+    will not fork CUDA users), else left to rank 0 on the hosts: the settings are then checked against a
+    profile without a memory limit, and only rank 0's plan knows the GPUs' memory."""
     from elastic_trainer.data.corpus import resolve_files  # imports torch: not needed by `plan`
 
     model, train, table = job_configs(args)
     resolve_files(train.data)  # a missing or unsupported data source fails here, not on every rank later
-    spec = JobSpec(model, train, checkpoint_config(args), layout_settings(args, table),
-                   resolve_hardware(args.hardware), args.use_gpus, args.events_file, args.stop_file,
-                   built_by=built_by)
+    hardware = resolve_hardware(args.hardware) if args.hardware or detect_hardware else None
+    spec = JobSpec(model, train, checkpoint_config(args), layout_settings(args, table), hardware, args.use_gpus,
+                   args.events_file, args.stop_file, built_by=built_by)
     layout, pinned, line = given_layout(spec), True, ""
+    hosts_known = hosts_known and world_size is not None and hardware is not None
     if layout is not None:
-        checked(layout, spec, world_size)
-    else:
+        if world_size is not None:
+            checked(layout, spec, world_size)
+    elif world_size is not None:
         pinned = False
         topology = Topology.uniform(world_size, local_world_size)
-        layout, _, line = plan_for_hosts(spec, spec.hardware, topology)
+        layout, _, line = plan_for_hosts(spec, hardware or UNLIMITED, topology)
+    else:
+        pinned = False
     phase = PhaseSpec(args.phase, args.until_step, (world_size,) if hosts_known else None,
                       layout if (hosts_known or pinned) else None, pinned, line if hosts_known else "")
     return dataclasses.replace(spec, phases=(phase,))
+
+
+UNLIMITED = Hardware(name="any GPU", memory_gb=1e6)
+"""What a spec built without knowing the hosts' GPUs checks the settings with: degrees and batch splits, not
+memory (rank 0 plans with the real profile)."""
 
 
 # -- planning on a spec ----------------------------------------------------------------------------------

@@ -82,9 +82,13 @@ def _open_events(entry_args: list[str]) -> None:
         from elastic_trainer.job_spec import JobSpec
 
         try:
-            path = JobSpec.read(job).events_file
+            spec = JobSpec.read(job)
         except ConfigError:
-            path = None  # the ranks say what is wrong with it
+            spec = None  # the ranks say what is wrong with it
+        if spec is not None:
+            path = spec.events_file
+            if phase is None:  # `elastic-trainer torchrun ... train --phase N`: the spec's phase
+                phase = None if spec.phases[0].index is None else str(spec.phases[0].index)
     if path and _events is None:
         import socket
 
@@ -269,10 +273,17 @@ def run_torchrun(argv: list[str]) -> int:
         job = os.path.join(folder, "job.json")
         config, entrypoint, entry_args = agent_config([*flags, "-m", WORKER_MODULE, "--job", job])
         preflight.check_environment()
-        per_host = int(config.nproc_per_node)
-        spec = resolve.train_spec(train_args(train_argv), built_by="torchrun", world_size=per_host * config.max_nodes,
-                                  local_world_size=per_host, hosts_known=config.max_nodes == 1)
-        preflight.train_inputs(spec)
+        per_host, fixed = int(config.nproc_per_node), config.min_nodes == config.max_nodes
+        args = train_args(train_argv)
+        # no hardware detection here: it would initialize CUDA in the agent, and its forked workers could not
+        spec = resolve.train_spec(args, built_by="torchrun", world_size=per_host * config.max_nodes if fixed else None,
+                                  local_world_size=per_host, hosts_known=config.max_nodes == 1, detect_hardware=False)
+        tokens = preflight.train_inputs(spec)
+        if args.check:
+            print(f"[check] inputs are valid: {spec.model.name} on {per_host} rank(s) per host, "
+                  f"{config.min_nodes}..{config.max_nodes} host(s); data {len(tokens):,} tokens; "
+                  f"{preflight.resume_summary(spec.checkpoint)}; nothing was started")
+            return 0
         spec.write(job)
         return run_agent((config, entrypoint, entry_args))
     finally:

@@ -107,6 +107,7 @@ class Driver:
         job.check_inputs(tokenize=first is not None)
         job.run_dir.mkdir(parents=True, exist_ok=True)
         job.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        job.spec.write(job.spec_file(self.job_id))
         job.spec.write(job.job_file)
         self.out = Output(job.run_dir / "launch.log")
         self.events = EventLog(job.run_dir / EVENTS_FILE, tags={"writer": "launch"})

@@ -91,6 +91,9 @@ class JobSetup:
             raise HostsError(f"--force-ssh {unknown[0]!r} is not a host of {opts.hosts}")
         self.total_slots = sum(h.slots for h in self.hosts)
         self.phases = load_schedule(opts.schedule) if opts.schedule else [Phase(self.total_slots)]
+        if "--check" in opts.train_argv:
+            raise ConfigError("--check is train's; `launch --dry-run` checks the whole job and prints each phase's "
+                              "plan and command")
         owned = _owned(opts.train_argv)
         if owned:
             raise ConfigError(f"{owned} is set by launch for every phase; use launch's own options "
@@ -259,7 +262,12 @@ class JobSetup:
         return AgentSpec(run_id=f"{job_id}-p{index}", endpoint=f"{self.endpoint_host()}:{port}",
                          max_nodes=len(placements), min_nodes=min(self.opts.min_hosts, len(placements)),
                          max_restarts=self.opts.max_restarts, rdzv_conf=conf,
-                         worker_argv=("--job", str(self.job_file), "--phase", str(index)))
+                         worker_argv=("--job", str(self.spec_file(job_id)), "--phase", str(index)))
+
+    def spec_file(self, job_id: str) -> Path:
+        """The spec the ranks of launch `job_id` read: a file of its own per launch (job.json is the newest's
+        copy for people), so no host's cached view of a replaced file can hand it another launch's spec."""
+        return self.run_dir / "jobs" / f"{job_id}.json"
 
     @property
     def remote_root(self) -> str:
@@ -298,7 +306,7 @@ class JobSetup:
                 f"data: {data} ({len(files)} file(s), from {files[0].parent})",
                 f"token cache: {cache} (on each host; built on first use)",
                 f"checkpoints: {self.checkpoint_dir} (every host must see this folder)",
-                f"job spec: {self.job_file} (what every rank reads; hardware "
+                f"job spec: {self.job_file} (what every rank reads, from a copy per launch in jobs/; hardware "
                 + (f"{self.spec.hardware.name})" if self.spec.hardware else "detected on the hosts by rank 0)"),
                 f"logs: {self.run_dir}/launch.log, hosts/HOST.log (each host's own, also after this launcher "
                 f"is gone), metrics.jsonl, {EVENTS_FILE}; stop gracefully with `touch {self.stop_file}`"]

@@ -38,20 +38,33 @@ def narrow(used: int, start: str, device: torch.device):
     return store
 
 
-def release(store, start: str, code: int) -> None:
-    """Rank 0 of the trainers: the idle ranks may exit, with `code`."""
+def release(store, start: str, code: int, idle: int, timeout_s: float = 30.0) -> None:
+    """Rank 0 of the trainers: the `idle` ranks may exit, with `code`. Waits (at most `timeout_s`) until each has
+    read it: without an agent, this process may host the store they read it from."""
     store.set(_key(start) + "exit", str(code))
+    deadline = time.monotonic() + timeout_s
+    while idle and store.add(_key(start) + "read", 0) < idle and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
-def wait_idle(store, start: str, stopping) -> int | None:
-    """Wait for the trainers' exit code; None when `stopping()` turned true first."""
-    key = _key(start) + "exit"
+def wait_idle(store, start: str, stopping, unreachable_s: float = 60.0) -> int | None:
+    """Wait for the trainers' exit code; None when `stopping()` turned true first, 1 when the store has been
+    unreachable for `unreachable_s` (the trainers are gone without a word)."""
+    key, failing_since = _key(start) + "exit", None
     while not stopping():
         began = time.monotonic()
         try:
             store.wait([key], timedelta(seconds=POLL_S))
+            code = int(store.get(key))
+            store.add(_key(start) + "read", 1)
+            return code
         except (RuntimeError, dist.DistStoreError):  # not yet (a timeout), or the store is unreachable
-            time.sleep(max(0.0, POLL_S - (time.monotonic() - began)))
-            continue
-        return int(store.get(key))
+            elapsed = time.monotonic() - began
+            if elapsed >= POLL_S / 2:  # a timeout: the store answers
+                failing_since = None
+                continue
+            failing_since = failing_since or began
+            if began - failing_since > unreachable_s:
+                return 1
+            time.sleep(POLL_S - elapsed)
     return None

@@ -108,3 +108,51 @@ def test_the_builder_plans_only_for_hosts_it_knows():
     assert spec_of(world=4).phases[0].layout is not None
     unknown = spec_of(world=4, known=False).phases[0]
     assert unknown.layout is None and unknown.hosts is None
+
+
+def test_a_spec_with_a_missing_key_is_one_line(tmp_path):
+    spec = json.loads(spec_of().to_json())
+    del spec["use_gpus"]
+    (tmp_path / "job.json").write_text(json.dumps(spec))
+    with pytest.raises(ConfigError, match=r"is not a complete job spec \(KeyError: 'use_gpus'\)"):
+        JobSpec.read(tmp_path / "job.json")
+
+
+def test_the_torchrun_wrapper_s_spec_leaves_the_gpus_to_rank0(monkeypatch):
+    """Detecting the GPU in the agent would initialize CUDA before it forks its workers."""
+    import elastic_trainer.parallel.mesh as mesh
+
+    monkeypatch.setattr(mesh, "accelerator", lambda: pytest.fail("the agent looked at the GPU"))
+    args = cli_parser.train_args(["--global-batch", "12"])
+    spec = resolve.train_spec(args, built_by="torchrun", world_size=None, local_world_size=4, hosts_known=False,
+                              detect_hardware=False)
+    assert spec.hardware is None and spec.phases[0].layout is None
+    bad = cli_parser.train_args(["--micro-batch", "5", "--global-batch", "12"])
+    with pytest.raises(PlanError, match="micro"):  # the settings are still checked, memory aside
+        resolve.train_spec(bad, built_by="torchrun", world_size=4, local_world_size=4, hosts_known=True,
+                           detect_hardware=False)
+
+
+def test_a_restarted_group_resumes_its_newest_save(tmp_path):
+    from elastic_trainer.elastic.torchrun_env import TorchrunEnv
+
+    spec = spec_of("--checkpoint-dir", str(tmp_path), "--resume", "never")
+    assert rank.for_restart(spec, TorchrunEnv(restart_count=0)) is spec
+    assert rank.for_restart(spec, TorchrunEnv(restart_count=1)).checkpoint.resume == "auto"
+
+
+def test_idle_ranks_read_the_trainers_code_and_give_up_on_a_dead_store():
+    import torch.distributed as dist
+
+    from elastic_trainer.parallel import active
+
+    store = dist.HashStore()
+    active.release(store, "s", 75, idle=0)
+    assert active.wait_idle(store, "s", lambda: False) == 75 and store.add("elastic_trainer/active/s/read", 0) == 1
+    assert active.wait_idle(store, "other", lambda: True) is None  # a signal ends the wait
+
+    class Dead:
+        def wait(self, keys, timeout):
+            raise dist.DistNetworkError("connection refused")
+
+    assert active.wait_idle(Dead(), "s", lambda: False, unreachable_s=0.0) == 1

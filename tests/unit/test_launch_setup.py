@@ -119,7 +119,7 @@ def test_dry_run_of_four_hosts_with_eight_gpus(capsys, tmp_path):
         assert agent[1:3] == ["-m", "elastic_trainer.launch.agent"]
         assert agent[agent.index("--nnodes") + 1] == "1:4" and agent[agent.index("--nproc-per-node") + 1] == "8"
         assert agent[agent.index("--local-addr") + 1] == host.split()[-1]
-        assert agent[agent.index("-m", 3):] == ["-m", "elastic_trainer.rank", "--job", str(tmp_path / "run" / "job.json"),
+        assert agent[agent.index("-m", 3):] == ["-m", "elastic_trainer.rank", "--job", str(tmp_path / "run" / "jobs" / "et-job.json"),
                                                 "--phase", "0"]
     assert not (tmp_path / "run").exists()
 
@@ -215,3 +215,8 @@ def test_a_pinned_layout_takes_the_run_configs_mode_as_the_ranks_do(tmp_path, ca
     argv = launch(tmp_path, "localhost slots=4\n", "--config", str(config), "--schedule", str(path), "--dry-run")
     assert cli.main(argv) == 0
     assert "[plan] given: dp=2 tp=2 pp=1 micro_batch=4 num_microbatches=1 (ddp+recompute)" in capsys.readouterr().out
+
+
+def test_check_is_train_s_and_launch_says_what_to_use(capsys, tmp_path):
+    assert_refused(capsys, launch(tmp_path, "localhost slots=8\n", "--", "--check"),
+                   "--check is train's; `launch --dry-run` checks the whole job", tmp_path)

@@ -132,9 +132,16 @@ def wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int, timeout: flo
 
 def test_default_job_through_run_sh(tmp_path, data_cache, reference):
     run_dir = tmp_path / "default"
+    counts = tmp_path / "counts.txt"
     proc = subprocess.run([str(ROOT / "run.sh"), "--run-dir", str(run_dir), "--", "--data-cache", data_cache],
-                          capture_output=True, text=True, env=env(), timeout=600)
+                          capture_output=True, text=True, env=dict(env(), ELASTIC_TRAINER_TEST_COUNTS=str(counts)),
+                          timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    seen = [line.split()[0] for line in counts.read_text().splitlines()]
+    starts = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "processes_up"]
+    assert seen.count("parse_train_flags") == 1  # the train flags, by the launcher only
+    assert seen.count("plan") == 4 and len(starts) == 4  # the launcher's plan per phase; rank 0 took each
+    assert seen.count("read_spec") == 4 + 8 + 2 + 4  # job.json, once per rank start
     kept = assert_on_trajectory(run_dir, reference, 32)
     assert len(metrics(run_dir)) == 32  # nothing redone
     assert [r["world_size"] for r in kept] == [4] * 8 + [8] * 8 + [2] * 8 + [4] * 8

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from elastic_trainer import cli_parser, resolve
@@ -197,14 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         if argv[:1] == ["torchrun"] and not {"-h", "--help"} & set(argv[1:2]):
+            from elastic_trainer import rank
             from elastic_trainer.launch.agent import run_torchrun  # torchrun's flags are its parser's to read
 
             # its workers are gone: no interpreter teardown of torch (seconds, and a scheduler's second signal
             # could land in it), as the launcher's agents end
-            code = run_torchrun(argv[1:])
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+            return rank.finish_worker(run_torchrun(argv[1:]), TorchrunEnv(), force=True)
         if argv[:1] == ["train"]:
             args = cli_parser.train_args(argv[1:])
         else:

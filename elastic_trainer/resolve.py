@@ -91,6 +91,25 @@ def resolve_hardware(name: str | None) -> Hardware:
     return hardware_for_device(*accelerator())
 
 
+def describe_job(args: argparse.Namespace, *, built_by: str, detect_hardware: bool,
+                 checkpoint: tuple[str | None, str | None] = (None, None), events_file: str | None = None,
+                 stop_file: str | None = None, metrics_file: str | None = None) -> JobSpec:
+    """What every builder of a spec takes from `train`'s flags (no phases yet), its data sources checked: the
+    configs, the hardware (--hardware, else this machine's when `detect_hardware`, else None: rank 0 detects
+    it on the hosts), checkpoints (`checkpoint`: the directory and resume mode a launcher sets) and outputs
+    (the flags' unless given)."""
+    from elastic_trainer.data.corpus import resolve_files  # imports torch: not needed by `plan`
+
+    model, train, table = job_configs(args)
+    resolve_files(train.data)  # a missing or unsupported data source fails here, not on every rank later
+    if metrics_file is not None:
+        train = dataclasses.replace(train, metrics_file=metrics_file)
+    hardware = resolve_hardware(args.hardware) if args.hardware or detect_hardware else None
+    return JobSpec(model, train, checkpoint_config(args, *checkpoint), layout_settings(args, table), hardware,
+                   args.use_gpus, events_file if events_file is not None else args.events_file,
+                   stop_file if stop_file is not None else args.stop_file, built_by=built_by)
+
+
 def train_spec(args: argparse.Namespace, *, built_by: str, world_size: int | None, local_world_size: int,
                hosts_known: bool, detect_hardware: bool = True) -> JobSpec:
     """`train`'s flags as a checked spec for `world_size` ranks (None: not known before the rendezvous) on hosts
@@ -99,24 +118,15 @@ def train_spec(args: argparse.Namespace, *, built_by: str, world_size: int | Non
     process group. Without --hardware the profile is this machine's when `detect_hardware` (a process that
     will not fork CUDA users), else left to rank 0 on the hosts: the settings are then checked against a
     profile without a memory limit, and only rank 0's plan knows the GPUs' memory."""
-    from elastic_trainer.data.corpus import resolve_files  # imports torch: not needed by `plan`
-
-    model, train, table = job_configs(args)
-    resolve_files(train.data)  # a missing or unsupported data source fails here, not on every rank later
-    hardware = resolve_hardware(args.hardware) if args.hardware or detect_hardware else None
-    spec = JobSpec(model, train, checkpoint_config(args), layout_settings(args, table), hardware, args.use_gpus,
-                   args.events_file, args.stop_file, built_by=built_by)
-    layout, pinned, line = given_layout(spec), True, ""
-    hosts_known = hosts_known and world_size is not None and hardware is not None
-    if layout is not None:
-        if world_size is not None:
-            checked(layout, spec, world_size)
+    spec = describe_job(args, built_by=built_by, detect_hardware=detect_hardware)
+    layout, line = given_layout(spec), ""
+    pinned = layout is not None
+    hosts_known = hosts_known and world_size is not None and spec.hardware is not None
+    if world_size is not None and pinned:
+        checked(layout, spec, world_size)
     elif world_size is not None:
-        pinned = False
         topology = Topology.uniform(world_size, local_world_size)
-        layout, _, line = plan_for_hosts(spec, hardware or UNLIMITED, topology)
-    else:
-        pinned = False
+        layout, _, line = plan_for_hosts(spec, spec.hardware or UNLIMITED, topology)
     phase = PhaseSpec(args.phase, args.until_step, (world_size,) if hosts_known else None,
                       layout if (hosts_known or pinned) else None, pinned, line if hosts_known else "")
     return dataclasses.replace(spec, phases=(phase,))

@@ -111,18 +111,14 @@ class JobSetup:
     def _describe_job(self, args) -> JobSpec:
         """The job as every rank will run it, without its phases: configs, checkpoints, outputs, hardware (given,
         or this machine's when every host is this machine; else detected by rank 0 on the hosts)."""
-        from elastic_trainer.data.corpus import resolve_files
-
-        model, train, table = resolve.job_configs(args)
-        resolve_files(train.data)  # a missing or unsupported data source fails here
-        settings = resolve.layout_settings(args, table)
-        if settings.degrees is not None and any(p.layout for p in self.phases):
+        spec = resolve.describe_job(args, built_by="launch", detect_hardware=self._all_local_if_placed(),
+                                    checkpoint=(str(self.checkpoint_dir), "auto"),
+                                    events_file=str(self.run_dir / EVENTS_FILE), stop_file=str(self.stop_file),
+                                    metrics_file=str(self.run_dir / "metrics.jsonl"))
+        if spec.layout.degrees is not None and any(p.layout for p in self.phases):
             raise ConfigError(f"the schedule {self.opts.schedule} pins layouts per phase; drop --layout (or the run "
                               "config's [layout] degrees)")
-        train = dataclasses.replace(train, metrics_file=str(self.run_dir / "metrics.jsonl"))
-        hardware = resolve.resolve_hardware(args.hardware) if args.hardware or self._all_local_if_placed() else None
-        return JobSpec(model, train, resolve.checkpoint_config(args, str(self.checkpoint_dir), "auto"), settings,
-                       hardware, args.use_gpus, str(self.run_dir / EVENTS_FILE), str(self.stop_file), built_by="launch")
+        return spec
 
     # -- checks and plans -------------------------------------------------------------------------------
 

@@ -47,12 +47,7 @@ def sized(req: Request, used: int) -> Request:
         return req
     if req.host_sizes is None:
         return replace(req, world_size=used)
-    sizes, left = [], used
-    for n in req.host_sizes:
-        if left:
-            sizes.append(min(n, left))
-            left -= sizes[-1]
-    return replace(req, world_size=used, host_sizes=tuple(sizes))
+    return replace(req, world_size=used, host_sizes=req.topology.first(used).sizes)
 
 
 def largest_dp(limit: int, global_batch: int) -> int:

@@ -61,8 +61,8 @@ class Segment:
 
     @property
     def start(self) -> float:
-        first = self.records[0]
-        return first["time"] - first["step_time_s"]
+        first = self.records[0]  # an evaluation after a step ends before its record's time
+        return first["time"] - first["step_time_s"] - first.get("eval_time_s", 0.0)
 
     @property
     def end(self) -> float:
@@ -152,7 +152,8 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def plot(records: list[dict], path: str, title: str = "") -> str:
-    """Loss against step and against time, the rank count underneath; downtime shaded. Returns `path`."""
+    """Loss against step and against time, the validation loss (markers) where records have one, the rank
+    count underneath; downtime shaded. Returns `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -165,8 +166,11 @@ def plot(records: list[dict], path: str, title: str = "") -> str:
         steps = [r["step"] for r in seg.records]
         times = [(r["time"] - t0) / 60 for r in seg.records]
         losses = [r["loss"] for r in seg.records]
+        evaluated = [i for i, r in enumerate(seg.records) if "val_loss" in r]
         for col, xs in ((0, steps), (1, times)):
-            axes[0, col].plot(xs, losses, color="C0")
+            axes[0, col].plot(xs, losses, color="C0", label="train")
+            axes[0, col].plot([xs[i] for i in evaluated], [seg.records[i]["val_loss"] for i in evaluated],
+                              "o", color="C2", ms=4, label="validation")
             axes[1, col].step(xs, [seg.world_size] * len(xs), where="post", color="C1")
     for a, b in zip(segs, segs[1:]):
         failure = _unplanned(a, b)
@@ -179,6 +183,9 @@ def plot(records: list[dict], path: str, title: str = "") -> str:
                                 xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right",
                                 fontsize=7, color="C3")
     axes[0, 0].set_ylabel("loss")
+    if any("val_loss" in r for r in records):  # one legend entry each, not one per segment
+        handles, labels = axes[0, 0].get_legend_handles_labels()
+        axes[0, 0].legend(handles[:2], labels[:2], fontsize=8)
     axes[1, 0].set_ylabel("ranks")
     axes[1, 0].set_xlabel("step (red: a restart after a failure)")
     axes[1, 1].set_xlabel("minutes (grey: reconfiguration; red: failure)")

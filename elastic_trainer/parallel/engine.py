@@ -6,7 +6,8 @@ the seed (layout-independent, model/init.py) -> pipeline schedule.
 
 A step's loss is the token mean over the whole global batch: every micro-batch's summed cross-entropy is
 divided by the global token count and gradients are summed over micro-batches and dp ranks. So the
-gradient, the loss and the update are the same for every layout.
+gradient, the loss and the update are the same for every layout. The validation loss (`eval_loss`) is the
+same token mean, forward only.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from elastic_trainer.config import ModelConfig
@@ -62,6 +64,8 @@ class Engine:
         if layout.pp > 1:
             self.schedule = build_schedule(self.model, self.coords.pp, layout, mesh.get_group("pp"),
                                            device, self.loss_fn)
+        self._eval_schedule = None
+        """The forward-only schedule of `eval_loss` (pp > 1), built at the first evaluation."""
 
     def _build(self, model_cfg: ModelConfig, param_dtype: torch.dtype, initialize: bool) -> nn.Module:
         layout = self.layout
@@ -125,6 +129,51 @@ class Engine:
             self.schedule.step(return_outputs=False, **kwargs)
         if losses:
             return torch.stack([l.detach() for l in losses]).sum()
+        return torch.zeros((), device=self.device)
+
+    @torch.no_grad()
+    def eval_loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Forward only, in eval mode (no dropout), over this rank's micro-batches of `tokens` (local_batch,
+        seq_len + 1): this rank's contribution to the batch's token-mean loss, as `forward_backward` returns it
+        (so `global_loss` of it is the batch mean on every rank). Gradients, the ZeRO-1 buffer and the
+        optimizer are untouched, so the next training step is the one it would have been without it."""
+        tokens = tokens.to(self.device, non_blocking=True)
+        training = self.model.training
+        self.model.eval()
+        try:
+            total = self._pipelined_eval(tokens) if self.schedule is not None else self._sequential_eval(tokens)
+        finally:
+            self.model.train(training)
+            # FSDP keeps the root (and with pp > 1 every block) gathered after a forward, for the backward
+            # that follows in training; there is none here, so free them as backward would
+            for module in self.model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+        return total
+
+    def _sequential_eval(self, tokens: torch.Tensor) -> torch.Tensor:
+        total = torch.zeros((), device=self.device)
+        for rows in microbatch_slices(tokens.shape[0], self.layout.micro_batch):
+            mb = tokens[rows]
+            total += self.loss_fn(self.model(mb[:, :-1]), mb[:, 1:])
+        return total
+
+    def _pipelined_eval(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Through a schedule of its own, built once: the training schedule would redo its shape inference
+        (a real forward, and backward, of one micro-batch on every stage) at each switch between eval() and
+        step(), twice per evaluation."""
+        if self._eval_schedule is None:
+            self._eval_schedule = build_schedule(self.model, self.coords.pp, self.layout,
+                                                 self.mesh.get_group("pp"), self.device, self.loss_fn)
+        losses: list[torch.Tensor] = []
+        if self.first:
+            self._eval_schedule.eval(tokens[:, :-1], return_outputs=False)
+        elif self.last:
+            self._eval_schedule.eval(target=tokens[:, 1:], losses=losses, return_outputs=False)
+        else:
+            self._eval_schedule.eval(return_outputs=False)
+        if losses:
+            return torch.stack(losses).sum()
         return torch.zeros((), device=self.device)
 
     # -- after backward -------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ reshard benchmarks time single pieces: a step, a save, a cold load):
 2. load the newest good checkpoint, resharded into this layout (or initialize from the seed if none loads);
 3. fit: steps until `until` (default: the run's last step), with periodic saves and stop requests agreed by
    all ranks after every step; a stop or the end of `until` saves before returning; a non-finite loss or
-   gradient norm raises `Diverged` on every rank without saving;
+   gradient norm raises `Diverged` on every rank without saving; with validation data, the validation loss
+   after every `eval_every`-th step and the last one goes into that step's record (`evaluation_due`);
 4. close: join an asynchronous save and release the checkpoint process group.
 
 Rank 0 writes each stage as an event (`elastic.events`).
@@ -18,6 +19,7 @@ Rank 0 writes each stage as an event (`elastic.events`).
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -55,8 +57,9 @@ def _quiet(*args, **kwargs) -> None:
 
 class Job:
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, layout: Layout, device: torch.device, *,
-                 ckpt: CheckpointConfig | None = None, tokens: np.ndarray | None = None,
+                 ckpt: CheckpointConfig | None = None, tokens: np.ndarray | None = None, val_tokens=None,
                  log: MetricsLog | None = None, events: EventLog | None = None):
+        """`val_tokens`: the validation token stream (as `tokens`), or None for no validation loss."""
         self.log = log or MetricsLog(None, enabled=False)
         self.events = events or EventLog(None, enabled=False)
         self.stop_reason: str | None = None
@@ -69,7 +72,8 @@ class Job:
         self.checkpointer = Checkpointer(ckpt, log=print if self.log.enabled else _quiet) if ckpt else None
         resume = ckpt.resume if ckpt else "never"
         found = self.checkpointer.candidates(resume) if self.checkpointer and resume != "never" else []
-        self.trainer = Trainer(model_cfg, train_cfg, layout, mesh, device, tokens=tokens, initialize=not found)
+        self.trainer = Trainer(model_cfg, train_cfg, layout, mesh, device, tokens=tokens, val_tokens=val_tokens,
+                               initialize=not found)
         # load_first loads one of `found` or raises (none resumable): a run with checkpoints never falls back
         # to the seed's weights, which would bury the damaged checkpoints under new saves
         self.loaded = self.checkpointer.load_first(self.trainer, found, strict=resume != "auto") if found else None
@@ -91,6 +95,8 @@ class Job:
                 record = trainer.train_step()
             except Diverged as e:
                 raise self._diverged(e) from None
+            if evaluation_due(trainer.step, trainer.cfg, trainer.val_batches):
+                record.update(self._evaluate())
             self.log.write(record)
             self.records.append(record)
             if len(self.records) == 1:
@@ -134,6 +140,15 @@ class Job:
                          last_saved_step=self.checkpointer.last_saved_step if self.checkpointer else None)
         return Diverged(error.step, error.loss, error.grad_norm, newest)
 
+    def _evaluate(self) -> dict:
+        """The validation loss of the weights after this step, for its record. The record's time moves to the
+        end of the evaluation: it is the job's time, not downtime before a reconfiguration that follows
+        (elastic/report.py counts a segment from its first record's time less its step and eval times)."""
+        t0 = time.perf_counter()
+        val_loss = self.trainer.evaluate()
+        return {"val_loss": val_loss, "val_samples": self.trainer.val_samples,
+                "eval_time_s": time.perf_counter() - t0, "time": time.time()}
+
     def _last_step_end(self) -> float | None:
         return self.records[-1]["time"] if self.records else None
 
@@ -155,12 +170,21 @@ class Job:
 
 def run_job(model_cfg: ModelConfig, train_cfg: TrainConfig, layout: Layout, device: torch.device, *,
             ckpt: CheckpointConfig | None = None, stop: StopRequest | None = None, until: int | None = None,
-            tokens: np.ndarray | None = None, log: MetricsLog | None = None,
+            tokens: np.ndarray | None = None, val_tokens=None, log: MetricsLog | None = None,
             events: EventLog | None = None) -> JobResult:
     """The whole sequence: build -> load -> fit -> close."""
-    with Job(model_cfg, train_cfg, layout, device, ckpt=ckpt, tokens=tokens, log=log, events=events) as job:
+    with Job(model_cfg, train_cfg, layout, device, ckpt=ckpt, tokens=tokens, val_tokens=val_tokens, log=log,
+             events=events) as job:
         status = job.fit(stop, until)
     return job.result(status)
+
+
+def evaluation_due(step: int, cfg: TrainConfig, val_batches: int) -> bool:
+    """After (1-based) step `step`: every eval_every-th step and the run's last, when there is validation
+    data. A function of the step alone, so a resumed run evaluates where the uninterrupted one did."""
+    if not val_batches:
+        return False
+    return step == cfg.steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
 
 
 def _agree(stop: StopRequest | None, checkpointer: Checkpointer | None, step: int) -> tuple[bool, bool]:

@@ -1,6 +1,7 @@
-"""One rank's trainer: the engine and optimizer, and the training step. Step s consumes global samples
-[s * B, (s + 1) * B) of the fixed order; this rank takes its dp share. The loop around it, with checkpoints,
-stop requests and events, is `train.job`."""
+"""One rank's trainer: the engine and optimizer, the training step and the validation loss. Step s consumes
+global samples [s * B, (s + 1) * B) of the fixed order; this rank takes its dp share. Validation batch b is
+samples [b * B, (b + 1) * B) of the validation stream in order, split over dp the same way. The loop around
+it, with checkpoints, stop requests, evaluations and events, is `train.job`."""
 
 from __future__ import annotations
 
@@ -31,12 +32,34 @@ class Diverged(ConfigError):
                          f"applied and {kept} (lower --lr, check the data, or resume from an earlier checkpoint)")
 
 
+def eval_batch_count(num_tokens: int, cfg: TrainConfig) -> int:
+    """How many validation batches of cfg.global_batch samples a stream of `num_tokens` tokens gives: at
+    most cfg.eval_batches, whole batches only. A stream without one whole batch is a ConfigError."""
+    samples = max(num_tokens - 1, 0) // cfg.seq_len
+    if samples < cfg.global_batch:
+        raise ConfigError(f"the validation data has {samples} samples of {cfg.seq_len} + 1 tokens "
+                          f"({num_tokens} tokens); one validation batch needs global_batch={cfg.global_batch} "
+                          f"(valid: more validation data, a larger --val-fraction or a smaller --global-batch)")
+    return min(cfg.eval_batches, samples // cfg.global_batch)
+
+
+def sample_rows(tokens, seq_len: int, ids) -> torch.Tensor:
+    """Samples `ids` of a token stream (sample i is tokens [i * T, i * T + T + 1)) as int64 rows."""
+    T = seq_len
+    return torch.from_numpy(np.stack([np.asarray(tokens[i * T:i * T + T + 1], dtype=np.int64) for i in ids]))
+
+
 class Trainer:
     def __init__(self, model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout, mesh: DeviceMesh,
-                 device: torch.device, *, tokens: np.ndarray | None = None, initialize: bool = True):
-        """initialize=False leaves the weights undefined, for a checkpoint load to fill."""
+                 device: torch.device, *, tokens: np.ndarray | None = None, val_tokens=None,
+                 initialize: bool = True):
+        """initialize=False leaves the weights undefined, for a checkpoint load to fill. `val_tokens` (a token
+        stream like `tokens`, or None: no validation) is checked here, before anything is built."""
         if cfg.seq_len > model_cfg.context_length:
             raise ValueError(f"seq_len={cfg.seq_len} exceeds the model's context_length={model_cfg.context_length}")
+        self.val_tokens = val_tokens
+        self.val_batches = 0 if val_tokens is None else eval_batch_count(len(val_tokens), cfg)
+        """Validation batches of global_batch samples per evaluation (0: no validation data)."""
         self.model_cfg, self.cfg, self.layout, self.device = model_cfg, cfg, layout, device
         self.engine = Engine(model_cfg, layout, mesh, device, seed=cfg.seed, global_batch=cfg.global_batch,
                              seq_len=cfg.seq_len, param_dtype=resolve_dtype(cfg.dtype, device), initialize=initialize)
@@ -91,3 +114,23 @@ class Trainer:
                 "samples": [self.consumed_samples - cfg.global_batch, self.consumed_samples],
                 "world_size": self.layout.world_size, "layout": self.layout.to_dict(),
                 "time": time.time()}
+
+    @property
+    def val_samples(self) -> int:
+        """Validation samples per evaluation (0 without validation data)."""
+        return self.val_batches * self.cfg.global_batch
+
+    def evaluate(self) -> float:
+        """The validation loss: the token mean over the first `val_samples` samples of the validation stream,
+        taken in order and split over dp like a training batch, so every layout and every rank gets the same
+        number. Forward only: gradients, optimizer state and the RNG a later step uses are unchanged (each
+        step reseeds from its own index, and evaluation runs without dropout)."""
+        if not self.val_batches:
+            raise ValueError("evaluate() needs validation data (Trainer(val_tokens=...))")
+        cfg, engine = self.cfg, self.engine
+        local = torch.zeros((), device=self.device)
+        for b in range(self.val_batches):
+            ids = samples_for(b, cfg.global_batch, engine.coords.dp, self.layout.dp)
+            local += engine.eval_loss(sample_rows(self.val_tokens, cfg.seq_len, ids))
+        # every batch is global_batch * seq_len tokens: the mean of the batch means is the mean over all tokens
+        return engine.global_loss(local) / self.val_batches

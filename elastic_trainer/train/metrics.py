@@ -30,9 +30,11 @@ class MetricsLog:
             self._file.flush()
             os.fsync(self._file.fileno())
         step = record["step"]
-        if step % self.log_every == 0 or step == self.total_steps:
+        # a step with a validation loss is always printed: evaluations are rarer than log lines
+        if step % self.log_every == 0 or step == self.total_steps or "val_loss" in record:
             of = f"/{self.total_steps}" if self.total_steps else ""
-            print(f"step {step}{of} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+            val = f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""
+            print(f"step {step}{of} | loss {record['loss']:.4f}{val} | lr {record['lr']:.2e} | "
                   f"grad_norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
                   f"{record['step_time_s']:.3f} s/step", file=sys.stdout, flush=True)
 

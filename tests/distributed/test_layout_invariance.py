@@ -10,13 +10,17 @@ with the single-process run (1,1,1):
   whole bias, within 1e-3 (measured: whole vector 2e-7, tensors 1e-6, key biases 1.2e-4);
 - copies of one parameter on several ranks (tp replicas, ddp replicas, the tied embedding on the first and
   last pipeline stage) are bitwise equal;
-- the set of sample ids consumed at each step is the same, and dp ranks' shares are disjoint.
+- the set of sample ids consumed at each step is the same, and dp ranks' shares are disjoint;
+- in the reference and the fsdp layouts (every degree, with 1F1B pipelines): the validation loss after steps
+  3 and 5 (eval_every=3, two batches of a fixed validation stream): relative difference <= 1e-5, and the same
+  number on every rank.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
@@ -25,27 +29,33 @@ from elastic_trainer.config import TrainConfig, load_model_config
 from elastic_trainer.parallel import build_mesh
 from elastic_trainer.plan.layout import Layout
 from elastic_trainer.train import Trainer
+from elastic_trainer.train.job import evaluation_due
 from elastic_trainer.parallel.local_ranks import run_ranks
 
 MODEL = load_model_config("gpt-tiny")
-CFG = TrainConfig(global_batch=8, seq_len=32, steps=5, seed=0, lr=1e-3, warmup_steps=2)
+CFG = TrainConfig(global_batch=8, seq_len=32, steps=5, seed=0, lr=1e-3, warmup_steps=2, eval_every=3, eval_batches=2)
 
 
-def train_job(rank: int, world: int, layout: Layout, tokens, cfg: TrainConfig = CFG, model=MODEL) -> dict:
-    trainer = Trainer(model, cfg, layout, build_mesh(layout, "cpu"), torch.device("cpu"), tokens=tokens)
-    records, ids = [], []
+def train_job(rank: int, world: int, layout: Layout, tokens, cfg: TrainConfig = CFG, model=MODEL,
+              val_tokens=None) -> dict:
+    trainer = Trainer(model, cfg, layout, build_mesh(layout, "cpu"), torch.device("cpu"), tokens=tokens,
+                      val_tokens=val_tokens)
+    records, ids, val = [], [], {}
     for _ in range(cfg.steps):
         records.append(trainer.train_step())
         ids.append(trainer.last_sample_ids.tolist())
+        if evaluation_due(trainer.step, cfg, trainer.val_batches):  # as train.job's loop does
+            val[trainer.step] = trainer.evaluate()
     params = {n: (p.full_tensor() if isinstance(p, DTensor) else p.detach()).clone()
               for n, p in trainer.engine.model.named_parameters()}
     coords = trainer.engine.coords
     return {"loss": [r["loss"] for r in records], "grad_norm": [r["grad_norm"] for r in records],
-            "params": params, "ids": ids, "coords": (coords.pp, coords.dp, coords.tp)}
+            "params": params, "ids": ids, "coords": (coords.pp, coords.dp, coords.tp), "val": val}
 
 
-def run(layout: Layout, tokens, cfg: TrainConfig = CFG, model=MODEL) -> dict:
-    results = run_ranks(train_job, layout.world_size, layout, tokens, cfg, model)
+def run(layout: Layout, tokens, cfg: TrainConfig = CFG, model=MODEL, val_tokens=None) -> dict:
+    results = run_ranks(train_job, layout.world_size, layout, tokens, cfg, model, val_tokens)
+    assert all(r["val"] == results[0]["val"] for r in results), "ranks differ in the validation loss"
     params: dict[str, torch.Tensor] = {}
     for r in results:
         for name, value in r["params"].items():
@@ -59,12 +69,19 @@ def run(layout: Layout, tokens, cfg: TrainConfig = CFG, model=MODEL) -> dict:
             for s, ids in enumerate(r["ids"]):
                 assert not steps[s] & set(ids), "dp ranks consumed the same sample"
                 steps[s] |= set(ids)
-    return {"loss": results[0]["loss"], "grad_norm": results[0]["grad_norm"], "params": params, "ids": steps}
+    return {"loss": results[0]["loss"], "grad_norm": results[0]["grad_norm"], "params": params, "ids": steps,
+            "val": results[0]["val"]}
 
 
 @pytest.fixture(scope="module")
-def reference(sotu_tokens):
-    return run(Layout(1, 1, 1, micro_batch=8, num_microbatches=1), sotu_tokens)
+def val_tokens(sotu_tokens) -> np.ndarray:
+    """Two validation batches (16 samples of 32 + 1 tokens): the corpus' last tokens, read in order."""
+    return np.asarray(sotu_tokens[-(16 * 32 + 1):], dtype=np.uint16)
+
+
+@pytest.fixture(scope="module")
+def reference(sotu_tokens, val_tokens):
+    return run(Layout(1, 1, 1, micro_batch=8, num_microbatches=1), sotu_tokens, val_tokens=val_tokens)
 
 
 def rel(a: float, b: float) -> float:
@@ -111,6 +128,10 @@ def assert_matches(result: dict, ref: dict) -> None:
     for name, diff in key_biases.items():
         assert diff <= 1e-3, f"{name} (key third): relative difference {diff:.1e}"
     assert result["ids"] == ref["ids"]
+    if result["val"]:  # a run given the validation stream
+        assert list(result["val"]) == list(ref["val"]) == [3, 5]
+        for step, value in result["val"].items():
+            assert rel(value, ref["val"][step]) <= 1e-5, f"validation loss after step {step}: {value} vs {ref['val'][step]}"
 
 
 # (dp, tp, pp, micro_batch): micro-batches are chosen so that pipelines run 1F1B with 2 micro-batches
@@ -126,11 +147,12 @@ def make_layout(dp, tp, pp, micro, mode="fsdp") -> Layout:
 def test_reference_learns(reference):
     assert reference["loss"][-1] < reference["loss"][0] - 0.1
     assert reference["ids"][0] != reference["ids"][1]
+    assert reference["val"][5] < reference["val"][3]
 
 
 @pytest.mark.parametrize("degrees", LAYOUTS, ids=lambda d: "dp{}-tp{}-pp{}-mb{}".format(*d))
-def test_fsdp_layouts_match_single_process(degrees, reference, sotu_tokens):
-    assert_matches(run(make_layout(*degrees), sotu_tokens), reference)
+def test_fsdp_layouts_match_single_process(degrees, reference, sotu_tokens, val_tokens):
+    assert_matches(run(make_layout(*degrees), sotu_tokens, val_tokens=val_tokens), reference)
 
 
 @pytest.mark.parametrize("degrees", [d for d in LAYOUTS if d[0] > 1], ids=lambda d: "dp{}-tp{}-pp{}-mb{}".format(*d))

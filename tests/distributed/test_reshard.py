@@ -2,8 +2,8 @@
 
 One chain of runs: each trains 3 steps in its layout, saves, and the next run (another layout, another
 world size) loads that checkpoint. Every link checks that the gathered weights and AdamW moments (and step
-counts) after loading equal, bitwise, what was saved; all per-step losses of the chain must be within
-1e-5 relative of one uninterrupted single-process run. The 16 links change every dimension up and down,
+counts) after loading equal, bitwise, what was saved; all per-step losses of the chain, and the validation
+loss at the end of every link, must be within 1e-5 relative of one uninterrupted single-process run. The 16 links change every dimension up and down,
 the micro-batch split, and the data-parallel mode both ways between sharded, replicated and ZeRO-1.
 """
 
@@ -46,7 +46,12 @@ CHAIN = [  # dp, tp, pp, micro_batch, dp_mode
 
 def config(steps: int, **kw) -> TrainConfig:
     return TrainConfig(global_batch=8, seq_len=32, steps=steps, decay_steps=len(CHAIN) * STEPS_PER_RUN,
-                       seed=0, lr=1e-3, warmup_steps=2, **kw)
+                       seed=0, lr=1e-3, warmup_steps=2, eval_batches=1, **kw)
+
+
+def validation(tokens) -> np.ndarray:
+    """One validation batch: the corpus' last 8 samples of 32 + 1 tokens, in order."""
+    return np.asarray(tokens[-(8 * 32 + 1):], dtype=np.uint16)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -66,19 +71,21 @@ def full_state(trainer: Trainer) -> dict[str, torch.Tensor]:
     return out
 
 
-def chain_job(rank, world, layout: Layout, ckpt_dir: str, until: int, tokens) -> dict:
+def chain_job(rank, world, layout: Layout, ckpt_dir: str, until: int, tokens, val_tokens=None) -> dict:
     with Job(MODEL, config(until), layout, torch.device("cpu"), ckpt=CheckpointConfig(dir=ckpt_dir),
-             tokens=tokens) as job:
+             tokens=tokens, val_tokens=val_tokens) as job:
         trainer = job.trainer
         loaded = full_state(trainer) if job.loaded else None
         losses, ids = [], []
         while trainer.step < until:
             losses.append(trainer.train_step()["loss"])
             ids.append(trainer.last_sample_ids.tolist())
+        val = trainer.evaluate() if val_tokens is not None else None
         saved = full_state(trainer)
         job.checkpointer.save(trainer)
     c = trainer.engine.coords
-    return {"loaded": loaded, "saved": saved, "losses": losses, "ids": ids, "reader": c.pp == 0 and c.tp == 0}
+    return {"loaded": loaded, "saved": saved, "losses": losses, "ids": ids, "reader": c.pp == 0 and c.tp == 0,
+            "val": val}
 
 
 def merge(results: list[dict], key: str) -> dict[str, torch.Tensor]:
@@ -91,23 +98,32 @@ def merge(results: list[dict], key: str) -> dict[str, torch.Tensor]:
     return merged
 
 
-def uninterrupted_losses(tokens, steps: int) -> list[float]:
+def uninterrupted_losses(tokens, steps: int) -> tuple[list[float], list[float]]:
+    """(the loss of every step, the validation loss after every STEPS_PER_RUN-th)."""
     def job(rank, world):
         layout = Layout(1, 1, 1, 8, 1)
-        trainer = Trainer(MODEL, config(steps), layout, build_mesh(layout, "cpu"), torch.device("cpu"), tokens=tokens)
-        return [trainer.train_step()["loss"] for _ in range(steps)]
+        trainer = Trainer(MODEL, config(steps), layout, build_mesh(layout, "cpu"), torch.device("cpu"), tokens=tokens,
+                          val_tokens=validation(tokens))
+        losses, val = [], []
+        for _ in range(steps):
+            losses.append(trainer.train_step()["loss"])
+            if trainer.step % STEPS_PER_RUN == 0:
+                val.append(trainer.evaluate())
+        return losses, val
     return run_ranks(job, 1)[0]
 
 
 @pytest.mark.slow
 def test_reshard_chain_is_exact_and_continues_the_trajectory(tmp_path, sotu_tokens):
     total = len(CHAIN) * STEPS_PER_RUN
-    reference = uninterrupted_losses(sotu_tokens, total)
-    losses, previous = [], None
+    reference, reference_val = uninterrupted_losses(sotu_tokens, total)
+    losses, val, previous = [], [], None
     for i, (dp, tp, pp, micro, mode) in enumerate(CHAIN):
         layout = Layout(dp, tp, pp, micro, 8 // (dp * micro), dp_mode=mode)
         results = run_ranks(chain_job, layout.world_size, layout, str(tmp_path), (i + 1) * STEPS_PER_RUN,
-                            sotu_tokens)
+                            sotu_tokens, validation(sotu_tokens))
+        assert len({r["val"] for r in results}) == 1, f"link {i}: ranks differ in the validation loss"
+        val.append(results[0]["val"])
         loaded = merge(results, "loaded")
         if previous is not None:
             assert set(loaded) == set(previous), set(loaded) ^ set(previous)
@@ -117,6 +133,9 @@ def test_reshard_chain_is_exact_and_continues_the_trajectory(tmp_path, sotu_toke
         losses += results[0]["losses"]
     for step, (a, b) in enumerate(zip(losses, reference)):
         assert abs(a - b) / b <= 1e-5, f"step {step + 1}: {a} vs uninterrupted {b}"
+    assert len(val) == len(reference_val) == len(CHAIN)
+    for i, (a, b) in enumerate(zip(val, reference_val)):
+        assert abs(a - b) / b <= 1e-5, f"validation loss after step {(i + 1) * STEPS_PER_RUN}: {a} vs uninterrupted {b}"
 
 
 def test_exactly_once_data_across_reshards(tmp_path, sotu_tokens):

@@ -329,6 +329,50 @@ def test_data_and_tensor_parallel_on_four_ranks_count_each_piece_s_replicas():
     assert sum(halves) == pytest.approx(want_loss, rel=1e-5)
 
 
+def _rank_eval(rank, world, layout: Layout, cfg: ModelConfig, val, tokens) -> dict:
+    """eval_loss on this rank's dp share of `val` (before any step), then one training step on `tokens`."""
+    engine = Engine(cfg, layout, build_mesh(layout, "cpu"), CPU, seed=SEED, global_batch=layout.global_batch, seq_len=T)
+    model, share = engine.model, layout.local_batch
+    rows = slice(engine.coords.dp * share, (engine.coords.dp + 1) * share)
+    model.train()
+    rng = torch.random.get_rng_state()
+    val_loss = engine.global_loss(engine.eval_loss(val[rows]))
+    after = {"training": model.training, "rng": torch.equal(torch.random.get_rng_state(), rng),
+             "grads": [n for n, p in model.named_parameters() if p.grad is not None],
+             "zero_seen": any(engine.zero._seen) if engine.zero is not None else False,
+             # FSDP keeps the root gathered after a forward; eval_loss frees it as a backward would
+             "gathered": [n for n, p in model.named_parameters() if layout.dp > 1 and layout.dp_mode == "fsdp"
+                          and not isinstance(p, DTensor)]}
+    local = engine.forward_backward(tokens[rows], keys_for(layout.global_batch)[rows])
+    engine.reduce_tied_grads()
+    return {"val_loss": val_loss, "after": after, "loss": engine.global_loss(local),
+            "grads": {n: full(p.grad) for n, p in model.named_parameters()} if engine.zero is None else {},
+            "norm": float(engine.clip_grad_norm_(0.0))}
+
+
+@pytest.mark.parametrize("layout", [Layout(2, 1, 2, 1, 2, dp_mode="fsdp"), Layout(2, 1, 1, 1, 2, dp_mode="fsdp"),
+                                    Layout(2, 1, 1, 1, 2, dp_mode="zero1")],
+                         ids=["dp2-pp2-1f1b-fsdp", "dp2-fsdp", "dp2-zero1"])
+def test_the_validation_loss_is_the_plain_eval_mode_mean_and_leaves_the_step_alone(layout):
+    """With dropout on and the model in training mode: the eval-mode token mean of the plain GPT on every rank;
+    no gradient, ZeRO-1 buffer, RNG draw or gathered FSDP parameter left behind, the training mode kept; the
+    next step is the plain step."""
+    val, tokens = batch(4, DROPPING, seed=5), batch(4, DROPPING)
+    gc.collect()
+    results = run_ranks(_rank_eval, layout.world_size, layout, DROPPING, val, tokens, timeout=120)
+    plain = GPT(DROPPING)
+    plain.load_state_dict(initial_by_hand(DROPPING, SEED))
+    plain.eval()
+    with torch.no_grad():
+        want = F.cross_entropy(plain(val[:, :-1]).reshape(-1, DROPPING.vocab_size), val[:, 1:].reshape(-1)).item()
+    want_loss, want_grads, want_norm = reference(DROPPING, tokens, keys_for(4))
+    for r in results:
+        assert r["val_loss"] == pytest.approx(want, rel=1e-5)
+        assert r["after"] == {"training": True, "rng": True, "grads": [], "zero_seen": False, "gathered": []}
+        assert r["loss"] == pytest.approx(want_loss, rel=1e-5) and r["norm"] == pytest.approx(want_norm, rel=1e-5)
+        assert_grads_match(r["grads"], want_grads)
+
+
 # -- in this process ------------------------------------------------------------------------------------
 
 def engine1(layout: Layout, cfg: ModelConfig = MODEL, device: torch.device = CPU, **kwargs) -> Engine:

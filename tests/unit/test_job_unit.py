@@ -251,3 +251,39 @@ def test_divergence_raises_naming_the_newest_checkpoint(group, tmp_path):
     got = events_of(tmp_path / "ev.jsonl")
     assert kinds(got) == ["state_loaded", "first_step_done", "diverged"]
     assert names(tmp_path / "ck") == ["step-00000002"]
+
+
+VAL = np.random.default_rng(2).integers(0, MODEL.vocab_size, 9 * T + 1).astype(np.uint16)  # 9 samples: 2 batches
+
+
+def test_the_validation_loss_goes_into_the_records_of_every_kth_and_the_last_step(group, tmp_path, capsys):
+    """eval_every=2 of 5 steps: after steps 2, 4 and 5; the training records are those of a run without
+    validation; a run stopped at 3 and resumed evaluates at 4 and 5 as the straight run did."""
+    cfg = dataclasses.replace(CFG, eval_every=2, eval_batches=3)
+    plain = run_job(MODEL, CFG, LAYOUT, CPU, tokens=TOKENS)
+    log = MetricsLog(str(tmp_path / "metrics.jsonl"), enabled=True, log_every=10, total_steps=STEPS)
+    with Job(MODEL, cfg, LAYOUT, CPU, tokens=TOKENS, val_tokens=VAL, log=log) as j:
+        j.fit()
+    log.close()
+    records = j.records
+    assert [r["step"] for r in records if "val_loss" in r] == [2, 4, 5]
+    for r, p in zip(records, plain.records):
+        assert (r["loss"], r["grad_norm"]) == (p["loss"], p["grad_norm"])
+    for before, r in zip(records, records[1:]):
+        if "val_loss" in r:  # the record's time is the end of its evaluation, which began after the step
+            assert r["val_samples"] == 2 * B and r["eval_time_s"] > 0
+            assert before["time"] <= r["time"] - r["eval_time_s"] - r["step_time_s"] + 1e-3
+    assert records[-1]["val_loss"] == pytest.approx(j.trainer.evaluate(), rel=1e-6)
+    assert len({r["val_loss"] for r in records if "val_loss" in r}) == 3
+    assert [r.get("val_loss") for r in read_jsonl(tmp_path / "metrics.jsonl")] == [r.get("val_loss") for r in records]
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split(" | ")[:3] for line in printed] == [  # log_every=10: evaluated steps are printed anyway
+        [f"step {r['step']}/5", f"loss {r['loss']:.4f}", f"val {r['val_loss']:.4f}"] for r in records if "val_loss" in r]
+    ckpt = CheckpointConfig(dir=str(tmp_path / "ck"))
+    first = run_job(MODEL, cfg, LAYOUT, CPU, tokens=TOKENS, val_tokens=VAL, until=3, ckpt=ckpt)
+    resumed = run_job(MODEL, cfg, LAYOUT, CPU, tokens=TOKENS, val_tokens=VAL, ckpt=ckpt)
+    assert [r.get("val_loss") for r in first.records + resumed.records] == pytest.approx(
+        [r.get("val_loss") for r in records], rel=1e-6)
+    only_last = run_job(MODEL, dataclasses.replace(cfg, eval_every=0), LAYOUT, CPU, tokens=TOKENS, val_tokens=VAL)
+    assert [r["step"] for r in only_last.records if "val_loss" in r] == [5]
+    assert not any("val_loss" in r for r in plain.records)

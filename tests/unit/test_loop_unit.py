@@ -1,6 +1,6 @@
 """train/loop.py's Trainer on a process group of one (in this process, a micro model): what a step records,
-the RNG seed it sets, the sample order and dropout keys it uses, its refusal of a diverged step, and where its
-tokens come from. The expectations are written out from the documented behaviour or computed with plain torch."""
+the RNG seed it sets, the sample order and dropout keys it uses, its refusal of a diverged step, where its
+tokens come from, and the validation loss (against Hugging Face's GPT-2 with the same weights). The expectations are written out from the documented behaviour or computed with plain torch."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from elastic_trainer.config import ModelConfig, TrainConfig
+from elastic_trainer.config import ConfigError, ModelConfig, TrainConfig
 from elastic_trainer.data import tokenizer
 from elastic_trainer.data.records import DataError
 from elastic_trainer.model import init as model_init
 from elastic_trainer.model.dropout import sample_keys
+from elastic_trainer.model.hf import config_to_hf, state_dict_to_hf
 from elastic_trainer.parallel.mesh import build_mesh
 from elastic_trainer.plan.layout import Layout
 from elastic_trainer.train.loop import Diverged, Trainer
@@ -204,3 +205,80 @@ def test_without_tokens_the_configured_corpus_is_read_into_the_cache(group, tmp_
     (tmp_path / "b.jsonl").write_text(json.dumps({"text": good}) + "\n{not json}\n")
     trainer = build(_corpus_cfg(tmp_path, 2, tmp_path / "b.jsonl", skip_bad=True))
     assert np.asarray(trainer.samples.tokens).tolist() == tokenizer.encode(good) + [tokenizer.EOT_ID]
+
+
+# -- the validation loss --------------------------------------------------------------------------------
+
+VAL = np.random.default_rng(1).integers(0, MODEL.vocab_size, 11 * T + 1).astype(np.uint16)  # 11 samples
+
+
+def hf_mean_loss(trainer: Trainer, rows: torch.Tensor) -> float:
+    """The token-mean cross-entropy of Hugging Face's GPT2LMHeadModel (the independent implementation) with the
+    trainer's weights exported (model/hf.py), in eval mode."""
+    transformers = pytest.importorskip("transformers")
+    cfg = trainer.model_cfg
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        **{k: v for k, v in config_to_hf(cfg).items() if k != "architectures"})).eval()
+    hf.load_state_dict(state_dict_to_hf(trainer.engine.model.state_dict(), cfg), strict=False)
+    hf.tie_weights()
+    with torch.no_grad():
+        logits = hf(rows[:, :-1]).logits
+    return F.cross_entropy(logits.reshape(-1, cfg.vocab_size), rows[:, 1:].reshape(-1)).item()
+
+
+def val_rows(ids) -> torch.Tensor:
+    return torch.tensor(np.stack([VAL[i * T:i * T + T + 1].astype(np.int64) for i in ids]))
+
+
+def test_the_validation_loss_is_gpt2_s_cross_entropy_of_two_samples_in_order(group):
+    cfg = TrainConfig(global_batch=2, seq_len=T, steps=5, seed=11, eval_batches=1)
+    one = Layout(1, 1, 1, 1, 2)  # two micro-batches of one sample
+    dropping = ModelConfig(n_layers=1, d_model=16, n_heads=2, vocab_size=64, context_length=16, dropout=0.5)
+    for model in (MODEL, dropping):  # dropout is off in evaluation, and the model is left in training mode
+        trainer = Trainer(model, cfg, one, build_mesh(one, "cpu"), torch.device("cpu"), tokens=TOKENS,
+                          val_tokens=VAL[:2 * T + 1])
+        assert (trainer.val_batches, trainer.val_samples) == (1, 2)
+        want = hf_mean_loss(trainer, val_rows([0, 1]))
+        assert trainer.evaluate() == pytest.approx(want, rel=1e-6)
+        assert trainer.engine.model.training
+        trainer.train_step()
+        want = hf_mean_loss(trainer, val_rows([0, 1]))
+        assert trainer.evaluate() == pytest.approx(want, rel=1e-6)
+
+
+def test_the_validation_loss_is_the_mean_of_whole_batches_in_order(group):
+    """11 samples, batches of 4: eval_batches=4 takes the 2 whole batches there are, eval_batches=1 the first."""
+    for eval_batches, n in [(4, 8), (1, 4)]:
+        trainer = make(cfg=TrainConfig(global_batch=B, seq_len=T, steps=5, seed=11, eval_batches=eval_batches),
+                       val_tokens=VAL)
+        assert trainer.val_samples == n
+        assert trainer.evaluate() == pytest.approx(hf_mean_loss(trainer, val_rows(range(n))), rel=1e-6)
+
+
+def test_evaluation_leaves_the_next_step_as_it_was(group):
+    """Gradients, the optimizer state, the RNG and so the next steps' losses, norms and weights are those of a
+    run without evaluation; an evaluation before any step too."""
+    plain, evaluated = make(), make(val_tokens=VAL)
+    evaluated.evaluate()
+    for _ in range(3):
+        a, b = plain.train_step(), evaluated.train_step()
+        rng = torch.random.get_rng_state()
+        grads = [p.grad.clone() for p in evaluated.engine.model.parameters()]
+        evaluated.evaluate()
+        assert torch.equal(torch.random.get_rng_state(), rng)
+        assert all(torch.equal(p.grad, g) for p, g in zip(evaluated.engine.model.parameters(), grads))
+        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"])
+    one, other = params(plain), params(evaluated)
+    assert all(torch.equal(one[k], other[k]) for k in one)
+    assert str(plain.optimizer.state_dict()) == str(evaluated.optimizer.state_dict())
+
+
+def test_a_validation_stream_without_one_batch_is_refused_in_one_line(group):
+    with pytest.raises(ConfigError) as err:
+        make(val_tokens=VAL[:3 * T + 1])  # 3 samples; a batch is 4
+    assert str(err.value) == (
+        f"the validation data has 3 samples of {T} + 1 tokens ({3 * T + 1} tokens); one validation batch needs "
+        f"global_batch={B} (valid: more validation data, a larger --val-fraction or a smaller --global-batch)")
+    assert make(val_tokens=VAL[:4 * T + 1]).val_samples == 4  # exactly one batch
+    with pytest.raises(ValueError, match=r"needs validation data"):
+        make().evaluate()

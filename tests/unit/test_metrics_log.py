@@ -120,3 +120,17 @@ def test_each_line_is_flushed_as_it_is_printed(monkeypatch):
     log.write({"step": 1, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1000.0, "step_time_s": 0.25})
     assert out.pending == ""
     assert out.seen.splitlines()[-1] == "step 1/2 | loss 2.5000 | lr 1.00e-03 | grad_norm 0.500 | 1,000 tok/s | 0.250 s/step"
+
+
+def test_a_step_with_a_validation_loss_prints_it_even_between_log_lines(tmp_path, capsys):
+    log = MetricsLog(str(tmp_path / "m.jsonl"), enabled=True, log_every=2, total_steps=5)
+    evaluated = {**record(3), "val_loss": 7.123456, "val_samples": 32, "eval_time_s": 0.5}
+    for r in (record(2), evaluated, record(4)):
+        log.write(r)
+    log.close()
+    assert capsys.readouterr().out.splitlines() == [
+        "step 2/5 | loss 8.8328 | lr 6.00e-04 | grad_norm 1.235 | 12,346 tok/s | 0.043 s/step",
+        "step 3/5 | loss 7.8328 | val 7.1235 | lr 9.00e-04 | grad_norm 1.235 | 12,346 tok/s | 0.043 s/step",
+        "step 4/5 | loss 6.8328 | lr 1.20e-03 | grad_norm 1.235 | 12,346 tok/s | 0.043 s/step",
+    ]
+    assert json.loads((tmp_path / "m.jsonl").read_text().splitlines()[1]) == evaluated

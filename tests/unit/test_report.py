@@ -208,3 +208,37 @@ def test_the_plot_marks_restarts_after_failures(tmp_path, monkeypatch):
     notes.clear()
     plot(CRASHED + RESUMED, str(tmp_path / "b.png"))
     assert notes == ["restart, 1 redone"]
+
+
+def with_val(r: dict, val_loss: float, eval_time: float) -> dict:
+    """A record whose step was followed by an evaluation: its time is the evaluation's end."""
+    return {**r, "val_loss": val_loss, "val_samples": 16, "eval_time_s": eval_time, "time": r["time"] + eval_time}
+
+
+def test_an_evaluation_is_the_segment_s_time_not_downtime():
+    """An evaluation after a segment's last step ends before the gap; one after its first step is inside it."""
+    records = [with_val(r, 9.0, 1.5) if r["step"] in (4, 5) else r for r in PHASE0 + PHASE1]
+    segs = segments(records)
+    plain = segments(PHASE0 + PHASE1)
+    assert segs[0].end == plain[0].end + 1.5 and segs[1].start == plain[1].start
+    assert downtime(segs[0], segs[1], [])["downtime_s"] == downtime(plain[0], plain[1], [])["downtime_s"] - 1.5
+
+
+def test_the_plot_marks_the_validation_losses(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    lines = []
+    original = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot",
+                        lambda self, *a, **k: lines.append((a, k)) or original(self, *a, **k))
+    records = [with_val(r, 9.5 - r["step"] / 10, 0.5) if r["step"] % 3 == 0 else r for r in RECORDS]
+    plot(records, str(tmp_path / "a.png"))
+    assert {a[2] for a, k in lines if k.get("label") == "validation"} == {"o"}  # markers, not a line
+    marked = [(list(a[0]), list(a[1])) for a, k in lines if k.get("label") == "validation" and len(a[0])]
+    by_step = [m for m in marked if all(isinstance(x, int) for x in m[0])]
+    assert [x for m in by_step for x in m[0]] == [3, 6, 9]
+    assert [y for m in by_step for y in m[1]] == [9.2, 8.9, 8.6]
+    assert len(marked) == 2 * len(by_step)  # against step and against time
+    lines.clear()
+    plot(RECORDS, str(tmp_path / "b.png"))
+    assert not any(len(a[0]) for a, k in lines if k.get("label") == "validation")

@@ -182,14 +182,51 @@ def run_train_command(args: argparse.Namespace) -> int:
     env = preflight.check_environment()
     spec = resolve.train_spec(args, built_by="train", world_size=env.world_size,
                               local_world_size=env.local_world_size, hosts_known=env.world_size == env.local_world_size)
-    tokens = preflight.train_inputs(spec)
+    corpus = preflight.train_inputs(spec)
+    if env.local_rank == 0:
+        from elastic_trainer.data.corpus import say
+
+        say(corpus)
     if args.check:
         layout = spec.phases[0].layout
         planned = layout.describe() if layout is not None else "planned at start for the hosts the ranks are on"
         print(f"[check] inputs are valid: {spec.model.name} on {env.world_size} rank(s) ({planned}); data "
-              f"{len(tokens):,} tokens; {preflight.resume_summary(spec.checkpoint)}; nothing was started")
+              f"{corpus.describe()}; {preflight.resume_summary(spec.checkpoint)}; nothing was started")
         return 0
-    return rank.finish_worker(rank.recorded(rank.run, env)(spec, None, env, tokens=tokens), env)
+    return rank.finish_worker(rank.recorded(rank.run, env)(spec, None, env, corpus=corpus), env)
+
+
+def run_prepare_data(args: argparse.Namespace) -> int:
+    """`prepare-data`: the text of the sources into a prepared dataset (data/prepare.py); Ctrl-C keeps the
+    complete shards and exits 130."""
+    from pathlib import Path
+
+    from elastic_trainer.data import prepare, read, sources, stream
+
+    resolved = sources.resolve(args.sources, args.data_split)
+    if resolved.tokens:
+        raise ConfigError(f"{resolved.tokens[0].path} is already tokens ({resolved.tokens[0].kind}); --data takes "
+                          "it as it is")
+    out = Path(args.out)
+    if out.is_file() or (out.is_dir() and any(out.iterdir()) and not (out / "manifest.json").is_file()
+                         and not (out / "shards").is_dir()):
+        raise ConfigError(f"--out {args.out} holds other files (valid: a new folder, or one prepare-data wrote)")
+    read.sample(resolved.text, skip=args.skip_bad_records, text_field=args.text_field)
+    try:
+        manifest = prepare.prepare(resolved.text, out, text_field=args.text_field, skip_bad=args.skip_bad_records,
+                                   workers=args.workers, chunk_bytes=int(args.chunk_mb * (1 << 20)), announce=True)
+    except KeyboardInterrupt:
+        return 130
+    if args.verify:
+        stream.verify_prepared(out, manifest)
+    for note in resolved.notes:
+        print(f"[prepare] {note}", file=sys.stderr)
+    if resolved.validation:
+        print(f"[prepare] a validation split is beside the sources ({resolved.validation[0].name}...): prepare it "
+              "into its own folder for --val-data", file=sys.stderr)
+    print(f"{out}: {manifest['tokens']:,} tokens, {manifest['documents']:,} documents, {len(manifest['shards'])} "
+          f"shards; train on it with --data {out}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 COMMANDS = {"train": run_train_command, "launch": run_launch, "checkpoint": run_checkpoint, "plan": run_plan,
-            "calibrate": run_calibrate, "experiment": run_experiment, "kubernetes": run_kubernetes}
+            "calibrate": run_calibrate, "experiment": run_experiment, "kubernetes": run_kubernetes,
+            "prepare-data": run_prepare_data}
 
 
 if __name__ == "__main__":

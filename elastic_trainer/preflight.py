@@ -7,8 +7,9 @@ inputs, in the order that creates nothing until everything cheaper has passed:
 2. the paths it will write (metrics, events, checkpoints): not a folder where a file goes or the reverse,
    and a writable place to create them;
 3. the checkpoint it would resume: its meta.json read and compared with the run's model and trajectory;
-4. the data: every file opened and sampled (`data.records.sample`), then the corpus tokenized once (the
-   only step that writes, into the token cache, and only a complete, non-empty stream).
+4. the data: every text file opened and sampled (`data.read.sample`), then the corpus prepared once (the
+   only step that writes, into the data cache, and only complete shards), then the checkpoint's data compared
+   with it by content.
 
 Every failure is a one-line ConfigError (or CheckpointError) naming the flag, file or variable.
 """
@@ -104,9 +105,10 @@ def resume_meta(ckpt: CheckpointConfig) -> tuple[Path, dict] | None:
     return None
 
 
-def check_checkpoint(ckpt: CheckpointConfig | None, model: ModelConfig, train: TrainConfig) -> int:
-    """The checkpoint folder is usable and what this run would resume matches its model and trajectory;
-    the step it would resume from (0: none)."""
+def check_checkpoint(ckpt: CheckpointConfig | None, model: ModelConfig, train: TrainConfig,
+                     data_id: str | None = None) -> int:
+    """The checkpoint folder is usable and what this run would resume matches its model, trajectory and data
+    (by content, with `data_id`); the step it would resume from (0: none)."""
     if ckpt is None:
         return 0
     check_dir_target(ckpt.dir, "--checkpoint-dir")
@@ -120,7 +122,7 @@ def check_checkpoint(ckpt: CheckpointConfig | None, model: ModelConfig, train: T
     folder, meta = found
     from elastic_trainer.checkpoint.state import check_compatible
 
-    check_compatible(meta, model, train, str(folder))
+    check_compatible(meta, model, train, str(folder), data_id)
     return int(meta["step"])
 
 
@@ -142,9 +144,8 @@ def resume_summary(ckpt: CheckpointConfig | None) -> str:
 
 def train_inputs(spec: JobSpec):
     """Check everything a train job reads and writes (after `check_environment` and the spec's own checks),
-    then tokenize its data: the token stream, memory-mapped."""
-    from elastic_trainer.data import records
-    from elastic_trainer.data.corpus import default_cache_dir, load_tokens, resolve_files
+    then prepare its data once (`data.corpus`): the corpus (train and validation streams, memory-mapped)."""
+    from elastic_trainer.data import corpus as data
 
     train, ckpt = spec.train, spec.checkpoint
     check_outputs(spec)
@@ -153,6 +154,8 @@ def train_inputs(spec: JobSpec):
     if until is not None and step and until < step:
         raise ConfigError(f"--until-step {until} is before step {step}, where this run resumes "
                           f"({ckpt.dir}); valid: a step after {step}")
-    check_dir_target(train.data_cache or default_cache_dir(), "the token cache (--data-cache)")
-    records.sample(resolve_files(train.data), skip_bad=train.skip_bad_records)
-    return load_tokens(train.data, train.data_cache, min_tokens=train.seq_len + 1, skip_bad=train.skip_bad_records)
+    check_dir_target(train.data_cache or data.default_cache_dir(), "the data cache (--data-cache)")
+    corpus = data.prepare_for_job(train)
+    if step:
+        check_checkpoint(ckpt, spec.model, train, corpus.data_id)  # the same tokens, by content
+    return corpus

@@ -80,7 +80,7 @@ def decide(spec: JobSpec, phase: PhaseSpec, topology: Topology, start: str) -> D
 
 
 def run(spec: JobSpec, phase_index: int | None, env: TorchrunEnv, *, started: float = IMPORTED_AT,
-        forked: bool = False, tokens=None) -> int:
+        forked: bool = False, corpus=None) -> int:
     """Join the process group, settle one layout, run the job; the exit code."""
     import torch.distributed as dist
 
@@ -90,8 +90,8 @@ def run(spec: JobSpec, phase_index: int | None, env: TorchrunEnv, *, started: fl
     from elastic_trainer.parallel.agree import agree, gather_topology
 
     spec = for_restart(spec, env)
-    if tokens is None:
-        tokens = load_tokens(spec)
+    if corpus is None:
+        corpus = load_corpus(spec, env)
     if env.under_torchrun:
         from elastic_trainer.elastic.lifetime import die_with_parent
 
@@ -116,7 +116,7 @@ def run(spec: JobSpec, phase_index: int | None, env: TorchrunEnv, *, started: fl
         if decision.idle:
             store, idle_code = _narrow(decision, device, stop)
         if idle_code is None:
-            status, reason = _train_releasing(spec, phase, decision, device, stop, events, tags, tokens, env, store)
+            status, reason = _train_releasing(spec, phase, decision, device, stop, events, tags, corpus, env, store)
     finally:
         stop.close()
         events.close()
@@ -158,12 +158,12 @@ def _narrow(decision: Decision, device, stop):
     return store, active.wait_idle(store, decision.start, lambda: stop.reason is not None) or 0
 
 
-def _train_releasing(spec, phase, decision, device, stop, events, tags, tokens, env, store):
+def _train_releasing(spec, phase, decision, device, stop, events, tags, corpus, env, store):
     """`_train`; when it raises on the trainers' rank 0 with GPUs idle, the idle ranks exit with a failure too."""
     import torch.distributed as dist
 
     try:
-        return _train(spec, phase, decision.layout, device, stop, events, tags, tokens, env)
+        return _train(spec, phase, decision.layout, device, stop, events, tags, corpus, env)
     except BaseException as e:
         if store is not None and dist.get_rank() == 0:
             from elastic_trainer.parallel import active
@@ -173,7 +173,7 @@ def _train_releasing(spec, phase, decision, device, stop, events, tags, tokens, 
         raise
 
 
-def _train(spec: JobSpec, phase: PhaseSpec, layout: Layout, device, stop, events, tags: dict, tokens,
+def _train(spec: JobSpec, phase: PhaseSpec, layout: Layout, device, stop, events, tags: dict, corpus,
            env: TorchrunEnv) -> tuple[str, str | None]:
     import torch.distributed as dist
 
@@ -184,22 +184,21 @@ def _train(spec: JobSpec, phase: PhaseSpec, layout: Layout, device, stop, events
     train = spec.train
     log = MetricsLog(train.metrics_file, enabled=rank0, log_every=train.log_every, total_steps=train.steps, tags=tags)
     result = run_job(spec.model, train, layout, device, ckpt=spec.checkpoint, stop=stop, until=phase.until_step,
-                     log=log, events=events, tokens=tokens)
+                     log=log, events=events, tokens=corpus.train, val_tokens=corpus.val)
     log.close()
     if rank0 and train.skip_bad_records:
         from elastic_trainer.data.corpus import skipped_note
 
-        print(f"[data] {skipped_note(train.data, train.data_cache)}", flush=True)
+        print(f"[data] {skipped_note(train)}", flush=True)
     return result.status, result.reason
 
 
-def load_tokens(spec: JobSpec):
-    """The job's token stream, memory-mapped from the token cache (built by whoever described the job on its
-    host; a host's first rank builds its own cache when it has none)."""
-    from elastic_trainer.data.corpus import load_tokens as load
+def load_corpus(spec: JobSpec, env: TorchrunEnv):
+    """The job's train and validation streams, memory-mapped from the data prepared by whoever described the
+    job (a host that cannot see it prepares its own copy: its first rank, with progress, the others wait)."""
+    from elastic_trainer.data.corpus import load
 
-    train = spec.train
-    return load(train.data, train.data_cache, min_tokens=train.seq_len + 1, skip_bad=train.skip_bad_records)
+    return load(spec.train, quiet=env.local_rank != 0)
 
 
 def _say_host_ranks(rank: int, world: int, env: TorchrunEnv) -> None:

@@ -20,7 +20,8 @@ from elastic_trainer.test_hooks import count
 
 # command-line flag -> TrainConfig field, for flags that override a run config
 TRAIN_FLAGS = ("global_batch", "seq_len", "steps", "seed", "lr", "warmup_steps", "decay_steps", "dtype",
-               "metrics_file", "log_every", "data_cache", "grad_clip", "weight_decay", "skip_bad_records")
+               "metrics_file", "log_every", "data_cache", "grad_clip", "weight_decay", "skip_bad_records",
+               "text_field", "data_split", "val_fraction", "eval_every", "eval_batches")
 
 
 # -- flags -> parts of the spec --------------------------------------------------------------------------
@@ -50,8 +51,9 @@ def job_configs(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig, dic
     else:
         model, train, layout_table = load_model_config(args.model or "gpt-tiny"), TrainConfig(), {}
     overrides = {k: getattr(args, k) for k in TRAIN_FLAGS if getattr(args, k, None) is not None}
-    if getattr(args, "data", None):
-        overrides["data"] = tuple(args.data)
+    for key in ("data", "val_data"):
+        if getattr(args, key, None):
+            overrides[key] = tuple(getattr(args, key))
     try:
         train = dataclasses.replace(train, **overrides)
     except TypeError as e:

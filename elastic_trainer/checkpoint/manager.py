@@ -198,7 +198,8 @@ class Checkpointer:
                 skipped.append(error)
                 continue
             meta = storage.read_meta(folder)
-            ckpt_state.check_compatible(meta, trainer.model_cfg, trainer.cfg, str(folder))
+            ckpt_state.check_compatible(meta, trainer.model_cfg, trainer.cfg, str(folder),
+                                        ckpt_state.data_id_of(trainer))
             t1 = time.perf_counter()
             state = ckpt_state.tensor_state(trainer)
             try:

@@ -26,7 +26,7 @@ FORMAT = 1
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 # Training settings that define the loss trajectory: a resumed run must use the checkpoint's values.
 TRAJECTORY_FIELDS = ("global_batch", "seq_len", "seed", "lr", "min_lr_ratio", "warmup_steps", "weight_decay",
-                     "beta1", "beta2", "eps", "grad_clip", "data")
+                     "beta1", "beta2", "eps", "grad_clip", "data", "val_fraction")
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -70,16 +70,24 @@ def apply_tensor_state(trainer, state: dict) -> None:
 
 def train_dict(cfg: TrainConfig) -> dict:
     """The training config as meta.json stores it (JSON types, and the schedule length it resolves to)."""
-    return {**dataclasses.asdict(cfg), "data": list(cfg.data), "schedule_steps": cfg.schedule_steps}
+    return {**dataclasses.asdict(cfg), "data": list(cfg.data), "val_data": list(cfg.val_data),
+            "schedule_steps": cfg.schedule_steps}
+
+
+def data_id_of(trainer) -> str | None:
+    """The content digest of the trainer's training tokens (set by data.corpus; None for a plain array)."""
+    return getattr(getattr(trainer.samples, "tokens", None), "data_id", None)
 
 
 def build_meta(trainer) -> dict:
-    return meta_of(trainer.model_cfg, trainer.cfg, trainer.step, trainer.layout.to_dict(), len(trainer.samples))
+    return meta_of(trainer.model_cfg, trainer.cfg, trainer.step, trainer.layout.to_dict(), len(trainer.samples),
+                   data_id_of(trainer))
 
 
-def meta_of(model_cfg: ModelConfig, cfg: TrainConfig, step: int, layout: dict, num_samples: int) -> dict:
+def meta_of(model_cfg: ModelConfig, cfg: TrainConfig, step: int, layout: dict, num_samples: int,
+            data_id: str | None = None) -> dict:
     """meta.json of a checkpoint after `step` steps, saved by `layout` (Layout.to_dict()) from a sample order
-    of `num_samples` samples."""
+    of `num_samples` samples of the data whose content digest is `data_id`."""
     return {
         "format": FORMAT,
         "step": step,
@@ -88,7 +96,8 @@ def meta_of(model_cfg: ModelConfig, cfg: TrainConfig, step: int, layout: dict, n
         "train": train_dict(cfg),
         "layout": layout,
         "world_size": layout["dp"] * layout["tp"] * layout["pp"],
-        "data": {"num_samples": num_samples, "seq_len": cfg.seq_len, "files_id": data_files_id(cfg)},
+        "data": {"num_samples": num_samples, "seq_len": cfg.seq_len, "files_id": data_files_id(cfg),
+                 "id": data_id},
         "rng": {"scheme": "reseed every step from (seed, step, stage, dp rank)", "seed": cfg.seed},
         "time": time.time(),
         "saved_at": time.strftime("%Y-%m-%d %H:%M:%S %z"),
@@ -109,8 +118,11 @@ def data_files_id(cfg: TrainConfig) -> str | None:
     return hashlib.sha256("\0".join(str(p) for p in files).encode()).hexdigest()[:20]
 
 
-def check_compatible(meta: dict, model_cfg: ModelConfig, cfg: TrainConfig, where: str) -> None:
-    """Raise ConfigError (one line) if resuming `meta` with these configs would change the trajectory."""
+def check_compatible(meta: dict, model_cfg: ModelConfig, cfg: TrainConfig, where: str,
+                     data_id: str | None = None) -> None:
+    """Raise ConfigError (one line) if resuming `meta` with these configs would change the trajectory. With
+    `data_id` (the content digest of this run's data) the data is compared by content: the same tokens under
+    another path resume, changed tokens under the same path do not."""
     if meta.get("format") != FORMAT:
         raise ConfigError(f"{where}: checkpoint format {meta.get('format')!r} is not supported (valid: {FORMAT})")
     saved_model = ModelConfig(**meta["model"])
@@ -120,9 +132,19 @@ def check_compatible(meta: dict, model_cfg: ModelConfig, cfg: TrainConfig, where
         detail = ", ".join(f"{k}={ours[k]!r} (checkpoint: {meta['model'][k]!r})" for k in differ)
         raise ConfigError(f"{where} holds a different model: {detail}")
     saved, current = meta["train"], train_dict(cfg)
-    differ = [(k, current[k], saved.get(k)) for k in TRAJECTORY_FIELDS if current[k] != saved.get(k)]
-    files_id = meta["data"].get("files_id") if isinstance(meta.get("data"), dict) else None
-    if files_id and any(k == "data" for k, _, _ in differ) and data_files_id(cfg) == files_id:
+    defaults = train_dict(TrainConfig())  # fields newer than the checkpoint have their default there
+    differ = [(k, current[k], saved.get(k, defaults[k])) for k in TRAJECTORY_FIELDS
+              if current[k] != saved.get(k, defaults[k])]
+    saved_data = meta["data"] if isinstance(meta.get("data"), dict) else {}
+    saved_id, files_id = saved_data.get("id"), saved_data.get("files_id")
+    if saved_id:  # compared by content; without `data_id` the caller compares once the data is opened
+        differ = [d for d in differ if d[0] != "data"]
+        if data_id and saved_id != data_id:
+            raise ConfigError(f"{where} was trained on other data: the content digest of --data "
+                              f"{' '.join(cfg.data)} is {data_id[:12]}, the checkpoint's {saved_id[:12]}; resuming "
+                              "would change the loss trajectory (use the checkpoint's data or another "
+                              "--checkpoint-dir)")
+    elif files_id and any(k == "data" for k, _, _ in differ) and data_files_id(cfg) == files_id:
         differ = [d for d in differ if d[0] != "data"]  # the same files, named from another folder
     if cfg.decay_steps is not None and cfg.schedule_steps != saved.get("schedule_steps"):
         differ.append(("decay_steps", cfg.decay_steps, saved.get("schedule_steps")))

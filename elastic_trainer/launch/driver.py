@@ -73,6 +73,12 @@ class Output:
                 self.terminal_gone = True
                 sys.stdout = open(os.devnull, "w")  # nothing left for the interpreter to flush at exit
 
+    def log_only(self, lines: list[str]) -> None:
+        """Lines already printed (before the log existed) into the log."""
+        with self._lock:
+            for text in lines:
+                self._log.write(text + "\n")
+
     def pump(self, host: str, stream) -> None:
         for raw in iter(stream.readline, b""):
             text = raw.decode(errors="replace").rstrip()
@@ -104,7 +110,11 @@ class Driver:
     def run(self) -> int:
         job = self.job
         first = job.first_phase()  # raises on --resume without a checkpoint, before anything is written
-        job.check_inputs(tokenize=first is not None)
+        job.check_inputs()
+        header = [f"[launch] {line}" for line in job.describe()]
+        for line in header:  # first, before the data is prepared (which may take a while, with progress)
+            print(line, flush=True)
+        corpus = job.prepare_data() if first is not None else None
         job.run_dir.mkdir(parents=True, exist_ok=True)
         job.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         job.spec.write(job.spec_file(self.job_id))
@@ -113,9 +123,10 @@ class Driver:
         self.events = EventLog(job.run_dir / EVENTS_FILE, tags={"writer": "launch"})
         stop_signals = self._stop_signals()
         previous = {s: signal.signal(s, self._on_signal) for s in stop_signals}
+        self.out.log_only(header)
         try:
-            for line in job.describe():
-                self.say(line)
+            for line in corpus.lines if corpus is not None else []:
+                self.say(f"data: {line}")
             if signal.SIGHUP in stop_signals and sys.stdout.isatty():
                 self.say("closing this terminal stops the job after a save (continue with --resume); to keep it "
                          "running, start it as `nohup ./run.sh ... > run.log 2>&1 &` or inside tmux or screen")
@@ -162,7 +173,7 @@ class Driver:
         if self.job.train.skip_bad_records:
             from elastic_trainer.data.corpus import skipped_note
 
-            self.say(skipped_note(self.job.train.data, self.job.train.data_cache))
+            self.say(skipped_note(self.job.train))
 
     @staticmethod
     def _stop_signals() -> tuple[int, ...]:

@@ -188,21 +188,35 @@ class JobSetup:
         launched = [e for e in read_jsonl(self.run_dir / EVENTS_FILE) if e["event"] == "launched"]
         return launched[-1]["phase"] if launched and step > 0 else 0
 
-    def check_inputs(self, tokenize: bool) -> None:
+    def check_inputs(self) -> None:
         """What the ranks would check before their process group forms, once here before anything starts: the
-        run and checkpoint folders, the data (sampled; with `tokenize`, read and tokenized into this host's
-        token cache, which the local ranks then reuse)."""
+        run and checkpoint folders, the data cache, the data (every text file's start sampled)."""
         from elastic_trainer import preflight
-        from elastic_trainer.data import records
-        from elastic_trainer.data.corpus import default_cache_dir, load_tokens, resolve_files
+        from elastic_trainer.data import read
+        from elastic_trainer.data.corpus import default_cache_dir
+        from elastic_trainer.data.sources import resolve
 
         preflight.check_dir_target(self.run_dir, "--run-dir")
         preflight.check_dir_target(self.checkpoint_dir, "--checkpoint-dir")
-        preflight.check_dir_target(self.train.data_cache or default_cache_dir(), "the token cache (--data-cache)")
-        records.sample(resolve_files(self.train.data), skip_bad=self.train.skip_bad_records)
-        if tokenize:
-            load_tokens(self.train.data, self.train.data_cache, min_tokens=self.train.seq_len + 1,
-                        skip_bad=self.train.skip_bad_records)
+        preflight.check_dir_target(self.train.data_cache or default_cache_dir(), "the data cache (--data-cache)")
+        for data in (self.train.data, self.train.val_data):
+            if data:
+                resolved = resolve(data, self.train.data_split, validation=data is self.train.val_data)
+                read.sample(resolved.text + resolved.validation, skip=self.train.skip_bad_records,
+                               text_field=self.train.text_field)
+
+    def prepare_data(self):
+        """Prepare the job's data once, here, into the data cache the hosts read (progress on stderr); the
+        corpus, whose content digest the newest checkpoint must match."""
+        from elastic_trainer.data.corpus import prepare_for_job
+
+        corpus = prepare_for_job(self.train)
+        newest = self.newest_checkpoint()
+        if newest:
+            from elastic_trainer.checkpoint.state import check_compatible
+
+            check_compatible(newest[1], self.model, self.train, str(newest[0]), corpus.data_id)
+        return corpus
 
     # -- what each host runs ----------------------------------------------------------------------------
 
@@ -287,7 +301,7 @@ class JobSetup:
     # -- what the user reads first ----------------------------------------------------------------------
 
     def describe(self) -> list[str]:
-        """Where the hosts, data, token cache, checkpoints and logs are."""
+        """Where the hosts, data, data cache, checkpoints and logs are."""
         from elastic_trainer.data.corpus import default_cache_dir, resolve_files
 
         files = resolve_files(self.train.data)
@@ -300,7 +314,7 @@ class JobSetup:
                 f"model {self.model.name}, global batch {self.train.global_batch} x {self.train.seq_len} tokens, "
                 f"until step {self.train.steps}",
                 f"data: {data} ({len(files)} file(s), from {files[0].parent})",
-                f"token cache: {cache} (on each host; built on first use)",
+                f"data cache: {cache} (prepared here once; hosts that cannot see it prepare their own copy)",
                 f"checkpoints: {self.checkpoint_dir} (every host must see this folder)",
                 f"job spec: {self.job_file} (what every rank reads, from a copy per launch in jobs/; hardware "
                 + (f"{self.spec.hardware.name})" if self.spec.hardware else "detected on the hosts by rank 0)"),
@@ -340,7 +354,7 @@ class JobSetup:
 
         port = self.opts.rdzv_port or "PORT"
         first, step = self.first_phase(), self.checkpoint_step()  # the checkpoint is checked as a run would
-        self.check_inputs(tokenize=False)
+        self.check_inputs()
         start = ("nothing to train" if first is None else f"would start at phase {first + 1}")
         lines = [f"newest checkpoint: step {step}; {start}" if step else f"no checkpoint yet; {start}"]
         for index in self.starts():

@@ -14,7 +14,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from elastic_trainer.config import ConfigError, ModelConfig, TrainConfig
-from elastic_trainer.data import TokenSamples, load_tokens, samples_for
+from elastic_trainer.data import TokenSamples, samples_for
+from elastic_trainer.data.corpus import eval_batch_count, load as load_corpus
 from elastic_trainer.model.dropout import sample_keys
 from elastic_trainer.parallel.engine import Engine, resolve_dtype
 from elastic_trainer.plan.layout import Layout
@@ -32,17 +33,6 @@ class Diverged(ConfigError):
                          f"applied and {kept} (lower --lr, check the data, or resume from an earlier checkpoint)")
 
 
-def eval_batch_count(num_tokens: int, cfg: TrainConfig) -> int:
-    """How many validation batches of cfg.global_batch samples a stream of `num_tokens` tokens gives: at
-    most cfg.eval_batches, whole batches only. A stream without one whole batch is a ConfigError."""
-    samples = max(num_tokens - 1, 0) // cfg.seq_len
-    if samples < cfg.global_batch:
-        raise ConfigError(f"the validation data has {samples} samples of {cfg.seq_len} + 1 tokens "
-                          f"({num_tokens} tokens); one validation batch needs global_batch={cfg.global_batch} "
-                          f"(valid: more validation data, a larger --val-fraction or a smaller --global-batch)")
-    return min(cfg.eval_batches, samples // cfg.global_batch)
-
-
 def sample_rows(tokens, seq_len: int, ids) -> torch.Tensor:
     """Samples `ids` of a token stream (sample i is tokens [i * T, i * T + T + 1)) as int64 rows."""
     T = seq_len
@@ -57,6 +47,9 @@ class Trainer:
         stream like `tokens`, or None: no validation) is checked here, before anything is built."""
         if cfg.seq_len > model_cfg.context_length:
             raise ValueError(f"seq_len={cfg.seq_len} exceeds the model's context_length={model_cfg.context_length}")
+        if tokens is None:  # the configured data (a job's ranks are handed theirs by data.corpus)
+            corpus = load_corpus(cfg, quiet=True)
+            tokens, val_tokens = corpus.train, corpus.val if val_tokens is None else val_tokens
         self.val_tokens = val_tokens
         self.val_batches = 0 if val_tokens is None else eval_batch_count(len(val_tokens), cfg)
         """Validation batches of global_batch samples per evaluation (0: no validation data)."""
@@ -64,8 +57,6 @@ class Trainer:
         self.engine = Engine(model_cfg, layout, mesh, device, seed=cfg.seed, global_batch=cfg.global_batch,
                              seq_len=cfg.seq_len, param_dtype=resolve_dtype(cfg.dtype, device), initialize=initialize)
         self.optimizer = build_optimizer(self.engine.model, cfg, self.engine.trained_params())
-        if tokens is None:
-            tokens = load_tokens(cfg.data, cfg.data_cache, min_tokens=cfg.seq_len + 1, skip_bad=cfg.skip_bad_records)
         self.samples = TokenSamples(tokens, cfg.seq_len, cfg.seed)
         self.step = 0
         """Optimizer steps completed; the next step has 0-based index `step`."""

@@ -346,8 +346,8 @@ def test_skip_bad_records_leaves_them_out_and_counts_them(tmp_path):
     assert "d.jsonl line 250: not valid JSON" in last and "d.jsonl line 450: not valid JSON" in last
     good = [t for i, t in enumerate(texts) if i not in (249, 449)]
     expected = sum(len(ids) + 1 for ids in tokenizer.encode_batch(good))
-    [stream] = (tmp_path / "cache").glob("tokens-*.npy")
-    assert np.load(stream, mmap_mode="r").size == expected
+    [prepared] = (tmp_path / "cache" / "prepared").iterdir()
+    assert json.loads((prepared / "manifest.json").read_text())["tokens"] == expected
 
     cached = tree(tmp_path / "cache")
     run = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)

@@ -83,9 +83,11 @@ def test_the_same_data_files_named_from_another_folder_resume(tmp_path, monkeypa
 # per device, so a GPU checkpoint can be resumed on CPUs); decay_steps is the schedule length, refused only
 # when given and different from the checkpoint's.
 TRAJECTORY = ("global_batch", "seq_len", "seed", "lr", "min_lr_ratio", "warmup_steps", "weight_decay",
-              "beta1", "beta2", "eps", "grad_clip", "data")
+              "beta1", "beta2", "eps", "grad_clip", "data", "val_fraction")
+# text_field and data_split change the tokens, which the data's content digest (meta "data.id") compares
 NOT_TRAJECTORY = {"steps": 50, "dtype": "fp32", "data_cache": "/elsewhere/cache", "metrics_file": "m.jsonl",
-                  "log_every": 5, "skip_bad_records": True}
+                  "log_every": 5, "skip_bad_records": True, "text_field": "body", "data_split": "other",
+                  "val_data": ("v.txt",), "eval_every": 3, "eval_batches": 2}
 SCHEDULE = ("decay_steps",)
 
 
@@ -230,7 +232,7 @@ def test_meta_records_the_data_rng_time_and_versions(tmp_path, monkeypatch):
     meta = saved_meta(cfg)
     after = time.time()
     digest = hashlib.sha256(str((tmp_path / "a.txt").resolve()).encode()).hexdigest()[:20]
-    assert meta["data"] == {"num_samples": 100, "seq_len": 32, "files_id": digest}
+    assert meta["data"] == {"num_samples": 100, "seq_len": 32, "files_id": digest, "id": None}
     assert meta["rng"] == {"scheme": "reseed every step from (seed, step, stage, dp rank)", "seed": 11}
     assert before <= meta["time"] <= after
     saved = time.mktime(time.strptime(meta["saved_at"], "%Y-%m-%d %H:%M:%S %z"))
@@ -238,7 +240,7 @@ def test_meta_records_the_data_rng_time_and_versions(tmp_path, monkeypatch):
     assert meta["versions"] == {"elastic_trainer": __version__, "torch": torch.__version__,
                                 "python": platform.python_version()}
     assert meta["world_size"] == 2 and meta["format"] == state.FORMAT
-    assert meta["train"] == {**dataclasses.asdict(cfg), "data": ["a.txt"], "schedule_steps": 10}
+    assert meta["train"] == {**dataclasses.asdict(cfg), "data": ["a.txt"], "val_data": [], "schedule_steps": 10}
     assert meta["model"] == dataclasses.asdict(MODEL)
 
 

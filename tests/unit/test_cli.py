@@ -24,7 +24,7 @@ def no_training(monkeypatch):
     (1, ["--seq-len", "300"], "seq_len=300 exceeds gpt-tiny's context_length=256"),
     (1, ["--layout", "2,x,1"], "--layout '2,x,1' must be three positive integers DP,TP,PP"),
     (1, ["--config", "/nonexistent/run.toml"], "config file '/nonexistent/run.toml' does not exist"),
-    (1, ["--data", "/nonexistent/corpus.txt"], "is neither 'sotu' nor an existing file or folder"),
+    (1, ["--data", "/nonexistent/corpus.txt"], "is neither 'sotu' nor an existing file, folder or Megatron prefix"),
     (1, ["--dp-mode", "ddp", "--steps", "-1"], "argument --steps: '-1' is not an integer in [0, 1000000000]"),
     (2, ["--micro-batch", "0"], "argument --micro-batch: '0' is not an integer in [1, 16777216]"),
     (2, ["--global-batch", "6", "--micro-batch", "4"], "micro_batch=4 does not divide"),  # planned layout

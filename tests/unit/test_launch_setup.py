@@ -88,7 +88,7 @@ def test_shell_injection_in_hosts_file_is_refused(capsys, tmp_path, line):
     (["--", "--micro-batch", "3"], "micro_batch=3 does not divide the per-replica batch"),
     (["--schedule", "SCHEDULE:4,2", "--", "--layout", "2,1,2"], "schedule phase 2 (2 GPUs): --layout 2,1,2: layout dp*tp*pp"),
     (["--model", "gpt-5"], "unknown model 'gpt-5'"),
-    (["--data", "/nonexistent/corpus.txt"], "is neither 'sotu' nor an existing file or folder"),
+    (["--data", "/nonexistent/corpus.txt"], "is neither 'sotu' nor an existing file, folder or Megatron prefix"),
     (["stray"], "unexpected 'stray': put `train` arguments after --"),
 ])
 def test_bad_launch_input(capsys, tmp_path, argv, message):

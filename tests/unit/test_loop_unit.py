@@ -197,7 +197,7 @@ def test_without_tokens_the_configured_corpus_is_read_into_the_cache(group, tmp_
 
     trainer = build(_corpus_cfg(tmp_path, n - 1, tmp_path / "a.txt"))  # exactly one sample: n tokens
     assert np.asarray(trainer.samples.tokens).tolist() == stream
-    assert [p.name.startswith("tokens-") for p in (tmp_path / "cache").glob("*.npy")] == [True]
+    assert [p.name.startswith("a.txt-") for p in (tmp_path / "cache" / "prepared").iterdir()] == [True]
     assert not (tmp_path / "default-cache").exists()
     with pytest.raises(DataError, match=rf"^the data has {n} tokens \(.*\); one sample of --seq-len {n} needs {n + 1} "):
         build(_corpus_cfg(tmp_path, n, tmp_path / "a.txt"))

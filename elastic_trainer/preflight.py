@@ -149,7 +149,7 @@ def train_inputs(spec: JobSpec):
 
     train, ckpt = spec.train, spec.checkpoint
     check_outputs(spec)
-    step = check_checkpoint(ckpt, spec.model, train)
+    step = check_checkpoint(ckpt, spec.model, train, data.content_id(train) if ckpt else None)
     until = spec.phases[0].until_step
     if until is not None and step and until < step:
         raise ConfigError(f"--until-step {until} is before step {step}, where this run resumes "

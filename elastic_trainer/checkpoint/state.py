@@ -137,9 +137,9 @@ def check_compatible(meta: dict, model_cfg: ModelConfig, cfg: TrainConfig, where
               if current[k] != saved.get(k, defaults[k])]
     saved_data = meta["data"] if isinstance(meta.get("data"), dict) else {}
     saved_id, files_id = saved_data.get("id"), saved_data.get("files_id")
-    if saved_id:  # compared by content; without `data_id` the caller compares once the data is opened
+    if saved_id and data_id:  # by content: the same tokens under another path resume
         differ = [d for d in differ if d[0] != "data"]
-        if data_id and saved_id != data_id:
+        if saved_id != data_id:
             raise ConfigError(f"{where} was trained on other data: the content digest of --data "
                               f"{' '.join(cfg.data)} is {data_id[:12]}, the checkpoint's {saved_id[:12]}; resuming "
                               "would change the loss trajectory (use the checkpoint's data or another "

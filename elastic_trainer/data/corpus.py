@@ -90,15 +90,32 @@ def _stream_of(text: list[Path], tokens: list[TokenSource], train: TrainConfig, 
             if verify:
                 stream.verify_prepared(source.path, manifest, full=False)
             files += stream.prepared_files(source.path, manifest)
-            ids.append(manifest["digest"])
             out.prepared.append(source.path)
         else:
-            f = stream.token_file(source)
-            files.append(f)
-            ids.append(stream.sampled_digest(f.path))
+            files.append(stream.token_file(source))
+    return TokenStream(files), _digest_of(ids + _token_ids(tokens))
+
+
+def _token_ids(tokens: list[TokenSource]) -> list[str]:
+    """The content digests of token sources: a prepared dataset's manifest digest, else sampled blocks."""
+    return [stream.read_manifest(t.path)["digest"] if t.kind == "prepared" else
+            stream.sampled_digest(t.path if t.kind == "nanogpt" else t.path.with_name(t.path.name + ".bin"))
+            for t in tokens]
+
+
+def _digest_of(ids: list[str], val_fraction: float = 0.0) -> str:
     h = digest()
     h.update("\0".join(ids).encode())
-    return TokenStream(files), h.hexdigest()[:32]
+    return h.hexdigest()[:32] + (f":val{val_fraction}" if val_fraction else "")
+
+
+def content_id(train: TrainConfig) -> str | None:
+    """The data's content digest without preparing anything (reads only): None when the data is text that
+    is not prepared yet (its digest is known once prepared)."""
+    resolved = sources.resolve(train.data, train.data_split)
+    if resolved.text:
+        return None
+    return _digest_of(_token_ids(resolved.tokens), train.val_fraction)
 
 
 def load(train: TrainConfig, *, quiet: bool = False, builder: bool = False) -> Corpus:
@@ -120,7 +137,7 @@ def load(train: TrainConfig, *, quiet: bool = False, builder: bool = False) -> C
                              "validation data")
     elif train.val_fraction:
         train_stream, val = stream.split_documents(train_stream, train.val_fraction)
-        data_id = f"{data_id}:val{train.val_fraction}"
+        data_id = f"{data_id}:val{train.val_fraction}"  # as _digest_of writes it
         out.lines.append(f"validation: {train.val_fraction:g} of the documents held out ({len(val):,} tokens; "
                          f"{len(train_stream):,} train)")
     elif resolved.validation or resolved.validation_tokens:

@@ -126,9 +126,10 @@ def tokenize_piece(task: tuple) -> dict:
 # -- the whole run -------------------------------------------------------------------------------------------
 
 class Progress:
-    """Progress lines on stderr at most every PROGRESS_EVERY_S seconds, and the summary at the end. Unless
-    `announce`, a preparation that ends within PROGRESS_EVERY_S says nothing (a small corpus on first use: its
-    caller says where the data is), and a longer one starts talking then, with what it held back."""
+    """Progress lines on stderr at most every PROGRESS_EVERY_S seconds, and the summary at the end. The first
+    lines are held back for PROGRESS_EVERY_S: a quick preparation, or one that fails on bad input, says only
+    its summary (only when `announce`: a small corpus prepared on first use is described by its caller) or
+    its one-line error; a longer one starts talking then, with what it held back."""
 
     def __init__(self, total_shards: int, total_bytes: int, counters, quiet: bool = False, announce: bool = False):
         self.total_shards, self.total_bytes, self.counters = total_shards, total_bytes, counters
@@ -140,7 +141,7 @@ class Progress:
     def say(self, message: str, summary: bool = False) -> None:
         if self.quiet:
             return
-        if not (self.announce or summary or time.monotonic() - self.t0 >= PROGRESS_EVERY_S):
+        if not (summary or time.monotonic() - self.t0 >= PROGRESS_EVERY_S):
             self._held.append(message)
             return
         if summary and not self.announce and time.monotonic() - self.t0 < PROGRESS_EVERY_S:
@@ -183,7 +184,7 @@ def prepare(sources: list[Path], out: Path, *, text_field: str = "text", skip_ba
     """Prepare `sources` (text files and save_to_disk folders, sorted) into the folder `out`; returns the
     manifest. Bad input (a bad record, fewer than `min_tokens` tokens) raises DataError (one line) and leaves no
     folder it created. Two callers on one folder prepare it once: the second waits on the lock, then finds it
-    prepared. `announce`: progress from the start (prepare-data), else only once it takes a while."""
+    prepared. `announce`: a summary even when it was quick (prepare-data)."""
     out = Path(out)
     created = [p for p in (out, *out.parents) if not p.exists()]
     try:

@@ -178,8 +178,9 @@ class JobSetup:
             raise ConfigError(f"--resume: no complete checkpoint in {self.checkpoint_dir}")
         if newest is not None:  # another model or trajectory: say so now, not from every rank later
             from elastic_trainer.checkpoint.state import check_compatible
+            from elastic_trainer.data.corpus import content_id
 
-            check_compatible(newest[1], self.model, self.train, str(newest[0]))
+            check_compatible(newest[1], self.model, self.train, str(newest[0]), content_id(self.train))
         step = newest[1]["step"] if newest else 0
         if step >= self.train.steps:
             return None

@@ -159,6 +159,38 @@ def parquet_without_text(t: Path, ckpt: Path) -> None:
     pq.write_table(pa.table({"body": ["a b c"] * 10}), t / "data.parquet")
 
 
+def megatron_version_2(t: Path, ckpt: Path) -> None:
+    import numpy as np
+
+    from elastic_trainer.data import indexed
+
+    np.arange(40, dtype=np.uint16).tofile(t / "mega.bin")
+    indexed.write_index(t / "mega.idx", np.uint16, np.array([40]), np.arange(2))
+    raw = bytearray((t / "mega.idx").read_bytes())
+    raw[9] = 2  # the version field
+    (t / "mega.idx").write_bytes(bytes(raw))
+
+
+def prepared(t: Path, tokenizer_vocab: int = 50257, damaged: bool = False) -> None:
+    """A prepared dataset written by hand (the manifest's fields as prepare-data writes them)."""
+    import os
+
+    from elastic_trainer.data import tokenizer
+    from elastic_trainer.data.pieces import FORMAT
+
+    (t / "ds" / "shards").mkdir(parents=True)
+    (t / "ds" / "shards" / "s.bin").write_bytes(bytes(range(200)))
+    manifest = {"format": FORMAT, "digest": "d" * 32, "dtype": "uint16", "tokens": 100, "documents": 1,
+                "tokenizer": {"name": tokenizer.NAME, "vocab_size": tokenizer_vocab, "eot": tokenizer.EOT_ID,
+                              "encoder_json_sha256": tokenizer.ENCODER_JSON_SHA256,
+                              "vocab_bpe_sha256": tokenizer.VOCAB_BPE_SHA256},
+                "shards": [{"name": "s", "tokens": 100, "digest": "0" * 32}]}
+    (t / "ds" / "manifest.json").write_text(json.dumps(manifest))
+    if damaged:  # a shard changed after its manifest was written
+        later = os.stat(t / "ds" / "manifest.json").st_mtime_ns + 10**9
+        os.utime(t / "ds" / "shards" / "s.bin", ns=(later, later))
+
+
 CORPUS = write("corpus.txt", corpus_text())
 JSONL_BAD_LINE_3 = write("data.jsonl", '{"text": "one"}\n{"text": "two"}\n{"text": "three"\n{"text": "four"}\n')
 # Past what the preflight samples (the first 200 records): found while tokenizing, before the process group.
@@ -213,6 +245,21 @@ CASES = [
          write("folder/notes.md", "# not a data file\n")),
     Case("data-bad-record-deep", ["train", *TINY, "--data", "{t}/data.jsonl"], "data.jsonl line 601: not valid JSON", JSONL_BAD_DEEP),
     Case("data-too-short", ["train", *TINY, "--data", "{t}/short.txt"], "short.txt", write("short.txt", "hi\n")),
+    Case("data-text-field-missing", ["train", *TINY, "--data", "{t}/corpus.jsonl", "--text-field", "body"],
+         "corpus.jsonl line 1: has no 'body' field (keys: text; choose one with --text-field)",
+         write("corpus.jsonl", json.dumps({"text": corpus_text()}) + "\n")),
+    Case("data-nanogpt-odd-bin", ["train", *TINY, "--data", "{t}/train.bin"], "not a multiple of 2",
+         write("train.bin", b"\0" * 1001)),
+    Case("data-megatron-idx-version", ["train", *TINY, "--data", "{t}/mega"], "Megatron index version 2",
+         megatron_version_2),
+    Case("data-prepared-other-tokenizer", ["train", *TINY, "--data", "{t}/ds"], "prepared with another tokenizer",
+         lambda t, c: prepared(t, tokenizer_vocab=32000)),
+    Case("data-prepared-shard-digest", ["train", *TINY, "--data", "{t}/ds"], "its content digest does not match",
+         lambda t, c: prepared(t, damaged=True)),
+    Case("prepare-data-bad-record-deep", ["prepare-data", "{t}/data.jsonl", "--out", "{t}/out"],
+         "data.jsonl line 601: not valid JSON", JSONL_BAD_DEEP),
+    Case("prepare-data-out-is-other", ["prepare-data", "{t}/corpus.txt", "--out", "{t}/other"],
+         "--out {t}/other holds other files", both(CORPUS, write("other/notes.md", "mine\n"))),
     # ---- checkpoints being resumed
     Case("resume-other-model", ["train", "--model", "{t}/two.toml", "--global-batch", "4", "--seq-len", "16",
                                 "--data", "corpus.txt", "--data-cache", "cache", "--checkpoint-dir", "{t}/ck",
@@ -315,7 +362,7 @@ def test_bad_input_is_one_line_before_anything_starts(case, tmp_path, checkpoint
     assert run.returncode == case.code, report
     lines = run.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("elastic-trainer: error: "), report
-    assert case.expect in lines[0], report
+    assert case.expect.replace("{t}", str(t)) in lines[0], report
     assert "Traceback" not in run.stdout + run.stderr, report
     assert tree(t) == before, f"files changed\n{report}"
 

@@ -236,7 +236,9 @@ def test_ctrl_c_keeps_complete_shards_and_says_one_line(tmp_path):
     _corpus(tmp_path / "c", files=8, lines=6000)
     proc = subprocess.Popen([sys.executable, "-m", "elastic_trainer.cli", "prepare-data", str(tmp_path / "c"),
                              "--out", str(tmp_path / "o"), "--chunk-mb", "0.1", "--workers", "2"], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # a terminal's Ctrl-C, even when this test process ignores SIGINT (children inherit that)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     shards = tmp_path / "o" / "shards"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and len(list(shards.glob("*.json"))) < 2:

@@ -89,6 +89,11 @@ class JobSpec:
     phases: tuple[PhaseSpec, ...] = (PhaseSpec(),)
     built_by: str = "train"
     """Which command described the job: launch, torchrun or train."""
+    prepared_data: tuple[str, ...] = ()
+    """Where the describer prepared (or found) the training tokens: prepared datasets and token files the ranks
+    read as they are, without the raw files (empty: the ranks resolve `train.data`)."""
+    prepared_val: tuple[str, ...] = ()
+    """The same for the validation data (empty: none, or `train.val_fraction` of the training data)."""
 
     def __post_init__(self) -> None:
         if self.use_gpus not in USE_GPUS:
@@ -138,7 +143,9 @@ class JobSpec:
                    checkpoint=from_dict(CheckpointConfig, ckpt, f"{where} checkpoint") if ckpt else None,
                    layout=LayoutSettings.from_json(values["layout"]), hardware=hw, use_gpus=values["use_gpus"],
                    events_file=values["events_file"], stop_file=values["stop_file"],
-                   phases=tuple(PhaseSpec.from_json(p) for p in values["phases"]), built_by=values["built_by"])
+                   phases=tuple(PhaseSpec.from_json(p) for p in values["phases"]), built_by=values["built_by"],
+                   prepared_data=tuple(values.get("prepared_data", ())),
+                   prepared_val=tuple(values.get("prepared_val", ())))
 
     def write(self, path: str | os.PathLike) -> Path:
         """Atomically (a reader sees the old spec or the new one, never half of one)."""

@@ -194,11 +194,15 @@ def _train(spec: JobSpec, phase: PhaseSpec, layout: Layout, device, stop, events
 
 
 def load_corpus(spec: JobSpec, env: TorchrunEnv):
-    """The job's train and validation streams, memory-mapped from the data prepared by whoever described the
-    job (a host that cannot see it prepares its own copy: its first rank, with progress, the others wait)."""
-    from elastic_trainer.data.corpus import load
+    """The job's train and validation streams, memory-mapped from what the job's describer prepared (the
+    spec's `prepared_data`: no raw file is read or checked here). A host that cannot see it prepares its own
+    copy from the raw files (its first rank, with progress; the others wait on the lock)."""
+    from elastic_trainer.data.corpus import load, visible
 
-    return load(spec.train, quiet=env.local_rank != 0)
+    quiet = env.local_rank != 0
+    if spec.prepared_data and visible(spec.prepared_data + spec.prepared_val):
+        return load(spec.train, quiet=quiet, prepared=spec.prepared_data, prepared_val=spec.prepared_val)
+    return load(spec.train, quiet=quiet)
 
 
 def _say_host_ranks(rank: int, world: int, env: TorchrunEnv) -> None:

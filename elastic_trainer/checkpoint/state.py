@@ -139,7 +139,7 @@ def check_compatible(meta: dict, model_cfg: ModelConfig, cfg: TrainConfig, where
     saved_id, files_id = saved_data.get("id"), saved_data.get("files_id")
     if saved_id and data_id:  # by content: the same tokens under another path resume
         differ = [d for d in differ if d[0] != "data"]
-        if saved_id != data_id:
+        if saved_id.split(":")[0] != data_id.split(":")[0]:  # (a held-out fraction differs: val_fraction says so)
             raise ConfigError(f"{where} was trained on other data: the content digest of --data "
                               f"{' '.join(cfg.data)} is {data_id[:12]}, the checkpoint's {saved_id[:12]}; resuming "
                               "would change the loss trajectory (use the checkpoint's data or another "

@@ -45,6 +45,10 @@ class Corpus:
     """What to tell the user once: where the prepared data is, which splits are used or left out."""
     prepared: list[Path] = field(default_factory=list)
     """The prepared datasets read (manifests with bad-record counts)."""
+    train_sources: tuple[str, ...] = ()
+    """What the train stream was read from, as token sources (prepared folders, Megatron prefixes, .bin files):
+    the job spec hands them to the ranks, which then need neither the raw files nor to check them."""
+    val_sources: tuple[str, ...] = ()
 
     def describe(self) -> str:
         val = f", validation {len(self.val):,} tokens" if self.val is not None else ", no validation data"
@@ -118,20 +122,28 @@ def content_id(train: TrainConfig) -> str | None:
     return _digest_of(_token_ids(resolved.tokens), train.val_fraction)
 
 
-def load(train: TrainConfig, *, quiet: bool = False, builder: bool = False) -> Corpus:
+def load(train: TrainConfig, *, quiet: bool = False, builder: bool = False, prepared: tuple[str, ...] = (),
+         prepared_val: tuple[str, ...] = ()) -> Corpus:
     """The job's train and validation streams. `builder`: whoever describes the job (samples every text file
-    first, so a bad one fails in milliseconds, and verifies prepared datasets' digests); the ranks pass False
-    and find the data prepared."""
-    resolved = sources.resolve(train.data, train.data_split)
+    first, so a bad one fails in milliseconds, and checks prepared datasets' changed shards). `prepared` (and
+    `prepared_val`): the token sources the builder found (Corpus.train_sources), read as they are."""
+    if prepared:
+        resolved = Resolved(tokens=[_token_source(p) for p in prepared])
+        if prepared_val:
+            resolved.validation_tokens = [_token_source(p) for p in prepared_val]
+    else:
+        resolved = sources.resolve(train.data, train.data_split)
     out = Corpus(None, None, "")  # type: ignore[arg-type]
     if not resolved.text and not resolved.tokens:
         raise DataError(f"--data {' '.join(train.data)} names no data files")
     kw = dict(quiet=quiet, sample=builder, verify=builder, out=out)
     train_stream, data_id = _stream_of(resolved.text, resolved.tokens, train, min_tokens=train.seq_len + 1, **kw)
+    out.train_sources = _sources_of(resolved.text, resolved.tokens, train)
     val = None
-    if train.val_data:
+    if train.val_data and not prepared:
         val_sources = sources.resolve(train.val_data, train.data_split, validation=True)
         val, _ = _stream_of(val_sources.text, val_sources.tokens, train, **kw)
+        out.val_sources = _sources_of(val_sources.text, val_sources.tokens, train)
         if resolved.validation or resolved.validation_tokens:
             out.lines.append("the validation split beside the train split is not used: --val-data names the "
                              "validation data")
@@ -142,9 +154,11 @@ def load(train: TrainConfig, *, quiet: bool = False, builder: bool = False) -> C
                          f"{len(train_stream):,} train)")
     elif resolved.validation or resolved.validation_tokens:
         val, _ = _stream_of(resolved.validation, resolved.validation_tokens, train, **kw)
+        out.val_sources = _sources_of(resolved.validation, resolved.validation_tokens, train)
         names = [p.name for p in resolved.validation] + [t.path.name for t in resolved.validation_tokens]
-        out.lines.append(f"validation: the split beside the train split ({', '.join(names[:3])}"
-                         f"{' ...' if len(names) > 3 else ''}; {len(val):,} tokens), never trained on")
+        if not prepared:
+            out.lines.append(f"validation: the split beside the train split ({', '.join(names[:3])}"
+                             f"{' ...' if len(names) > 3 else ''}; {len(val):,} tokens), never trained on")
     out.lines += resolved.notes
     train_stream.data_id = data_id  # checkpoints record it (checkpoint.state.data_id_of)
     out.train, out.val, out.data_id = train_stream, val, data_id
@@ -154,6 +168,22 @@ def load(train: TrainConfig, *, quiet: bool = False, builder: bool = False) -> C
     if val is not None:
         eval_batch_count(len(val), train)
     return out
+
+
+def _token_source(path: str) -> TokenSource:
+    p = Path(path)
+    if p.with_name(p.name + ".idx").is_file():
+        return TokenSource("megatron", p)
+    return TokenSource("nanogpt" if p.suffix == ".bin" and p.is_file() else "prepared", p)
+
+
+def visible(paths: tuple[str, ...]) -> bool:
+    """Every token source the builder recorded exists here (else this host prepares its own copy)."""
+    return all(Path(p).exists() or Path(p).with_name(Path(p).name + ".idx").is_file() for p in paths)
+
+
+def _sources_of(text: list[Path], tokens: list[TokenSource], train: TrainConfig) -> tuple[str, ...]:
+    return ((str(prepared_dir(text, train)),) if text else ()) + tuple(str(t.path) for t in tokens)
 
 
 def eval_batch_count(num_tokens: int, cfg: TrainConfig) -> int:
@@ -178,6 +208,13 @@ def prepare_for_job(train: TrainConfig) -> Corpus:
     """The builder's step: prepare the data once for the job, saying where it is (stderr)."""
     corpus = load(train, builder=True)
     return corpus
+
+
+def with_data(spec, corpus: Corpus):
+    """The job spec with where its data was prepared (JobSpec.prepared_data), for the ranks."""
+    import dataclasses
+
+    return dataclasses.replace(spec, prepared_data=corpus.train_sources, prepared_val=corpus.val_sources)
 
 
 def say(corpus: Corpus) -> None:

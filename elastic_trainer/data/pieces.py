@@ -24,9 +24,10 @@ HASH_BLOCK = 8 << 20
 PROGRESS_EVERY_S = 3.0
 """Seconds between progress lines."""
 SEARCH_WINDOW = 1 << 20
-_TXT_CUT = re.compile(rb"[\x21-\x7e]\r?\n[\x21-\x7e]")
-"""A newline between two printable ASCII characters: GPT-2's pre-tokenizer ends a token before such a newline
-and after it (the newline is a token of its own), so text cut after it tokenizes exactly as the whole."""
+_TXT_CUT = re.compile(rb"\r?\n[\x21-\x7e]")
+"""A newline right before a printable ASCII character: GPT-2's pre-tokenizer makes such a newline a token of its
+own (no pattern joins a newline to a following non-space, and the patterns that end in whitespace match the
+same up to it), so text cut just before it tokenizes exactly as the whole. Blank lines are cut too."""
 
 
 def digest():
@@ -68,21 +69,25 @@ def _hash_files(paths: list[Path]) -> str:
     return h.hexdigest()
 
 
-def _find_cut(f, target: int, size: int, kind: str) -> int | None:
-    """The first cut at or after `target`: after a newline (jsonl), or after a newline between two printable
-    ASCII characters (txt). None when there is none before the end."""
-    pos = max(target - 2, 0)
+def _find_cut(f, target: int, size: int, kind: str, after: int) -> int | None:
+    """The first cut at or after `target` (and past `after`, the previous cut): after a newline (jsonl), or
+    before a newline that precedes a printable ASCII character, never inside a CRLF (txt). None: no cut
+    before the end."""
+    pos = max(target - 1, 0)
     while pos < size:
         f.seek(pos)
         window = f.read(SEARCH_WINDOW + 2)
         if kind == "jsonl":
-            at = window.find(b"\n")
+            at = window.find(b"\n", 1)
             if at >= 0:
                 return pos + at + 1
         else:
-            match = _TXT_CUT.search(window)
-            if match:
-                return pos + match.end() - 1
+            for match in _TXT_CUT.finditer(window, 1):
+                at = match.start()
+                if window[at:at + 1] == b"\n" and window[at - 1:at] == b"\r":
+                    at -= 1  # before the whole CRLF
+                if pos + at > after:
+                    return pos + at
         pos += SEARCH_WINDOW
     return None
 
@@ -91,7 +96,7 @@ def _byte_pieces(path: Path, size: int, kind: str, chunk: int) -> list[Piece]:
     cuts = [0]
     with records.open_file(path) as f:
         while cuts[-1] + chunk < size:
-            cut = _find_cut(f, cuts[-1] + chunk, size, kind)
+            cut = _find_cut(f, cuts[-1] + chunk, size, kind, cuts[-1])
             if cut is None or cut >= size:
                 break
             cuts.append(cut)
@@ -162,8 +167,8 @@ def _shard_name(content: str, piece: Piece, settings: Settings) -> str:
 def plan(sources: list[Path], settings: Settings, previous: dict | None, say) -> list[dict]:
     """Every source with its size, digest and pieces. A source whose size and mtime match the previous manifest
     keeps its digest and pieces without reading it again."""
-    known = {s["path"]: s for s in (previous or {}).get("sources", [])
-             if previous.get("settings") == settings.key()}
+    same = previous and previous.get("settings") == settings.key() and previous.get("format") == FORMAT
+    known = {s["path"]: s for s in previous["sources"]} if same else {}
     planned, hashed_bytes, t0 = [], 0, time.monotonic()
     for i, path in enumerate(sources):
         size, mtime = stat_source(path)

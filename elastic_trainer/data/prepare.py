@@ -29,6 +29,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -78,7 +79,8 @@ def tokenize_piece(task: tuple) -> dict:
     lengths: list[int] = []
     h = digest()
     tokens = chars = 0
-    tmp = {ext: folder / f"{name}.{ext}.tmp{os.getpid()}" for ext in ("bin", "idx", "json")}
+    unique = f"{os.getpid()}-{threading.get_ident()}"  # thread workers share the process id
+    tmp = {ext: folder / f"{name}.{ext}.tmp{unique}" for ext in ("bin", "idx", "json")}
     try:
         with open(tmp["bin"], "wb") as out:
             batch: list[np.ndarray] = []
@@ -192,8 +194,14 @@ def prepare(sources: list[Path], out: Path, *, text_field: str = "text", skip_ba
                                    Progress(0, 0, None, quiet, announce), min_tokens)
         return manifest
     except (DataError, ConfigError):
-        for folder in created:  # nothing of a failed first build stays
-            _remove_tree(folder)
+        for folder in created:  # nothing of a failed first build stays (shared parents only when empty)
+            if folder == out:
+                _remove_tree(folder)
+            else:
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break
         raise
 
 
@@ -205,20 +213,25 @@ def _remove_tree(folder: Path) -> None:
 
 def _prepare_locked(sources, out, settings, skip_bad, workers, progress, min_tokens) -> dict:
     previous = _previous_manifest(out) if out.is_dir() else None
-    if previous and _fresh(previous, sources, settings):  # prepared: read without the lock (the manifest
+    if previous and _fresh(previous, out, sources, settings):  # prepared: read without the lock (the manifest
         manifests.check_bad_records(previous, skip_bad)  # appears whole), so a read-only copy works too
         _check_length(previous, min_tokens, sources)
         return previous
     shards = out / "shards"
-    shards.mkdir(parents=True, exist_ok=True)
-    with open(out / ".lock", "w") as lock:
+    try:
+        shards.mkdir(parents=True, exist_ok=True)
+        lock = open(out / ".lock", "w")
+    except OSError as e:
+        raise DataError(f"cannot write the prepared data {out} ({e.strerror or e}): put --data-cache (or "
+                        "prepare-data --out) on writable storage every host sees") from None
+    with lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             progress.say(f"waiting for another preparation of {out} to finish")
             fcntl.flock(lock, fcntl.LOCK_EX)
         previous = _previous_manifest(out)
-        if previous and _fresh(previous, sources, settings):
+        if previous and _fresh(previous, out, sources, settings):
             manifests.check_bad_records(previous, skip_bad)
             _check_length(previous, min_tokens, sources)
             return previous
@@ -234,14 +247,22 @@ def _check_length(manifest: dict, min_tokens: int, sources) -> None:
                         f"{min_tokens - 1} needs {min_tokens} (valid: more text or a shorter --seq-len)")
 
 
-def _fresh(manifest: dict, sources: list[Path], settings: Settings) -> bool:
-    """The manifest is of these sources as they are now (sizes and mtimes), with these settings."""
+def _fresh(manifest: dict, out: Path, sources: list[Path], settings: Settings) -> bool:
+    """The manifest is of these sources as they are now (sizes and mtimes), with these settings, and every
+    shard it lists is there, whole (a missing or truncated one is written again)."""
     if manifest.get("settings") != settings.key() or manifest.get("format") != FORMAT:
         return False
     listed = [(s["path"], s["size"], s["mtime_ns"]) for s in manifest.get("sources", [])]
     try:
-        return listed == [(str(p), *stat_source(p)) for p in sources]
+        if listed != [(str(p), *stat_source(p)) for p in sources]:
+            return False
     except DataError:
+        return False
+    itemsize, shards = np.dtype(manifest["dtype"]).itemsize, out / "shards"
+    try:
+        return all((shards / f"{s['name']}.bin").stat().st_size == s["tokens"] * itemsize
+                   and (shards / f"{s['name']}.json").is_file() for s in manifest["shards"])
+    except OSError:
         return False
 
 
@@ -256,11 +277,12 @@ def _run(sources, out, shards, settings, skip_bad, workers, previous, progress, 
     pieces = [(piece, src) for src in planned for piece in src["pieces"]]
     done = {}
     for piece, _ in pieces:
-        record = _shard_record(shards, piece["shard"])
+        record = _shard_record(shards, piece["shard"], dtype.itemsize)
         if record is not None and (skip_bad or not record["bad_records"]):
             done[piece["shard"]] = record
-    todo = [p for p, _ in pieces if p["shard"] not in done]
-    todo_bytes = sum(_piece_bytes(p, src) for p, src in pieces if p["shard"] not in done)
+    todo = list({p["shard"]: p for p, _ in pieces if p["shard"] not in done}.values())  # identical pieces once
+    todo_bytes = sum(_piece_bytes(p, src) for p, src in {p["shard"]: (p, src) for p, src in pieces
+                                                          if p["shard"] not in done}.values())
     progress.total_shards, progress.total_bytes = len(todo), todo_bytes
     reused = len(pieces) - len(todo)
     given_workers = workers
@@ -287,7 +309,8 @@ def _run(sources, out, shards, settings, skip_bad, workers, previous, progress, 
     os.replace(tmp, out / "manifest.json")
     removed = manifests.remove_stale(shards, {p["shard"] for p, _ in pieces})
     seconds = time.monotonic() - t0
-    rate = sum(r["chars"] for r in done.values() if r["name"] in {t[2] for t in tasks}) / max(seconds, 1e-9)
+    written = {t[2] for t in tasks}
+    rate = sum(r["chars"] for r in done.values() if r["name"] in written) / max(seconds, 1e-9)
     progress.say(summary=True, message=f"done: {manifest['tokens']:,} tokens, {manifest['documents']:,} documents in "
                  f"{len(pieces)} shards ({len(todo)} written, {reused} reused, {removed} stale removed) in "
                  f"{seconds:,.1f} s ({rate / 1e6:,.1f} MB/s) -> {out}")
@@ -300,14 +323,14 @@ def _piece_bytes(piece: dict, src: dict) -> int:
     return src["size"] // max(len(src["pieces"]), 1)
 
 
-def _shard_record(shards: Path, name: str) -> dict | None:
+def _shard_record(shards: Path, name: str, itemsize: int) -> dict | None:
+    """The record of a complete shard (its .json, its .idx, and a .bin of the size the record says)."""
     try:
         record = json.loads((shards / f"{name}.json").read_text())
-    except (OSError, ValueError):
+        whole = (shards / f"{name}.bin").stat().st_size == record["tokens"] * itemsize
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    if not ((shards / f"{name}.bin").is_file() and (shards / f"{name}.idx").is_file()):
-        return None
-    return record
+    return record if whole and (shards / f"{name}.idx").is_file() else None
 
 
 def _map(tasks, workers: int, processes: bool, counters, progress):

@@ -159,7 +159,9 @@ def read_text(piece: Piece, bad: Bad, skip: bool) -> Iterator[str]:
             raw = f.read()
     else:
         raw = _read_range(piece.path, piece.start, piece.stop)
-    yield decoded(raw, piece.path, piece.line, bad, skip)
+    text = decoded(raw, piece.path, piece.line, bad, skip)
+    if text:  # an empty file is no document (as an empty record is none)
+        yield text
 
 
 def first_char(path: str | Path) -> bytes:

@@ -149,7 +149,10 @@ def _folder(path: Path, source: str, data_split: str, out: Resolved, validation:
         _hf_dict(path, data_split, out, validation)
         return
     found = []
+    inside = {m.parent for m in path.rglob(MANIFEST)}  # a prepared dataset in the folder is not its text
     for p in sorted(path.rglob("*")):
+        if inside and any(parent in inside for parent in p.parents):
+            continue
         if p.is_file() and (records.kind_of(p) or (p.suffix == ".bin" and not validation)):
             found.append(p)
     found = [p for p in found if not any(part.startswith(".") for part in p.relative_to(path).parts)]

@@ -33,6 +33,8 @@ class TokenFile:
     dtype: np.dtype
     tokens: int
     index: Path | None = None
+    continues: bool = False
+    """Its last document goes on in the next file (a .txt cut into pieces: one document over shards)."""
 
 
 class TokenStream:
@@ -103,20 +105,22 @@ class TokenStream:
         array = self[0:len(self)]
         return array if dtype is None else array.astype(dtype)
 
-    def document_spans(self) -> list[np.ndarray]:
-        """Per file, the (start, length) rows of its documents in token offsets (each ends with <|endoftext|>
-        where the writer appended it)."""
-        spans = []
+    def document_spans(self):
+        """Per file, in order: (file number, (start, length) rows of its documents in token offsets), one file
+        at a time (each ends with <|endoftext|> where the writer appended it)."""
         for number, f in enumerate(self.files):
             if f.index is not None:
                 index = indexed.read_index(f.index)
                 seq_starts = np.zeros(len(index.lengths) + 1, dtype=np.int64)
                 np.cumsum(index.lengths, out=seq_starts[1:])
-                bounds = seq_starts[np.asarray(index.documents, dtype=np.int64)]
+                docs = np.asarray(index.documents, dtype=np.int64)
+                if not len(docs) or docs[-1] != len(index.lengths) or np.any(np.diff(docs) < 0):
+                    raise DataError(f"{f.index}: its document indices do not cover its {len(index.lengths)} "
+                                    "sequences in order; not a valid Megatron index")
+                bounds = seq_starts[docs]
             else:
                 bounds = _eot_bounds(self._file(number))
-            spans.append(np.stack([bounds[:-1], np.diff(bounds)], axis=1))
-        return spans
+            yield number, np.stack([bounds[:-1], np.diff(bounds)], axis=1)
 
 
 def _eot_bounds(tokens: np.ndarray, block: int = 1 << 24) -> np.ndarray:
@@ -142,14 +146,16 @@ def split_documents(stream: TokenStream, fraction: float) -> tuple[TokenStream, 
     """(train, validation): document d (counted over the whole stream) is held out when the hash of d falls in
     the first `fraction` of the range. The choice depends on the documents' order only, not on the seed."""
     threshold = np.uint64(min(int(fraction * 2.0 ** 64), 2 ** 64 - 1))
-    train, held, counted = [], [], 0
-    for number, spans in enumerate(stream.document_spans()):
-        if not len(spans):
-            continue
-        out = _mix(np.arange(counted, counted + len(spans))) < threshold
-        counted += len(spans)
-        for mask, into in ((~out, train), (out, held)):
-            into.extend(_runs(number, spans, mask))
+    train, held, counted, carried = [], [], 0, False
+    for number, spans in stream.document_spans():
+        n = len(spans)
+        if n:
+            ids = np.arange(counted, counted + n) - (1 if carried else 0)  # a continued document keeps its index
+            counted = int(ids[-1]) + 1
+            out = _mix(ids) < threshold
+            for mask, into in ((~out, train), (out, held)):
+                into.extend(_runs(number, spans, mask))
+        carried = stream.files[number].continues if n else carried
     as_array = lambda rows: np.array(rows, dtype=np.int64).reshape(-1, 3)  # noqa: E731
     return TokenStream(stream.files, as_array(train)), TokenStream(stream.files, as_array(held))
 
@@ -206,7 +212,8 @@ def prepared_files(folder: Path, manifest: dict | None = None) -> list[TokenFile
         if size != shard["tokens"] * dtype.itemsize:
             raise DataError(f"{path}: {size} bytes, its manifest says {shard['tokens']} tokens of {dtype.name}; the "
                             "dataset is damaged (delete the shard and prepare it again)")
-        files.append(TokenFile(path, dtype, shard["tokens"], path.with_suffix(".idx")))
+        files.append(TokenFile(path, dtype, shard["tokens"], path.with_suffix(".idx"),
+                               shard.get("sequences", 0) > shard.get("documents", 0)))
     return files
 
 

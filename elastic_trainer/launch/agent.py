@@ -278,10 +278,11 @@ def run_torchrun(argv: list[str]) -> int:
         # no hardware detection here: it would initialize CUDA in the agent, and its forked workers could not
         spec = resolve.train_spec(args, built_by="torchrun", world_size=per_host * config.max_nodes if fixed else None,
                                   local_world_size=per_host, hosts_known=config.max_nodes == 1, detect_hardware=False)
-        from elastic_trainer.data.corpus import say
+        from elastic_trainer.data.corpus import say, with_data
 
         corpus = preflight.train_inputs(spec)
         say(corpus)
+        spec = with_data(spec, corpus)
         if args.check:
             print(f"[check] inputs are valid: {spec.model.name} on {per_host} rank(s) per host, "
                   f"{config.min_nodes}..{config.max_nodes} host(s); {corpus.describe()}; "

@@ -209,9 +209,10 @@ class JobSetup:
     def prepare_data(self):
         """Prepare the job's data once, here, into the data cache the hosts read (progress on stderr); the
         corpus, whose content digest the newest checkpoint must match."""
-        from elastic_trainer.data.corpus import prepare_for_job
+        from elastic_trainer.data.corpus import prepare_for_job, with_data
 
         corpus = prepare_for_job(self.train)
+        self.spec = with_data(self.spec, corpus)
         newest = self.newest_checkpoint()
         if newest:
             from elastic_trainer.checkpoint.state import check_compatible

@@ -17,6 +17,7 @@ import pytest
 
 from elastic_trainer.config import ConfigError, TrainConfig
 from elastic_trainer.data import corpus, indexed, prepare, sources, stream, tokenizer
+from elastic_trainer.data.pieces import CHUNK_BYTES as CHUNK
 from elastic_trainer.data.pieces import Settings, plan_source
 
 DOCS = ["First document, with some words.", "Second: more text\nover two lines.", "Third one \u00e9\u00e8 \U0001f600.",
@@ -346,3 +347,47 @@ def test_every_format_of_one_corpus_trains_the_same_losses(tmp_path, group):
         trainer = Trainer(model, cfg, one, build_mesh(one, "cpu"), torch.device("cpu"))
         losses[name] = [trainer.train_step()["loss"] for _ in range(3)]
     assert len({tuple(v) for v in losses.values()}) == 1, losses
+
+
+def test_a_missing_or_truncated_shard_is_written_again(tmp_path):
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": f"line {i} " * 9}) + "\n" for i in range(3000)))
+    manifest = prepare.prepare([tmp_path / "a.jsonl"], tmp_path / "ds", chunk_bytes=50_000, quiet=True)
+    whole = _shard_bytes(tmp_path / "ds")
+    bins = sorted((tmp_path / "ds" / "shards").glob("*.bin"))
+    bins[0].unlink()
+    bins[1].write_bytes(bins[1].read_bytes()[:10])
+    again = prepare.prepare([tmp_path / "a.jsonl"], tmp_path / "ds", chunk_bytes=50_000, quiet=True)
+    assert again["digest"] == manifest["digest"] and _shard_bytes(tmp_path / "ds") == whole
+
+
+def test_identical_files_in_two_folders_are_prepared_once_and_read_twice(tmp_path):
+    for folder in ("x", "y"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "part.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    manifest = prepare.prepare([tmp_path / "x" / "part.jsonl", tmp_path / "y" / "part.jsonl"], tmp_path / "ds",
+                               quiet=True, workers=None)
+    assert len(manifest["shards"]) == 2 and manifest["shards"][0] == manifest["shards"][1]
+    assert np.asarray(stream.TokenStream(stream.prepared_files(tmp_path / "ds"))).tolist() == expected(DOCS) * 2
+
+
+def test_blank_lines_are_cut_and_one_long_document_is_held_out_whole(tmp_path):
+    """Paragraphs separated by blank lines give cuts (memory stays bounded), and --val-fraction holds out
+    whole documents whatever the pieces: a .txt cut into many shards is still one document."""
+    paragraphs = "\n\n".join(f"Paragraph {i}. " + "Words and more words. " * 5 for i in range(300))
+    docs = [f"Short book {i}." for i in range(6)]
+    docs.insert(3, paragraphs)  # document 3: held out at 0.5 (documents 3, 4, 5 of 0..6 are)
+    files = []
+    for i, text in enumerate(docs):
+        files.append(tmp_path / f"{i}.txt")
+        files[-1].write_text(text)
+    pieces = plan_source(files[3], Settings(chunk_bytes=2000))
+    assert len(pieces) > 10
+    held = [d for d in range(len(docs)) if int(stream._mix(np.array([d]))[0]) < int(0.5 * 2 ** 64)]
+    assert held == [3, 4, 5]
+    for chunk in (2000, CHUNK):
+        manifest = prepare.prepare(files, tmp_path / f"ds{chunk}", chunk_bytes=chunk, quiet=True)
+        assert (len(manifest["shards"]) > 10) == (chunk == 2000) and manifest["documents"] == len(docs)
+        got = corpus.load(TrainConfig(data=(str(tmp_path / f"ds{chunk}"),), seq_len=2, val_fraction=0.5,
+                                      global_batch=1))
+        assert np.asarray(got.val).tolist() == expected([docs[d] for d in held]), chunk
+        assert np.asarray(got.train).tolist() == expected([docs[d] for d in range(len(docs)) if d not in held]), chunk

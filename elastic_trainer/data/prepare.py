@@ -51,6 +51,10 @@ _COUNTERS = None
 """Shared progress counters of the worker processes (set in each worker by `_init_worker`)."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C while tokenizing: what was kept, in one line."""
+
+
 def _init_worker(counters) -> None:
     """A worker process's start: the shared counters; Ctrl-C is the parent's to handle. (Started by "spawn",
     a worker inherits no file descriptor: not the parent's lock, so a SIGKILLed parent leaves nothing locked.)"""
@@ -298,10 +302,8 @@ def _run(sources, out, shards, settings, skip_bad, workers, previous, progress, 
             done[record["name"]] = record
     except KeyboardInterrupt:
         _cleanup_tmp(shards)
-        complete = len(done)
-        print(f"prepare-data: interrupted; {complete} of {len(pieces)} shards are complete and kept, run the same "
-              "command again to continue", file=sys.stderr, flush=True)
-        raise
+        raise Interrupted(f"interrupted; {len(done)} of {len(pieces)} shards of {out} are complete and kept, run "
+                          "the same command again to continue") from None
     manifest = manifests.build(planned, [done[p["shard"]] for p, _ in pieces], settings, dtype, skip_bad)
     _check_length(manifest, min_tokens, sources)
     tmp = out / f"manifest.json.tmp{os.getpid()}"

@@ -229,11 +229,7 @@ def _prepare_locked(sources, out, settings, skip_bad, workers, progress, min_tok
         raise DataError(f"cannot write the prepared data {out} ({e.strerror or e}): put --data-cache (or "
                         "prepare-data --out) on writable storage every host sees") from None
     with lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            progress.say(f"waiting for another preparation of {out} to finish")
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        _wait_for(lock, out, progress)
         previous = _previous_manifest(out)
         if previous and _fresh(previous, out, sources, settings):
             manifests.check_bad_records(previous, skip_bad)
@@ -241,6 +237,22 @@ def _prepare_locked(sources, out, settings, skip_bad, workers, progress, min_tok
             return previous
         _cleanup_tmp(shards)
         return _run(sources, out, shards, settings, skip_bad, workers, previous, progress, min_tokens)
+
+
+def _wait_for(lock, out: Path, progress: Progress) -> None:
+    """Take the folder's lock; while another process prepares it, say so (after PROGRESS_EVERY_S, then every
+    minute), so a waiting rank or launcher is not silent."""
+    start, said = time.monotonic(), 0.0
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            waited = time.monotonic() - start
+            if waited >= PROGRESS_EVERY_S and waited - said >= (60 if said else PROGRESS_EVERY_S):
+                progress.say(f"waiting {waited:,.0f} s for another preparation of {out} to finish")
+                said = waited
+            time.sleep(0.2)
 
 
 def _check_length(manifest: dict, min_tokens: int, sources) -> None:

@@ -51,6 +51,17 @@ _COUNTERS = None
 """Shared progress counters of the worker processes (set in each worker by `_init_worker`)."""
 
 
+class _ThreadCounters(list):
+    """The progress counters of thread workers (a process-shared array would start a resource tracker)."""
+
+    def __init__(self):
+        super().__init__([0, 0, 0])
+        self._lock = threading.Lock()
+
+    def get_lock(self):
+        return self._lock
+
+
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C while tokenizing: what was kept, in one line."""
 
@@ -283,10 +294,7 @@ def _fresh(manifest: dict, out: Path, sources: list[Path], settings: Settings) -
 
 
 def _run(sources, out, shards, settings, skip_bad, workers, previous, progress, min_tokens) -> dict:
-    import multiprocessing as mp
-
-    counters = mp.get_context("spawn").Array("q", 3)
-    progress.counters = counters
+    progress.counters = _ThreadCounters()  # until the workers are known to be processes
     t0 = time.monotonic()
     planned = plan(sources, settings, previous, progress.say)
     dtype = np.dtype(indexed.token_dtype(tokenizer.VOCAB_SIZE))
@@ -307,10 +315,15 @@ def _run(sources, out, shards, settings, skip_bad, workers, previous, progress, 
         progress.say(f"{len(todo)} of {len(pieces)} shards to write ({todo_bytes / 1e6:,.1f} MB of text, "
                      f"{reused} already prepared) with {workers} worker(s) -> {out}")
     tasks = [(p, str(shards), p["shard"], settings.text_field, skip_bad, dtype.name) for p in todo]
-    tokenizer.gpt2_encoding()  # built once here (about 1 s) for thread workers; a process builds its own
+    processes = given_workers is not None or todo_bytes >= THREADS_BELOW_BYTES
+    if processes:
+        import multiprocessing as mp
+
+        progress.counters = mp.get_context("spawn").Array("q", 3)  # shared with the worker processes
+    else:
+        tokenizer.gpt2_encoding()  # built once here (about 1 s), shared by the thread workers
     try:
-        processes = given_workers is not None or todo_bytes >= THREADS_BELOW_BYTES
-        for record in _map(tasks, workers, processes, counters, progress):
+        for record in _map(tasks, workers, processes, progress.counters, progress):
             done[record["name"]] = record
     except KeyboardInterrupt:
         _cleanup_tmp(shards)

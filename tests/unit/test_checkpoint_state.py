@@ -252,3 +252,19 @@ def test_data_files_id_is_none_when_the_files_are_gone(tmp_path, monkeypatch):
     joined = "\0".join(str((tmp_path / n).resolve()) for n in ("a.txt", "b.txt"))
     assert both == hashlib.sha256(joined.encode()).hexdigest()[:20]
     assert state.data_files_id(dataclasses.replace(CFG, data=("missing.txt",))) is None
+
+
+def test_the_data_is_compared_by_content_when_both_digests_are_known():
+    """A checkpoint of data with content digest X: the same digest under another path resumes, another digest
+    under the same path is refused, a held-out fraction that differs is named as the setting it is."""
+    meta = saved_meta(dataclasses.replace(CFG, data=("/old/place/ds",)))
+    meta["data"]["id"] = "a" * 32
+    moved = dataclasses.replace(CFG, data=("/new/place/ds",))
+    state.check_compatible(meta, MODEL, moved, "ck", data_id="a" * 32)
+    with pytest.raises(ConfigError, match=r"^ck was trained on other data: the content digest of --data "
+                                          r"/old/place/ds is bbbbbbbbbbbb, the checkpoint's aaaaaaaaaaaa; "):
+        state.check_compatible(meta, MODEL, dataclasses.replace(CFG, data=("/old/place/ds",)), "ck", "b" * 32)
+    with pytest.raises(ConfigError, match=r"other settings: val_fraction=0\.1 \(checkpoint: 0\.0\)"):
+        state.check_compatible(meta, MODEL, dataclasses.replace(moved, val_fraction=0.1), "ck", "a" * 32 + ":val0.1")
+    with pytest.raises(ConfigError, match="other settings: data="):  # without a digest: by path, as before
+        state.check_compatible(meta, MODEL, moved, "ck")

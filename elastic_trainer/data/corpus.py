@@ -86,7 +86,7 @@ def _stream_of(text: list[Path], tokens: list[TokenSource], train: TrainConfig, 
         files += stream.prepared_files(folder, manifest)
         ids.append(manifest["digest"])
         out.prepared.append(folder)
-        out.lines.append(f"prepared data: {folder} ({manifest['tokens']:,} tokens)")
+        out.lines.append(f"prepared at {folder} ({manifest['tokens']:,} tokens)")
     for source in tokens:
         if source.kind == "prepared":
             manifest = stream.read_manifest(source.path)

@@ -92,8 +92,11 @@ def _find_cut(f, target: int, size: int, kind: str, after: int) -> int | None:
     return None
 
 
-def _byte_pieces(path: Path, size: int, kind: str, chunk: int) -> list[Piece]:
+def _byte_pieces(path: Path, size: int, kind: str, chunk: int) -> tuple[list[Piece], str]:
+    """The pieces of a .txt or .jsonl and the file's content digest, from one read of the file (the cuts
+    are found by seeking; the same pass hashes the bytes and counts each piece's lines, for error messages)."""
     cuts = [0]
+    h = digest()
     with records.open_file(path) as f:
         while cuts[-1] + chunk < size:
             cut = _find_cut(f, cuts[-1] + chunk, size, kind, cuts[-1])
@@ -101,18 +104,26 @@ def _byte_pieces(path: Path, size: int, kind: str, chunk: int) -> list[Piece]:
                 break
             cuts.append(cut)
         cuts.append(size)
-        lines = [1]
-        for start, stop in zip(cuts[:-1], cuts[1:]):  # line numbers, for error messages
-            f.seek(start)
-            count, left = 0, stop - start
-            while left > 0:
-                block = f.read(min(HASH_BLOCK, left))
-                count += block.count(b"\n")
-                left -= len(block)
-            lines.append(lines[-1] + count)
+        counts, piece, pos = [0] * (len(cuts) - 1), 0, 0
+        f.seek(0)
+        while block := f.read(HASH_BLOCK):
+            h.update(block)
+            start = 0
+            while start < len(block):
+                end = min(len(block), cuts[piece + 1] - pos)
+                counts[piece] += block.count(b"\n", start, end)
+                if pos + end >= cuts[piece + 1] and piece + 1 < len(counts):
+                    piece += 1
+                elif end == start:
+                    break
+                start = end
+            pos += len(block)
+    lines = [1]
+    for count in counts:
+        lines.append(lines[-1] + count)
     last = len(cuts) - 2
     return [Piece(str(path), kind, a, b, lines[i], kind != "txt" or i == last)
-            for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))]
+            for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))], h.hexdigest()
 
 
 def _row_pieces(path: Path, kind: str, rows: list[int], sizes: list[int], chunk: int) -> list[Piece]:
@@ -141,7 +152,7 @@ def plan_source(path: Path, settings: Settings) -> list[Piece]:
     kind = records.kind_of(path)
     size = stat_source(path)[0]
     if kind in ("txt", "jsonl") or (kind == "json" and not records.is_json_list(path)):
-        return _byte_pieces(path, size, "txt" if kind == "txt" else "jsonl", chunk)
+        return _byte_pieces(path, size, "txt" if kind == "txt" else "jsonl", chunk)[0]
     if kind == "json":
         return [Piece(str(path), "json-list")]
     if kind == "parquet":
@@ -176,8 +187,11 @@ def plan(sources: list[Path], settings: Settings, previous: dict | None, say) ->
         if old and old["size"] == size and old["mtime_ns"] == mtime:
             planned.append(old)
             continue
-        content = _hash_files(_source_files(path))
-        pieces = plan_source(path, settings)
+        kind = records.kind_of(path) if path.is_file() else None
+        if kind in ("txt", "jsonl") or (kind == "json" and not records.is_json_list(path)):  # one read for both
+            pieces, content = _byte_pieces(path, size, "txt" if kind == "txt" else "jsonl", settings.chunk_bytes)
+        else:
+            content, pieces = _hash_files(_source_files(path)), plan_source(path, settings)
         hashed_bytes += size
         planned.append({"path": str(path), "size": size, "mtime_ns": mtime, "digest": content,
                         "pieces": [p.to_dict() | {"shard": _shard_name(content, p, settings)} for p in pieces]})

@@ -391,3 +391,23 @@ def test_blank_lines_are_cut_and_one_long_document_is_held_out_whole(tmp_path):
                                       global_batch=1))
         assert np.asarray(got.val).tolist() == expected([docs[d] for d in held]), chunk
         assert np.asarray(got.train).tolist() == expected([docs[d] for d in range(len(docs)) if d not in held]), chunk
+
+
+def test_one_read_gives_the_digest_and_every_piece_s_first_line(tmp_path, monkeypatch):
+    """Planning reads a text file once: its digest and each piece's first line number, whatever the block
+    size against the cuts, equal xxh3 of the bytes and a count of the newlines before the piece."""
+    import xxhash
+
+    from elastic_trainer.data import pieces as planning
+
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        data = bytes(rng.choice(list(b"ab \nX\r."), size=int(rng.integers(1, 3000))))
+        (tmp_path / "f.txt").write_bytes(data)
+        monkeypatch.setattr(planning, "HASH_BLOCK", int(rng.integers(1, 200)))
+        for kind in ("txt", "jsonl"):
+            got, content = planning._byte_pieces(tmp_path / "f.txt", len(data), kind, int(rng.integers(1, 300)))
+            assert content == xxhash.xxh3_128(data).hexdigest()
+            assert [p.line for p in got] == [data[:p.start].count(b"\n") + 1 for p in got], (trial, kind)
+            assert got[0].start == 0 and got[-1].stop == len(data)
+            assert all(a.stop == b.start for a, b in zip(got, got[1:]))

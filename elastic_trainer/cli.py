@@ -219,7 +219,7 @@ def run_prepare_data(args: argparse.Namespace) -> int:
         print(f"prepare-data: {e or 'interrupted; run the same command again to continue'}", file=sys.stderr)
         return 130
     if args.verify:
-        stream.verify_prepared(out, manifest)
+        stream.prepared_files(out, manifest, verify="all")
     for note in resolved.notes:
         print(f"[prepare] {note}", file=sys.stderr)
     if resolved.validation:

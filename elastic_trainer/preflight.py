@@ -149,13 +149,14 @@ def train_inputs(spec: JobSpec):
 
     train, ckpt = spec.train, spec.checkpoint
     check_outputs(spec)
-    step = check_checkpoint(ckpt, spec.model, train, data.content_id(train) if ckpt else None)
+    known = data.content_id(train) if ckpt else None  # token sources: their digest, without preparing anything
+    step = check_checkpoint(ckpt, spec.model, train, known)
     until = spec.phases[0].until_step
     if until is not None and step and until < step:
         raise ConfigError(f"--until-step {until} is before step {step}, where this run resumes "
                           f"({ckpt.dir}); valid: a step after {step}")
     check_dir_target(train.data_cache or data.default_cache_dir(), "the data cache (--data-cache)")
     corpus = data.prepare_for_job(train)
-    if step:
-        check_checkpoint(ckpt, spec.model, train, corpus.data_id)  # the same tokens, by content
+    if step and known is None:  # text: its digest is known once prepared
+        check_checkpoint(ckpt, spec.model, train, corpus.data_id)
     return corpus

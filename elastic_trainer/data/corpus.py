@@ -22,7 +22,7 @@ from pathlib import Path
 
 from elastic_trainer.config import ConfigError, TrainConfig
 from elastic_trainer.data import manifest as manifests
-from elastic_trainer.data import prepare, read, sources, stream
+from elastic_trainer.data import indexed, prepare, read, sources, stream
 from elastic_trainer.data.pieces import digest
 from elastic_trainer.data.records import DataError
 from elastic_trainer.data.sources import Resolved, TokenSource, sotu_files  # noqa: F401  (sotu_files: API)
@@ -88,29 +88,34 @@ def _stream_of(text: list[Path], tokens: list[TokenSource], train: TrainConfig, 
         out.prepared.append(folder)
         out.lines.append(f"prepared at {folder} ({manifest['tokens']:,} tokens)")
     for source in tokens:
+        manifest = None
         if source.kind == "prepared":
             manifest = stream.read_manifest(source.path)
             manifests.check_bad_records(manifest, train.skip_bad_records)
-            if verify:
-                stream.verify_prepared(source.path, manifest, full=False)
-            files += stream.prepared_files(source.path, manifest)
+            files += stream.prepared_files(source.path, manifest, verify="changed" if verify else None)
             out.prepared.append(source.path)
         else:
             files.append(stream.token_file(source))
-    return TokenStream(files), _digest_of(ids + _token_ids(tokens))
+        ids.append(_token_id(source, manifest))
+    return TokenStream(files), _digest_of(ids)
 
 
-def _token_ids(tokens: list[TokenSource]) -> list[str]:
-    """The content digests of token sources: a prepared dataset's manifest digest, else sampled blocks."""
-    return [stream.read_manifest(t.path)["digest"] if t.kind == "prepared" else
-            stream.sampled_digest(t.path if t.kind == "nanogpt" else t.path.with_name(t.path.name + ".bin"))
-            for t in tokens]
+def _token_id(source: TokenSource, manifest: dict | None = None) -> str:
+    """The content digest of a token source: a prepared dataset's manifest digest, else sampled blocks."""
+    if source.kind == "prepared":
+        return (manifest or stream.read_manifest(source.path))["digest"]
+    return stream.sampled_digest(source.path if source.kind == "nanogpt" else indexed.bin_path(source.path))
 
 
-def _digest_of(ids: list[str], val_fraction: float = 0.0) -> str:
+def _digest_of(ids: list[str]) -> str:
     h = digest()
     h.update("\0".join(ids).encode())
-    return h.hexdigest()[:32] + (f":val{val_fraction}" if val_fraction else "")
+    return h.hexdigest()[:32]
+
+
+def _held_out(data_id: str, val_fraction: float) -> str:
+    """The data's identity with a held-out fraction: other documents are trained on."""
+    return f"{data_id}:val{val_fraction}" if val_fraction else data_id
 
 
 def content_id(train: TrainConfig) -> str | None:
@@ -119,11 +124,11 @@ def content_id(train: TrainConfig) -> str | None:
     resolved = sources.resolve(train.data, train.data_split)
     if resolved.text:
         return None
-    return _digest_of(_token_ids(resolved.tokens), train.val_fraction)
+    return _held_out(_digest_of([_token_id(t) for t in resolved.tokens]), train.val_fraction)
 
 
-def load(train: TrainConfig, *, quiet: bool = False, builder: bool = False, prepared: tuple[str, ...] = (),
-         prepared_val: tuple[str, ...] = ()) -> Corpus:
+def load(train: TrainConfig, *, quiet: bool = False, builder: bool = False, sampled: bool = False,
+         prepared: tuple[str, ...] = (), prepared_val: tuple[str, ...] = ()) -> Corpus:
     """The job's train and validation streams. `builder`: whoever describes the job (samples every text file
     first, so a bad one fails in milliseconds, and checks prepared datasets' changed shards). `prepared` (and
     `prepared_val`): the token sources the builder found (Corpus.train_sources), read as they are."""
@@ -136,7 +141,7 @@ def load(train: TrainConfig, *, quiet: bool = False, builder: bool = False, prep
     out = Corpus(None, None, "")  # type: ignore[arg-type]
     if not resolved.text and not resolved.tokens:
         raise DataError(f"--data {' '.join(train.data)} names no data files")
-    kw = dict(quiet=quiet, sample=builder, verify=builder, out=out)
+    kw = dict(quiet=quiet, sample=builder and not sampled, verify=builder, out=out)
     train_stream, data_id = _stream_of(resolved.text, resolved.tokens, train, min_tokens=train.seq_len + 1, **kw)
     out.train_sources = _sources_of(resolved.text, resolved.tokens, train)
     val = None
@@ -149,7 +154,7 @@ def load(train: TrainConfig, *, quiet: bool = False, builder: bool = False, prep
                              "validation data")
     elif train.val_fraction:
         train_stream, val = stream.split_documents(train_stream, train.val_fraction)
-        data_id = f"{data_id}:val{train.val_fraction}"  # as _digest_of writes it
+        data_id = _held_out(data_id, train.val_fraction)
         out.lines.append(f"validation: {train.val_fraction:g} of the documents held out ({len(val):,} tokens; "
                          f"{len(train_stream):,} train)")
     elif resolved.validation or resolved.validation_tokens:
@@ -164,7 +169,8 @@ def load(train: TrainConfig, *, quiet: bool = False, builder: bool = False, prep
     out.train, out.val, out.data_id = train_stream, val, data_id
     min_tokens = train.seq_len + 1
     if len(train_stream) < min_tokens:
-        raise DataError(_too_short(len(train_stream), min_tokens, resolved))
+        raise DataError(manifests.too_short(len(train_stream), min_tokens,
+                                          resolved.text + [t.path for t in resolved.tokens]))
     if val is not None:
         eval_batch_count(len(val), train)
     return out
@@ -172,14 +178,14 @@ def load(train: TrainConfig, *, quiet: bool = False, builder: bool = False, prep
 
 def _token_source(path: str) -> TokenSource:
     p = Path(path)
-    if p.with_name(p.name + ".idx").is_file():
+    if indexed.idx_path(p).is_file():
         return TokenSource("megatron", p)
     return TokenSource("nanogpt" if p.suffix == ".bin" and p.is_file() else "prepared", p)
 
 
 def visible(paths: tuple[str, ...]) -> bool:
     """Every token source the builder recorded exists here (else this host prepares its own copy)."""
-    return all(Path(p).exists() or Path(p).with_name(Path(p).name + ".idx").is_file() for p in paths)
+    return all(Path(p).exists() or indexed.idx_path(p).is_file() for p in paths)
 
 
 def _sources_of(text: list[Path], tokens: list[TokenSource], train: TrainConfig) -> tuple[str, ...]:
@@ -197,17 +203,10 @@ def eval_batch_count(num_tokens: int, cfg: TrainConfig) -> int:
     return min(cfg.eval_batches, samples // cfg.global_batch)
 
 
-def _too_short(tokens: int, min_tokens: int, resolved: Resolved) -> str:
-    names = [str(p) for p in resolved.text] + [str(t.path) for t in resolved.tokens]
-    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return (f"the data has {tokens} tokens ({shown}); one sample of --seq-len {min_tokens - 1} needs "
-            f"{min_tokens} (valid: more text or a shorter --seq-len)")
-
-
-def prepare_for_job(train: TrainConfig) -> Corpus:
-    """The builder's step: prepare the data once for the job, saying where it is (stderr)."""
-    corpus = load(train, builder=True)
-    return corpus
+def prepare_for_job(train: TrainConfig, sampled: bool = False) -> Corpus:
+    """The builder's step: prepare the data once for the job (progress on stderr); `sampled`: the text files'
+    starts were read already (the launcher's check_inputs)."""
+    return load(train, builder=True, sampled=sampled)
 
 
 def with_data(spec, corpus: Corpus):

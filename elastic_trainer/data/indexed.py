@@ -37,6 +37,15 @@ TOKEN_CODES = (1, 3, 4, 5, 8)
 _HEADER = struct.Struct("<9sQBQQ")
 
 
+def idx_path(prefix: str | Path) -> Path:
+    """PREFIX.idx (Megatron names a dataset by the prefix of its two files)."""
+    return Path(prefix).with_name(Path(prefix).name + ".idx")
+
+
+def bin_path(prefix: str | Path) -> Path:
+    return Path(prefix).with_name(Path(prefix).name + ".bin")
+
+
 def code_of(dtype) -> int:
     for code, kind in CODES.items():
         if np.dtype(kind) == np.dtype(dtype):
@@ -100,8 +109,8 @@ def bin_tokens(prefix: str | Path, index: Index | None = None) -> np.ndarray:
     """The `.bin` of `prefix` as one read-only memory-mapped token array, checked against its index: the
     sequences must lie back to back from offset 0 (as every writer lays them out)."""
     prefix = Path(prefix)
-    index = index or read_index(prefix.with_name(prefix.name + ".idx"))
-    path = prefix.with_name(prefix.name + ".bin")
+    index = index or read_index(idx_path(prefix))
+    path = bin_path(prefix)
     try:
         size = path.stat().st_size
     except OSError as e:

@@ -58,3 +58,21 @@ def remove_stale(shards: Path, keep: set[str]) -> int:
                 (shards / f"{name}.{ext}").unlink(missing_ok=True)
             removed += 1
     return removed
+
+
+def check_length(manifest: dict, min_tokens: int, sources) -> None:
+    """Data with no tokens, or fewer than one sample needs, is bad input."""
+    if manifest["tokens"] == 0:
+        raise DataError(f"the data has no text: {_names(sources)} hold no non-empty documents")
+    if manifest["tokens"] < min_tokens:
+        raise DataError(too_short(manifest["tokens"], min_tokens, sources))
+
+
+def too_short(tokens: int, min_tokens: int, sources) -> str:
+    """Data with fewer tokens than one sample needs, in one line."""
+    return (f"the data has {tokens} tokens ({_names(sources)}); one sample of --seq-len {min_tokens - 1} needs "
+            f"{min_tokens} (valid: more text or a shorter --seq-len)")
+
+
+def _names(files) -> str:
+    return ", ".join(str(p) for p in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")

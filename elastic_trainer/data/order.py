@@ -80,6 +80,10 @@ class TokenSamples:
     def batch(self, positions: range) -> tuple[np.ndarray, torch.Tensor]:
         """(sample ids, int64 tensor of shape (len(positions), seq_len + 1))."""
         ids = self.order.ids(positions.start, positions.stop)
-        T = self.seq_len
-        rows = np.stack([np.asarray(self.tokens[i * T:i * T + T + 1], dtype=np.int64) for i in ids])
-        return ids, torch.from_numpy(rows)
+        return ids, sample_rows(self.tokens, self.seq_len, ids)
+
+
+def sample_rows(tokens, seq_len: int, ids) -> torch.Tensor:
+    """Samples `ids` of a token stream (sample i is tokens [i * T, i * T + T + 1)) as int64 rows."""
+    T = seq_len
+    return torch.from_numpy(np.stack([np.asarray(tokens[i * T:i * T + T + 1], dtype=np.int64) for i in ids]))

@@ -60,7 +60,8 @@ def stat_source(path: Path) -> tuple[int, int]:
         raise DataError(f"data source {str(path)!r} cannot be read ({e.strerror or e})") from None
 
 
-def _hash_files(paths: list[Path]) -> str:
+def hash_files(paths: list[Path]) -> str:
+    """The content digest of files, read in order."""
     h = digest()
     for p in paths:
         with records.open_file(p) as f:
@@ -126,6 +127,16 @@ def _byte_pieces(path: Path, size: int, kind: str, chunk: int) -> tuple[list[Pie
             for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))], h.hexdigest()
 
 
+def _byte_kind(path: Path) -> str | None:
+    """"txt" or "jsonl" for a file cut at byte offsets (a .json of one object per line is JSON lines), else None."""
+    if not path.is_file():
+        return None
+    kind = records.kind_of(path)
+    if kind == "json" and not records.is_json_list(path):
+        return "jsonl"
+    return kind if kind in ("txt", "jsonl") else None
+
+
 def _row_pieces(path: Path, kind: str, rows: list[int], sizes: list[int], chunk: int) -> list[Piece]:
     """Pieces of whole units (row groups or rows) of about `chunk` bytes."""
     pieces, start, acc = [], 0, 0
@@ -149,10 +160,9 @@ def plan_source(path: Path, settings: Settings) -> list[Piece]:
         step = max(chunk // per_row, 1)
         starts = list(range(0, n, step)) or [0]
         return [Piece(str(path), "hf", s, min(s + step, n) if s + step < n else -1) for s in starts]
+    if _byte_kind(path):
+        return _byte_pieces(path, stat_source(path)[0], _byte_kind(path), chunk)[0]
     kind = records.kind_of(path)
-    size = stat_source(path)[0]
-    if kind in ("txt", "jsonl") or (kind == "json" and not records.is_json_list(path)):
-        return _byte_pieces(path, size, "txt" if kind == "txt" else "jsonl", chunk)[0]
     if kind == "json":
         return [Piece(str(path), "json-list")]
     if kind == "parquet":
@@ -187,11 +197,11 @@ def plan(sources: list[Path], settings: Settings, previous: dict | None, say) ->
         if old and old["size"] == size and old["mtime_ns"] == mtime:
             planned.append(old)
             continue
-        kind = records.kind_of(path) if path.is_file() else None
-        if kind in ("txt", "jsonl") or (kind == "json" and not records.is_json_list(path)):  # one read for both
-            pieces, content = _byte_pieces(path, size, "txt" if kind == "txt" else "jsonl", settings.chunk_bytes)
+        kind = _byte_kind(path)
+        if kind:  # one read gives both
+            pieces, content = _byte_pieces(path, size, kind, settings.chunk_bytes)
         else:
-            content, pieces = _hash_files(_source_files(path)), plan_source(path, settings)
+            content, pieces = hash_files(_source_files(path)), plan_source(path, settings)
         hashed_bytes += size
         planned.append({"path": str(path), "size": size, "mtime_ns": mtime, "digest": content,
                         "pieces": [p.to_dict() | {"shard": _shard_name(content, p, settings)} for p in pieces]})

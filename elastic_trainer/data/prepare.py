@@ -27,6 +27,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -99,17 +100,17 @@ def tokenize_piece(task: tuple) -> dict:
     try:
         with open(tmp["bin"], "wb") as out:
             batch: list[np.ndarray] = []
-            pending_docs = pending_chars = 0
+            pending_docs = pending_tokens = pending_chars = 0
 
-            def flush():
-                nonlocal pending_docs, pending_chars
+            def flush():  # the shared progress counters too, once per batch (a lock; not per document)
+                nonlocal pending_docs, pending_tokens, pending_chars
                 if batch:
                     data = np.concatenate(batch).astype(dtype, copy=False).tobytes()
                     out.write(data)
                     h.update(data)
                     batch.clear()
-                _count(pending_docs, 0, pending_chars)
-                pending_docs = pending_chars = 0
+                _count(pending_docs, pending_tokens, pending_chars)
+                pending_docs = pending_tokens = pending_chars = 0
 
             for text in read.documents(piece, bad, skip, text_field):
                 ids = enc.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
@@ -118,8 +119,8 @@ def tokenize_piece(task: tuple) -> dict:
                 lengths.append(len(ids))
                 tokens += len(ids)
                 batch.append(ids)
-                _count(0, len(ids), 0)
                 pending_docs += 1
+                pending_tokens += len(ids)
                 pending_chars += len(text)
                 chars += len(text)
                 if pending_chars >= BATCH_CHARS:
@@ -148,9 +149,11 @@ class Progress:
     its summary (only when `announce`: a small corpus prepared on first use is described by its caller) or
     its one-line error; a longer one starts talking then, with what it held back."""
 
-    def __init__(self, total_shards: int, total_bytes: int, counters, quiet: bool = False, announce: bool = False):
-        self.total_shards, self.total_bytes, self.counters = total_shards, total_bytes, counters
+    def __init__(self, quiet: bool = False, announce: bool = False):
         self.quiet, self.announce = quiet, announce
+        self.total_shards = self.total_bytes = 0
+        self.counters = None
+        """documents, tokens, characters done: a list for thread workers, a shared array for processes"""
         self.t0 = self.last = time.monotonic()
         self.done = 0
         self._held: list[str] = []
@@ -205,13 +208,12 @@ def prepare(sources: list[Path], out: Path, *, text_field: str = "text", skip_ba
     out = Path(out)
     created = [p for p in (out, *out.parents) if not p.exists()]
     try:
-        manifest = _prepare_locked(sources, out, Settings(text_field, chunk_bytes), skip_bad, workers,
-                                   Progress(0, 0, None, quiet, announce), min_tokens)
-        return manifest
+        return _prepare_locked(sources, out, Settings(text_field, chunk_bytes), skip_bad, workers,
+                               Progress(quiet, announce), min_tokens)
     except (DataError, ConfigError):
         for folder in created:  # nothing of a failed first build stays (shared parents only when empty)
             if folder == out:
-                _remove_tree(folder)
+                shutil.rmtree(folder, ignore_errors=True)
             else:
                 try:
                     folder.rmdir()
@@ -220,18 +222,10 @@ def prepare(sources: list[Path], out: Path, *, text_field: str = "text", skip_ba
         raise
 
 
-def _remove_tree(folder: Path) -> None:
-    import shutil
-
-    shutil.rmtree(folder, ignore_errors=True)
-
-
 def _prepare_locked(sources, out, settings, skip_bad, workers, progress, min_tokens) -> dict:
     previous = _previous_manifest(out) if out.is_dir() else None
-    if previous and _fresh(previous, out, sources, settings):  # prepared: read without the lock (the manifest
-        manifests.check_bad_records(previous, skip_bad)  # appears whole), so a read-only copy works too
-        _check_length(previous, min_tokens, sources)
-        return previous
+    if _usable(previous, out, sources, settings, skip_bad, min_tokens):  # read without the lock (the manifest
+        return previous  # appears whole), so a read-only copy works too
     shards = out / "shards"
     try:
         shards.mkdir(parents=True, exist_ok=True)
@@ -242,9 +236,7 @@ def _prepare_locked(sources, out, settings, skip_bad, workers, progress, min_tok
     with lock:
         _wait_for(lock, out, progress)
         previous = _previous_manifest(out)
-        if previous and _fresh(previous, out, sources, settings):
-            manifests.check_bad_records(previous, skip_bad)
-            _check_length(previous, min_tokens, sources)
+        if _usable(previous, out, sources, settings, skip_bad, min_tokens):
             return previous
         _cleanup_tmp(shards)
         return _run(sources, out, shards, settings, skip_bad, workers, previous, progress, min_tokens)
@@ -266,12 +258,14 @@ def _wait_for(lock, out: Path, progress: Progress) -> None:
             time.sleep(0.2)
 
 
-def _check_length(manifest: dict, min_tokens: int, sources) -> None:
-    if manifest["tokens"] == 0:
-        raise DataError(f"the data has no text: {_names(sources)} hold no non-empty documents")
-    if manifest["tokens"] < min_tokens:
-        raise DataError(f"the data has {manifest['tokens']} tokens ({_names(sources)}); one sample of --seq-len "
-                        f"{min_tokens - 1} needs {min_tokens} (valid: more text or a shorter --seq-len)")
+def _usable(previous: dict | None, out: Path, sources: list[Path], settings: Settings, skip_bad: bool,
+            min_tokens: int) -> bool:
+    """The folder already holds these sources prepared (DataError when it does but they are bad input)."""
+    if not (previous and _fresh(previous, out, sources, settings)):
+        return False
+    manifests.check_bad_records(previous, skip_bad)
+    manifests.check_length(previous, min_tokens, sources)
+    return True
 
 
 def _fresh(manifest: dict, out: Path, sources: list[Path], settings: Settings) -> bool:
@@ -304,9 +298,9 @@ def _run(sources, out, shards, settings, skip_bad, workers, previous, progress, 
         record = _shard_record(shards, piece["shard"], dtype.itemsize)
         if record is not None and (skip_bad or not record["bad_records"]):
             done[piece["shard"]] = record
-    todo = list({p["shard"]: p for p, _ in pieces if p["shard"] not in done}.values())  # identical pieces once
-    todo_bytes = sum(_piece_bytes(p, src) for p, src in {p["shard"]: (p, src) for p, src in pieces
-                                                          if p["shard"] not in done}.values())
+    pending = {p["shard"]: (p, src) for p, src in pieces if p["shard"] not in done}  # identical pieces once
+    todo = [p for p, _ in pending.values()]
+    todo_bytes = sum(_piece_bytes(p, src) for p, src in pending.values())
     progress.total_shards, progress.total_bytes = len(todo), todo_bytes
     reused = len(pieces) - len(todo)
     given_workers = workers
@@ -330,7 +324,7 @@ def _run(sources, out, shards, settings, skip_bad, workers, previous, progress, 
         raise Interrupted(f"interrupted; {len(done)} of {len(pieces)} shards of {out} are complete and kept, run "
                           "the same command again to continue") from None
     manifest = manifests.build(planned, [done[p["shard"]] for p, _ in pieces], settings, dtype, skip_bad)
-    _check_length(manifest, min_tokens, sources)
+    manifests.check_length(manifest, min_tokens, sources)
     tmp = out / f"manifest.json.tmp{os.getpid()}"
     tmp.write_text(json.dumps(manifest, indent=1) + "\n")
     os.replace(tmp, out / "manifest.json")
@@ -393,7 +387,3 @@ def _map(tasks, workers: int, processes: bool, counters, progress):
         pool.shutdown(wait=True, cancel_futures=True)
         if not processes:
             _COUNTERS = None
-
-
-def _names(files) -> str:
-    return ", ".join(str(p) for p in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from elastic_trainer.config import ConfigError
-from elastic_trainer.data import records
+from elastic_trainer.data import indexed, records
 
 TEXT_SUFFIXES = ".txt .jsonl .json .parquet .arrow .txt.gz .jsonl.gz .json.gz .txt.zst .jsonl.zst .json.zst"
 VALIDATION_SPLITS = ("validation", "valid", "val", "dev")
@@ -97,7 +97,7 @@ def megatron_prefix(source: str) -> Path | None:
     """The prefix of a Megatron indexed dataset named by `source` (PREFIX, PREFIX.bin or PREFIX.idx)."""
     path = Path(source).expanduser()
     prefix = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
-    if prefix.with_name(prefix.name + ".idx").is_file() and prefix.with_name(prefix.name + ".bin").is_file():
+    if indexed.idx_path(prefix).is_file() and indexed.bin_path(prefix).is_file():
         return prefix.resolve()
     if path.suffix == ".idx":
         raise ConfigError(f"{source}: a Megatron index without its {prefix.name}.bin beside it")

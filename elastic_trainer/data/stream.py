@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from elastic_trainer.data import indexed, tokenizer
-from elastic_trainer.data.pieces import FORMAT, digest
+from elastic_trainer.data.pieces import FORMAT, digest, hash_files
 from elastic_trainer.data.records import DataError
 from elastic_trainer.data.sources import MANIFEST, TokenSource
 
@@ -197,51 +197,39 @@ def read_manifest(folder: Path) -> dict:
     return manifest
 
 
-def prepared_files(folder: Path, manifest: dict | None = None) -> list[TokenFile]:
-    """The shards of a prepared dataset, each checked to exist with the size its manifest says."""
+def prepared_files(folder: Path, manifest: dict | None = None, verify: str | None = None) -> list[TokenFile]:
+    """The shards of a prepared dataset, each checked to exist with the size its manifest says. `verify`:
+    "all" checks every shard's content digest against the manifest (reads the whole dataset: `prepare-data
+    --verify`); "changed" only those modified after the manifest was written, cheap at every job start."""
     manifest = manifest or read_manifest(folder)
     dtype = np.dtype(manifest["dtype"])
+    written = (folder / MANIFEST).stat().st_mtime_ns if verify else 0
     files = []
     for shard in manifest["shards"]:
         path = folder / "shards" / f"{shard['name']}.bin"
         try:
-            size = path.stat().st_size
+            st = path.stat()
         except OSError:
             raise DataError(f"{path}: missing from the prepared dataset {folder} (prepare it again: only missing "
                             "shards are written)") from None
-        if size != shard["tokens"] * dtype.itemsize:
-            raise DataError(f"{path}: {size} bytes, its manifest says {shard['tokens']} tokens of {dtype.name}; the "
-                            "dataset is damaged (delete the shard and prepare it again)")
+        if st.st_size != shard["tokens"] * dtype.itemsize:
+            raise DataError(f"{path}: {st.st_size} bytes, its manifest says {shard['tokens']} tokens of "
+                            f"{dtype.name}; the dataset is damaged (delete the shard and prepare it again)")
+        if (verify == "all" or (verify == "changed" and st.st_mtime_ns > written)) \
+                and hash_files([path]) != shard["digest"]:
+            raise DataError(f"{path}: its content digest does not match {folder}/{MANIFEST}; the shard changed "
+                            "after it was prepared (delete it and prepare the dataset again)")
         files.append(TokenFile(path, dtype, shard["tokens"], path.with_suffix(".idx"),
                                shard.get("sequences", 0) > shard.get("documents", 0)))
     return files
 
 
-def verify_prepared(folder: Path, manifest: dict | None = None, full: bool = True) -> None:
-    """Every shard's content digest against the manifest. Not `full`: only the shards changed since the
-    manifest was written (a later modification time), which is cheap at every job start; `prepare-data
-    --verify` reads them all."""
-    manifest = manifest or read_manifest(folder)
-    written = (folder / MANIFEST).stat().st_mtime_ns
-    for shard, f in zip(manifest["shards"], prepared_files(folder, manifest)):
-        if not full and f.path.stat().st_mtime_ns <= written:
-            continue
-        h = digest()
-        with open(f.path, "rb") as handle:
-            while block := handle.read(8 << 20):
-                h.update(block)
-        if h.hexdigest() != shard["digest"]:
-            raise DataError(f"{f.path}: its content digest does not match {folder}/{MANIFEST}; the shard changed "
-                            "after it was prepared (delete it and prepare the dataset again)")
-
-
 def token_file(source: TokenSource) -> TokenFile:
     """A Megatron prefix or a nanoGPT .bin, checked."""
     if source.kind == "megatron":
-        index = indexed.read_index(source.path.with_name(source.path.name + ".idx"))
+        index = indexed.read_index(indexed.idx_path(source.path))
         indexed.bin_tokens(source.path, index)  # checks the .bin against the index
-        return TokenFile(source.path.with_name(source.path.name + ".bin"), index.dtype, index.tokens,
-                         index.path)
+        return TokenFile(indexed.bin_path(source.path), index.dtype, index.tokens, index.path)
     size = source.path.stat().st_size
     if size % 2:
         raise DataError(f"{source.path}: {size} bytes, not a multiple of 2; a nanoGPT .bin holds uint16 GPT-2 tokens "

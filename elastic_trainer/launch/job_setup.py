@@ -211,7 +211,7 @@ class JobSetup:
         corpus, whose content digest the newest checkpoint must match."""
         from elastic_trainer.data.corpus import prepare_for_job, with_data
 
-        corpus = prepare_for_job(self.train)
+        corpus = prepare_for_job(self.train, sampled=True)  # check_inputs read every text file's start
         self.spec = with_data(self.spec, corpus)
         newest = self.newest_checkpoint()
         if newest:

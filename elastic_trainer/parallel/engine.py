@@ -118,15 +118,17 @@ class Engine:
             total += loss.detach()
         return total
 
-    def _pipelined(self, tokens: torch.Tensor, kwargs: dict) -> torch.Tensor:
-        """Every stage gets the keyword inputs (the schedule splits them into micro-batches like the tokens)."""
+    def _pipelined(self, tokens: torch.Tensor, kwargs: dict, run=None) -> torch.Tensor:
+        """Every stage gets the keyword inputs (the schedule splits them into micro-batches like the tokens).
+        `run`: the schedule's method (default: the training schedule's step)."""
+        run = run or self.schedule.step
         losses: list[torch.Tensor] = []
         if self.first:
-            self.schedule.step(tokens[:, :-1], return_outputs=False, **kwargs)
+            run(tokens[:, :-1], return_outputs=False, **kwargs)
         elif self.last:
-            self.schedule.step(target=tokens[:, 1:], losses=losses, return_outputs=False, **kwargs)
+            run(target=tokens[:, 1:], losses=losses, return_outputs=False, **kwargs)
         else:
-            self.schedule.step(return_outputs=False, **kwargs)
+            run(return_outputs=False, **kwargs)
         if losses:
             return torch.stack([l.detach() for l in losses]).sum()
         return torch.zeros((), device=self.device)
@@ -165,16 +167,7 @@ class Engine:
         if self._eval_schedule is None:
             self._eval_schedule = build_schedule(self.model, self.coords.pp, self.layout,
                                                  self.mesh.get_group("pp"), self.device, self.loss_fn)
-        losses: list[torch.Tensor] = []
-        if self.first:
-            self._eval_schedule.eval(tokens[:, :-1], return_outputs=False)
-        elif self.last:
-            self._eval_schedule.eval(target=tokens[:, 1:], losses=losses, return_outputs=False)
-        else:
-            self._eval_schedule.eval(return_outputs=False)
-        if losses:
-            return torch.stack(losses).sum()
-        return torch.zeros((), device=self.device)
+        return self._pipelined(tokens, {}, self._eval_schedule.eval)
 
     # -- after backward -------------------------------------------------------------------------------
 

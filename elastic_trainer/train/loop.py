@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from elastic_trainer.config import ConfigError, ModelConfig, TrainConfig
 from elastic_trainer.data import TokenSamples, samples_for
+from elastic_trainer.data.order import sample_rows
 from elastic_trainer.data.corpus import eval_batch_count, load as load_corpus
 from elastic_trainer.model.dropout import sample_keys
 from elastic_trainer.parallel.engine import Engine, resolve_dtype
@@ -31,12 +32,6 @@ class Diverged(ConfigError):
         kept = f"the newest checkpoint is still {newest}" if newest else "no checkpoint was saved"
         super().__init__(f"training diverged at step {step}: loss {loss}, gradient norm {grad_norm}; the step was not "
                          f"applied and {kept} (lower --lr, check the data, or resume from an earlier checkpoint)")
-
-
-def sample_rows(tokens, seq_len: int, ids) -> torch.Tensor:
-    """Samples `ids` of a token stream (sample i is tokens [i * T, i * T + T + 1)) as int64 rows."""
-    T = seq_len
-    return torch.from_numpy(np.stack([np.asarray(tokens[i * T:i * T + T + 1], dtype=np.int64) for i in ids]))
 
 
 class Trainer:

@@ -184,13 +184,27 @@ def _train(spec: JobSpec, phase: PhaseSpec, layout: Layout, device, stop, events
     train = spec.train
     log = MetricsLog(train.metrics_file, enabled=rank0, log_every=train.log_every, total_steps=train.steps, tags=tags)
     result = run_job(spec.model, train, layout, device, ckpt=spec.checkpoint, stop=stop, until=phase.until_step,
-                     log=log, events=events, tokens=corpus.train, val_tokens=corpus.val)
+                     log=log, events=events, tokens=corpus.train, val_tokens=corpus.val,
+                     handover=_handover(phase, env))
     log.close()
     if rank0 and train.skip_bad_records:
         from elastic_trainer.data.corpus import skipped_note
 
         print(f"[data] {skipped_note(train)}", flush=True)
     return result.status, result.reason
+
+
+def _handover(phase: PhaseSpec, env: TorchrunEnv):
+    """The launcher's channel for this world's phase (None outside the launcher); `warm` when the launcher
+    started this world beside the current one (ELASTIC_TRAINER_WARM, set for its agents) and it has not
+    loaded its state yet (a restart after that resumes as any restart does)."""
+    from elastic_trainer.elastic.handover import WARM_ENV, Control, Handover
+
+    control = Control.from_environment() if phase.index is not None else None
+    if control is None:
+        return None
+    warm = os.environ.get(WARM_ENV) == "1" and control.get(phase.index, "loaded") is None
+    return Handover(control, phase.index, warm)
 
 
 def load_corpus(spec: JobSpec, env: TorchrunEnv):

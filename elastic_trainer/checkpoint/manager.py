@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from elastic_trainer.checkpoint import memory
 from elastic_trainer.checkpoint import state as ckpt_state
 from elastic_trainer.checkpoint import storage
 from elastic_trainer.config import CheckpointConfig
@@ -115,7 +116,7 @@ class Checkpointer:
         return stats
 
     def _finish(self, upload, tmp: Path, meta: dict, stats: SaveStats, t0: float,
-                written: dict[str, dict] | None = None) -> None:
+                written: dict[str, dict] | None = None, keep: str | None = None) -> None:
         if upload is not None:
             upload.result()  # this rank's files are written
         mine = sorted(p.name for p in tmp.glob(f"__{self.rank}_*.distcp"))
@@ -140,6 +141,47 @@ class Checkpointer:
             raise storage.CheckpointError(f"committing step {meta['step']} failed: {outcome[0][7:]}")
         stats.total_s = time.perf_counter() - t0
         stats.path = outcome[0]
+        memory.drop(self.cfg.dir, meta["step"], keep)  # this host's in-memory states the commit covers
+
+    # -- in memory (a planned hand-over) ----------------------------------------------------------------
+
+    def write_memory(self, trainer) -> memory.Written:
+        """The state of `trainer` into each host's memory, for the next world (checkpoint.memory)."""
+        self.wait()
+        return memory.write(self.pg, trainer, self.cfg.dir, self.run_id)
+
+    def persist(self, written: memory.Written) -> SaveStats:
+        """The durable checkpoint of a state in memory: each rank copies the files it wrote there (hashing
+        them on the way) and rank 0 commits, as a save does; the state in memory is kept for the next world."""
+        t0 = time.perf_counter()
+        step = written.step
+        tmp = storage.new_tmp_dir(self.root, step, self.run_id)
+        os.makedirs(tmp, exist_ok=True)
+        names = [p.name for p in written.folder.glob(f"__{self.rank}_*.distcp")]
+        digests = memory.copy_files(written.folder, tmp, names + ([".metadata"] if self.rank == 0 else []))
+        stats = SaveStats(step=step, stall_s=0.0)
+        self._finish(None, tmp, written.record["meta"], stats, t0, digests, keep=written.record["name"])
+        self.history.append(stats)
+        self.last_saved_step = step
+        return stats
+
+    def in_memory(self, live: dict | None = None) -> list[memory.Found]:
+        """Complete in-memory states this world can read, newest first (a collective)."""
+        found, self._hosts = memory.discover(self.pg, self.cfg.dir, live)
+        return found
+
+    def load_memory(self, trainer, found: memory.Found) -> tuple[LoadStats, memory.HandoverStats]:
+        """Reshard an in-memory state into `trainer` (a collective)."""
+        meta = found.record["meta"]
+        where = f"the in-memory state {found.name}"
+        ckpt_state.check_compatible(meta, trainer.model_cfg, trainer.cfg, where, ckpt_state.data_id_of(trainer))
+        stats = memory.load(self.pg, trainer, found, self._hosts, self.cfg.dir, self.run_id)
+        self.last_saved_step = found.step
+        self.log(f"[checkpoint] resumed step {found.step} from memory ({stats.bytes_read / 1e6:.1f} MB read, "
+                 f"{stats.bytes_fetched / 1e6:.1f} MB of it from other hosts; saved with dp={meta['layout']['dp']} "
+                 f"tp={meta['layout']['tp']} pp={meta['layout']['pp']}) in {stats.total_s:.2f} s", flush=True)
+        return LoadStats(found.step, f"memory:{found.name}", meta["layout"], 0.0, stats.fetch_s + stats.read_s,
+                         0.0, stats.total_s, meta), stats
 
     def wait(self) -> None:
         """Join an in-flight asynchronous save (re-raising its error)."""

@@ -75,14 +75,21 @@ class _MetadataUnpickler(pickle.Unpickler):
 def read_dcp_metadata(path: str | os.PathLike) -> Metadata:
     try:
         with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+            data = f.read()
     except OSError as e:
         raise CheckpointError(f"checkpoint metadata {str(path)!r} cannot be read ({e.strerror or e})") from None
+    return parse_dcp_metadata(data, repr(str(path)))
+
+
+def parse_dcp_metadata(data: bytes, where: str) -> Metadata:
+    """DCP metadata from its bytes through the allowlisted unpickler (`where` names it in errors)."""
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, ImportError, IndexError, TypeError,
             KeyError) as e:
-        raise CheckpointError(f"unsafe or corrupted checkpoint metadata {str(path)!r}: {e}") from None
+        raise CheckpointError(f"unsafe or corrupted checkpoint metadata {where}: {e}") from None
     if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"{str(path)!r} does not hold DCP metadata")
+        raise CheckpointError(f"{where} does not hold DCP metadata")
     return metadata
 
 

@@ -28,8 +28,7 @@ RDZV_CONF = {"is_host": "false", "join_timeout": "600", "last_call_timeout": "10
 AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1",
              "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "300"}
 
-HOST_ENV = "ELASTIC_TRAINER_HOST"
-"""The host's name in the hosts file, for the agent's events (set by the launcher per host)."""
+from elastic_trainer.elastic.handover import HOST_ENV  # noqa: F401  (the host's name, set per host)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ workers in the smaller world, which re-plans and resumes from the last periodic 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -19,17 +20,19 @@ import sys
 import threading
 import time
 import uuid
-from pathlib import Path
 from dataclasses import dataclass, field
 
 from elastic_trainer.config import ConfigError
-from elastic_trainer.elastic.exit_codes import ERROR_MARK, EXIT_BAD_INPUT
+from elastic_trainer.elastic.exit_codes import EXIT_BAD_INPUT
+from elastic_trainer.elastic.handover import WARM_ENV, Control
 from elastic_trainer.elastic.events import EVENTS_FILE, EventLog, read_jsonl
 from elastic_trainer.elastic.schedule import Phase, run_end
 from elastic_trainer.elastic.report import format_rows, phase_rows, plot
 from elastic_trainer.launch import live_hosts
 from elastic_trainer.launch.commands import AgentSpec, Placement
 from elastic_trainer.launch.job_setup import JobSetup
+from elastic_trainer.launch.output import Output
+from elastic_trainer.launch.warm import READY_WAIT_S, WARM_LEAD_S
 
 POLL_S = 0.1
 BAD_INPUT_GRACE_S = 3.0
@@ -45,53 +48,29 @@ class Agent:
 
 
 @dataclass
+class World:
+    """The agents of one phase's start."""
+
+    index: int
+    prefix: str
+    """Its live-hosts keys in the store."""
+    agents: list[Agent]
+    launched: float
+    warm: bool
+    began: float = 0.0
+    """When it became the world that trains (a warm world is launched before)."""
+    gone: set[str] = field(default_factory=set)
+    bad_since: float | None = None
+
+    def alive(self) -> bool:
+        return any(a.proc.poll() is None for a in self.agents)
+
+
+@dataclass
 class PhaseOutcome:
     codes: dict[str, int]
     stop_requested: bool
     interrupted: bool = False
-
-
-class Output:
-    """Prefixed lines from every agent to stdout and the launch log, one line at a time."""
-
-    def __init__(self, path: Path):
-        self._lock = threading.Lock()
-        self._log = open(path, "a", buffering=1)
-        self.errors: list[str] = []
-        """The ranks' one-line errors (without the mark), each once, in order of arrival."""
-        self.terminal_gone = False
-        """Standard output failed (a closed terminal or a reader that went away): the log goes on alone."""
-
-    def line(self, text: str) -> None:
-        with self._lock:
-            self._log.write(text + "\n")
-            if self.terminal_gone:
-                return
-            try:
-                print(text, flush=True)
-            except OSError:  # EIO from a hung-up terminal, EPIPE from a dead pipe reader
-                self.terminal_gone = True
-                sys.stdout = open(os.devnull, "w")  # nothing left for the interpreter to flush at exit
-
-    def log_only(self, lines: list[str]) -> None:
-        """Lines already printed (before the log existed) into the log."""
-        with self._lock:
-            for text in lines:
-                self._log.write(text + "\n")
-
-    def pump(self, host: str, stream) -> None:
-        for raw in iter(stream.readline, b""):
-            text = raw.decode(errors="replace").rstrip()
-            if ERROR_MARK in text:
-                error = text.split(ERROR_MARK, 1)[1]
-                with self._lock:
-                    if error not in self.errors:
-                        self.errors.append(error)
-            self.line(f"[{host}] {text}")
-        stream.close()
-
-    def close(self) -> None:
-        self._log.close()
 
 
 @dataclass
@@ -101,6 +80,10 @@ class Driver:
     events: EventLog = field(init=False)
     job_id: str = field(default_factory=lambda: f"et-{uuid.uuid4().hex[:8]}")
     _interrupts: int = 0
+    _refusals: dict = field(default_factory=dict)
+    """{phase: the line refusing its warm start, or ""}."""
+    _launches: dict = field(default_factory=dict)
+    """{phase: how many times its agents were started}."""
     failure: str | None = None
     """A rank's bad-input error that ended the job (raised as the launcher's own one-line error)."""
 
@@ -194,81 +177,154 @@ class Driver:
 
     def _phases(self, index: int, store) -> int:
         job = self.job
-        while index is not None:
-            phase = job.phases[index]
-            if phase.waits:
-                outcome = self.wait_phase(index, phase)
-            else:
-                outcome = self.run_phase(index, phase, store)
-            step = job.checkpoint_step()
-            failed = {h: c for h, c in outcome.codes.items() if c != 0}
-            if EXIT_BAD_INPUT in failed.values():
-                error = self.out.errors[0] if self.out.errors else f"a rank reported bad input ({_codes(failed)})"
-                self.say(f"phase {index + 1} ended on bad input; the newest checkpoint is step {step}")
-                self.failure = f"{error} [phase {index + 1}; newest checkpoint: step {step}]"
-                return EXIT_BAD_INPUT
-            if failed and len(failed) == len(outcome.codes) and step < job.train.steps:
-                self.say(f"phase {index + 1} failed on every host ({_codes(failed)}); the newest checkpoint is "
-                         f"step {step}: fix the cause above, then rerun with --resume")
-                return 1
-            if failed:
-                self.say(f"phase {index + 1}: {_codes(failed)}; the job went on without them")
-            if step >= job.train.steps:
-                self.say(f"finished: step {step} of {job.train.steps}")
-                return 0
-            stopped_by_user = job.stop_file.exists() and not outcome.stop_requested  # not the launcher's file
-            if outcome.interrupted or stopped_by_user:
-                self.say(f"stopped at step {step}; continue with --resume")
-                return 0
-            index = run_end(job.phases, index) + 1
-            index = index if index < len(job.phases) else None
-        self.say(f"the schedule ended at step {step} of {job.train.steps}; "
+        self.control = Control(store, self.job_id)
+        successor: World | None = None
+        try:
+            while index is not None:
+                phase = job.phases[index]
+                if phase.waits:
+                    outcome = self.wait_phase(index, phase)
+                else:
+                    world = successor or self._launch(index, store)
+                    world.began = time.time()
+                    outcome, successor = self._run(world, store)
+                code = self._after(index, outcome)
+                if code is not None:
+                    return code
+                index = run_end(job.phases, index) + 1
+                index = index if index < len(job.phases) else None
+        finally:
+            if successor is not None and (index is None or successor.index != index or self.failure):
+                successor = self._settle(successor, "the job ended before its turn", terminate=True)
+        self.say(f"the schedule ended at step {job.checkpoint_step()} of {job.train.steps}; "
                  "continue with --resume (and a schedule)")
         return 0
 
-    def run_phase(self, index: int, phase: Phase, store) -> PhaseOutcome:
+    def _after(self, index: int, outcome: PhaseOutcome) -> int | None:
+        """The job's exit code when this phase's outcome ends it, else None (the next phase runs)."""
         job = self.job
+        step = job.checkpoint_step()
+        failed = {h: c for h, c in outcome.codes.items() if c != 0}
+        if EXIT_BAD_INPUT in failed.values():
+            error = self.out.errors[0] if self.out.errors else f"a rank reported bad input ({_codes(failed)})"
+            self.say(f"phase {index + 1} ended on bad input; the newest checkpoint is step {step}")
+            self.failure = f"{error} [phase {index + 1}; newest checkpoint: step {step}]"
+            return EXIT_BAD_INPUT
+        if failed and len(failed) == len(outcome.codes) and step < job.train.steps:
+            self.say(f"phase {index + 1} failed on every host ({_codes(failed)}); the newest checkpoint is "
+                     f"step {step}: fix the cause above, then rerun with --resume")
+            return 1
+        if failed:
+            self.say(f"phase {index + 1}: {_codes(failed)}; the job went on without them")
+        if step >= job.train.steps:
+            self.say(f"finished: step {step} of {job.train.steps}")
+            return 0
+        if outcome.interrupted or job.stop_file.exists():  # the launcher never writes the stop file: the user did
+            self.say(f"stopped at step {step}; continue with --resume")
+            return 0
+        return None
+
+    def _launch(self, index: int, store, warm: bool = False) -> World:
+        """Start the agents of phase `index`; `warm`: beside the running world, whose state it will take."""
+        job = self.job
+        phase = job.phases[index]
         placements = job.placements(phase)
-        job.stop_file.unlink(missing_ok=True)
+        if not warm:
+            job.stop_file.unlink(missing_ok=True)
         spec = job.agent_spec(index, phase, placements, store.port, self.job_id)
-        self.say(job.phase_line(index))
+        self._launches[index] = self._launches.get(index, 0) + 1
+        if self._launches[index] > 1:  # a rendezvous id is used once (a failed early start closed its round)
+            spec = dataclasses.replace(spec, run_id=f"{spec.run_id}-{self._launches[index]}")
+        self.say(job.phase_line(index) + (" (started beside the current world, to take its state in memory)"
+                                          if warm else ""))
         self.say(job.plans[index][1])
         prefix = live_hosts.key_prefix(spec.run_id)
         live_hosts.publish(store, prefix, len(placements))
-        agents = [self._start(p, spec) for p in placements]
-        gone: set[str] = set()
-        launched = time.time()
-        self.events.emit("launched", phase=index, gpus=phase.gpus, run_id=spec.run_id,
+        env = {**Control.environment(f"{job.endpoint_host()}:{store.port}", self.job_id),
+               **({WARM_ENV: "1"} if warm else {})}
+        agents = [self._start(p, spec, env) for p in placements]
+        self.events.emit("launched", phase=index, gpus=phase.gpus, run_id=spec.run_id, warm=warm,
                          hosts=[[p.host.name, p.nproc] for p in placements])
-        stop_requested, interrupted, bad_since = False, False, None
-        duration = job.run_duration(index)
-        while any(a.proc.poll() is None for a in agents):
+        return World(index, prefix, agents, time.time(), warm)
+
+    def _watch(self, world: World, store) -> None:
+        """One look at a world's agents: a lost host, a bad-input exit (the others get a grace period)."""
+        for a in world.agents:
+            if a.host not in world.gone and a.proc.poll() not in (None, 0):
+                world.gone.add(a.host)  # the survivors' rendezvous stops waiting for it
+                left = live_hosts.lost(store, world.prefix)
+                self.events.emit("host_lost", phase=world.index, host=a.host, code=a.proc.returncode,
+                                 hosts_left=left)
+                if a.proc.returncode != EXIT_BAD_INPUT and world.alive():
+                    self.say(f"{_codes({a.host: a.proc.returncode})}: the other hosts go on without it")
+        if world.bad_since is None and any(a.proc.poll() == EXIT_BAD_INPUT for a in world.agents):
+            world.bad_since = time.time()
+        if world.bad_since is not None and time.time() - world.bad_since > BAD_INPUT_GRACE_S:
+            self._terminate(world.agents)
+
+    def _run(self, world: World, store) -> tuple[PhaseOutcome, World | None]:
+        """Run `world` until its agents are gone; the world started beside it for the next phase, if any."""
+        job, control = self.job, self.control
+        duration = job.run_duration(world.index)
+        following = run_end(job.phases, world.index) + 1
+        successor, stop_requested, interrupted = None, False, False
+        while world.alive():
             time.sleep(POLL_S)
-            for a in agents:
-                if a.host not in gone and a.proc.poll() not in (None, 0):
-                    gone.add(a.host)  # the survivors' rendezvous stops waiting for it
-                    left = live_hosts.lost(store, prefix)
-                    self.events.emit("host_lost", phase=index, host=a.host, code=a.proc.returncode, hosts_left=left)
-                    if a.proc.returncode != EXIT_BAD_INPUT and any(b.proc.poll() is None for b in agents):
-                        self.say(f"{_codes({a.host: a.proc.returncode})}: the other hosts go on without it")
-            if bad_since is None and any(a.proc.poll() == EXIT_BAD_INPUT for a in agents):
-                bad_since = time.time()
-            if bad_since is not None and time.time() - bad_since > BAD_INPUT_GRACE_S:
-                self._terminate(agents)
-            due = duration is not None and time.time() - launched >= duration
+            self._watch(world, store)
+            left = None if duration is None else duration - (time.time() - world.began)
+            if successor is None and not stop_requested and self._may_warm(world, following, left):
+                successor = self._launch(following, store, warm=True)
+                control.set(world.index, "next", following)
+            if successor is not None and not successor.alive():
+                self.say(f"phase {following + 1}'s early start failed; it starts again after this phase")
+                self._refusals[following] = "its early start failed"
+                control.unset(world.index, "next")
+                successor = self._settle(successor, "it failed")
+            ready = successor is not None and control.get(following, "ready") is not None
+            due = left is not None and left <= 0 and (successor is None or ready or -left > READY_WAIT_S)
             if (due or self._interrupts) and not stop_requested:
-                job.stop_file.touch()
                 stop_requested, interrupted = True, bool(self._interrupts)
-                self.events.emit("stop_requested", phase=index, reason="interrupt" if interrupted else "phase end")
+                if interrupted and successor is not None:
+                    control.unset(world.index, "next")
+                    successor = self._settle(successor, "the job was interrupted", terminate=True)
+                control.set(world.index, "stop")
+                self.events.emit("stop_requested", phase=world.index, reason="interrupt" if interrupted else "phase end")
                 self.say("interrupted: the ranks finish their step and save (Ctrl-C again to abort)"
-                         if interrupted else f"phase {index + 1} is over: asking the ranks to save and stop")
+                         if interrupted else f"phase {world.index + 1} is over: asking the ranks to stop")
             if self._interrupts > 1:
-                self._terminate(agents)
-        for a in agents:
+                self._terminate(world.agents)
+        for a in world.agents:
             a.pump.join()
-        codes = {a.host: a.proc.returncode for a in agents}
-        self.events.emit("exited", phase=index, codes=codes)
-        return PhaseOutcome(codes, stop_requested, interrupted)
+        codes = {a.host: a.proc.returncode for a in world.agents}
+        self.events.emit("exited", phase=world.index, codes=codes)
+        if successor is not None and control.get(following, "state") is None:
+            control.set(following, "state", {"none": "the stopping world exited without handing its state over"})
+        return PhaseOutcome(codes, stop_requested, interrupted), successor
+
+    def _may_warm(self, world: World, following: int, left: float | None) -> bool:
+        """Whether to start the next phase's world now, beside `world` (a refusal is said once)."""
+        job = self.job
+        if following >= len(job.phases) or job.phases[following].waits or self._interrupts:
+            return False
+        if self.control.get(world.index, "first_step") is None or (left is not None and left > WARM_LEAD_S):
+            return False
+        if following not in self._refusals:
+            self._refusals[following] = job.warm_refusal(world.index, following)
+            if self._refusals[following]:
+                self.say(self._refusals[following])
+        return not self._refusals[following]
+
+    def _settle(self, world: World, why: str, terminate: bool = False) -> None:
+        """A next world that will not take over: stop it (or see it gone) and release whoever waits on it."""
+        if terminate:
+            self._terminate(world.agents)
+        for a in world.agents:
+            a.proc.wait()
+            a.pump.join()
+        self.control.set(world.index, "loaded", {"gone": why})
+        self.events.emit("exited", phase=world.index, codes={a.host: a.proc.returncode for a in world.agents},
+                         warm=True)
+        return None
 
     def wait_phase(self, index: int, phase: Phase) -> PhaseOutcome:
         """A phase without GPUs: nothing runs until its time is up (or the user stops the job)."""
@@ -280,8 +336,8 @@ class Driver:
             time.sleep(POLL_S)
         return PhaseOutcome({}, stop_requested=False, interrupted=bool(self._interrupts))
 
-    def _start(self, placement: Placement, spec: AgentSpec) -> Agent:
-        argv, env = self.job.command(placement, spec)
+    def _start(self, placement: Placement, spec: AgentSpec, extra_env: dict[str, str]) -> Agent:
+        argv, env = self.job.command(placement, spec, extra_env)
         # stdin stays an open pipe: a remote host's bootstrap stops its agent when the pipe closes
         proc = subprocess.Popen(argv, env={**os.environ, **env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True)

@@ -276,6 +276,20 @@ class JobSetup:
                          max_restarts=self.opts.max_restarts, rdzv_conf=conf,
                          worker_argv=("--job", str(self.spec_file(job_id)), "--phase", str(index)))
 
+    def warm_refusal(self, current: int, following: int) -> str | None:
+        """The line refusing to start phase `following`'s world beside `current`'s (host memory), or None."""
+        from elastic_trainer.launch.warm import memory_need, refusal
+
+        def busiest(index: int) -> tuple:
+            placements = self.placements(self.phases[index])
+            top = max(placements, key=lambda p: p.nproc)
+            return self.plans[index][0].layout, top.nproc, top.host.name
+
+        (old, old_ranks, host), (new, new_ranks, _) = busiest(current), busiest(following)
+        on_cpu = self.spec.hardware is None or self.spec.hardware.device == "cpu"
+        need = memory_need(self.model, (old, old_ranks), (new, new_ranks), self.train.seq_len, on_cpu)
+        return None if need.fits else refusal(need, following, host)
+
     def spec_file(self, job_id: str) -> Path:
         """The spec the ranks of launch `job_id` read: a file of its own per launch (job.json is the newest's
         copy for people), so no host's cached view of a replaced file can hand it another launch's spec."""
@@ -293,10 +307,11 @@ class JobSetup:
         """Everything one host's agent and ranks print, written on that host (launch/relay.py)."""
         return self.run_dir / "hosts" / f"{host}.log"
 
-    def command(self, placement: Placement, spec: AgentSpec) -> tuple[list[str], dict[str, str]]:
+    def command(self, placement: Placement, spec: AgentSpec,
+                extra_env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
         """(argv to run here, environment additions) of one host's agent."""
         env = {**self.agent_env(), LOG_ENV: str(self.host_log(placement.host.name)), HOST_ENV: placement.host.name,
-               live_hosts.ENV: live_hosts.key_prefix(spec.run_id)}
+               live_hosts.ENV: live_hosts.key_prefix(spec.run_id), **(extra_env or {})}
         return host_command(placement, spec, env, python=sys.executable, remote_root=self.remote_root,
                             remote_python=self.remote_python, ssh=self.opts.ssh)
 

@@ -19,6 +19,7 @@ Rank 0 writes each stage as an event (`elastic.events`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -26,10 +27,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from elastic_trainer.checkpoint import Checkpointer, LoadStats, SaveStats
+from elastic_trainer.checkpoint import Checkpointer, CheckpointError, LoadStats, SaveStats
+from elastic_trainer.checkpoint import memory, storage
 from elastic_trainer.config import CheckpointConfig, ModelConfig, TrainConfig
 from elastic_trainer.elastic.events import EventLog
 from elastic_trainer.elastic.exit_codes import PEER_REASON
+from elastic_trainer.elastic.handover import Handover
 from elastic_trainer.elastic.stop import StopRequest
 from elastic_trainer.parallel.mesh import build_mesh
 from elastic_trainer.plan.layout import Layout
@@ -51,6 +54,16 @@ class JobResult:
     """Why it stopped (None when it finished): the local request, "until step N", or elastic.PEER_REASON."""
 
 
+PHASE_END = "the phase's time is up"
+RELEASE_WAIT_S = 120.0
+"""How long a world that handed its state over keeps its copy in memory (and its server) for the next world
+to load; without word from it by then, the copy stays for a restart to find and the world exits."""
+
+
+def _step_of(folder) -> int:
+    return int(storage.STEP_DIR.match(folder.name).group(1))
+
+
 def _quiet(*args, **kwargs) -> None:
     pass
 
@@ -58,35 +71,85 @@ def _quiet(*args, **kwargs) -> None:
 class Job:
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, layout: Layout, device: torch.device, *,
                  ckpt: CheckpointConfig | None = None, tokens: np.ndarray | None = None, val_tokens=None,
-                 log: MetricsLog | None = None, events: EventLog | None = None):
-        """`val_tokens`: the validation token stream (as `tokens`), or None for no validation loss."""
+                 log: MetricsLog | None = None, events: EventLog | None = None, handover: Handover | None = None,
+                 stop: StopRequest | None = None):
+        """`val_tokens`: the validation token stream (as `tokens`), or None for no validation loss. `handover`:
+        the launcher's channel for a planned reconfiguration (a warm world waits on it for its state after it is
+        built, before it loads; `stop` ends that wait)."""
         self.log = log or MetricsLog(None, enabled=False)
         self.events = events or EventLog(None, enabled=False)
+        self.handover = handover
         self.stop_reason: str | None = None
         """Why the last fit stopped (None: it finished, or has not run)."""
         self.records: list[dict] = []
+        self.loaded = None
+        self.cancelled = False
+        """A warm world asked to stop before it got a state: it trains nothing."""
         self.log.info(f"[train] {model_cfg.name} ({model_cfg.num_params() / 1e6:.1f} M parameters) on "
                       f"{layout.world_size} rank(s), {device.type}: {layout.describe()}; global batch "
                       f"{train_cfg.global_batch} x {train_cfg.seq_len} tokens, until step {train_cfg.steps}")
         mesh = build_mesh(layout, device.type)
         self.checkpointer = Checkpointer(ckpt, log=print if self.log.enabled else _quiet) if ckpt else None
         resume = ckpt.resume if ckpt else "never"
+        build = functools.partial(Trainer, model_cfg, train_cfg, layout, mesh, device, tokens=tokens,
+                                  val_tokens=val_tokens)
+        live = None
+        if handover is not None and handover.warm:
+            self.trainer = build(initialize=True)
+            live = self._wait_for_state(stop)
+            if self.cancelled:
+                return
         found = self.checkpointer.candidates(resume) if self.checkpointer and resume != "never" else []
-        self.trainer = Trainer(model_cfg, train_cfg, layout, mesh, device, tokens=tokens, val_tokens=val_tokens,
-                               initialize=not found)
+        in_memory = self.checkpointer.in_memory(live) if self.checkpointer and resume == "auto" else []
+        if not hasattr(self, "trainer"):
+            self.trainer = build(initialize=not (found or in_memory))
+        if in_memory and (not found or in_memory[0].step >= _step_of(found[0])):
+            self.loaded = self._load_memory(in_memory[0])
         # load_first loads one of `found` or raises (none resumable): a run with checkpoints never falls back
         # to the seed's weights, which would bury the damaged checkpoints under new saves
-        self.loaded = self.checkpointer.load_first(self.trainer, found, strict=resume != "auto") if found else None
+        if self.loaded is None and found:
+            self.loaded = self.checkpointer.load_first(self.trainer, found, strict=resume != "auto")
         if self.checkpointer is not None:
             self.checkpointer.prepare_fresh_run(resume if self.trainer.step == 0 else "auto")
         load = dataclasses.asdict(self.loaded) if self.loaded else None
         if load:
             load.pop("meta")
         self.events.emit("state_loaded", step=self.trainer.step, layout=layout.to_dict(), load=load)
+        if live is not None and dist.get_rank() == 0:
+            handover.loaded(self.trainer.step)  # the stopping world may release its copy
+
+    def _wait_for_state(self, stop: StopRequest | None) -> dict | None:
+        """A warm world, built: warm up, say it is ready, wait for the stopping world's state (its record when
+        it is in memory, else None). Asked to stop meanwhile, the job is cancelled."""
+        t0 = time.time()
+        self.trainer.warm_up()
+        dist.barrier()
+        self.events.emit("next_world_ready", warm_up_s=time.time() - t0)
+        if dist.get_rank() == 0:
+            self.handover.ready()
+        state = self.handover.wait_state(lambda: stop is not None and stop.local())
+        if state is None:
+            self.cancelled, self.stop_reason = True, (stop.reason if stop else None) or "cancelled"
+            return None
+        return state.get("record")
+
+    def _load_memory(self, found) -> LoadStats | None:
+        """Load an in-memory state; when that fails, the newest durable checkpoint is used (None)."""
+        try:
+            loaded, stats = self.checkpointer.load_memory(self.trainer, found)
+        except CheckpointError as e:
+            self.log.info(f"[checkpoint] the in-memory state {found.name} could not be read ({e}); loading the "
+                          "newest durable checkpoint instead")
+            return None
+        self.events.emit("handover_done", step=found.step, handover=dataclasses.asdict(stats),
+                         fetch_gbs=stats.fetch_gbs)
+        return loaded
 
     def fit(self, stop: StopRequest | None = None, until: int | None = None) -> str:
         """Train until global step `until` (default and at most the run's last step), saving as the
         checkpoint config says. Returns "finished" or "stopped" (after saving)."""
+        if self.cancelled:
+            return "stopped"
         trainer, checkpointer = self.trainer, self.checkpointer
         last = trainer.cfg.steps if until is None else min(until, trainer.cfg.steps)
         reason = None
@@ -102,9 +165,12 @@ class Job:
             if len(self.records) == 1:
                 self.events.emit("first_step_done", step=trainer.step, step_time_s=record["step_time_s"],
                                  layout=trainer.layout.to_dict())
-            stop_now, save_due = _agree(stop, checkpointer, trainer.step)
+                if self.handover is not None and dist.get_rank() == 0:
+                    self.handover.first_step_done()
+            phase_end = self.handover is not None and dist.get_rank() == 0 and self.handover.asked_to_stop()
+            stop_now, save_due = _agree(stop, checkpointer, trainer.step, phase_end)
             if stop_now:
-                reason = (stop.reason if stop is not None else None) or PEER_REASON
+                reason = (stop.reason if stop is not None else None) or (PHASE_END if phase_end else PEER_REASON)
             elif save_due:
                 checkpointer.save(trainer)
         if reason is None and trainer.step < trainer.cfg.steps:
@@ -114,16 +180,49 @@ class Job:
                              layout=trainer.layout.to_dict())
             self.log.info(f"[train] stopped after step {trainer.step} ({reason})")
         if checkpointer is not None:
-            if checkpointer.last_saved_step != trainer.step:
+            successor = self._successor(reason)
+            if successor is not None:
+                self._hand_over(successor, stop)
+            elif checkpointer.last_saved_step != trainer.step:
                 checkpointer.save(trainer, blocking=True)
             checkpointer.wait()
             saved = checkpointer.history[-1] if checkpointer.history else None
-            if saved is not None and saved.step == trainer.step:
+            if saved is not None and saved.step == trainer.step and successor is None:
                 self.events.emit("saved", step=trainer.step, save=dataclasses.asdict(saved))
         if reason is None:
             self.events.emit("finished", step=trainer.step)
         self.stop_reason = reason
         return "finished" if reason is None else "stopped"
+
+    def _successor(self, reason: str | None) -> int | None:
+        """The phase of a warm world waiting for this state, when this stop is a planned phase end (rank 0
+        asks the launcher; every rank gets its answer). A user's stop or a signal saves to disk as always."""
+        if self.handover is None or reason is None:
+            return None
+        planned = reason == PHASE_END or reason.startswith("until step")
+        answer = [self.handover.successor() if dist.get_rank() == 0 and planned else None]
+        dist.broadcast_object_list(answer, src=0, group=self.checkpointer.pg)
+        return answer[0]
+
+    def _hand_over(self, successor: int, stop: StopRequest | None) -> None:
+        """Write the state into memory, tell the waiting world, then write the durable checkpoint from the
+        copy in memory while the next world loads and trains, and release the copy once it has loaded."""
+        trainer, checkpointer, rank0 = self.trainer, self.checkpointer, dist.get_rank() == 0
+        self.events.emit("handover_started", step=trainer.step, successor=successor)
+        written = checkpointer.write_memory(trainer)
+        self.events.emit("saved", step=trainer.step, save={"step": trainer.step, "where": "memory",
+                                                            "bytes": written.bytes, "stall_s": written.seconds,
+                                                            "total_s": written.seconds, "path": str(written.folder)})
+        if rank0:
+            self.handover.hand_over(successor, written.record)
+        durable = checkpointer.persist(written)
+        self.events.emit("durable_saved", step=trainer.step, save=dataclasses.asdict(durable))
+        deadline = time.monotonic() + RELEASE_WAIT_S
+        loaded = self.handover.wait_loaded(successor, lambda: time.monotonic() > deadline)
+        if written.server is not None:
+            written.server.stop()
+        if loaded is not None and "step" in loaded:
+            memory.drop(checkpointer.cfg.dir, written.step)
 
     def _diverged(self, error: Diverged) -> Diverged:
         """Nothing is saved: the last checkpoint stays the newest (an asynchronous save of an earlier, good
@@ -171,10 +270,10 @@ class Job:
 def run_job(model_cfg: ModelConfig, train_cfg: TrainConfig, layout: Layout, device: torch.device, *,
             ckpt: CheckpointConfig | None = None, stop: StopRequest | None = None, until: int | None = None,
             tokens: np.ndarray | None = None, val_tokens=None, log: MetricsLog | None = None,
-            events: EventLog | None = None) -> JobResult:
+            events: EventLog | None = None, handover: Handover | None = None) -> JobResult:
     """The whole sequence: build -> load -> fit -> close."""
     with Job(model_cfg, train_cfg, layout, device, ckpt=ckpt, tokens=tokens, val_tokens=val_tokens, log=log,
-             events=events) as job:
+             events=events, handover=handover, stop=stop) as job:
         status = job.fit(stop, until)
     return job.result(status)
 
@@ -187,9 +286,10 @@ def evaluation_due(step: int, cfg: TrainConfig, val_batches: int) -> bool:
     return step == cfg.steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
 
 
-def _agree(stop: StopRequest | None, checkpointer: Checkpointer | None, step: int) -> tuple[bool, bool]:
+def _agree(stop: StopRequest | None, checkpointer: Checkpointer | None, step: int,
+           phase_end: bool = False) -> tuple[bool, bool]:
     """One all-reduce: does any rank want to stop; is a periodic save due (rank 0's clock decides)?"""
-    local_stop = stop is not None and stop.local()
+    local_stop = phase_end or (stop is not None and stop.local())
     local_save = checkpointer is not None and checkpointer.due(step) and (
         dist.get_rank() == 0 or not checkpointer.cfg.save_interval_s)
     flags = torch.tensor([float(local_stop), float(local_save)])

@@ -73,6 +73,23 @@ class Trainer:
         key = f"{self.cfg.seed}:{self.step}:{c.pp}:{c.dp}".encode()
         torch.manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & ((1 << 63) - 1))
 
+    def warm_up(self) -> None:
+        """A forward and backward pass of the first batch, thrown away (no update; gradients cleared), with
+        the collectives of a step: a world started ahead of its turn pays here, not in its first real step,
+        for the first use of every connection, the pipeline's set-up and the allocator's first blocks."""
+        cfg, engine = self.cfg, self.engine
+        positions = samples_for(0, cfg.global_batch, engine.coords.dp, self.layout.dp)
+        _, tokens = self.samples.batch(positions)
+        keys = None
+        if self.model_cfg.dropout > 0:
+            keys = sample_keys(cfg.seed, torch.arange(positions.start, positions.stop, dtype=torch.int64))
+        self.optimizer.zero_grad(set_to_none=True)
+        local_loss = engine.forward_backward(tokens, keys)
+        engine.reduce_tied_grads()
+        engine.clip_grad_norm_(cfg.grad_clip)
+        engine.global_loss(local_loss)
+        self.optimizer.zero_grad(set_to_none=True)
+
     def train_step(self) -> dict:
         cfg, engine = self.cfg, self.engine
         t0 = time.perf_counter()

@@ -9,7 +9,8 @@ import subprocess
 import sys
 import textwrap
 
-from elastic_trainer.launch.driver import Driver, Output
+from elastic_trainer.launch.driver import Driver
+from elastic_trainer.launch.output import Output
 from elastic_trainer.launch.relay import LOG_ENV
 
 # A process that relays its output, then writes LINES lines from itself and from a forked child (a worker).

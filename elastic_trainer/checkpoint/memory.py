@@ -1,0 +1,392 @@
+"""In-memory training states: how a planned hand-over passes the state from the stopping world to the next.
+
+The stopping ranks write the state with DCP into their own host's shared memory (tmpfs), one folder per
+state, each host holding only its own ranks' files:
+
+    SHM/elastic-trainer-UID/JOB/HOST/step-NNNNNNNN-ID/
+        __R_0.distcp       the files of the ranks that ran on HOST
+        .metadata          on the host of rank 0: DCP's metadata
+        state.json         on the host of rank 0, written last: the state is complete. The checkpoint's meta,
+                           each file's host and size, the hosts' servers and the token they ask for
+
+SHM is $ELASTIC_TRAINER_SHM_DIR, else /dev/shm; JOB is a digest of the checkpoint folder, so a resumed job
+finds its states; HOST is the host's name in the hosts file, so two "hosts" on one machine (loopback tests)
+never read each other's memory. The lowest rank of each host serves its host's files (`transfer.Server`).
+
+The next world reads the state resharded into its own layout: DCP's load plan names the byte range of every
+stored piece a rank needs; pieces on the rank's own host are read in place, the others are fetched from
+their host's server into a private folder on the rank's host (`load`). A state in memory is a checkpoint like
+the durable ones: any start (a restart after a failure, a resumed job) takes it when it is complete and at
+least as new as the newest durable checkpoint, and every durable commit removes the states it covers.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+
+from elastic_trainer.checkpoint import state as ckpt_state
+from elastic_trainer.checkpoint import storage
+from elastic_trainer.checkpoint.transfer import Client, Server
+from elastic_trainer.config import CheckpointError
+from elastic_trainer.elastic.handover import host_name
+
+SHM_ENV = "ELASTIC_TRAINER_SHM_DIR"
+STATE_FILE = "state.json"
+ID_FILE = ".memory-id"
+NAME = re.compile(r"^step-(\d{8})-([0-9a-z]+)$")
+LOAD_PREFIX = ".load-"
+LOAD_NAME = re.compile(r"^\.load-step-(\d{8})-[0-9a-z]+-[0-9a-z]+$")
+PIECE_BYTES = 64 << 20
+"""Largest single request to a server (a stored piece may be larger: it is fetched in parts)."""
+
+
+def shm_base() -> Path:
+    """Where in-memory states live: $ELASTIC_TRAINER_SHM_DIR, else /dev/shm (host memory)."""
+    return Path(os.environ.get(SHM_ENV) or "/dev/shm")
+
+
+@functools.lru_cache(maxsize=8)
+def _job_key(checkpoint_dir: str) -> str:
+    """The checkpoint folder's identity: its path and a random id written into it once (ID_FILE), so a
+    folder deleted and made again never finds the states in memory of the job that used it before."""
+    folder = Path(checkpoint_dir).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / ID_FILE
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(8) + "\n")
+    except FileExistsError:
+        pass
+    identity = ""
+    for _ in range(50):  # another rank may have created it a moment ago and be writing it
+        identity = path.read_text().strip()
+        if identity:
+            break
+        time.sleep(0.01)
+    return hashlib.sha256(f"{folder}\0{identity}".encode()).hexdigest()[:16]
+
+
+def job_root(checkpoint_dir: str | os.PathLike) -> Path:
+    return shm_base() / f"elastic-trainer-{os.getuid()}" / _job_key(str(checkpoint_dir))
+
+
+def host_root(checkpoint_dir: str | os.PathLike, host: str | None = None) -> Path:
+    return job_root(checkpoint_dir) / (host or host_name())
+
+
+def step_of(name: str) -> int:
+    return int(NAME.match(name).group(1))
+
+
+@dataclass
+class Written:
+    """A state written to memory by the stopping world (the same on every rank)."""
+
+    record: dict
+    """state.json's content."""
+    folder: Path
+    """This host's folder of the state."""
+    bytes: int
+    seconds: float
+    server: Server | None = None
+    """The server of this host's files (on the host's lowest rank), until the next world has loaded."""
+
+    @property
+    def step(self) -> int:
+        return self.record["step"]
+
+
+def write(pg, trainer, checkpoint_dir: str, run_id: str) -> Written:
+    """Write `trainer`'s state into each rank's host memory (a collective of `pg`); rank 0 records it."""
+    t0 = time.perf_counter()
+    rank, world, host = dist.get_rank(), dist.get_world_size(), host_name()
+    name = f"step-{trainer.step:08d}-{run_id}"
+    folder = host_root(checkpoint_dir) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    os.chmod(job_root(checkpoint_dir).parent, 0o700)
+    first = [None] * world
+    dist.all_gather_object(first, (host, secrets.token_hex(16)), group=pg)
+    hosts, token = [h for h, _ in first], first[0][1]
+    server = Server(folder.parent, host, {name: token}) if hosts.index(host) == rank else None
+    address = server.start() if server else None
+    dcp.save(ckpt_state.tensor_state(trainer), storage_writer=FileSystemWriter(str(folder), sync_files=False),
+             process_group=pg)
+    mine = {p.name: p.stat().st_size for p in folder.glob(f"__{rank}_*.distcp")}
+    if rank == 0:
+        mine[".metadata"] = (folder / ".metadata").stat().st_size
+    second = [None] * world
+    dist.all_gather_object(second, (mine, address), group=pg)
+    files = {f: {"bytes": size, "host": hosts[r]} for r, (got, _) in enumerate(second) for f, size in got.items()}
+    record = {"format": 1, "name": name, "step": trainer.step, "token": token, "meta": ckpt_state.build_meta(trainer),
+              "files": files, "servers": {hosts[r]: a for r, (_, a) in enumerate(second) if a},
+              "written": time.time()}
+    outcome = [record]
+    if rank == 0:
+        try:
+            storage.write_json_atomic(folder / STATE_FILE, record)
+        except OSError as e:
+            outcome = [f"writing the state to memory failed: {e}"]
+    dist.broadcast_object_list(outcome, src=0, group=pg)
+    if isinstance(outcome[0], str):
+        if server:
+            server.stop()
+        raise CheckpointError(outcome[0])
+    total = sum(f["bytes"] for f in files.values())
+    return Written(record, folder, total, time.perf_counter() - t0, server)
+
+
+# -- the next world: find and load -----------------------------------------------------------------------
+
+@dataclass
+class Found:
+    """A complete state the ranks of this world can read."""
+
+    record: dict
+    servers: dict[str, str] = field(default_factory=dict)
+    """{host: address} of the servers its files come from."""
+
+    @property
+    def step(self) -> int:
+        return self.record["step"]
+
+    @property
+    def name(self) -> str:
+        return self.record["name"]
+
+
+def _listing(root: Path) -> dict:
+    out = {}
+    if not root.is_dir():
+        return out
+    for folder in root.iterdir():
+        if not NAME.match(folder.name) or not folder.is_dir():
+            continue
+        try:
+            record = json.loads((folder / STATE_FILE).read_text())
+        except (OSError, ValueError):
+            record = None
+        out[folder.name] = {"files": {p.name: p.stat().st_size for p in folder.iterdir() if p.is_file()},
+                            "record": record}
+    return out
+
+
+def discover(pg, checkpoint_dir: str, live: dict | None = None) -> tuple[list[Found], list[str]]:
+    """The complete in-memory states this world can read, newest first, and each rank's host (a collective).
+    `live`: the stopping world's record of the state it has just written (its servers are still up), which
+    may hold files of hosts this world has no rank on. Folders of states that can never complete here (no
+    record anywhere) are removed."""
+    root, host = host_root(checkpoint_dir), host_name()
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (host, _listing(root)), group=pg)
+    hosts = [h for h, _ in gathered]
+    records, present = {}, {}
+    for h, listing in gathered:
+        for name, entry in listing.items():
+            if entry["record"]:
+                records[name] = entry["record"]
+            for f, size in entry["files"].items():
+                present.setdefault(name, {}).setdefault(f, {})[h] = size
+    if live:
+        records[live["name"]] = live
+    found = []
+    for name, record in records.items():
+        live_hosts = set(record["servers"]) if live and name == live["name"] else set()
+        if all(info["host"] in live_hosts or present.get(name, {}).get(f, {}).get(info["host"]) == info["bytes"]
+               for f, info in record["files"].items()):
+            found.append(Found(record, {h: a for h, a in record["servers"].items() if h in live_hosts}))
+    if hosts.index(host) == dist.get_rank():
+        for name in set(_listing(root)) - set(records):
+            shutil.rmtree(root / name, ignore_errors=True)
+    return sorted(found, key=lambda s: s.step, reverse=True), hosts
+
+
+@dataclass
+class HandoverStats:
+    step: int
+    state: str
+    bytes_total: int
+    """Bytes of the whole state."""
+    bytes_read: int
+    """Bytes all ranks read (pieces several ranks need counted once per reading host)."""
+    bytes_fetched: int
+    """Of those, bytes fetched from another host's server."""
+    fetch_s: float
+    read_s: float
+    total_s: float
+    hosts: int
+
+    @property
+    def fetch_gbs(self) -> float:
+        return self.bytes_fetched / self.fetch_s / 1e9 if self.fetch_s > 0 else 0.0
+
+
+def load(pg, trainer, found: Found, hosts: list[str], checkpoint_dir: str, run_id: str) -> HandoverStats:
+    """Read `found` resharded into `trainer` (a collective of `pg`), then continue at its step."""
+    t0 = time.perf_counter()
+    rank, host, record = dist.get_rank(), host_name(), found.record
+    root = host_root(checkpoint_dir)
+    servers = dict(found.servers)
+    serving = None
+    needs = {info["host"] for info in record["files"].values()} - set(servers)
+    if hosts.index(host) == rank and host in needs:  # this host's files, for the ranks of other hosts
+        serving = Server(root, host, {found.name: record["token"]})
+    addresses = [None] * len(hosts)
+    dist.all_gather_object(addresses, serving.start() if serving else None, group=pg)
+    servers.update({hosts[r]: a for r, a in enumerate(addresses) if a})
+    metadata = _metadata(pg, found, hosts, root)
+    state = ckpt_state.tensor_state(trainer)
+    planner = storage.SafeLoadPlanner()
+    planner.set_up_planner(state, metadata, rank == 0)
+    ranges = sorted({(i.relative_path, i.offset, i.length) for i in
+                     (metadata.storage_data[item.storage_index] for item in planner.create_local_plan().items)})
+    folder = root / f"{LOAD_PREFIX}{found.name}-{run_id}"
+    folder.mkdir(parents=True, exist_ok=True)
+    t1 = time.perf_counter()
+    fetched = _gather_pieces(pg, record, ranges, hosts, servers, root / found.name, folder)
+    t2 = time.perf_counter()
+    try:
+        dcp.load(state, storage_reader=storage.SafeReader(str(folder), metadata=metadata),
+                 planner=storage.SafeLoadPlanner(), process_group=pg)
+    finally:
+        dist.barrier(group=pg)
+        shutil.rmtree(folder, ignore_errors=True)
+        if serving:
+            serving.stop()
+    ckpt_state.apply_tensor_state(trainer, state)
+    trainer.restore(record["step"], ckpt_state.resumed_config(record["meta"], trainer.cfg))
+    totals = [None] * len(hosts)
+    dist.all_gather_object(totals, (sum(n for _, _, n in ranges), fetched), group=pg)
+    t3 = time.perf_counter()
+    return HandoverStats(record["step"], found.name, sum(f["bytes"] for f in record["files"].values()),
+                         sum(t[0] for t in totals), sum(t[1] for t in totals), t2 - t1, t3 - t2, t3 - t0,
+                         len(set(hosts)))
+
+
+def _metadata(pg, found: Found, hosts: list[str], root: Path):
+    """DCP's metadata, read by a rank on its host (or fetched from its server) and sent to every rank."""
+    owner = found.record["files"][".metadata"]["host"]
+    src = hosts.index(owner) if owner in hosts else 0
+    box = [None]
+    if dist.get_rank() == src:
+        path = root / found.name / ".metadata"
+        try:
+            if owner not in hosts:
+                path = root / f".metadata-{found.name}"
+                _fetch_file(found, ".metadata", path)
+            box = [path.read_bytes()]
+        except (OSError, CheckpointError, KeyError) as e:
+            box = [f"the metadata of the in-memory state {found.name} cannot be read: {e}"]
+        finally:
+            if owner not in hosts:
+                path.unlink(missing_ok=True)
+    dist.broadcast_object_list(box, src=src, group=pg)
+    if isinstance(box[0], str):
+        raise CheckpointError(box[0])
+    return storage.parse_dcp_metadata(box[0], f"the in-memory state {found.name}")
+
+
+def _fetch_file(found: Found, name: str, path: Path) -> None:
+    info, client = found.record["files"][name], Client()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        client.fetch_into(found.servers[info["host"]], found.record["token"], found.name, name, 0, info["bytes"], fd)
+    finally:
+        os.close(fd)
+        client.close()
+
+
+def _gather_pieces(pg, record: dict, ranges, hosts: list[str], servers: dict, here: Path, folder: Path) -> int:
+    """Put every piece this host's ranks need into `folder`: a link to a file of this host, or the piece
+    fetched from its host's server into a sparse file of the same name (each piece once per host, by the
+    host's lowest rank needing it). Bytes fetched by this rank."""
+    rank, host = dist.get_rank(), host_name()
+    wanted = [None] * len(hosts)
+    dist.all_gather_object(wanted, [r for r in ranges if record["files"][r[0]]["host"] != host], group=pg)
+    before = {r for other in range(rank) if hosts[other] == host for r in wanted[other]}
+    mine = [r for r in wanted[rank] if r not in before]
+    for name in {r[0] for r in ranges if record["files"][r[0]]["host"] == host}:
+        try:
+            os.symlink(here / name, folder / name)
+        except FileExistsError:
+            pass
+    client, fetched, error = Client(), 0, None
+    try:
+        for name, offset, length in mine:
+            fd = os.open(folder / name, os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                for start in range(offset, offset + length, PIECE_BYTES):
+                    n = min(PIECE_BYTES, offset + length - start)
+                    client.fetch_into(servers[record["files"][name]["host"]], record["token"], record["name"],
+                                      name, start, n, fd)
+                    fetched += n
+            finally:
+                os.close(fd)
+    except (CheckpointError, KeyError) as e:  # KeyError: no server for the piece's host
+        error = str(e) if isinstance(e, CheckpointError) else f"no server holds the pieces of host {e}"
+    finally:
+        client.close()
+    errors = [None] * len(hosts)
+    dist.all_gather_object(errors, error, group=pg)  # every piece of this host is in place before any rank reads
+    if any(errors):
+        raise CheckpointError(next(e for e in errors if e))
+    return fetched
+
+
+def copy_files(source: Path, target: Path, names: list[str], chunk: int = 16 << 20) -> dict[str, dict]:
+    """Copy files of an in-memory state into a durable checkpoint's folder, hashing them on the way: the
+    {name: {"bytes", HASH}} the commit records (storage.describe_files' form)."""
+    import xxhash
+
+    out = {}
+    for name in names:
+        h, size = xxhash.xxh3_128(), 0
+        with open(source / name, "rb") as src, open(target / name, "wb") as dst:
+            while block := src.read(chunk):
+                dst.write(block)
+                h.update(block)
+                size += len(block)
+            dst.flush()
+            os.fsync(dst.fileno())
+        out[name] = {"bytes": size, storage.HASH: h.hexdigest()}
+    return out
+
+
+# -- removal ---------------------------------------------------------------------------------------------
+
+def drop(checkpoint_dir: str, up_to_step: int, keep: str | None = None) -> list[str]:
+    """Remove this host's in-memory states of steps <= `up_to_step` (a durable checkpoint holds them) and the
+    folders of their loads that never finished, except `keep` (a state the next world may still be reading);
+    the names removed."""
+    root = host_root(checkpoint_dir)
+    removed = []
+    if root.is_dir():
+        for folder in root.iterdir():
+            m = LOAD_NAME.match(folder.name) or NAME.match(folder.name)
+            if m and int(m.group(1)) <= up_to_step and not (keep and folder.name.startswith((keep, LOAD_PREFIX + keep))):
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(folder.name)
+    _remove_empty(root)
+    return removed
+
+
+def _remove_empty(root: Path) -> None:
+    """The host's and the job's folders once nothing is left in them."""
+    for folder in (root, root.parent):
+        try:
+            folder.rmdir()
+        except OSError:
+            return

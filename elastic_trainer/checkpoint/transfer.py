@@ -1,0 +1,140 @@
+"""Byte ranges of in-memory states between hosts: a small server per host and its client.
+
+A planned hand-over leaves each stopping rank's DCP file in its own host's shared memory
+(`checkpoint.memory`). A rank of the next world that needs a piece of a file held on another host asks that
+host's server for exactly the byte range of the piece (the storage item DCP's load plan names), over TCP,
+and writes it into a private folder of its own host; nothing goes through shared storage. The server answers
+from the page cache with `sendfile` (no copy through Python), serves only the files a state's record lists,
+and only to a client that knows the state's token (a random value in that record).
+
+Protocol, one TCP connection per client and server, any number of requests on it: the client sends one line
+of JSON {"token", "state", "file", "offset", "length"}; the server answers an 8-byte big-endian length (the
+bytes that follow) or -1 followed by one line of error text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import socketserver
+import struct
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from elastic_trainer.config import CheckpointError
+
+SAFE_FILE = re.compile(r"^(\.metadata|__\d+_\d+\.distcp)$")
+HEADER = struct.Struct(">q")
+CHUNK = 8 << 20
+TIMEOUT_S = 60.0
+
+
+class _Handler(socketserver.StreamRequestHandler):
+    def handle(self) -> None:
+        server: Server = self.server.owner  # type: ignore[attr-defined]
+        self.connection.settimeout(TIMEOUT_S)
+        for line in self.rfile:
+            try:
+                request = json.loads(line)
+                path, offset, length = server.resolve(request)
+                with open(path, "rb") as f:
+                    self.wfile.write(HEADER.pack(length))
+                    self.wfile.flush()
+                    self.connection.sendfile(f, offset, length)
+                server.sent += length
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                try:
+                    self.wfile.write(HEADER.pack(-1) + f"{e}\n".encode())
+                    self.wfile.flush()
+                except OSError:
+                    return
+
+
+class _TCPServer(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+@dataclass
+class Server:
+    """Serves the states under `root` (this host's folder of in-memory states) in a background thread."""
+
+    root: Path
+    host: str
+    """The name other hosts reach this one by (the hosts file's name: what the rendezvous uses too)."""
+    tokens: dict[str, str] = field(default_factory=dict)
+    """{state name: token}: the states served and the token a request for each must carry."""
+    sent: int = 0
+    _server: _TCPServer | None = None
+
+    def start(self) -> str:
+        """Listen on every interface, on a free port; the address to announce, HOST:PORT."""
+        self._server = _TCPServer(("0.0.0.0", 0), _Handler)
+        self._server.owner = self  # type: ignore[attr-defined]
+        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        return f"{self.host}:{self._server.server_address[1]}"
+
+    def resolve(self, request: dict) -> tuple[Path, int, int]:
+        state, name = str(request["state"]), str(request["file"])
+        if self.tokens.get(state) != request["token"] or not SAFE_FILE.match(name):
+            raise ValueError(f"refused: {state}/{name}")
+        offset, length = int(request["offset"]), int(request["length"])
+        path = self.root / state / name
+        if offset < 0 or length < 0 or offset + length > path.stat().st_size:
+            raise ValueError(f"{state}/{name}: bytes {offset}+{length} are beyond its end")
+        return path, offset, length
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class Client:
+    """Connections to the servers of other hosts, opened on first use and kept for later requests."""
+
+    def __init__(self):
+        self._socks: dict[str, tuple[socket.socket, object]] = {}
+        self.received = 0
+
+    def _connection(self, address: str):
+        if address not in self._socks:
+            host, _, port = address.rpartition(":")
+            sock = socket.create_connection((host, int(port)), timeout=TIMEOUT_S)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._socks[address] = (sock, sock.makefile("rb"))
+        return self._socks[address]
+
+    def fetch_into(self, address: str, token: str, state: str, name: str, offset: int, length: int,
+                   fd: int) -> None:
+        """Write bytes [offset, offset + length) of `state/name` on the server at `address` into the open
+        file `fd` at the same offset."""
+        request = {"token": token, "state": state, "file": name, "offset": offset, "length": length}
+        try:
+            sock, reader = self._connection(address)
+            sock.sendall((json.dumps(request) + "\n").encode())
+            (size,) = HEADER.unpack(reader.read(HEADER.size))
+            if size < 0:
+                raise CheckpointError(f"the hand-over server at {address} refused {name}: "
+                                      f"{reader.readline().decode(errors='replace').strip()}")
+            done = 0
+            while done < size:
+                block = reader.read(min(CHUNK, size - done))
+                if not block:
+                    raise CheckpointError(f"the hand-over server at {address} closed the connection after "
+                                          f"{done} of {size} bytes of {name}")
+                os.pwrite(fd, block, offset + done)
+                done += len(block)
+        except (OSError, struct.error) as e:
+            raise CheckpointError(f"fetching {name} from the hand-over server at {address} failed: {e}") from None
+        self.received += length
+
+    def close(self) -> None:
+        for sock, reader in self._socks.values():
+            reader.close()
+            sock.close()
+        self._socks.clear()

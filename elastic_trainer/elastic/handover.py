@@ -1,0 +1,120 @@
+"""The control channel of a planned reconfiguration: the launcher's store, a few keys per phase.
+
+The launcher hosts a TCPStore for the rendezvous anyway; it gives its agents ELASTIC_TRAINER_CONTROL=
+HOST:PORT/JOB (the workers inherit it), and the launcher, the stopping world's rank 0 and the next world's
+ranks talk through these keys, each under JOB/pN/ for the world of phase N:
+
+    first_step   N's first step is done: the launcher may start the next world beside it
+    next         the launcher started the world of phase M warm, beside N: N hands its state over in memory
+    stop         the launcher asks N to stop after its current step (its phase's time is up)
+    ready        (M) built, connected and waiting: the launcher may now stop the current world
+    state        (M) what M starts from: {"record": the in-memory state's record} once it is written, or
+                 {"none": why} (the stopping world exited without one: M takes the newest checkpoint)
+    loaded       (M) M has read the state ({"step": ...}), or {"gone": why}: the stopping world may release it
+
+Nothing here decides anything: `train.job` and the launcher's driver do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+HOST_ENV = "ELASTIC_TRAINER_HOST"
+"""The host's name in the hosts file (set by the launcher per host)."""
+CONTROL_ENV = "ELASTIC_TRAINER_CONTROL"
+WARM_ENV = "ELASTIC_TRAINER_WARM"
+"""1 for the agents (and so the workers) of a world started beside the current one."""
+WAIT_SLICE_S = 1.0
+"""How long one blocking wait on the store lasts before the waiter checks whether it was asked to stop."""
+
+
+def host_name() -> str:
+    """This host's name as the hosts file gives it (the launcher sets it), else the machine's name."""
+    return os.environ.get(HOST_ENV) or socket.gethostname()
+
+
+class Control:
+    def __init__(self, store, job: str):
+        self.store, self.job = store, job
+
+    @classmethod
+    def from_environment(cls) -> "Control | None":
+        """The launcher's store as a client, when this process was started by the launcher."""
+        value = os.environ.get(CONTROL_ENV)
+        if not value:
+            return None
+        from torch.distributed import TCPStore
+
+        address, _, job = value.partition("/")
+        host, _, port = address.rpartition(":")
+        store = TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=60))
+        return cls(store, job)
+
+    @staticmethod
+    def environment(address: str, job: str) -> dict[str, str]:
+        return {CONTROL_ENV: f"{address}/{job}"}
+
+    def _key(self, phase: int, name: str) -> str:
+        return f"elastic-trainer/{self.job}/p{phase}/{name}"
+
+    def set(self, phase: int, name: str, value: dict | str = "") -> None:
+        self.store.set(self._key(phase, name), json.dumps(value))
+
+    def unset(self, phase: int, name: str) -> None:
+        self.store.delete_key(self._key(phase, name))
+
+    def get(self, phase: int, name: str):
+        """The key's value, or None when it is not set (one round trip)."""
+        key = self._key(phase, name)
+        return json.loads(self.store.get(key)) if self.store.check([key]) else None
+
+    def wait(self, phase: int, name: str, give_up=lambda: False):
+        """Block until the key is set (its value) or `give_up()` turns true (None)."""
+        key = self._key(phase, name)
+        while not give_up():
+            try:
+                self.store.wait([key], timedelta(seconds=WAIT_SLICE_S))
+                return json.loads(self.store.get(key))
+            except RuntimeError:  # DistStoreError: this slice timed out
+                continue
+        return None
+
+
+@dataclass
+class Handover:
+    """One world's side of the channel (its phase), as the job loop uses it."""
+
+    control: Control
+    phase: int
+    warm: bool
+    """This world was started beside the current one: it waits for the state before it loads."""
+
+    def asked_to_stop(self) -> bool:
+        return self.control.get(self.phase, "stop") is not None
+
+    def successor(self) -> int | None:
+        """The phase of the world waiting for this one's state (None: nobody waits)."""
+        value = self.control.get(self.phase, "next")
+        return None if value is None else int(value)
+
+    def first_step_done(self) -> None:
+        self.control.set(self.phase, "first_step")
+
+    def ready(self) -> None:
+        self.control.set(self.phase, "ready")
+
+    def wait_state(self, give_up) -> dict | None:
+        return self.control.wait(self.phase, "state", give_up)
+
+    def hand_over(self, successor: int, record: dict | None, why: str = "") -> None:
+        self.control.set(successor, "state", {"record": record} if record else {"none": why})
+
+    def loaded(self, step: int) -> None:
+        self.control.set(self.phase, "loaded", {"step": step})
+
+    def wait_loaded(self, successor: int, give_up) -> dict | None:
+        return self.control.wait(successor, "loaded", give_up)

@@ -1,0 +1,93 @@
+"""The launcher's side of a warm start: whether the next phase's world may start beside the current one, and
+when (train.job and checkpoint.memory do the hand-over itself; elastic.handover is the channel).
+
+A warm start is taken at every boundary the launcher knows before it comes: the end of a steps phase (as
+soon as the current world's first step is done) and the end of a time phase (WARM_LEAD_S before it). It is
+refused, in one line, when the next phase holds no GPUs, or when the host memory the two worlds and the state
+in memory need together would not fit: then the next world starts after the current one exits, as always.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from elastic_trainer.config import ModelConfig
+from elastic_trainer.plan.layout import Layout
+
+WARM_LEAD_S = 60.0
+"""A time phase's next world starts this long before the phase's end (a start takes 3-10 s here, 30-90 s for
+GPT-3 XL on a cluster; starting earlier costs only the CPU the waiting ranks used to start)."""
+READY_WAIT_S = 120.0
+"""How long a time phase's end waits for its next world to be ready before it stops anyway (the next world
+then loads when it is)."""
+PROCESS_BYTES = 400 << 20
+"""Host memory of one rank beyond its model state: the interpreter, torch, our stack and the process
+group's buffers (measured: 300-350 MiB resident per gloo rank of gpt-tiny on this machine, rounded up)."""
+STATE_BYTES_PER_PARAM = 12
+"""A checkpoint holds fp32 weights and AdamW's two fp32 moments."""
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    current: int
+    following: int
+    state: int
+    available: int
+    shm_free: int
+    """Free space of the shared-memory folder the state goes to."""
+
+    @property
+    def total(self) -> int:
+        return self.current + self.following + self.state
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.available and self.state <= self.shm_free
+
+
+def world_bytes(model: ModelConfig, layout: Layout | None, ranks: int, seq_len: int, on_cpu: bool) -> int:
+    """Host memory of a world's ranks on one host: the processes, and on CPU their model state and
+    activations as the planner's memory model counts them (the largest stage, for every rank)."""
+    per_rank = PROCESS_BYTES
+    if on_cpu:
+        if layout is None:  # planned by rank 0 at start: a full replica per rank bounds it
+            per_rank += model.num_params() * 16
+        else:
+            from elastic_trainer.plan.memory import stage_memories
+
+            per_rank += max(m.total for m in stage_memories(model, layout, seq_len, "fp32"))
+    return ranks * per_rank
+
+
+def available_bytes() -> tuple[int, int]:
+    """(memory this machine can still give (MemAvailable), free space of the shared-memory folder)."""
+    from elastic_trainer.checkpoint.memory import shm_base
+
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        available = 1 << 62
+    base = shm_base()
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    stat = os.statvfs(base)
+    return available, stat.f_bavail * stat.f_frsize
+
+
+def memory_need(model: ModelConfig, current: tuple[Layout | None, int], following: tuple[Layout | None, int],
+                seq_len: int, on_cpu: bool) -> MemoryNeed:
+    """What the busiest host needs while both worlds live: (layout, ranks on that host) of each."""
+    return MemoryNeed(world_bytes(model, current[0], current[1], seq_len, on_cpu),
+                      world_bytes(model, following[0], following[1], seq_len, on_cpu),
+                      model.num_params() * STATE_BYTES_PER_PARAM, *available_bytes())
+
+
+def refusal(need: MemoryNeed, phase: int, host: str) -> str:
+    gib = 1 << 30
+    return (f"phase {phase + 1}: no warm start: the current world (~{need.current / gib:.1f} GiB), the next one "
+            f"(~{need.following / gib:.1f} GiB) and the state in memory (~{need.state / gib:.1f} GiB) need "
+            f"~{need.total / gib:.1f} GiB on {host}, which has {need.available / gib:.1f} GiB available "
+            f"({need.shm_free / gib:.1f} GiB in its shared-memory folder); the "
+            "next world starts after the current one has saved and exited")

@@ -22,7 +22,6 @@ least as new as the newest durable checkpoint, and every durable commit removes 
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -58,34 +57,36 @@ def shm_base() -> Path:
     return Path(os.environ.get(SHM_ENV) or "/dev/shm")
 
 
-@functools.lru_cache(maxsize=8)
-def _job_key(checkpoint_dir: str) -> str:
-    """The checkpoint folder's identity: its path and a random id written into it once (ID_FILE), so a
-    folder deleted and made again never finds the states in memory of the job that used it before."""
-    folder = Path(checkpoint_dir).resolve()
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / ID_FILE
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(8) + "\n")
-    except FileExistsError:
-        pass
-    identity = ""
+def _identity(checkpoint_dir: str, create: bool) -> str | None:
+    """The checkpoint folder's random id (ID_FILE), written by the first save to memory: a folder deleted and
+    made again never finds the states in memory of the job that used it before. None: never written."""
+    path = Path(checkpoint_dir) / ID_FILE
+    if create:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(8) + "\n")
+        except FileExistsError:
+            pass
     for _ in range(50):  # another rank may have created it a moment ago and be writing it
-        identity = path.read_text().strip()
+        try:
+            identity = path.read_text().strip()
+        except FileNotFoundError:
+            return None
         if identity:
-            break
+            return identity
         time.sleep(0.01)
-    return hashlib.sha256(f"{folder}\0{identity}".encode()).hexdigest()[:16]
+    return None
 
 
-def job_root(checkpoint_dir: str | os.PathLike) -> Path:
-    return shm_base() / f"elastic-trainer-{os.getuid()}" / _job_key(str(checkpoint_dir))
-
-
-def host_root(checkpoint_dir: str | os.PathLike, host: str | None = None) -> Path:
-    return job_root(checkpoint_dir) / (host or host_name())
+def host_root(checkpoint_dir: str | os.PathLike, create: bool = False) -> Path | None:
+    """This host's folder of the job's in-memory states (None when the job never wrote one)."""
+    identity = _identity(str(checkpoint_dir), create)
+    if identity is None:
+        return None
+    key = hashlib.sha256(f"{Path(checkpoint_dir).resolve()}\0{identity}".encode()).hexdigest()[:16]
+    return shm_base() / f"elastic-trainer-{os.getuid()}" / key / host_name()
 
 
 def step_of(name: str) -> int:
@@ -115,9 +116,9 @@ def write(pg, trainer, checkpoint_dir: str, run_id: str) -> Written:
     t0 = time.perf_counter()
     rank, world, host = dist.get_rank(), dist.get_world_size(), host_name()
     name = f"step-{trainer.step:08d}-{run_id}"
-    folder = host_root(checkpoint_dir) / name
+    folder = host_root(checkpoint_dir, create=True) / name
     folder.mkdir(parents=True, exist_ok=True)
-    os.chmod(job_root(checkpoint_dir).parent, 0o700)
+    os.chmod(folder.parents[2], 0o700)  # elastic-trainer-UID: this user's states only
     first = [None] * world
     dist.all_gather_object(first, (host, secrets.token_hex(16)), group=pg)
     hosts, token = [h for h, _ in first], first[0][1]
@@ -191,7 +192,7 @@ def discover(pg, checkpoint_dir: str, live: dict | None = None) -> tuple[list[Fo
     record anywhere) are removed."""
     root, host = host_root(checkpoint_dir), host_name()
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (host, _listing(root)), group=pg)
+    dist.all_gather_object(gathered, (host, _listing(root) if root else {}), group=pg)
     hosts = [h for h, _ in gathered]
     records, present = {}, {}
     for h, listing in gathered:
@@ -208,7 +209,7 @@ def discover(pg, checkpoint_dir: str, live: dict | None = None) -> tuple[list[Fo
         if all(info["host"] in live_hosts or present.get(name, {}).get(f, {}).get(info["host"]) == info["bytes"]
                for f, info in record["files"].items()):
             found.append(Found(record, {h: a for h, a in record["servers"].items() if h in live_hosts}))
-    if hosts.index(host) == dist.get_rank():
+    if root and hosts.index(host) == dist.get_rank():
         for name in set(_listing(root)) - set(records):
             shutil.rmtree(root / name, ignore_errors=True)
     return sorted(found, key=lambda s: s.step, reverse=True), hosts
@@ -373,6 +374,8 @@ def drop(checkpoint_dir: str, up_to_step: int, keep: str | None = None) -> list[
     the names removed."""
     root = host_root(checkpoint_dir)
     removed = []
+    if root is None:
+        return removed
     if root.is_dir():
         for folder in root.iterdir():
             m = LOAD_NAME.match(folder.name) or NAME.match(folder.name)
@@ -384,8 +387,8 @@ def drop(checkpoint_dir: str, up_to_step: int, keep: str | None = None) -> list[
 
 
 def _remove_empty(root: Path) -> None:
-    """The host's and the job's folders once nothing is left in them."""
-    for folder in (root, root.parent):
+    """The host's, the job's and the user's folders once nothing is left in them."""
+    for folder in (root, root.parent, root.parent.parent):
         try:
             folder.rmdir()
         except OSError:

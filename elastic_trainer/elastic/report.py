@@ -21,6 +21,14 @@ from elastic_trainer.plan.layout import Layout
 # the rendezvous (the agents'), start (workers up, process group formed) and setup (plan, build, load).
 STAGES = (("save_s", "saved"), ("exit_s", "exited"), ("relaunch_s", "launched"), ("detect_s", "workers_restarting"),
           ("rendezvous_s", "rendezvous_done"), ("start_s", "processes_up"), ("setup_s", "state_loaded"))
+# A planned event through a warm start (the next world was started beside the old one): the old world writes
+# its state into memory (save), the next world, if not ready yet, finishes its start (wait), reads the state
+# (handover) and sets up (setup).
+WARM_STAGES = (("save_s", "saved"), ("wait_s", "next_world_ready"), ("handover_s", "handover_done"),
+               ("setup_s", "state_loaded"))
+PART_NAMES = {"save_s": "save", "exit_s": "exit", "relaunch_s": "relaunch", "detect_s": "detect",
+              "rendezvous_s": "rendezvous", "start_s": "start", "setup_s": "setup", "wait_s": "wait",
+              "handover_s": "hand-over"}
 
 
 def effective(records: list[dict]) -> list[dict]:
@@ -92,16 +100,27 @@ def downtime(before: Segment, after: Segment, events: list[dict]) -> dict:
     """The gap between two segments, when no step ran (steps redone after it are counted apart, in
     `after.redone`), and its stages (seconds; None where the event was not recorded)."""
     window = [e for e in events if before.end <= e["time"] <= after.records[0]["time"]]
-    out: dict = {"downtime_s": after.start - before.end}
+    warm = any(e["event"] == "handover_done" for e in window)
+    out: dict = {"downtime_s": after.start - before.end, "warm": warm}
     last = before.end
-    for name, event in STAGES:
+    for name, event in WARM_STAGES if warm else STAGES:
         hit = next((e for e in window if e["event"] == event and e["time"] >= last), None)
         out[name] = None if hit is None else hit["time"] - last
         last = hit["time"] if hit is not None else last
         if event == "state_loaded" and hit is not None and hit.get("load"):
             out["load_s"] = hit["load"]["total_s"]
+        if event == "handover_done" and hit is not None:
+            out["load_s"], out["handover"] = hit["handover"]["total_s"], hit["handover"]
     out["first_step_s"] = after.records[0]["step_time_s"]
     return out
+
+
+def parts(gap: dict) -> str:
+    """The downtime's parts in one short string: "memory: save 0.29 + hand-over 0.64 + setup 0.01" or
+    "disk: save 0.30 + exit 0.43 + ..." (the stages recorded, in order)."""
+    named = [f"{PART_NAMES[k]} {gap[k]:.2f}" for k, _ in (WARM_STAGES if gap.get("warm") else STAGES)
+             if gap.get(k) is not None]
+    return ("memory: " if gap.get("warm") else "restart: ") + " + ".join(named)
 
 
 def _resumed(before: Segment, after: Segment) -> bool:
@@ -132,7 +151,8 @@ def phase_rows(records: list[dict], events: list[dict]) -> list[dict]:
 def format_rows(rows: list[dict]) -> str:
     if not rows:
         return "(no steps recorded)"
-    head = ("phase", "ranks", "layout", "steps", "loss at end", "downtime s", "of which load s", "steps redone")
+    head = ("phase", "ranks", "layout", "steps", "loss at end", "downtime s", "of which load s", "steps redone",
+            "downtime parts s")
     table = []
     for r in rows:
         gap = r["downtime"]
@@ -144,16 +164,17 @@ def format_rows(rows: list[dict]) -> str:
         table.append((phase, str(r["ranks"]), r["layout"], f"{r['steps'][0]}-{r['steps'][1]}", f"{r['loss']:.4f}",
                       "-" if gap is None else f"{gap['downtime_s']:.1f}",
                       "-" if not gap or gap.get("load_s") is None else f"{gap['load_s']:.2f}",
-                      str(r.get("redone", 0)) if gap else "-"))
+                      str(r.get("redone", 0)) if gap else "-", parts(gap) if gap else "-"))
     widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(head)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in table]
     return "\n".join(lines)
 
 
-def plot(records: list[dict], path: str, title: str = "") -> str:
+def plot(records: list[dict], path: str, title: str = "", events: list[dict] | None = None) -> str:
     """Loss against step and against time, the validation loss (markers) where records have one, the rank
-    count underneath; downtime shaded. Returns `path`."""
+    count underneath; downtime shaded and, with the run's `events`, its parts written beside it. Returns
+    `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -176,6 +197,10 @@ def plot(records: list[dict], path: str, title: str = "") -> str:
         failure = _unplanned(a, b)
         axes[0, 1].axvspan((a.end - t0) / 60, (b.start - t0) / 60, color="mistyrose" if failure else "0.85")
         axes[1, 1].plot([(a.end - t0) / 60, (b.start - t0) / 60], [0, 0], color="C3", lw=4)
+        gap = downtime(a, b, events) if events is not None else None
+        if gap is not None:  # where the downtime went, beside its span
+            axes[0, 1].annotate(parts(gap).replace(": ", ":\n").replace(" + ", "\n"), ((b.start - t0) / 60, 1.0),
+                                xycoords=("data", "axes fraction"), va="top", ha="left", fontsize=6, color="0.3")
         if failure:  # where the trajectory went on after the failure, and what it trained twice
             first = b.records[0]["step"]
             axes[0, 0].axvline(first - 0.5, color="C3", ls=":", lw=1)

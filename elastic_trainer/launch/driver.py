@@ -146,10 +146,11 @@ class Driver:
         records = read_jsonl(self.job.run_dir / "metrics.jsonl")
         if not records:
             return
-        rows = phase_rows(records, read_jsonl(self.job.run_dir / EVENTS_FILE))
+        events = read_jsonl(self.job.run_dir / EVENTS_FILE)
+        rows = phase_rows(records, events)
         self.say("phases:\n" + format_rows(rows))
         try:
-            path = plot(records, str(self.job.run_dir / "loss.png"), f"{self.job.model.name}: loss and ranks")
+            path = plot(records, str(self.job.run_dir / "loss.png"), f"{self.job.model.name}: loss and ranks", events)
             self.say(f"loss plot: {path}")
         except ImportError:
             self.say("loss plot skipped: matplotlib is not installed")
@@ -306,7 +307,7 @@ class Driver:
         job = self.job
         if following >= len(job.phases) or job.phases[following].waits or self._interrupts:
             return False
-        if self.control.get(world.index, "first_step") is None or (left is not None and left > WARM_LEAD_S):
+        if left is not None and left > WARM_LEAD_S:
             return False
         if following not in self._refusals:
             self._refusals[following] = job.warm_refusal(world.index, following)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from elastic_trainer.elastic.report import (downtime, effective, format_rows, phase_rows, plot, samples_consumed_once,
+from elastic_trainer.elastic.report import (downtime, parts, effective, format_rows, phase_rows, plot, samples_consumed_once,
                                             segments)
 
 L4 = {"dp": 2, "tp": 1, "pp": 2, "micro_batch": 4, "num_microbatches": 1, "dp_mode": "ddp", "recompute": False}
@@ -113,10 +113,33 @@ def test_segments_split_on_phase_and_restart():
 def test_downtime_of_a_phase_change_and_its_stages():
     segs = segments(RECORDS)
     gap = downtime(segs[0], segs[1], EVENTS)
-    assert gap == {"downtime_s": 19.0,  # 1027 (1030 - 3) - 1008
+    assert gap == {"downtime_s": 19.0, "warm": False,  # 1027 (1030 - 3) - 1008
                    "save_s": 3.0, "exit_s": 2.0, "relaunch_s": 1.0, "detect_s": None, "rendezvous_s": None,
                    "start_s": 6.0, "setup_s": 5.0, "load_s": 2.5,
                    "first_step_s": 3.0}
+
+
+def test_downtime_of_a_warm_hand_over_and_its_parts():
+    """The next world was started beside the old one: the old world writes its state into memory (save), the
+    next one, not ready yet, finishes its start (wait), reads the state (hand-over) and sets up; its launch,
+    rendezvous and process group came before the gap and are not downtime."""
+    before = [{"step": 1, "time": 100.0, "step_time_s": 1.0, "loss": 9.0, "phase": 0, "restart": 0,
+               "world_size": 4, "layout": L4, "samples": [0, 8]}]
+    after = [{"step": 2, "time": 104.0, "step_time_s": 0.5, "loss": 8.9, "phase": 1, "restart": 0,
+              "world_size": 8, "layout": L8, "samples": [8, 16]}]
+    events = [{"event": "launched", "time": 90.0, "phase": 1, "warm": True},
+              {"event": "processes_up", "time": 95.0, "phase": 1},
+              {"event": "stopping", "time": 100.0, "phase": 0}, {"event": "saved", "time": 100.5, "phase": 0},
+              {"event": "next_world_ready", "time": 101.5, "phase": 1},
+              {"event": "handover_done", "time": 103.0, "phase": 1,
+               "handover": {"total_s": 1.25, "bytes_fetched": 0}},
+              {"event": "state_loaded", "time": 103.25, "phase": 1}]
+    segs = segments(before + after)
+    gap = downtime(segs[0], segs[1], events)
+    assert gap["warm"] and gap["downtime_s"] == 3.5  # 103.5 (104 - 0.5) - 100
+    assert (gap["save_s"], gap["wait_s"], gap["handover_s"], gap["setup_s"]) == (0.5, 1.0, 1.5, 0.25)
+    assert gap["load_s"] == 1.25 and gap["handover"]["bytes_fetched"] == 0
+    assert parts(gap) == "memory: save 0.50 + wait 1.00 + hand-over 1.50 + setup 0.25"
 
 
 def test_downtime_of_a_restart_within_a_phase():
@@ -124,7 +147,7 @@ def test_downtime_of_a_restart_within_a_phase():
     ended (step 8, redone after the restart), so the lost steps are not downtime but `redone`."""
     segs = segments(RECORDS)
     gap = downtime(segs[1], segs[2], EVENTS)
-    assert gap == {"downtime_s": 13.5,  # 1049.5 (1053 - 3.5) - 1036
+    assert gap == {"downtime_s": 13.5, "warm": False,  # 1049.5 (1053 - 3.5) - 1036
                    "save_s": None, "exit_s": None, "relaunch_s": None, "detect_s": None, "rendezvous_s": None,
                    "start_s": 9.0, "setup_s": 4.0,
                    "load_s": 1.25, "first_step_s": 3.5}
@@ -163,9 +186,11 @@ def test_format_rows_table():
     assert len(lines) == 4
     assert lines[0].split("  ")[0] == "phase" and "downtime s" in lines[0] and "of which load s" in lines[0]
     cells = [[c.strip() for c in line.split("  ") if c.strip()] for line in lines[1:]]
-    assert cells == [["1", "4", "dp2 tp1 pp2, 4x1 ddp", "1-4", "9.6000", "-", "-", "-"],
-                     ["2", "8", "dp4 tp1 pp2, 2x1 fsdp+rc", "5-6", "9.4000", "19.0", "2.50", "0"],
-                     ["2 (restart 1)", "8", "dp4 tp1 pp2, 2x1 fsdp+rc", "7-10", "9.0000", "13.5", "1.25", "2"]]
+    assert cells == [["1", "4", "dp2 tp1 pp2, 4x1 ddp", "1-4", "9.6000", "-", "-", "-", "-"],
+                     ["2", "8", "dp4 tp1 pp2, 2x1 fsdp+rc", "5-6", "9.4000", "19.0", "2.50", "0",
+                      "restart: save 3.00 + exit 2.00 + relaunch 1.00 + start 6.00 + setup 5.00"],
+                     ["2 (restart 1)", "8", "dp4 tp1 pp2, 2x1 fsdp+rc", "7-10", "9.0000", "13.5", "1.25", "2",
+                      "restart: start 9.00 + setup 4.00"]]
     column = lines[0].index("downtime s")
     assert lines[2][column:].startswith("19.0") and lines[3][column:].startswith("13.5")
 

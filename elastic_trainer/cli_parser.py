@@ -234,6 +234,9 @@ def _add_launch_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--max-restarts", type=NON_NEGATIVE, default=3, help="worker-group restarts per phase "
                                                                         "(default 3)")
     r.add_argument("--min-hosts", type=POSITIVE, default=1, help="hosts a phase needs to go on after losing some")
+    r.add_argument("--no-warm-start", action="store_true",
+                   help="start each phase's world only after the previous one exited, its state through the "
+                        "checkpoint folder (default: beside it, the state through memory)")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then `train` arguments for every rank")
 
 

@@ -1,7 +1,7 @@
 """Counting hook for tests: with ELASTIC_TRAINER_TEST_COUNTS=FILE set, `count(what)` appends "what pid" to FILE
 (one write(2) per line, O_APPEND, so the ranks and the launcher of one job can share it). Counted: the train
 flags parsed (`parse_train_flags`), the job spec read by a rank (`read_spec`), a plan made for a start
-(`plan`). Unset: nothing happens."""
+(`plan`), a durable checkpoint read by a rank (`read_checkpoint`). Unset: nothing happens."""
 
 from __future__ import annotations
 

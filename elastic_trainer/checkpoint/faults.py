@@ -2,8 +2,10 @@
 
 `ELASTIC_TRAINER_TEST_FAULT=POINT:STEP:MARKER[,...]` SIGKILLs the committing process at POINT of the commit of
 STEP, once: the MARKER file is created first, and while it exists nothing happens (a restarted job runs on).
-POINT is `written` (every file and the manifest written, before the rename that commits) or `renamed`
-(committed, before `latest` is replaced). Unset, `fault` does nothing.
+POINT is `written` (every file and the manifest written, before the rename that commits), `renamed`
+(committed, before `latest` is replaced) or `in_memory` (a rank's part of a hand-over's state written into
+its host's memory, before the state is recorded: any rank may be the one that dies). Unset, `fault` does
+nothing.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import signal
 from elastic_trainer.config import ConfigError
 
 FAULT_ENV = "ELASTIC_TRAINER_TEST_FAULT"
-FAULT_POINTS = ("written", "renamed")
+FAULT_POINTS = ("written", "renamed", "in_memory")
 
 
 def fault(point: str, step: int) -> None:

@@ -31,6 +31,7 @@ from elastic_trainer.checkpoint import memory
 from elastic_trainer.checkpoint import state as ckpt_state
 from elastic_trainer.checkpoint import storage
 from elastic_trainer.config import CheckpointConfig
+from elastic_trainer.test_hooks import count
 
 
 @dataclass
@@ -232,6 +233,7 @@ class Checkpointer:
         skipped = []
         for folder in folders:
             t0 = time.perf_counter()
+            count("read_checkpoint")
             error = self.verify(folder, checksums) if folder.is_dir() else f"{folder} is not a checkpoint folder"
             if error:
                 if strict:

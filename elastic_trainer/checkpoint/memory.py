@@ -36,8 +36,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
+from elastic_trainer.checkpoint import faults, storage
 from elastic_trainer.checkpoint import state as ckpt_state
-from elastic_trainer.checkpoint import storage
 from elastic_trainer.checkpoint.transfer import Client, Server
 from elastic_trainer.config import CheckpointError
 from elastic_trainer.elastic.handover import host_name
@@ -126,6 +126,7 @@ def write(pg, trainer, checkpoint_dir: str, run_id: str) -> Written:
     address = server.start() if server else None
     dcp.save(ckpt_state.tensor_state(trainer), storage_writer=FileSystemWriter(str(folder), sync_files=False),
              process_group=pg)
+    faults.fault("in_memory", trainer.step)
     mine = {p.name: p.stat().st_size for p in folder.glob(f"__{rank}_*.distcp")}
     if rank == 0:
         mine[".metadata"] = (folder / ".metadata").stat().st_size

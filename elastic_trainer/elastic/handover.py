@@ -40,6 +40,8 @@ def host_name() -> str:
 class Control:
     def __init__(self, store, job: str):
         self.store, self.job = store, job
+        self.lost = False
+        """The store stopped answering (the launcher is gone)."""
 
     @classmethod
     def from_environment(cls) -> "Control | None":
@@ -51,7 +53,7 @@ class Control:
 
         address, _, job = value.partition("/")
         host, _, port = address.rpartition(":")
-        store = TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=60))
+        store = TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=30))
         return cls(store, job)
 
     @staticmethod
@@ -61,26 +63,42 @@ class Control:
     def _key(self, phase: int, name: str) -> str:
         return f"elastic-trainer/{self.job}/p{phase}/{name}"
 
+    # Every operation survives the launcher's death (its store gone): the ranks then learn of it from their
+    # agents' SIGTERM and save as always, so a lost channel only means "no news".
+
     def set(self, phase: int, name: str, value: dict | str = "") -> None:
-        self.store.set(self._key(phase, name), json.dumps(value))
+        try:
+            self.store.set(self._key(phase, name), json.dumps(value))
+        except (RuntimeError, OSError):
+            self.lost = True
 
     def unset(self, phase: int, name: str) -> None:
-        self.store.delete_key(self._key(phase, name))
+        try:
+            self.store.delete_key(self._key(phase, name))
+        except (RuntimeError, OSError):
+            self.lost = True
 
     def get(self, phase: int, name: str):
-        """The key's value, or None when it is not set (one round trip)."""
+        """The key's value, or None when it is not set or the store is gone (one round trip)."""
+        if self.lost:
+            return None
         key = self._key(phase, name)
-        return json.loads(self.store.get(key)) if self.store.check([key]) else None
+        try:
+            return json.loads(self.store.get(key)) if self.store.check([key]) else None
+        except (RuntimeError, OSError):
+            self.lost = True
+            return None
 
     def wait(self, phase: int, name: str, give_up=lambda: False):
-        """Block until the key is set (its value) or `give_up()` turns true (None)."""
+        """Block until the key is set (its value) or `give_up()` turns true or the store is gone (None)."""
         key = self._key(phase, name)
-        while not give_up():
+        while not give_up() and not self.lost:
             try:
                 self.store.wait([key], timedelta(seconds=WAIT_SLICE_S))
                 return json.loads(self.store.get(key))
-            except RuntimeError:  # DistStoreError: this slice timed out
-                continue
+            except (RuntimeError, OSError) as e:
+                if "timeout" not in str(e).lower():  # a slice that timed out goes on; anything else is the end
+                    self.lost = True
         return None
 
 

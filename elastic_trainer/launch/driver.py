@@ -220,7 +220,7 @@ class Driver:
         if step >= job.train.steps:
             self.say(f"finished: step {step} of {job.train.steps}")
             return 0
-        if outcome.interrupted or job.stop_file.exists():  # the launcher never writes the stop file: the user did
+        if outcome.interrupted or job.stop_file.exists():  # interrupted here, or the user wrote the stop file
             self.say(f"stopped at step {step}; continue with --resume")
             return 0
         return None
@@ -288,7 +288,10 @@ class Driver:
                 if interrupted and successor is not None:
                     control.unset(world.index, "next")
                     successor = self._settle(successor, "the job was interrupted", terminate=True)
-                control.set(world.index, "stop")
+                if interrupted:  # the user's stop: the stop file, which also holds a resumed job back
+                    job.stop_file.touch()
+                else:
+                    control.set(world.index, "stop")
                 self.events.emit("stop_requested", phase=world.index, reason="interrupt" if interrupted else "phase end")
                 self.say("interrupted: the ranks finish their step and save (Ctrl-C again to abort)"
                          if interrupted else f"phase {world.index + 1} is over: asking the ranks to stop")
@@ -305,7 +308,7 @@ class Driver:
     def _may_warm(self, world: World, following: int, left: float | None) -> bool:
         """Whether to start the next phase's world now, beside `world` (a refusal is said once)."""
         job = self.job
-        if following >= len(job.phases) or job.phases[following].waits or self._interrupts:
+        if following >= len(job.phases) or job.phases[following].waits or self._interrupts or not job.opts.warm_start:
             return False
         if left is not None and left > WARM_LEAD_S:
             return False

@@ -49,6 +49,8 @@ class LaunchOptions:
     max_restarts: int = 3
     min_hosts: int = 1
     remote_root: str | None = None
+    warm_start: bool = True
+    """Start the next phase's world beside the current one and hand the state over in memory (launch/warm.py)."""
     train_argv: tuple[str, ...] = ()
     """`train` arguments for every rank (model, data and training settings)."""
 

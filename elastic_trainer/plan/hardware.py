@@ -69,11 +69,21 @@ class Hardware:
     """With `shared_host`: how many ranks' worth of compute the host delivers at once (measured speed-up of
     ranks computing together; at most its cores)."""
     storage_gbs: float = 2.0
-    """Read or write bandwidth of one host to the shared checkpoint storage (GB/s): a reconfiguration's
-    save and load (the simulated clock's model of downtime)."""
+    """Read or write bandwidth of one host to the shared checkpoint storage (GB/s): the save and load of a
+    restart through storage (the simulated clock's model of downtime after a phase without GPUs)."""
     restart_s: float = 30.0
     """Seconds from the old processes' exit to the new ones' first step, without the load: process start,
-    rendezvous, communicator set-up, model build (the simulated clock's model of downtime)."""
+    rendezvous, communicator set-up, model build (the simulated clock's restart after a phase without GPUs)."""
+    shm_write_gbs: float = 2.5
+    """One rank's rate of writing its part of the training state into its host's shared memory (GB/s; on a
+    GPU: device to host and the copy into /dev/shm); with `shared_host` the host's `compute_units` bound the
+    ranks writing at once. The write of a planned hand-over (the simulated clock's model of downtime)."""
+    shm_read_gbs: float = 3.0
+    """One rank's rate of reading its part of the state from its host's shared memory into its model and
+    optimizer (GB/s; on a GPU: /dev/shm to host to device): the read of a planned hand-over."""
+    handover_setup_s: float = 3.0
+    """Fixed seconds of a planned hand-over beyond its copies: the stop and hand-over signals, DCP's save and
+    load planning and metadata, the first step after it that the warm-up did not make fast."""
 
     def __post_init__(self) -> None:
         check_field_types(self, f"hardware {self.name}")
@@ -88,7 +98,8 @@ class Hardware:
             raise ConfigError(f"hardware {self.name}: device={self.device!r} is not one of cuda, cpu")
         if self.compute_dtype not in ("bf16", "fp32"):
             raise ConfigError(f"hardware {self.name}: compute_dtype={self.compute_dtype!r} is not one of bf16, fp32")
-        for key in ("memory_gb", "tflops", "memory_bandwidth_gbs", "intra_host_gbs", "inter_host_gbs", "storage_gbs"):
+        for key in ("memory_gb", "tflops", "memory_bandwidth_gbs", "intra_host_gbs", "inter_host_gbs", "storage_gbs",
+                    "shm_write_gbs", "shm_read_gbs"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"hardware {self.name}: {key}={getattr(self, key)} must be positive")
         positive_int(f"hardware {self.name}: gpus_per_host", self.gpus_per_host)

@@ -1,0 +1,147 @@
+"""In-memory states (checkpoint.memory, checkpoint.transfer) on forked gloo ranks that play several hosts:
+each rank's ELASTIC_TRAINER_HOST names its host, so each "host" has its own shared-memory folder and only
+its own ranks' files; a rank reaches another host's files only through that host's server.
+
+- 4 ranks on hosts a, b (dp2 tp2) write a state into memory; 3 ranks on b, c, a (pp3) read it resharded:
+  the per-step losses of the chain equal one uninterrupted single-process run (1e-5 relative), rank 0 (on b)
+  fetched a's pieces, c (no files) fetched every piece it read, and the durable checkpoint was not read;
+- an in-memory state newer than the newest durable checkpoint wins; one as new too (it is read from memory);
+  a state without its record (a rank died writing it) is never read and its folders are removed; the durable
+  commit of a step removes the states it covers, except the one the next world is still reading;
+- the server refuses a wrong token, a file name outside the state's files and a range beyond the file's end.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastic_trainer.checkpoint import CheckpointConfig, memory
+from elastic_trainer.checkpoint.transfer import Client, Server
+from elastic_trainer.config import CheckpointError, TrainConfig, load_model_config
+from elastic_trainer.data.corpus import load
+from elastic_trainer.parallel.local_ranks import run_ranks
+from elastic_trainer.plan.layout import Layout
+from elastic_trainer.train import Job
+
+MODEL = load_model_config("gpt-tiny")
+HOST_A, HOST_B, HOST_C = "localhost", "127.0.0.2", "127.0.0.3"  # names that resolve: the servers are reached by them
+
+
+def config(until: int) -> TrainConfig:
+    return TrainConfig(global_batch=8, seq_len=32, steps=until, decay_steps=9, seed=0, lr=1e-3, warmup_steps=2)
+
+
+@pytest.fixture(scope="module")
+def tokens(data_cache):
+    return load(TrainConfig(data_cache=data_cache), quiet=True).train
+
+
+@pytest.fixture
+def shm(tmp_path, monkeypatch):
+    monkeypatch.setenv(memory.SHM_ENV, str(tmp_path / "shm"))
+    return tmp_path / "shm"
+
+
+def _as_host(hosts: list[str], rank: int) -> None:
+    os.environ["ELASTIC_TRAINER_HOST"] = hosts[rank]
+
+
+def write_state(rank, world, layout, ckpt, hosts, tokens, steps, durable_step=None):
+    """Train `steps` steps (a durable save after `durable_step`), then write the state into memory."""
+    _as_host(hosts, rank)
+    with Job(MODEL, config(steps), layout, torch.device("cpu"), ckpt=CheckpointConfig(dir=ckpt), tokens=tokens) as job:
+        losses = []
+        for _ in range(steps - job.trainer.step):
+            losses.append(job.trainer.train_step()["loss"])
+            if job.trainer.step == durable_step:
+                job.checkpointer.save(job.trainer, blocking=True)
+        written = job.checkpointer.write_memory(job.trainer)
+        if written.server:
+            written.server.stop()
+    return losses, written.record
+
+
+def read_state(rank, world, layout, ckpt, hosts, tokens, until, counts):
+    _as_host(hosts, rank)
+    os.environ["ELASTIC_TRAINER_TEST_COUNTS"] = counts
+    with Job(MODEL, config(until), layout, torch.device("cpu"), ckpt=CheckpointConfig(dir=ckpt), tokens=tokens) as job:
+        loaded = job.loaded.path if job.loaded else None
+        losses = [job.trainer.train_step()["loss"] for _ in range(until - job.trainer.step)]
+    return loaded, losses
+
+
+def reference(tokens, steps: int) -> list[float]:
+    def run(rank, world):
+        with Job(MODEL, config(steps), Layout(1, 1, 1, 8, 1), torch.device("cpu"), tokens=tokens) as job:
+            return [job.trainer.train_step()["loss"] for _ in range(steps)]
+
+    return run_ranks(run, 1)[0]
+
+
+def close(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all(abs(x - y) / abs(y) <= 1e-5 for x, y in zip(a, b))
+
+
+def test_a_state_in_memory_reshards_across_hosts_onto_the_trajectory(tmp_path, shm, tokens):
+    ckpt, counts = str(tmp_path / "ckpt"), str(tmp_path / "counts.txt")
+    first = run_ranks(write_state, 4, Layout(2, 2, 1, 4, 1), ckpt, [HOST_A, HOST_A, HOST_B, HOST_B], tokens, 3)
+    losses, record = first[0]
+    assert {f["host"] for f in record["files"].values()} == {HOST_A, HOST_B}
+    assert record["files"][".metadata"]["host"] == HOST_A
+    root_b = memory.host_root(ckpt).parent / HOST_B
+    assert sorted(p.name for p in (root_b / record["name"]).iterdir()) == ["__2_0.distcp", "__3_0.distcp"]
+    second = run_ranks(read_state, 3, Layout(1, 1, 3, 2, 4), ckpt, [HOST_B, HOST_C, HOST_A], tokens, 6, counts)
+    assert all(loaded == f"memory:{record['name']}" for loaded, _ in second)
+    assert close(losses + second[0][1], reference(tokens, 6))
+    assert not Path(counts).exists()  # no rank read a durable checkpoint (there is none)
+
+
+def test_the_newest_state_wins_and_commits_remove_what_they_cover(tmp_path, shm, tokens):
+    ckpt, counts = str(tmp_path / "ckpt"), str(tmp_path / "counts.txt")
+    hosts = [HOST_A, HOST_B]
+    _, record = run_ranks(write_state, 2, Layout(2, 1, 1, 4, 1), ckpt, hosts, tokens, 4, durable_step=2)[0]
+    # a state a rank died writing: its files but no record
+    dead = memory.host_root(ckpt).parent / HOST_B / "step-00000005-deadbeef"
+    dead.mkdir()
+    (dead / "__1_0.distcp").write_bytes(b"partial")
+    loaded, losses = run_ranks(read_state, 2, Layout(1, 1, 2, 4, 2), ckpt, hosts, tokens, 6, counts)[0]
+    assert loaded == f"memory:{record['name']}"  # step 4 in memory beats step 2 on disk
+    assert close(losses, reference(tokens, 6)[4:])
+    assert not dead.exists()
+    # the same step on disk too: memory is still read; then a commit of step 4 removes it
+    _, again = run_ranks(write_state, 2, Layout(2, 1, 1, 4, 1), str(tmp_path / "c2"), hosts, tokens, 4, 4)[0]
+    loaded, _ = run_ranks(read_state, 2, Layout(2, 1, 1, 4, 1), str(tmp_path / "c2"), hosts, tokens, 5, counts)[0]
+    assert loaded == f"memory:{again['name']}"
+    for host in hosts:
+        os.environ["ELASTIC_TRAINER_HOST"] = host
+        assert memory.drop(str(tmp_path / "c2"), 4, keep=again["name"]) == []  # the one being read is kept
+        assert memory.drop(str(tmp_path / "c2"), 4) == [again["name"]]
+
+
+def test_the_server_refuses_what_the_state_does_not_list(tmp_path):
+    folder = tmp_path / "step-00000001-abc"
+    folder.mkdir()
+    (folder / "__0_0.distcp").write_bytes(bytes(range(256)) * 4)
+    server = Server(tmp_path, "localhost", {folder.name: "secret"})
+    address = server.start()
+    client = Client()
+    try:
+        fd = os.open(tmp_path / "copy", os.O_WRONLY | os.O_CREAT)
+        client.fetch_into(address, "secret", folder.name, "__0_0.distcp", 100, 300, fd)
+        os.close(fd)
+        assert (tmp_path / "copy").read_bytes()[100:400] == (bytes(range(256)) * 4)[100:400]
+        for token, name, offset, length, why in (("wrong", "__0_0.distcp", 0, 1, "refused"),
+                                                 ("secret", "../../etc/passwd", 0, 1, "refused"),
+                                                 ("secret", "__0_0.distcp", 1000, 100, "beyond its end")):
+            with pytest.raises(CheckpointError, match=why):
+                client.fetch_into(address, token, folder.name, name, offset, length, os.open(os.devnull, os.O_WRONLY))
+    finally:
+        client.close()
+        server.stop()
+    with socket.socket() as s:  # stopped: nothing listens there any more
+        assert s.connect_ex(("localhost", int(address.rsplit(":", 1)[1]))) != 0

@@ -1,0 +1,158 @@
+"""Planned reconfigurations through a warm start and an in-memory hand-over, as users run them (the launcher,
+real torchrun agents): every test compares the per-step losses with a static single-process run of the same
+steps (fp32, 1e-5 relative), checks from the metrics that every global sample was consumed once, and ends
+with no process of the job and nothing in its shared-memory folder (ELASTIC_TRAINER_SHM_DIR, one per test):
+- an odd-count schedule, 8 -> 3 -> 6 -> 5 ranks (5 trains on 4), global batch 12: each next world is started
+  beside the current one and takes its state from memory; no rank reads a durable checkpoint;
+- two hosts on one machine (127.0.0.1, 127.0.0.2), each with its own shared-memory folder: 2 + 2 -> 2 + 0 ->
+  2 + 2 ranks moves every piece of the leaving host to the other (from the stopping world's server) and back;
+  no rank reads a durable checkpoint, and each hand-over fetched bytes from the other host;
+- one job through three faults: a rank of the waiting world SIGKILLed (its agent restarts it; it waits
+  again), a stopping rank SIGKILLed inside its write to memory (its world restarts from the durable checkpoint,
+  trains again and hands over), the launcher SIGKILLed while the next world waits; `--resume` finishes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic_trainer.elastic.events import read_jsonl
+from elastic_trainer.elastic.report import effective, samples_consumed_once
+from tests.e2e.test_launch import (DEFAULT, descendants, env, launch_argv, metrics, parent, processes, schedule,
+                                   static_run)
+from tests.e2e.test_launch_faults import gone
+
+pytestmark = pytest.mark.slow
+
+
+def job_env(tmp_path: Path, **extra: str) -> dict:
+    return dict(env(), ELASTIC_TRAINER_SHM_DIR=str(tmp_path / "shm"),
+                ELASTIC_TRAINER_TEST_COUNTS=str(tmp_path / "counts.txt"), **extra)
+
+
+def events(run_dir: Path, name: str) -> list[dict]:
+    return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == name]
+
+
+def assert_on_trajectory(run_dir: Path, reference: list[float], batch: int) -> list[dict]:
+    kept = effective(metrics(run_dir))
+    assert [r["step"] for r in kept] == list(range(1, len(reference) + 1))
+    for r in kept:
+        assert abs(r["loss"] - reference[r["step"] - 1]) / reference[r["step"] - 1] <= 1e-5, r
+    assert samples_consumed_once(kept) and kept[0]["samples"][0] == 0 and kept[-1]["samples"][1] == len(kept) * batch
+    return kept
+
+
+def assert_nothing_left(tmp_path: Path, run_dir: Path) -> None:
+    """No process of the job (agents and workers name its spec, under run_dir) and no in-memory state."""
+    assert gone(processes(str(run_dir))), processes(str(run_dir))
+    shm = tmp_path / "shm"
+    assert not shm.exists() or not any(shm.iterdir()), sorted(str(p) for p in shm.rglob("*"))
+
+
+def durable_reads(tmp_path: Path) -> int:
+    counts = tmp_path / "counts.txt"
+    return [line.split()[0] for line in counts.read_text().splitlines()].count("read_checkpoint") if counts.exists() else 0
+
+
+def test_odd_counts_hand_over_in_memory(tmp_path, data_cache, sotu_tokens):
+    run_dir = tmp_path / "odd"
+    argv = launch_argv(run_dir, "localhost slots=8\n", "--schedule",
+                       schedule(tmp_path / "s.json", (8, 3), (3, 3), (6, 3), (5, 3)), cache=data_cache)
+    proc = subprocess.run([*argv, "--global-batch", "12", "--steps", "12"], capture_output=True, text=True,
+                          env=job_env(tmp_path), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    reference = static_run(sotu_tokens, dataclasses.replace(DEFAULT.train, global_batch=12, steps=12), 12)
+    kept = assert_on_trajectory(run_dir, reference, 12)
+    assert [r["world_size"] for r in kept] == [8] * 3 + [3] * 3 + [6] * 3 + [4] * 3
+    assert [e["warm"] for e in events(run_dir, "launched")] == [False, True, True, True]
+    assert [e["step"] for e in events(run_dir, "handover_done")] == [3, 6, 9]
+    assert [e["load"]["path"].startswith("memory:") for e in events(run_dir, "state_loaded")[1:]] == [True] * 3
+    assert durable_reads(tmp_path) == 0  # every start after the first read its state from memory
+    assert sorted(e["step"] for e in events(run_dir, "durable_saved")) == [3, 6, 9]  # written meanwhile
+    table = proc.stdout[proc.stdout.index("phases:"):]
+    assert table.count("memory: save") == 3, table
+    assert_nothing_left(tmp_path, run_dir)
+
+
+def test_hand_over_between_two_hosts(tmp_path, data_cache, sotu_tokens):
+    """127.0.0.2 leaves (2 + 2 -> 2 + 0 ranks) and comes back: its ranks' pieces reach 127.0.0.1 from the
+    stopping world's server on 127.0.0.2, then the new ranks of 127.0.0.2 fetch theirs from 127.0.0.1."""
+    run_dir = tmp_path / "two"
+    argv = launch_argv(run_dir, "127.0.0.1 slots=2\n127.0.0.2 slots=2\n", "--schedule",
+                       schedule(tmp_path / "s.json", (4, 3), (2, 3), (4, 3)), cache=data_cache)
+    proc = subprocess.run([*argv, "--steps", "9"], capture_output=True, text=True, env=job_env(tmp_path), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    reference = static_run(sotu_tokens, dataclasses.replace(DEFAULT.train, steps=9), 9)
+    kept = assert_on_trajectory(run_dir, reference, DEFAULT.train.global_batch)
+    assert [r["world_size"] for r in kept] == [4] * 3 + [2] * 3 + [4] * 3
+    done = events(run_dir, "handover_done")
+    assert [e["step"] for e in done] == [3, 6]
+    assert all(e["handover"]["bytes_fetched"] > 0 for e in done), done  # pieces crossed between the hosts
+    assert durable_reads(tmp_path) == 0
+    assert_nothing_left(tmp_path, run_dir)
+
+
+def _world_workers(run_dir: Path, phase: int) -> list[int]:
+    """The workers of phase `phase`'s agent (the agent's arguments name its rendezvous id, ...-pN)."""
+    found = [p for p in processes(f"-p{phase}\0--rdzv-conf\0") if p in processes(str(run_dir))]
+    agents = [p for p in found if parent(p) not in found]
+    assert len(agents) == 1, found
+    return [p for p in descendants(agents[0]) if p in found]
+
+
+def _wait_event(run_dir: Path, proc, what, timeout: float = 300) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        hit = next((e for e in read_jsonl(run_dir / "events.jsonl") if what(e)), None)
+        if hit is not None:
+            return hit
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
+        time.sleep(0.05)
+
+
+def test_faults_around_a_hand_over(tmp_path, data_cache, sotu_tokens):
+    """Phases of 4, 2, 4 and 2 ranks, 20, 6, 6 and 6 steps. (1) Once phase 2's world waits, one of its
+    workers is SIGKILLed: its agent restarts the workers, which wait again and take the state. (2) The first
+    rank to reach the end of its write to memory at step 26 is SIGKILLed: its world restarts from the durable
+    checkpoint of step 20, trains steps 21-26 again and hands over. (3) Once phase 4's world waits, the
+    launcher is SIGKILLed: the agents stop their ranks, phase 3's save the step in flight to disk. `--resume`
+    trains the rest."""
+    run_dir = tmp_path / "faults"
+    phases = schedule(tmp_path / "s.json", (4, 20), (2, 6), (4, 6), (2, 6))
+
+    def argv(*extra: str) -> list[str]:
+        return [*launch_argv(run_dir, "localhost slots=4\n", "--schedule", phases, *extra, cache=data_cache),
+                "--steps", "38"]
+
+    fault = f"in_memory:26:{tmp_path / 'fired'}"
+    proc = subprocess.Popen(argv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=job_env(tmp_path, ELASTIC_TRAINER_TEST_FAULT=fault), start_new_session=True)
+    try:
+        _wait_event(run_dir, proc, lambda e: e["event"] == "next_world_ready" and e.get("phase") == 1)
+        waiting = _world_workers(run_dir, 1)
+        os.kill(waiting[-1], signal.SIGKILL)
+        _wait_event(run_dir, proc, lambda e: e["event"] == "next_world_ready" and e.get("phase") == 3)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert gone(processes(str(run_dir)))
+    assert (tmp_path / "fired").exists()
+    restarts = events(run_dir, "workers_restarting")
+    assert [e["phase"] for e in restarts] == [1, 1], restarts  # phase 2's world waiting, then stopping
+    resumed = subprocess.run(argv("--resume"), capture_output=True, text=True,
+                             env=job_env(tmp_path), timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-2000:]
+    reference = static_run(sotu_tokens, dataclasses.replace(DEFAULT.train, steps=38), 38)
+    assert_on_trajectory(run_dir, reference, DEFAULT.train.global_batch)
+    assert [e["step"] for e in events(run_dir, "handover_done")][:2] == [20, 26]
+    assert_nothing_left(tmp_path, run_dir)

@@ -36,10 +36,14 @@ class Options:
 def describe(exp: Experiment, plan: ProfilePlan) -> list[str]:
     """The plan of one profile: each policy's choice per GPU count, steps, ideal and downtime."""
     r = plan.reconfiguration
+    handover = ", ".join(f"{k} GPUs {v:.1f} s" for k, v in r["handover_s"].items())
     lines = [f"{plan.profile}: {exp.target.model.name}, global batch {exp.target.global_batch} x "
-             f"{exp.target.seq_len}; one simulated step = {plan.scale:.1f} target steps; a reconfiguration "
-             f"= save + {r['restart_s']:g} s restart + load of {r['state_gb']} GB at {r['storage_gbs_per_host']:g} "
-             f"GB/s per host (about {r['typical_s']:g} s)"]
+             f"{exp.target.seq_len}; one simulated step = {plan.scale:.1f} target steps; a reconfiguration hands "
+             f"{r['state_gb']} GB over through host memory: write at {r['shm_write_gbs_per_rank']:g} GB/s per rank + "
+             f"exchange between hosts at {r['inter_host_gbs']:g} GB/s + read at {r['shm_read_gbs_per_rank']:g} GB/s "
+             f"per rank + {r['handover_setup_s']:g} s set-up ({handover or 'none'}); after a wait: save + "
+             f"{r['restart_s']:g} s restart + load at {r['storage_gbs_per_host']:g} GB/s per host (about "
+             f"{r['typical_restart_s']:g} s)"]
     for name, p in plan.policies.items():
         seen = {}
         for c in p.choices:

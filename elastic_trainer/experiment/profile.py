@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from elastic_trainer.config import ConfigError
 from elastic_trainer.elastic.schedule import Phase, same_run
-from elastic_trainer.experiment.simclock import Timeline, auto_scale, reconfiguration_s, simulate
+from elastic_trainer.experiment.simclock import (STATE_BYTES_PER_PARAM, Timeline, auto_scale, reconfiguration_s,
+                                                 simulate)
 from elastic_trainer.experiment.config import Experiment, JobSpec
 from elastic_trainer.plan import Hardware, Request, load_hardware
 from elastic_trainer.plan.memory import stage_numel
@@ -35,7 +36,7 @@ class ProfilePlan:
     scale: float
     """One simulated step stands for `scale` steps of the target."""
     reconfiguration: dict
-    """The downtime model's inputs and a typical value, for the record."""
+    """The downtime model's inputs and its values for the reference policy's changes, for the record."""
     policies: dict[str, PolicyPlan]
 
     @property
@@ -65,17 +66,32 @@ def plan_profile(exp: Experiment, profile: str, scale: float | None = None, targ
         scale = auto_scale(exp.durations, reference, target_steps)
     n_params = model_params(exp.target.model)
 
-    def downtime(before: Choice | None, after: Choice) -> float:
-        return reconfiguration_s(n_params, hw, before, after)
+    def downtime(before: Choice, after: Choice, warm: bool) -> float:
+        return reconfiguration_s(n_params, hw, before, after, warm)
 
     plans = {name: PolicyPlan(name, c, simulate(exp.durations, c, scale, downtime), simulate(exp.durations, c, scale))
              for name, c in picked.items()}
-    runs = [c for c in reference if not c.waits]
-    typical = downtime(runs[0], runs[-1]) if runs else 0.0
-    model = {"state_gb": round(n_params * 12 / 1e9, 2), "storage_gbs_per_host": hw.storage_gbs,
-             "restart_s": hw.restart_s, "typical_s": round(typical, 1),
-             "formula": "state / (old hosts x storage_gbs) + restart_s + state / (new hosts x storage_gbs)"}
+    model = reconfiguration_model(n_params, hw, reference)
     return ProfilePlan(profile, hw, scale, model, plans)
+
+
+def reconfiguration_model(n_params: int, hw: Hardware, reference: list[Choice]) -> dict:
+    """The downtime model's inputs and its values for the reference policy's changes, for the record: each
+    distinct hand-over between consecutive phases (GPUs before -> after) and the restart after a wait."""
+    handover = {}
+    for a, b in zip(reference, reference[1:]):
+        if not a.waits and not b.waits and a.key() != b.key():
+            handover.setdefault(f"{a.used}->{b.used}", round(reconfiguration_s(n_params, hw, a, b), 2))
+    runs = [c for c in reference if not c.waits]
+    restart = reconfiguration_s(n_params, hw, runs[0], runs[-1], warm=False) if runs else 0.0
+    return {"state_gb": round(n_params * STATE_BYTES_PER_PARAM / 1e9, 2), "shm_write_gbs_per_rank": hw.shm_write_gbs,
+            "shm_read_gbs_per_rank": hw.shm_read_gbs, "inter_host_gbs": hw.inter_host_gbs,
+            "handover_setup_s": hw.handover_setup_s, "handover_s": handover,
+            "formula": "state / (old ranks x shm_write_gbs) + exchange / inter_host_gbs + state / (new ranks x "
+                       "shm_read_gbs) + handover_setup_s; exchange: the GB the busiest host receives or sends",
+            "storage_gbs_per_host": hw.storage_gbs, "restart_s": hw.restart_s, "typical_restart_s": round(restart, 1),
+            "restart_formula": "after a phase without GPUs: state / (old hosts x storage_gbs) + restart_s + "
+                               "state / (new hosts x storage_gbs)"}
 
 
 def small_layout(small: JobSpec, choice: Choice) -> tuple[tuple[int, int, int], int]:

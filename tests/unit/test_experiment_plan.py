@@ -31,8 +31,27 @@ def test_ours_trains_most_and_reaches_95_percent_of_its_ideal(profile):
     assert steps["ours"] > steps["dp-only"] and steps["ours"] > steps["static"]
     ours = plan.policies["ours"]
     assert ours.timeline.count >= 0.95 * ours.ideal.count
-    # 15 changes of GPU count, each paying the modelled reconfiguration
+    # 15 changes of GPU count, each paying the modelled hand-over through host memory (seconds, not a restart)
     assert ours.timeline.downtime_s == pytest.approx(sum(s.downtime_s for s in ours.timeline.steps))
+    paid = [s.downtime_s for s in ours.timeline.steps if s.downtime_s]
+    assert len(paid) == 15 and all(plan.hardware.handover_setup_s < d < 10 for d in paid)
+    assert set(plan.reconfiguration["handover_s"]) == {"16->8", "8->4", "4->8", "8->16"}
+
+
+def test_a_wait_keeps_the_restart_through_storage_and_every_other_change_hands_over():
+    plan = plan_profile(load_experiment(), "h100-80g")
+    dp_only, hw = plan.policies["dp-only"], plan.hardware
+    state = plan.reconfiguration["state_gb"]
+    restart = state / hw.storage_gbs + hw.restart_s + state / hw.storage_gbs  # 8 GPUs (one host) both sides
+    assert restart == pytest.approx(45.8, abs=0.05)
+    after_wait = {i for i, c in enumerate(dp_only.choices) if i and dp_only.choices[i - 1].waits}
+    paid = {s.phase: s.downtime_s for s in dp_only.timeline.steps if s.downtime_s}
+    assert after_wait and after_wait <= set(paid)
+    for phase, seconds in paid.items():
+        if phase in after_wait:
+            assert seconds == pytest.approx(restart, abs=0.02)
+        else:
+            assert seconds < 10
 
 
 def test_runtime_schedules_carry_the_steps_and_restart_where_the_clock_does():

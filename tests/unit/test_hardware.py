@@ -31,6 +31,18 @@ def test_unknown_gpu_asks_for_hardware_flag():
     assert "\n" not in str(err.value)
 
 
+def test_presets_model_the_hand_over_through_host_memory():
+    for name in hardware_presets():
+        hw = load_hardware(name)
+        assert hw.shm_write_gbs > 0 and hw.shm_read_gbs > 0 and hw.handover_setup_s >= 0, name
+    cpu = load_hardware("cpu")  # measured by hand on the CPU machine (configs/hardware/cpu.toml)
+    assert (cpu.shm_write_gbs, cpu.shm_read_gbs, cpu.handover_setup_s) == (2.8, 5.0, 1.0)
+    with pytest.raises(ConfigError, match="shm_read_gbs=0.0 must be positive"):
+        Hardware(name="x", shm_read_gbs=0.0)
+    with pytest.raises(ConfigError, match="handover_setup_s=-1.0 must not be negative"):
+        Hardware(name="x", handover_setup_s=-1.0)
+
+
 def test_unknown_profile_and_bad_values_name_the_choices():
     with pytest.raises(ConfigError, match=r"unknown hardware 'tpu' \(valid: a100-80g, cpu, h100-80g"):
         load_hardware("tpu")
@@ -40,7 +52,7 @@ def test_unknown_profile_and_bad_values_name_the_choices():
 
 def test_toml_round_trip(tmp_path):
     hw = Hardware(name="mine", device_names=("X 1",), tflops=123.5, memory_bandwidth_gbs=1e-3, shared_host=True,
-                  compute_units=3)
+                  compute_units=3, shm_write_gbs=1.25, handover_setup_s=0.5)
     path = tmp_path / "mine.toml"
     path.write_text(hw.to_toml())
     assert load_hardware(path) == hw

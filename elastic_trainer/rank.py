@@ -203,8 +203,9 @@ def _handover(phase: PhaseSpec, env: TorchrunEnv):
     control = Control.from_environment() if phase.index is not None else None
     if control is None:
         return None
-    warm = os.environ.get(WARM_ENV) == "1" and control.get(phase.index, "loaded") is None
-    return Handover(control, phase.index, warm)
+    mode = os.environ.get(WARM_ENV)
+    warm = mode in ("early", "late") and control.get(phase.index, "loaded") is None
+    return Handover(control, phase.index, warm, late=mode == "late")
 
 
 def load_corpus(spec: JobSpec, env: TorchrunEnv):

@@ -206,10 +206,12 @@ def discover(pg, checkpoint_dir: str, live: dict | None = None) -> tuple[list[Fo
         records[live["name"]] = live
     found = []
     for name, record in records.items():
-        live_hosts = set(record["servers"]) if live and name == live["name"] else set()
-        if all(info["host"] in live_hosts or present.get(name, {}).get(f, {}).get(info["host"]) == info["bytes"]
+        serving = record["servers"] if live and name == live["name"] else {}  # the stopping world's, still up
+        if all(present.get(name, {}).get(f, {}).get(info["host"]) == info["bytes"] or info["host"] in serving
                for f, info in record["files"].items()):
-            found.append(Found(record, {h: a for h, a in record["servers"].items() if h in live_hosts}))
+            # this world's hosts serve their own files (load starts their servers); the stopping world's
+            # servers are asked only for the files of hosts this world has no rank on
+            found.append(Found(record, {h: a for h, a in serving.items() if h not in hosts}))
     if root and hosts.index(host) == dist.get_rank():
         for name in set(_listing(root)) - set(records):
             shutil.rmtree(root / name, ignore_errors=True)

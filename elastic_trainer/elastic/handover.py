@@ -27,7 +27,8 @@ HOST_ENV = "ELASTIC_TRAINER_HOST"
 """The host's name in the hosts file (set by the launcher per host)."""
 CONTROL_ENV = "ELASTIC_TRAINER_CONTROL"
 WARM_ENV = "ELASTIC_TRAINER_WARM"
-"""1 for the agents (and so the workers) of a world started beside the current one."""
+"""For the agents (and so the workers) of a world started beside the current one: `early` (build the model,
+then wait for the state) or `late` (wait, then build: old and new would not fit on the device together)."""
 WAIT_SLICE_S = 1.0
 """How long one blocking wait on the store lasts before the waiter checks whether it was asked to stop."""
 
@@ -110,6 +111,8 @@ class Handover:
     phase: int
     warm: bool
     """This world was started beside the current one: it waits for the state before it loads."""
+    late: bool = False
+    """It builds its model only once it has the state (the old world's is released by then)."""
 
     def asked_to_stop(self) -> bool:
         return self.control.get(self.phase, "stop") is not None

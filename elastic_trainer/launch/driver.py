@@ -32,7 +32,7 @@ from elastic_trainer.launch import live_hosts
 from elastic_trainer.launch.commands import AgentSpec, Placement
 from elastic_trainer.launch.job_setup import JobSetup
 from elastic_trainer.launch.output import Output
-from elastic_trainer.launch.warm import READY_WAIT_S, WARM_LEAD_S
+from elastic_trainer.launch.warm import READY_WAIT_S, WARM_LEAD_S, builds_early, warm_refusal
 
 POLL_S = 0.1
 BAD_INPUT_GRACE_S = 3.0
@@ -225,8 +225,9 @@ class Driver:
             return 0
         return None
 
-    def _launch(self, index: int, store, warm: bool = False) -> World:
-        """Start the agents of phase `index`; `warm`: beside the running world, whose state it will take."""
+    def _launch(self, index: int, store, warm: bool = False, early: bool = True) -> World:
+        """Start the agents of phase `index`; `warm`: beside the running world, whose state it will take (and
+        `early`: builds its model before it has the state; else after, where the two would not fit)."""
         job = self.job
         phase = job.phases[index]
         placements = job.placements(phase)
@@ -242,7 +243,7 @@ class Driver:
         prefix = live_hosts.key_prefix(spec.run_id)
         live_hosts.publish(store, prefix, len(placements))
         env = {**Control.environment(f"{job.endpoint_host()}:{store.port}", self.job_id),
-               **({WARM_ENV: "1"} if warm else {})}
+               **({WARM_ENV: "early" if early else "late"} if warm else {})}
         agents = [self._start(p, spec, env) for p in placements]
         self.events.emit("launched", phase=index, gpus=phase.gpus, run_id=spec.run_id, warm=warm,
                          hosts=[[p.host.name, p.nproc] for p in placements])
@@ -274,7 +275,8 @@ class Driver:
             self._watch(world, store)
             left = None if duration is None else duration - (time.time() - world.began)
             if successor is None and not stop_requested and self._may_warm(world, following, left):
-                successor = self._launch(following, store, warm=True)
+                successor = self._launch(following, store, warm=True,
+                                         early=builds_early(job, world.index, following))
                 control.set(world.index, "next", following)
             if successor is not None and not successor.alive():
                 self.say(f"phase {following + 1}'s early start failed; it starts again after this phase")
@@ -313,7 +315,7 @@ class Driver:
         if left is not None and left > WARM_LEAD_S:
             return False
         if following not in self._refusals:
-            self._refusals[following] = job.warm_refusal(world.index, following)
+            self._refusals[following] = warm_refusal(job, world.index, following)
             if self._refusals[following]:
                 self.say(self._refusals[following])
         return not self._refusals[following]

@@ -278,20 +278,6 @@ class JobSetup:
                          max_restarts=self.opts.max_restarts, rdzv_conf=conf,
                          worker_argv=("--job", str(self.spec_file(job_id)), "--phase", str(index)))
 
-    def warm_refusal(self, current: int, following: int) -> str | None:
-        """The line refusing to start phase `following`'s world beside `current`'s (host memory), or None."""
-        from elastic_trainer.launch.warm import memory_need, refusal
-
-        def busiest(index: int) -> tuple:
-            placements = self.placements(self.phases[index])
-            top = max(placements, key=lambda p: p.nproc)
-            return self.plans[index][0].layout, top.nproc, top.host.name
-
-        (old, old_ranks, host), (new, new_ranks, _) = busiest(current), busiest(following)
-        on_cpu = self.spec.hardware is None or self.spec.hardware.device == "cpu"
-        need = memory_need(self.model, (old, old_ranks), (new, new_ranks), self.train.seq_len, on_cpu)
-        return None if need.fits else refusal(need, following, host)
-
     def spec_file(self, job_id: str) -> Path:
         """The spec the ranks of launch `job_id` read: a file of its own per launch (job.json is the newest's
         copy for people), so no host's cached view of a replaced file can hand it another launch's spec."""

@@ -84,6 +84,21 @@ def memory_need(model: ModelConfig, current: tuple[Layout | None, int], followin
                       model.num_params() * STATE_BYTES_PER_PARAM, *available_bytes())
 
 
+def device_fits(model: ModelConfig, current: Layout | None, following: Layout | None, seq_len: int, dtype: str,
+                usable_bytes: float) -> bool:
+    """Whether a GPU holds the busiest rank of both worlds at once (the planner's memory model): if not, the
+    next world waits for the state before it allocates its model (it starts, connects and plans early, and
+    builds after the old world has released the device)."""
+    if current is None or following is None:
+        return False  # planned by rank 0 at start: not known here, so the safe way
+    from elastic_trainer.plan.memory import stage_memories
+
+    def peak(layout: Layout) -> int:
+        return max(m.total for m in stage_memories(model, layout, seq_len, dtype))
+
+    return peak(current) + peak(following) <= usable_bytes
+
+
 def refusal(need: MemoryNeed, phase: int, host: str) -> str:
     gib = 1 << 30
     return (f"phase {phase + 1}: no warm start: the current world (~{need.current / gib:.1f} GiB), the next one "
@@ -91,3 +106,27 @@ def refusal(need: MemoryNeed, phase: int, host: str) -> str:
             f"~{need.total / gib:.1f} GiB on {host}, which has {need.available / gib:.1f} GiB available "
             f"({need.shm_free / gib:.1f} GiB in its shared-memory folder); the "
             "next world starts after the current one has saved and exited")
+
+
+def warm_refusal(job, current: int, following: int) -> str | None:
+    """The line refusing to start phase `following`'s world beside `current`'s (`job`: the launcher's
+    JobSetup) for lack of host memory on its busiest host, or None."""
+    def busiest(index: int) -> tuple:
+        placements = job.placements(job.phases[index])
+        top = max(placements, key=lambda p: p.nproc)
+        return job.plans[index][0].layout, top.nproc, top.host.name
+
+    (old, old_ranks, host), (new, new_ranks, _) = busiest(current), busiest(following)
+    on_cpu = job.spec.hardware is None or job.spec.hardware.device == "cpu"
+    need = memory_need(job.model, (old, old_ranks), (new, new_ranks), job.train.seq_len, on_cpu)
+    return None if need.fits else refusal(need, following, host)
+
+
+def builds_early(job, current: int, following: int) -> bool:
+    """Whether phase `following`'s warm world builds its model before the hand-over: on CPU hosts, and on
+    GPUs whose memory holds the old and the new rank's model together."""
+    hardware = job.spec.hardware
+    if hardware is None or hardware.device == "cpu":
+        return True
+    return device_fits(job.model, job.plans[current][0].layout, job.plans[following][0].layout,
+                       job.train.seq_len, hardware.compute_dtype, hardware.usable_bytes)

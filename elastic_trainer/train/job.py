@@ -78,11 +78,12 @@ class Job:
         built, before it loads; `stop` ends that wait)."""
         self.log = log or MetricsLog(None, enabled=False)
         self.events = events or EventLog(None, enabled=False)
-        self.handover = handover
+        self.handover, self.layout = handover, layout
         self.stop_reason: str | None = None
         """Why the last fit stopped (None: it finished, or has not run)."""
         self.records: list[dict] = []
         self.loaded = None
+        self.trainer: Trainer | None = None
         self.cancelled = False
         """A warm world asked to stop before it got a state: it trains nothing."""
         self.log.info(f"[train] {model_cfg.name} ({model_cfg.num_params() / 1e6:.1f} M parameters) on "
@@ -95,13 +96,14 @@ class Job:
                                   val_tokens=val_tokens)
         live = None
         if handover is not None and handover.warm:
-            self.trainer = build(initialize=True)
+            if not handover.late:
+                self.trainer = build(initialize=True)
             live = self._wait_for_state(stop)
             if self.cancelled:
                 return
         found = self.checkpointer.candidates(resume) if self.checkpointer and resume != "never" else []
         in_memory = self.checkpointer.in_memory(live) if self.checkpointer and resume == "auto" else []
-        if not hasattr(self, "trainer"):
+        if self.trainer is None:
             self.trainer = build(initialize=not (found or in_memory))
         if in_memory and (not found or in_memory[0].step >= _step_of(found[0])):
             self.loaded = self._load_memory(in_memory[0])
@@ -109,6 +111,9 @@ class Job:
         # to the seed's weights, which would bury the damaged checkpoints under new saves
         if self.loaded is None and found:
             self.loaded = self.checkpointer.load_first(self.trainer, found, strict=resume != "auto")
+        if self.loaded is None and in_memory:  # never train on weights that were only allocated
+            raise RuntimeError(f"the in-memory state {in_memory[0].name} could not be read and there is no "
+                               "durable checkpoint; a restart will find the one its writer is saving")
         if self.checkpointer is not None:
             self.checkpointer.prepare_fresh_run(resume if self.trainer.step == 0 else "auto")
         load = dataclasses.asdict(self.loaded) if self.loaded else None
@@ -119,12 +124,13 @@ class Job:
             handover.loaded(self.trainer.step)  # the stopping world may release its copy
 
     def _wait_for_state(self, stop: StopRequest | None) -> dict | None:
-        """A warm world, built: warm up, say it is ready, wait for the stopping world's state (its record when
-        it is in memory, else None). Asked to stop meanwhile, the job is cancelled."""
+        """A warm world, built (unless it builds late): warm up, say it is ready, wait for the stopping world's
+        state (its record when it is in memory, else None). Asked to stop meanwhile, the job is cancelled."""
         t0 = time.time()
-        self.trainer.warm_up()
+        if self.trainer is not None:
+            self.trainer.warm_up()
         dist.barrier()
-        self.events.emit("next_world_ready", warm_up_s=time.time() - t0)
+        self.events.emit("next_world_ready", warm_up_s=time.time() - t0, built=self.trainer is not None)
         if dist.get_rank() == 0:
             self.handover.ready()
         state = self.handover.wait_state(lambda: stop is not None and stop.local())
@@ -257,8 +263,8 @@ class Job:
 
     def result(self, status: str) -> JobResult:
         saves = self.checkpointer.history if self.checkpointer else []
-        return JobResult(status, self.trainer.step, self.trainer.layout, self.records, self.loaded, saves,
-                         self.stop_reason)
+        step = self.trainer.step if self.trainer is not None else 0  # a cancelled warm world that builds late
+        return JobResult(status, step, self.layout, self.records, self.loaded, saves, self.stop_reason)
 
     def __enter__(self) -> "Job":
         return self

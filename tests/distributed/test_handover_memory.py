@@ -8,6 +8,8 @@ its own ranks' files; a rank reaches another host's files only through that host
 - an in-memory state newer than the newest durable checkpoint wins; one as new too (it is read from memory);
   a state without its record (a rank died writing it) is never read and its folders are removed; the durable
   commit of a step removes the states it covers, except the one the next world is still reading;
+- a warm world that builds late (the old and the new model would not fit a GPU together) waits for the state
+  announced through the launcher's store, then builds, loads it from memory and says it has;
 - the server refuses a wrong token, a file name outside the state's files and a range beyond the file's end.
 """
 
@@ -96,7 +98,7 @@ def test_a_state_in_memory_reshards_across_hosts_onto_the_trajectory(tmp_path, s
     root_b = memory.host_root(ckpt).parent / HOST_B
     assert sorted(p.name for p in (root_b / record["name"]).iterdir()) == ["__2_0.distcp", "__3_0.distcp"]
     second = run_ranks(read_state, 3, Layout(1, 1, 3, 2, 4), ckpt, [HOST_B, HOST_C, HOST_A], tokens, 6, counts)
-    assert all(loaded == f"memory:{record['name']}" for loaded, _ in second)
+    assert all(loaded == f"memory:{record['name']}" for loaded, _ in second), (second, record["name"])
     assert close(losses + second[0][1], reference(tokens, 6))
     assert not Path(counts).exists()  # no rank read a durable checkpoint (there is none)
 
@@ -121,6 +123,44 @@ def test_the_newest_state_wins_and_commits_remove_what_they_cover(tmp_path, shm,
         os.environ["ELASTIC_TRAINER_HOST"] = host
         assert memory.drop(str(tmp_path / "c2"), 4, keep=again["name"]) == []  # the one being read is kept
         assert memory.drop(str(tmp_path / "c2"), 4) == [again["name"]]
+
+
+def late_world(rank, world, layout, ckpt, port, tokens, until, events_file):
+    """A warm world that builds only once it has the state (the launcher's `late` mode on full GPUs)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from elastic_trainer.elastic.events import EventLog
+    from elastic_trainer.elastic.handover import Control, Handover
+
+    _as_host([HOST_A, HOST_B], rank)
+    store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=30))
+    handover = Handover(Control(store, "job"), 1, warm=True, late=True)
+    with Job(MODEL, config(until), layout, torch.device("cpu"), ckpt=CheckpointConfig(dir=ckpt), tokens=tokens,
+             handover=handover, events=EventLog(events_file, enabled=rank == 0)) as job:
+        losses = [job.trainer.train_step()["loss"] for _ in range(until - job.trainer.step)]
+    return job.loaded.path, losses
+
+
+def test_a_late_warm_world_waits_for_the_state_then_builds(tmp_path, shm, tokens):
+    """The state is announced through the launcher's store (here the test's): the waiting world had built
+    nothing before it (next_world_ready says so), then loads it from memory and trains on the trajectory."""
+    from torch.distributed import TCPStore
+
+    from elastic_trainer.elastic.events import read_jsonl
+    from elastic_trainer.elastic.handover import Control
+
+    ckpt, events_file = str(tmp_path / "ckpt"), str(tmp_path / "events.jsonl")
+    losses, record = run_ranks(write_state, 2, Layout(2, 1, 1, 4, 1), ckpt, [HOST_A, HOST_B], tokens, 3)[0]
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    Control(store, "job").set(1, "state", {"record": record})
+    second = run_ranks(late_world, 2, Layout(1, 1, 2, 4, 2), ckpt, store.port, tokens, 6, events_file)
+    assert second[0][0] == f"memory:{record['name']}"
+    assert close(losses + second[0][1], reference(tokens, 6))
+    ready = [e for e in read_jsonl(events_file) if e["event"] == "next_world_ready"]
+    assert len(ready) == 1 and ready[0]["built"] is False
+    assert Control(store, "job").get(1, "loaded") == {"step": 3}  # the stopping world may release its copy
 
 
 def test_the_server_refuses_what_the_state_does_not_list(tmp_path):

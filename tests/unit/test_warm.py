@@ -1,0 +1,61 @@
+"""The launcher's warm-start checks (launch/warm.py): host memory for two worlds and the state in memory, and
+whether a GPU holds the old and the new model together (else the next world builds after the hand-over)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from elastic_trainer.config import load_model_config
+from elastic_trainer.launch import warm
+from elastic_trainer.plan.hardware import load_hardware
+from elastic_trainer.plan.layout import Layout
+
+GIB = 1 << 30
+
+
+def fake_job(model: str, layouts: list[Layout], ranks: list[int], hardware: str | None = None):
+    """What warm_refusal and builds_early read of the launcher's JobSetup: phases on one host."""
+    phases = list(range(len(layouts)))
+    host = SimpleNamespace(name="node1")
+    return SimpleNamespace(
+        model=load_model_config(model), train=SimpleNamespace(seq_len=1024), phases=phases,
+        placements=lambda phase: [SimpleNamespace(host=host, nproc=ranks[phase])],
+        plans=[(SimpleNamespace(layout=layout), "") for layout in layouts],
+        spec=SimpleNamespace(hardware=load_hardware(hardware) if hardware else None))
+
+
+def test_a_small_job_starts_warm(monkeypatch):
+    monkeypatch.setattr(warm, "available_bytes", lambda: (20 * GIB, 10 * GIB))
+    job = fake_job("gpt-tiny", [Layout(4, 1, 1, 2, 1), Layout(8, 1, 1, 1, 1)], [4, 8])
+    assert warm.warm_refusal(job, 0, 1) is None
+
+
+def test_a_warm_start_that_would_not_fit_host_memory_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setattr(warm, "available_bytes", lambda: (20 * GIB, 10 * GIB))
+    job = fake_job("gpt3-xl", [Layout(8, 1, 1, 1, 16), Layout(4, 1, 1, 1, 32)], [8, 4])
+    line = warm.warm_refusal(job, 0, 1)
+    model = load_model_config("gpt3-xl")
+    need = warm.memory_need(model, (job.plans[0][0].layout, 8), (job.plans[1][0].layout, 4), 1024, True)
+    assert need.state == model.num_params() * 12  # fp32 weights and two AdamW moments
+    assert need.current > 8 * (warm.PROCESS_BYTES + model.num_params() * 4)  # at least the weights per rank
+    assert line is not None and "\n" not in line
+    assert line.startswith("phase 2: no warm start: the current world (~") and "on node1, which has 20.0 GiB" in line
+    assert f"the state in memory (~{need.state / GIB:.1f} GiB)" in line
+
+
+def test_the_shared_memory_folder_must_hold_the_state(monkeypatch):
+    job = fake_job("gpt-tiny", [Layout(4, 1, 1, 2, 1), Layout(2, 1, 1, 4, 1)], [4, 2])
+    monkeypatch.setattr(warm, "available_bytes", lambda: (1000 * GIB, 0.05 * GIB))
+    assert warm.warm_refusal(job, 0, 1) is None  # 3.4 M parameters x 12 bytes = 41 MB
+    monkeypatch.setattr(warm, "available_bytes", lambda: (1000 * GIB, 0.03 * GIB))
+    assert "(0.0 GiB in its shared-memory folder)" in warm.warm_refusal(job, 0, 1)
+
+
+@pytest.mark.parametrize("model, hardware, early", [("gpt-tiny", None, True), ("gpt3-xl", "cpu", True),
+                                                    ("gpt-tiny", "h100-80g", True), ("gpt3-xl", "v100-16g", False)])
+def test_the_next_world_builds_before_the_hand_over_only_where_both_fit(model, hardware, early):
+    job = fake_job(model, [Layout(8, 1, 1, 1, 16, dp_mode="ddp"), Layout(4, 1, 1, 1, 32, dp_mode="ddp")], [8, 4],
+                   hardware)
+    assert warm.builds_early(job, 0, 1) is early

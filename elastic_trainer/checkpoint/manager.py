@@ -151,9 +151,10 @@ class Checkpointer:
         self.wait()
         return memory.write(self.pg, trainer, self.cfg.dir, self.run_id)
 
-    def persist(self, written: memory.Written) -> SaveStats:
+    def persist(self, written: memory.Written, release: bool = False) -> SaveStats:
         """The durable checkpoint of a state in memory: each rank copies the files it wrote there (hashing
-        them on the way) and rank 0 commits, as a save does; the state in memory is kept for the next world."""
+        them on the way) and rank 0 commits, as a save does. The state in memory is then removed with
+        `release` (the next world has it), else kept (a restart may still need it)."""
         t0 = time.perf_counter()
         step = written.step
         tmp = storage.new_tmp_dir(self.root, step, self.run_id)
@@ -161,7 +162,8 @@ class Checkpointer:
         names = [p.name for p in written.folder.glob(f"__{self.rank}_*.distcp")]
         digests = memory.copy_files(written.folder, tmp, names + ([".metadata"] if self.rank == 0 else []))
         stats = SaveStats(step=step, stall_s=0.0)
-        self._finish(None, tmp, written.record["meta"], stats, t0, digests, keep=written.record["name"])
+        self._finish(None, tmp, written.record["meta"], stats, t0, digests,
+                     keep=None if release else written.record["name"])
         self.history.append(stats)
         self.last_saved_step = step
         return stats

@@ -81,13 +81,14 @@ def data_id_of(trainer) -> str | None:
 
 def build_meta(trainer) -> dict:
     return meta_of(trainer.model_cfg, trainer.cfg, trainer.step, trainer.layout.to_dict(), len(trainer.samples),
-                   data_id_of(trainer))
+                   data_id_of(trainer), getattr(trainer, "data_files_id", None))
 
 
 def meta_of(model_cfg: ModelConfig, cfg: TrainConfig, step: int, layout: dict, num_samples: int,
-            data_id: str | None = None) -> dict:
+            data_id: str | None = None, files_id: str | None = None) -> dict:
     """meta.json of a checkpoint after `step` steps, saved by `layout` (Layout.to_dict()) from a sample order
-    of `num_samples` samples of the data whose content digest is `data_id`."""
+    of `num_samples` samples of the data whose content digest is `data_id` (`files_id`: data_files_id(cfg),
+    taken here when not given)."""
     return {
         "format": FORMAT,
         "step": step,
@@ -96,7 +97,8 @@ def meta_of(model_cfg: ModelConfig, cfg: TrainConfig, step: int, layout: dict, n
         "train": train_dict(cfg),
         "layout": layout,
         "world_size": layout["dp"] * layout["tp"] * layout["pp"],
-        "data": {"num_samples": num_samples, "seq_len": cfg.seq_len, "files_id": data_files_id(cfg),
+        "data": {"num_samples": num_samples, "seq_len": cfg.seq_len,
+                 "files_id": files_id or data_files_id(cfg),
                  "id": data_id},
         "rng": {"scheme": "reseed every step from (seed, step, stage, dp rank)", "seed": cfg.seed},
         "time": time.time(),

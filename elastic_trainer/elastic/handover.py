@@ -139,3 +139,6 @@ class Handover:
 
     def wait_loaded(self, successor: int, give_up) -> dict | None:
         return self.control.wait(successor, "loaded", give_up)
+
+    def wait_first_step(self, successor: int, give_up) -> None:
+        self.control.wait(successor, "first_step", give_up)

@@ -294,18 +294,43 @@ def run_torchrun(argv: list[str]) -> int:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+PARKED = "--parked"
+"""`python -m elastic_trainer.launch.agent --parked`: an agent started ahead of its world (launch/driver.py)."""
+
+
+def unpark() -> list[str] | None:
+    """A parked agent imports the training stack now, while the job trains, then waits for its command line and
+    the environment of its world: one JSON line on stdin, {"argv": [...], "env": {...}}. None when stdin
+    closes first (the launcher needs it no more)."""
+    import json
+
+    preload()
+    line = sys.stdin.readline()
+    if not line:
+        return None
+    order = json.loads(line)
+    os.environ.update(order["env"])
+    return list(order["argv"])
+
+
 def main(argv: list[str] | None = None) -> None:
     # SIGTERM, not SIGKILL: TorchElastic turns it into stopping the workers (which save if they can).
     die_with_parent(signal.SIGTERM)
     from elastic_trainer.config import ConfigError
     from elastic_trainer.launch.relay import start_relay
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv == [PARKED]:
+        argv = unpark()
+        if argv is None:
+            os._exit(0)
+
     relay = start_relay()  # under the launcher: the ranks' output outlives the launcher
     if relay is not None and relay.log_error:
         print(f"[agent] warning: {relay.log_error}; the output goes to the launcher only", file=sys.stderr,
               flush=True)
     try:
-        code = run_agent(agent_config(sys.argv[1:] if argv is None else argv))
+        code = run_agent(agent_config(argv))
     except ConfigError as e:
         print(error_line(str(e)), file=sys.stderr)
         code = EXIT_BAD_INPUT

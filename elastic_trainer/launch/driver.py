@@ -13,6 +13,7 @@ workers in the smaller world, which re-plans and resumes from the last periodic 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -29,48 +30,17 @@ from elastic_trainer.elastic.events import EVENTS_FILE, EventLog, read_jsonl
 from elastic_trainer.elastic.schedule import Phase, run_end
 from elastic_trainer.elastic.report import format_rows, phase_rows, plot
 from elastic_trainer.launch import live_hosts
+from elastic_trainer.launch.agent import PARKED
 from elastic_trainer.launch.commands import AgentSpec, Placement
 from elastic_trainer.launch.job_setup import JobSetup
 from elastic_trainer.launch.output import Output
+from elastic_trainer.launch.worlds import Agent, PhaseOutcome, World, codes_line as _codes
 from elastic_trainer.launch.warm import READY_WAIT_S, WARM_LEAD_S, builds_early, warm_refusal
 
 POLL_S = 0.1
 BAD_INPUT_GRACE_S = 3.0
 """After one agent exits with EXIT_BAD_INPUT, how long the others get to end by themselves: a rank that failed
 before the process group formed leaves the others waiting for it."""
-
-
-@dataclass
-class Agent:
-    host: str
-    proc: subprocess.Popen
-    pump: threading.Thread
-
-
-@dataclass
-class World:
-    """The agents of one phase's start."""
-
-    index: int
-    prefix: str
-    """Its live-hosts keys in the store."""
-    agents: list[Agent]
-    launched: float
-    warm: bool
-    began: float = 0.0
-    """When it became the world that trains (a warm world is launched before)."""
-    gone: set[str] = field(default_factory=set)
-    bad_since: float | None = None
-
-    def alive(self) -> bool:
-        return any(a.proc.poll() is None for a in self.agents)
-
-
-@dataclass
-class PhaseOutcome:
-    codes: dict[str, int]
-    stop_requested: bool
-    interrupted: bool = False
 
 
 @dataclass
@@ -84,6 +54,10 @@ class Driver:
     """{phase: the line refusing its warm start, or ""}."""
     _launches: dict = field(default_factory=dict)
     """{phase: how many times its agents were started}."""
+    _draining: list = field(default_factory=list)
+    """Worlds that handed their state over and are still finishing."""
+    _parked: dict = field(default_factory=dict)
+    """{host: an agent started ahead of its world} (local hosts, with warm starts)."""
     failure: str | None = None
     """A rank's bad-input error that ended the job (raised as the launcher's own one-line error)."""
 
@@ -189,7 +163,7 @@ class Driver:
                     world = successor or self._launch(index, store)
                     world.began = time.time()
                     outcome, successor = self._run(world, store)
-                code = self._after(index, outcome)
+                code = None if outcome.handed_over else self._after(index, outcome)
                 if code is not None:
                     return code
                 index = run_end(job.phases, index) + 1
@@ -197,6 +171,10 @@ class Driver:
         finally:
             if successor is not None and (index is None or successor.index != index or self.failure):
                 successor = self._settle(successor, "the job ended before its turn", terminate=True)
+            self._drain(wait=True)
+            for parked in self._parked.values():  # its stdin closed: it exits without starting anything
+                self._terminate([parked])
+                parked.pump.join()
         self.say(f"the schedule ended at step {job.checkpoint_step()} of {job.train.steps}; "
                  "continue with --resume (and a schedule)")
         return 0
@@ -245,6 +223,7 @@ class Driver:
         env = {**Control.environment(f"{job.endpoint_host()}:{store.port}", self.job_id),
                **({WARM_ENV: "early" if early else "late"} if warm else {})}
         agents = [self._start(p, spec, env) for p in placements]
+        self._park(run_end(job.phases, index) + 1)
         self.events.emit("launched", phase=index, gpus=phase.gpus, run_id=spec.run_id, warm=warm,
                          hosts=[[p.host.name, p.nproc] for p in placements])
         return World(index, prefix, agents, time.time(), warm)
@@ -265,14 +244,19 @@ class Driver:
             self._terminate(world.agents)
 
     def _run(self, world: World, store) -> tuple[PhaseOutcome, World | None]:
-        """Run `world` until its agents are gone; the world started beside it for the next phase, if any."""
+        """Run `world` until its agents are gone, or until the world started beside it for the next phase has
+        taken its state (returned): `world` then writes its durable checkpoint and exits meanwhile (`_drain`)."""
         job, control = self.job, self.control
         duration = job.run_duration(world.index)
         following = run_end(job.phases, world.index) + 1
         successor, stop_requested, interrupted = None, False, False
         while world.alive():
             time.sleep(POLL_S)
+            self._drain()
             self._watch(world, store)
+            if successor is not None and "step" in (control.get(following, "loaded") or {}):
+                self._draining.append(world)
+                return PhaseOutcome({}, stop_requested, interrupted, handed_over=True), successor
             left = None if duration is None else duration - (time.time() - world.began)
             if successor is None and not stop_requested and self._may_warm(world, following, left):
                 successor = self._launch(following, store, warm=True,
@@ -306,6 +290,25 @@ class Driver:
         if successor is not None and control.get(following, "state") is None:
             control.set(following, "state", {"none": "the stopping world exited without handing its state over"})
         return PhaseOutcome(codes, stop_requested, interrupted), successor
+
+    def _drain(self, wait: bool = False) -> None:
+        """The worlds that handed their state over and are finishing (durable checkpoint, exit): each one's
+        exit recorded once it is gone (`wait`: wait for all of them)."""
+        for world in list(self._draining):
+            if wait:
+                for a in world.agents:
+                    a.proc.wait()
+            if world.alive():
+                continue
+            self._draining.remove(world)
+            for a in world.agents:
+                a.pump.join()
+            codes = {a.host: a.proc.returncode for a in world.agents}
+            self.events.emit("exited", phase=world.index, codes=codes)
+            failed = {h: c for h, c in codes.items() if c != 0}
+            if failed:
+                self.say(f"phase {world.index + 1}, after handing its state over: {_codes(failed)} (its durable "
+                         "checkpoint may be missing; the next periodic save covers it)")
 
     def _may_warm(self, world: World, following: int, left: float | None) -> bool:
         """Whether to start the next phase's world now, beside `world` (a refusal is said once)."""
@@ -342,27 +345,38 @@ class Driver:
             time.sleep(POLL_S)
         return PhaseOutcome({}, stop_requested=False, interrupted=bool(self._interrupts))
 
+    def _park(self, index: int) -> None:
+        """Start an agent, parked, on each local host of phase `index` that has none: it imports the training
+        stack while the job trains and takes its command line when its world is launched (agent.unpark)."""
+        if index >= len(self.job.phases) or self.job.phases[index].waits or not self.job.opts.warm_start:
+            return
+        for placement in self.job.placements(self.job.phases[index]):
+            if placement.local and placement.host.name not in self._parked:
+                argv, env = self.job.command(placement, None)
+                self._parked[placement.host.name] = self._spawn(placement.host.name, [*argv[:3], PARKED], env)
+
     def _start(self, placement: Placement, spec: AgentSpec, extra_env: dict[str, str]) -> Agent:
+        parked = self._parked.pop(placement.host.name, None) if placement.local else None
         argv, env = self.job.command(placement, spec, extra_env)
+        if parked is not None and parked.proc.poll() is None:
+            parked.proc.stdin.write((json.dumps({"argv": argv[3:], "env": env}) + "\n").encode())
+            parked.proc.stdin.flush()
+            return parked
+        return self._spawn(placement.host.name, argv, env)
+
+    def _spawn(self, host: str, argv: list[str], env: dict[str, str]) -> Agent:
         # stdin stays an open pipe: a remote host's bootstrap stops its agent when the pipe closes
         proc = subprocess.Popen(argv, env={**os.environ, **env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-        pump = threading.Thread(target=self.out.pump, args=(placement.host.name, proc.stdout), daemon=True)
+        pump = threading.Thread(target=self.out.pump, args=(host, proc.stdout), daemon=True)
         pump.start()
-        return Agent(placement.host.name, proc, pump)
+        return Agent(host, proc, pump)
 
     def _terminate(self, agents: list[Agent]) -> None:
         for a in agents:
             if a.proc.poll() is None:
                 a.proc.terminate()  # the local agent stops its workers; ssh closes, remote.sh stops the agent
                 a.proc.stdin.close()
-
-
-def _codes(codes: dict[str, int]) -> str:
-    def describe(code: int) -> str:
-        return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-
-    return ", ".join(f"agent on {host}: {describe(code)}" for host, code in codes.items())
 
 
 def launch(job: JobSetup, dry_run: bool = False) -> int:

@@ -17,7 +17,7 @@ from elastic_trainer.cli_parser import train_args
 from elastic_trainer.config import ConfigError
 from elastic_trainer.elastic.events import EVENTS_FILE, read_jsonl
 from elastic_trainer.elastic.schedule import Phase, load_schedule, phase_at, run_end, step_ends
-from elastic_trainer.launch.commands import (HOST_ENV, RDZV_CONF, AgentSpec, Placement, SshSettings, allocate,
+from elastic_trainer.launch.commands import (AGENT_ENV, HOST_ENV, RDZV_CONF, AgentSpec, Placement, SshSettings, allocate,
                                              host_command)
 from elastic_trainer.launch import live_hosts
 from elastic_trainer.launch.relay import LOG_ENV
@@ -295,11 +295,13 @@ class JobSetup:
         """Everything one host's agent and ranks print, written on that host (launch/relay.py)."""
         return self.run_dir / "hosts" / f"{host}.log"
 
-    def command(self, placement: Placement, spec: AgentSpec,
+    def command(self, placement: Placement, spec: AgentSpec | None,
                 extra_env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
         """(argv to run here, environment additions) of one host's agent."""
         env = {**self.agent_env(), LOG_ENV: str(self.host_log(placement.host.name)), HOST_ENV: placement.host.name,
-               live_hosts.ENV: live_hosts.key_prefix(spec.run_id), **(extra_env or {})}
+               **({live_hosts.ENV: live_hosts.key_prefix(spec.run_id)} if spec else {}), **(extra_env or {})}
+        if spec is None:  # a parked agent (driver._park): the host's environment, its command line comes later
+            return [sys.executable, "-m", "elastic_trainer.launch.agent"], {**AGENT_ENV, **env}
         return host_command(placement, spec, env, python=sys.executable, remote_root=self.remote_root,
                             remote_python=self.remote_python, ssh=self.opts.ssh)
 

@@ -127,6 +127,13 @@ class Zero1:
             lo = self.rank * slot.chunk
             master.copy_(local_tensor(slot.param)[lo:lo + slot.mine])
 
+    def _submesh(self, dims: tuple[str, ...]):
+        """The mesh's sub-mesh of `dims`, made once (slicing a DeviceMesh is not free: ~1 ms a call)."""
+        cache = self.__dict__.setdefault("_submeshes", {})
+        if dims not in cache:
+            cache[dims] = self.mesh[dims]
+        return cache[dims]
+
     def dtensor(self, slot: _Slot, local: torch.Tensor) -> DTensor:
         """`local` (this rank's rows of `slot`'s parameter) as a DTensor of the parameter's global shape."""
         param = slot.param
@@ -134,9 +141,9 @@ class Zero1:
             tp_place = param.placements[0]
             dp_place = (_StridedShard(0, split_factor=self.tp) if isinstance(tp_place, Shard) and tp_place.dim == 0
                         else Shard(0))
-            mesh, placements = self.mesh["dp", "tp"], (dp_place, tp_place)
+            mesh, placements = self._submesh(("dp", "tp")), (dp_place, tp_place)
         else:
-            mesh, placements = self.mesh["dp"], (Shard(0),)
+            mesh, placements = self._submesh(("dp",)), (Shard(0),)
         shape = param.shape
         stride = torch.empty(shape, device="meta").stride()
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_trainer.checkpoint import Checkpointer, CheckpointError, LoadStats, SaveStats
-from elastic_trainer.checkpoint import memory, storage
+from elastic_trainer.checkpoint import storage
 from elastic_trainer.config import CheckpointConfig, ModelConfig, TrainConfig
 from elastic_trainer.elastic.events import EventLog
 from elastic_trainer.elastic.exit_codes import PEER_REASON
@@ -179,6 +179,8 @@ class Job:
                 reason = (stop.reason if stop is not None else None) or (PHASE_END if phase_end else PEER_REASON)
             elif save_due:
                 checkpointer.save(trainer)
+        if not self.records and self.handover is not None and dist.get_rank() == 0:
+            self.handover.first_step_done()  # nothing to train: whoever waits for a first step waits no more
         if reason is None and trainer.step < trainer.cfg.steps:
             reason = f"until step {last}"
         if reason is not None:
@@ -211,8 +213,9 @@ class Job:
         return answer[0]
 
     def _hand_over(self, successor: int, stop: StopRequest | None) -> None:
-        """Write the state into memory, tell the waiting world, then write the durable checkpoint from the
-        copy in memory while the next world loads and trains, and release the copy once it has loaded."""
+        """Write the state into memory and tell the waiting world; once it has loaded and taken its first step
+        (so that nothing here slows that step), write the durable checkpoint from the copy in memory and release
+        the copy. Without word from the next world by RELEASE_WAIT_S, the copy stays for a restart to find."""
         trainer, checkpointer, rank0 = self.trainer, self.checkpointer, dist.get_rank() == 0
         self.events.emit("handover_started", step=trainer.step, successor=successor)
         written = checkpointer.write_memory(trainer)
@@ -221,14 +224,14 @@ class Job:
                                                             "total_s": written.seconds, "path": str(written.folder)})
         if rank0:
             self.handover.hand_over(successor, written.record)
-        durable = checkpointer.persist(written)
-        self.events.emit("durable_saved", step=trainer.step, save=dataclasses.asdict(durable))
         deadline = time.monotonic() + RELEASE_WAIT_S
         loaded = self.handover.wait_loaded(successor, lambda: time.monotonic() > deadline)
+        if loaded is not None and "step" in loaded:
+            self.handover.wait_first_step(successor, lambda: time.monotonic() > deadline)
         if written.server is not None:
             written.server.stop()
-        if loaded is not None and "step" in loaded:
-            memory.drop(checkpointer.cfg.dir, written.step)
+        durable = checkpointer.persist(written, release=loaded is not None and "step" in loaded)
+        self.events.emit("durable_saved", step=trainer.step, save=dataclasses.asdict(durable))
 
     def _diverged(self, error: Diverged) -> Diverged:
         """Nothing is saved: the last checkpoint stays the newest (an asynchronous save of an earlier, good

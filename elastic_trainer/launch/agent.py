@@ -94,7 +94,7 @@ def _open_events(entry_args: list[str]) -> None:
 
         from elastic_trainer.launch.commands import HOST_ENV
 
-        tags = {"writer": "agent", "host": os.environ.get(HOST_ENV) or socket.gethostname()}
+        tags = {"writer": "agent", "host": os.environ.get(HOST_ENV) or socket.gethostname(), "pid": os.getpid()}
         if phase is not None and phase.isdigit():
             tags["phase"] = int(phase)
         _events = EventLog(path, tags=tags)

@@ -25,8 +25,7 @@ import pytest
 
 from elastic_trainer.elastic.events import read_jsonl
 from elastic_trainer.elastic.report import effective, samples_consumed_once
-from tests.e2e.test_launch import (DEFAULT, descendants, env, launch_argv, metrics, parent, processes, schedule,
-                                   static_run)
+from tests.e2e.test_launch import DEFAULT, descendants, env, launch_argv, metrics, processes, schedule, static_run
 from tests.e2e.test_launch_faults import gone
 
 pytestmark = pytest.mark.slow
@@ -50,9 +49,22 @@ def assert_on_trajectory(run_dir: Path, reference: list[float], batch: int) -> l
     return kept
 
 
+def job_processes(run_dir: Path) -> list[int]:
+    """Processes of the job: agents and workers name its spec (under run_dir) in their arguments, agents
+    started ahead of their world its hosts' log folder in their environment."""
+    found = set(processes(str(run_dir)))
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and str(run_dir).encode() in (entry / "environ").read_bytes():
+                found.add(int(entry.name))
+        except OSError:
+            continue
+    return sorted(found)
+
+
 def assert_nothing_left(tmp_path: Path, run_dir: Path) -> None:
-    """No process of the job (agents and workers name its spec, under run_dir) and no in-memory state."""
-    assert gone(processes(str(run_dir))), processes(str(run_dir))
+    """No process of the job and no in-memory state."""
+    assert gone(job_processes(run_dir)), job_processes(run_dir)
     shm = tmp_path / "shm"
     assert not shm.exists() or not any(shm.iterdir()), sorted(str(p) for p in shm.rglob("*"))
 
@@ -101,11 +113,11 @@ def test_hand_over_between_two_hosts(tmp_path, data_cache, sotu_tokens):
 
 
 def _world_workers(run_dir: Path, phase: int) -> list[int]:
-    """The workers of phase `phase`'s agent (the agent's arguments name its rendezvous id, ...-pN)."""
-    found = [p for p in processes(f"-p{phase}\0--rdzv-conf\0") if p in processes(str(run_dir))]
-    agents = [p for p in found if parent(p) not in found]
-    assert len(agents) == 1, found
-    return [p for p in descendants(agents[0]) if p in found]
+    """The workers of phase `phase`'s agent (an agent started ahead of its world shows `--parked` as its
+    command line: its events name its pid)."""
+    agents = {e["pid"] for e in events(run_dir, "rendezvous_done") if e.get("phase") == phase}
+    assert len(agents) == 1, agents
+    return descendants(agents.pop())
 
 
 def _wait_event(run_dir: Path, proc, what, timeout: float = 300) -> dict:

@@ -315,8 +315,8 @@ class Driver:
         job = self.job
         if following >= len(job.phases) or job.phases[following].waits or self._interrupts or not job.opts.warm_start:
             return False
-        if left is not None and left > WARM_LEAD_S:
-            return False
+        if self.control.get(world.index, "first_step") is None or (left is not None and left > WARM_LEAD_S):
+            return False  # not before the current world's first step: its start-up would slow that step
         if following not in self._refusals:
             self._refusals[following] = warm_refusal(job, world.index, following)
             if self._refusals[following]:

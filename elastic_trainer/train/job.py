@@ -103,7 +103,7 @@ class Job:
                 return
         found = self.checkpointer.candidates(resume) if self.checkpointer and resume != "never" else []
         in_memory = self.checkpointer.in_memory(live) if self.checkpointer and resume == "auto" else []
-        if self.trainer is None:
+        if self.trainer is None or not (found or in_memory):  # a warmed-up trainer trained a step: build anew
             self.trainer = build(initialize=not (found or in_memory))
         if in_memory and (not found or in_memory[0].step >= _step_of(found[0])):
             self.loaded = self._load_memory(in_memory[0])

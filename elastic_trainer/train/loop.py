@@ -82,26 +82,15 @@ class Trainer:
         torch.manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & ((1 << 63) - 1))
 
     def warm_up(self) -> None:
-        """A forward and backward pass of the first batch, thrown away (no update; gradients cleared), with
-        the collectives of a step: a world started ahead of its turn pays here, not in its first real step,
-        for the first use of every connection, the pipeline's set-up and the allocator's first blocks."""
-        cfg, engine = self.cfg, self.engine
-        positions = samples_for(0, cfg.global_batch, engine.coords.dp, self.layout.dp)
-        _, tokens = self.samples.batch(positions)
-        keys = None
-        if self.model_cfg.dropout > 0:
-            keys = sample_keys(cfg.seed, torch.arange(positions.start, positions.stop, dtype=torch.int64))
-        self.optimizer.zero_grad(set_to_none=True)
-        local_loss = engine.forward_backward(tokens, keys)
-        engine.reduce_tied_grads()
-        engine.clip_grad_norm_(cfg.grad_clip)
-        engine.global_loss(local_loss)
-        self.optimizer.zero_grad(set_to_none=True)
-        # the load that follows writes into the optimizer's state and copies into every parameter: allocate
-        # that state now (AdamW's zeros, what its first step would make) and take the copy's first-time costs
-        # (DTensor's sharding propagation for each parameter's copy) on this trainer's own state
+        """A whole training step of the first batch and a copy of the trainer's state onto itself, both to be
+        overwritten by the state loaded next (a trainer that gets none must be built again): a world started
+        ahead of its turn pays here, not in its first real steps, for the first use of every connection, the
+        pipeline's set-up, the optimizer's first step, the allocator's first blocks and DTensor's caches of the
+        load's copies (measured: the first step after a hand-over took 2x a steady one with a forward and
+        backward pass alone)."""
         from elastic_trainer.checkpoint.state import apply_tensor_state, tensor_state
 
+        self.train_step()
         apply_tensor_state(self, tensor_state(self))
 
     def train_step(self) -> dict:

@@ -116,12 +116,18 @@ def write(pg, trainer, checkpoint_dir: str, run_id: str) -> Written:
     t0 = time.perf_counter()
     rank, world, host = dist.get_rank(), dist.get_world_size(), host_name()
     name = f"step-{trainer.step:08d}-{run_id}"
-    folder = host_root(checkpoint_dir, create=True) / name
-    folder.mkdir(parents=True, exist_ok=True)
-    os.chmod(folder.parents[2], 0o700)  # elastic-trainer-UID: this user's states only
+    error = None
+    try:
+        folder = host_root(checkpoint_dir, create=True) / name
+        folder.mkdir(parents=True, exist_ok=True)
+        os.chmod(folder.parents[2], 0o700)  # elastic-trainer-UID: this user's states only
+    except OSError as e:
+        error = f"{host}: {e}"
     first = [None] * world
-    dist.all_gather_object(first, (host, secrets.token_hex(16)), group=pg)
-    hosts, token = [h for h, _ in first], first[0][1]
+    dist.all_gather_object(first, (host, secrets.token_hex(16), error), group=pg)
+    if any(e for _, _, e in first):  # every rank alike, before any collective of the save
+        raise CheckpointError(f"no folder for the state in shared memory ({next(e for _, _, e in first if e)})")
+    hosts, token = [h for h, _, _ in first], first[0][1]
     server = Server(folder.parent, host, {name: token}) if hosts.index(host) == rank else None
     address = server.start() if server else None
     dcp.save(ckpt_state.tensor_state(trainer), storage_writer=FileSystemWriter(str(folder), sync_files=False),

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic_trainer.checkpoint import Checkpointer, CheckpointError, LoadStats, SaveStats
 from elastic_trainer.checkpoint import storage
@@ -218,7 +219,15 @@ class Job:
         the copy. Without word from the next world by RELEASE_WAIT_S, the copy stays for a restart to find."""
         trainer, checkpointer, rank0 = self.trainer, self.checkpointer, dist.get_rank() == 0
         self.events.emit("handover_started", step=trainer.step, successor=successor)
-        written = checkpointer.write_memory(trainer)
+        try:
+            written = checkpointer.write_memory(trainer)
+        except (CheckpointError, CheckpointException) as e:  # on every rank alike (DCP gathers the failures)
+            self.log.info(f"[checkpoint] the state could not be written to memory ({str(e).splitlines()[0]}); "
+                          "saving it to the checkpoint folder instead")
+            checkpointer.save(trainer, blocking=True)
+            if rank0:
+                self.handover.hand_over(successor, None, "writing it to memory failed")
+            return
         self.events.emit("saved", step=trainer.step, save={"step": trainer.step, "where": "memory",
                                                             "bytes": written.bytes, "stall_s": written.seconds,
                                                             "total_s": written.seconds, "path": str(written.folder)})

@@ -10,6 +10,8 @@ its own ranks' files; a rank reaches another host's files only through that host
   commit of a step removes the states it covers, except the one the next world is still reading;
 - a warm world that builds late (the old and the new model would not fit a GPU together) waits for the state
   announced through the launcher's store, then builds, loads it from memory and says it has;
+- a state that cannot go to memory (no shared-memory folder) is saved to the checkpoint folder instead, and
+  the waiting world is told so;
 - the server refuses a wrong token, a file name outside the state's files and a range beyond the file's end.
 """
 
@@ -161,6 +163,39 @@ def test_a_late_warm_world_waits_for_the_state_then_builds(tmp_path, shm, tokens
     ready = [e for e in read_jsonl(events_file) if e["event"] == "next_world_ready"]
     assert len(ready) == 1 and ready[0]["built"] is False
     assert Control(store, "job").get(1, "loaded") == {"step": 3}  # the stopping world may release its copy
+
+
+def hand_over_without_memory(rank, world, layout, ckpt, port, tokens):
+    """A world whose host has no usable shared-memory folder stops at a phase end with a successor waiting."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from elastic_trainer.elastic.handover import Control, Handover
+
+    _as_host([HOST_A, HOST_B], rank)
+    store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=30))
+    handover = Handover(Control(store, "job"), 0, warm=False)
+    with Job(MODEL, config(3), layout, torch.device("cpu"), ckpt=CheckpointConfig(dir=ckpt), tokens=tokens,
+             handover=handover) as job:
+        job.fit(until=2)
+    return [p.name for p in sorted(Path(ckpt).glob("step-*"))]
+
+
+def test_a_state_that_cannot_go_to_memory_goes_to_the_checkpoint_folder(tmp_path, shm, tokens):
+    """The shared-memory folder is a file: every rank learns it before the save's collectives, the state is
+    saved to disk instead and the waiting world is told there is none in memory (it loads the durable one)."""
+    from torch.distributed import TCPStore
+
+    from elastic_trainer.elastic.handover import Control
+
+    shm.parent.mkdir(parents=True, exist_ok=True)
+    shm.write_text("not a folder")
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    Control(store, "job").set(0, "next", 1)
+    saved = run_ranks(hand_over_without_memory, 2, Layout(2, 1, 1, 4, 1), str(tmp_path / "ckpt"), store.port, tokens)
+    assert saved[0] == ["step-00000002"]
+    assert Control(store, "job").get(1, "state") == {"none": "writing it to memory failed"}
 
 
 def test_the_server_refuses_what_the_state_does_not_list(tmp_path):

@@ -2,8 +2,8 @@
 real torchrun agents): every test compares the per-step losses with a static single-process run of the same
 steps (fp32, 1e-5 relative), checks from the metrics that every global sample was consumed once, and ends
 with no process of the job and nothing in its shared-memory folder (ELASTIC_TRAINER_SHM_DIR, one per test):
-- an odd-count schedule, 8 -> 3 -> 6 -> 5 ranks (5 trains on 4), global batch 12: each next world is started
-  beside the current one and takes its state from memory; no rank reads a durable checkpoint;
+- (an odd-count schedule through the warm path, 8 -> 5 -> 7 -> 3 ranks with global batch 12 and idle ranks:
+  tests/e2e/test_launch.py::test_any_gpu_count_runs_as_the_dry_run_said);
 - two hosts on one machine (127.0.0.1, 127.0.0.2), each with its own shared-memory folder: 2 + 2 -> 2 + 0 ->
   2 + 2 ranks moves every piece of the leaving host to the other (from the stopping world's server) and back;
   no rank reads a durable checkpoint, and each hand-over fetched bytes from the other host;
@@ -74,26 +74,6 @@ def durable_reads(tmp_path: Path) -> int:
     return [line.split()[0] for line in counts.read_text().splitlines()].count("read_checkpoint") if counts.exists() else 0
 
 
-def test_odd_counts_hand_over_in_memory(tmp_path, data_cache, sotu_tokens):
-    run_dir = tmp_path / "odd"
-    argv = launch_argv(run_dir, "localhost slots=8\n", "--schedule",
-                       schedule(tmp_path / "s.json", (8, 3), (3, 3), (6, 3), (5, 3)), cache=data_cache)
-    proc = subprocess.run([*argv, "--global-batch", "12", "--steps", "12"], capture_output=True, text=True,
-                          env=job_env(tmp_path), timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    reference = static_run(sotu_tokens, dataclasses.replace(DEFAULT.train, global_batch=12, steps=12), 12)
-    kept = assert_on_trajectory(run_dir, reference, 12)
-    assert [r["world_size"] for r in kept] == [8] * 3 + [3] * 3 + [6] * 3 + [4] * 3
-    assert [e["warm"] for e in events(run_dir, "launched")] == [False, True, True, True]
-    assert [e["step"] for e in events(run_dir, "handover_done")] == [3, 6, 9]
-    assert [e["load"]["path"].startswith("memory:") for e in events(run_dir, "state_loaded")[1:]] == [True] * 3
-    assert durable_reads(tmp_path) == 0  # every start after the first read its state from memory
-    assert sorted(e["step"] for e in events(run_dir, "durable_saved")) == [3, 6, 9]  # written meanwhile
-    table = proc.stdout[proc.stdout.index("phases:"):]
-    assert table.count("memory: save") == 3, table
-    assert_nothing_left(tmp_path, run_dir)
-
-
 def test_hand_over_between_two_hosts(tmp_path, data_cache, sotu_tokens):
     """127.0.0.2 leaves (2 + 2 -> 2 + 0 ranks) and comes back: its ranks' pieces reach 127.0.0.1 from the
     stopping world's server on 127.0.0.2, then the new ranks of 127.0.0.2 fetch theirs from 127.0.0.1."""
@@ -131,20 +111,20 @@ def _wait_event(run_dir: Path, proc, what, timeout: float = 300) -> dict:
 
 
 def test_faults_around_a_hand_over(tmp_path, data_cache, sotu_tokens):
-    """Phases of 4, 2, 4 and 2 ranks, 20, 6, 6 and 6 steps. (1) Once phase 2's world waits, one of its
+    """Phases of 4, 2, 4 and 2 ranks, 12, 6, 6 and 6 steps. (1) Once phase 2's world waits, one of its
     workers is SIGKILLed: its agent restarts the workers, which wait again and take the state. (2) The first
-    rank to reach the end of its write to memory at step 26 is SIGKILLed: its world restarts from the durable
-    checkpoint of step 20, trains steps 21-26 again and hands over. (3) Once phase 4's world waits, the
+    rank to reach the end of its write to memory at step 18 is SIGKILLed: its world restarts from the durable
+    checkpoint of step 12, trains steps 13-18 again and hands over. (3) Once phase 4's world waits, the
     launcher is SIGKILLed: the agents stop their ranks, phase 3's save the step in flight to disk. `--resume`
     trains the rest."""
     run_dir = tmp_path / "faults"
-    phases = schedule(tmp_path / "s.json", (4, 20), (2, 6), (4, 6), (2, 6))
+    phases = schedule(tmp_path / "s.json", (4, 12), (2, 6), (4, 6), (2, 6))
 
     def argv(*extra: str) -> list[str]:
         return [*launch_argv(run_dir, "localhost slots=4\n", "--schedule", phases, *extra, cache=data_cache),
-                "--steps", "38"]
+                "--steps", "30"]
 
-    fault = f"in_memory:26:{tmp_path / 'fired'}"
+    fault = f"in_memory:18:{tmp_path / 'fired'}"
     proc = subprocess.Popen(argv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=job_env(tmp_path, ELASTIC_TRAINER_TEST_FAULT=fault), start_new_session=True)
     try:
@@ -164,7 +144,7 @@ def test_faults_around_a_hand_over(tmp_path, data_cache, sotu_tokens):
     resumed = subprocess.run(argv("--resume"), capture_output=True, text=True,
                              env=job_env(tmp_path), timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-2000:]
-    reference = static_run(sotu_tokens, dataclasses.replace(DEFAULT.train, steps=38), 38)
+    reference = static_run(sotu_tokens, dataclasses.replace(DEFAULT.train, steps=30), 30)
     assert_on_trajectory(run_dir, reference, DEFAULT.train.global_batch)
-    assert [e["step"] for e in events(run_dir, "handover_done")][:2] == [20, 26]
+    assert [e["step"] for e in events(run_dir, "handover_done")][:2] == [12, 18]
     assert_nothing_left(tmp_path, run_dir)

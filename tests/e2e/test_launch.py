@@ -1,12 +1,14 @@
 """The elastic runtime as users run it: `./run.sh` / `elastic-trainer launch` on a hosts file, real torchrun
 agents, real process groups. Every test compares the per-step losses with a static single-process run of the
 same steps (fp32, 1e-5 relative) and checks from the metrics that every global sample was consumed once:
-- the default job (4 -> 8 -> 2 -> 4 ranks) through ./run.sh;
+- the default job (4 -> 8 -> 2 -> 4 ranks) through ./run.sh, every event through the warm start and the
+  hand-over in memory;
 - two hosts on one machine (127.0.0.1 and 127.0.0.2), the agent of rank 0's host SIGKILLed mid-run: the
   other host re-plans for 2 ranks and resumes from the last periodic checkpoint; then the host comes back and
   the job grows to 4 again (torchrun SIGTERMs the workers, they save, all re-plan);
 - time-based phases (the launcher's stop file); a crashing rank naming itself in the launch log;
-- any GPU count runs: 8 -> 5 -> 7 -> 3 GPUs where 5 and 7 leave one idle, every layout the dry run's;
+- any GPU count runs: 8 -> 5 -> 7 -> 3 GPUs where 5 and 7 leave one idle, every layout the dry run's, every
+  event a warm start with the state handed over in memory (no rank reads the checkpoint folder);
 - hosts of different sizes (3 + 2) train as one job with one plan, tp inside a host, one GPU idle; then the
   2-slot host is lost and the survivors re-plan;
 - the second host reached through a real sshd, both agents' output in the driver's log; the launcher
@@ -148,7 +150,10 @@ def test_default_job_through_run_sh(tmp_path, data_cache, reference):
     loads = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "state_loaded"]
     saved_worlds = [None if e["load"] is None else Layout.from_dict(e["load"]["saved_layout"]).world_size
                     for e in loads]
-    assert saved_worlds == [None, 4, 8, 2]  # each start resharded the previous phase's checkpoint
+    assert saved_worlds == [None, 4, 8, 2]  # each start resharded the previous phase's state
+    # through the warm path: each next world started beside the current one and read the state from memory
+    assert [e["load"]["path"].startswith("memory:") for e in loads[1:]] == [True] * 3
+    assert seen.count("read_checkpoint") == 0
     table = proc.stdout[proc.stdout.index("phases:"):]
     assert [line.split()[:2] for line in table.splitlines()[2:6]] == [["1", "4"], ["2", "8"], ["3", "2"], ["4", "4"]]
     assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -245,7 +250,8 @@ def dry_run_plans(argv: list[str]) -> list[str]:
 
 def test_any_gpu_count_runs_as_the_dry_run_said(tmp_path, data_cache, sotu_tokens):
     """8 -> 5 -> 7 -> 3 GPUs, gpt-tiny with global batch 12: no layout fits 5 or 7 GPUs, so those phases train
-    on 4 and 6 with one GPU idle, saying so, on the single-process trajectory. The launcher runs on this CPU
+    on 4 and 6 with one GPU idle, saying so, on the single-process trajectory; every event through the warm
+    start and the hand-over in memory. The launcher runs on this CPU
     machine, the job names h100-80g: each phase's layout is the dry run's, which the ranks take from job.json
     (no rank plans), and the flags are parsed once, by the launcher."""
     run_dir = tmp_path / "counts"
@@ -254,8 +260,9 @@ def test_any_gpu_count_runs_as_the_dry_run_said(tmp_path, data_cache, sotu_token
                        schedule(tmp_path / "s.json", (8, 2), (5, 2), (7, 2), (3, 2)), cache=data_cache)
     argv += ["--global-batch", "12", "--steps", "8", "--hardware", "h100-80g"]
     said = dry_run_plans(argv)
-    proc = subprocess.run(argv, capture_output=True, text=True, env=dict(env(), ELASTIC_TRAINER_TEST_COUNTS=str(counts)),
-                          timeout=600)
+    shm = tmp_path / "shm"
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600,
+                          env=dict(env(), ELASTIC_TRAINER_TEST_COUNTS=str(counts), ELASTIC_TRAINER_SHM_DIR=str(shm)))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     spec = json.loads((run_dir / "job.json").read_text())
     assert spec["hardware"]["name"] == "h100-80g" and spec["built_by"] == "launch"
@@ -278,6 +285,14 @@ def test_any_gpu_count_runs_as_the_dry_run_said(tmp_path, data_cache, sotu_token
     assert seen.count("parse_train_flags") == 1  # by the launcher
     assert seen.count("plan") == 4  # the launcher's own, per phase; no rank planned
     assert seen.count("read_spec") == 8 + 5 + 7 + 3  # once per rank start
+    # each next world was started beside the current one and took its state from memory: no rank read the
+    # checkpoint folder, which was written meanwhile, and nothing is left in shared memory
+    events = read_jsonl(run_dir / "events.jsonl")
+    assert [e["warm"] for e in events if e["event"] == "launched"] == [False, True, True, True]
+    assert [e["step"] for e in events if e["event"] == "handover_done"] == [2, 4, 6]
+    assert seen.count("read_checkpoint") == 0
+    assert sorted(e["step"] for e in events if e["event"] == "durable_saved") == [2, 4, 6]
+    assert proc.stdout.count("memory: save") == 3 and not (shm.exists() and any(shm.iterdir()))
 
 
 def test_uneven_hosts_leave_a_gpu_idle_then_lose_one(tmp_path, data_cache, sotu_tokens):

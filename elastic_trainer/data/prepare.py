@@ -68,11 +68,15 @@ class Interrupted(KeyboardInterrupt):
 
 
 def _init_worker(counters) -> None:
-    """A worker process's start: the shared counters; Ctrl-C is the parent's to handle. (Started by "spawn",
-    a worker inherits no file descriptor: not the parent's lock, so a SIGKILLed parent leaves nothing locked.)"""
+    """A worker process's start: the shared counters; Ctrl-C is the parent's to handle; the worker dies with
+    its parent (a SIGKILLed parent left its idle workers waiting forever). (Started by "spawn", a worker
+    inherits no file descriptor: not the parent's lock, so a SIGKILLed parent leaves nothing locked.)"""
+    from elastic_trainer.elastic.lifetime import die_with_parent
+
     global _COUNTERS
     _COUNTERS = counters
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent()
 
 
 def _count(docs: int, tokens: int, chars: int) -> None:

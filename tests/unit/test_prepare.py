@@ -201,6 +201,17 @@ def _shard_bytes(out: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted((out / "shards").iterdir())}
 
 
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
 def test_killed_then_run_again_gives_the_same_shards_and_a_change_rewrites_only_its_own(tmp_path):
     _corpus(tmp_path / "c")
     args = ["prepare-data", tmp_path / "c", "--chunk-mb", "0.1", "--workers", "2"]
@@ -214,9 +225,14 @@ def test_killed_then_run_again_gives_the_same_shards_and_a_change_rewrites_only_
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and len(list(shards.glob("*.json"))) < 3:
         time.sleep(0.01)
+    workers = _children(proc.pid)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (tmp_path / "part" / "manifest.json").exists(), "the run ended before it was killed"
+    deadline = time.monotonic() + 10  # its workers die with it (they would wait forever on their queue)
+    while any(Path(f"/proc/{pid}").exists() for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert workers and not [pid for pid in workers if Path(f"/proc/{pid}").exists()]
     again = run_cli(*args, "--out", tmp_path / "part", cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert _shard_bytes(tmp_path / "part") == _shard_bytes(tmp_path / "full")

@@ -13,16 +13,22 @@ Ranks are gloo processes forked from this one; each system runs its own document
   its documentation runs it; the interpreter's start and DeepSpeed's import are measured apart and left out
   of its time) -> a new engine on 2 ranks with `"checkpoint": {"load_universal": true}` and
   `engine.load_checkpoint`. Ours: `Checkpointer.save` (fsync, checksums, atomic commit) -> `Checkpointer.load`
-  on 2 ranks (checksum verification and DCP's resharding load). Each side checks its reloaded weights and
-  both moments against what it saved (per tensor, row and column sums in float64 through its own full-tensor
-  accessors), and the two sides' initial weights against each other.
+  on 2 ranks (checksum verification and DCP's resharding load). Ours through memory (the planned
+  reconfiguration's path): `Checkpointer.write_memory` on the 4 ranks (DCP into shared memory, a fresh folder
+  under /dev/shm) -> `Checkpointer.in_memory` + `load_memory` on 2 ranks (DCP's resharding read from there);
+  the durable checkpoint of that state (`Checkpointer.persist`) is written by the stopping ranks after the
+  write, off the critical path (in a reconfiguration it runs while the next world loads and trains), and
+  timed apart. Each side checks its reloaded weights and both moments against what it saved (per tensor,
+  row and column sums in float64 through its own full-tensor accessors), and the two sides' initial weights
+  against each other.
 - **step time**: the same model, global batch, sequence length and micro-batch: data parallel on 4 ranks
   (ours FSDP2 against ZeRO-1 and ZeRO-3) and 2 pipeline stages x 2 data-parallel ranks (ours against
   `PipelineModule` with ZeRO-1); AdamW, clipping at 1.0, fp32.
 
 Systems alternate within the run (ours, DeepSpeed, ours, DeepSpeed...) so the machine's drift hits both.
 Prints each phase and the ratio deepspeed_s / ours_s (above 1: ours is faster); writes results.json with per
-case {"ours_s", "deepspeed_s", "ratio"} and the phases.
+case {"ours_s", "deepspeed_s", "ratio"} and the phases (reconfiguration also "ours_memory_s" and
+"ratio_memory" = deepspeed_s / ours_memory_s).
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from elastic_trainer.checkpoint import Checkpointer, CheckpointConfig, storage  # noqa: E402
+from elastic_trainer.checkpoint import Checkpointer, CheckpointConfig, memory, storage  # noqa: E402
 from elastic_trainer.config import ModelConfig, TrainConfig, load_model_config  # noqa: E402
 from elastic_trainer.parallel import build_mesh  # noqa: E402
 from elastic_trainer.parallel.local_ranks import run_ranks  # noqa: E402
@@ -224,6 +230,42 @@ def ours_load_job(rank, world, model, folder, tokens):
     return {"load_s": seconds, "fingerprints": fingerprints(trainer)}
 
 
+def ours_memory_write_job(rank, world, model, folder, shm, tokens):
+    """The stopping world of a planned reconfiguration: the state into this host's memory (timed), then its
+    durable checkpoint from that copy (persist, timed apart: off the critical path)."""
+    quiet()
+    os.environ[memory.SHM_ENV] = shm
+    trainer = our_trainer(model, Layout(world, 1, 1, 4 // world, 1), 128, tokens)
+    fill_optimizer_state(trainer)
+    prints = fingerprints(trainer)
+    ck = Checkpointer(CheckpointConfig(dir=str(folder)), log=lambda *a, **k: None)
+    seconds, written = timed(lambda: ck.write_memory(trainer))
+    persist_s, durable = timed(lambda: ck.persist(written))
+    if written.server is not None:
+        written.server.stop()
+    ck.close()
+    return {"write_s": seconds, "persist_s": persist_s, "durable": durable.path, "bytes": written.bytes,
+            "fingerprints": prints}
+
+
+def ours_memory_load_job(rank, world, model, folder, shm, tokens):
+    """The next world: find the state in memory and read it resharded."""
+    quiet()
+    os.environ[memory.SHM_ENV] = shm
+    trainer = our_trainer(model, Layout(world, 1, 1, 4 // world, 1), 128, tokens)  # the saver's global batch
+    ck = Checkpointer(CheckpointConfig(dir=str(folder)), log=lambda *a, **k: None)
+
+    def load():
+        found = ck.in_memory()
+        assert found, "no state in memory"
+        return ck.load_memory(trainer, found[0])
+
+    seconds, (_, stats) = timed(load)
+    ck.close()
+    return {"load_s": seconds, "bytes_read": stats.bytes_read, "bytes_fetched": stats.bytes_fetched,
+            "fingerprints": fingerprints(trainer)}
+
+
 # -- comparisons --------------------------------------------------------------------------------------------------
 
 
@@ -254,6 +296,23 @@ def ours_reconfig(model: str, folder: Path, save_world: int, load_world: int, to
             "saved": merged(saved), "loaded": merged(loaded)}
 
 
+def ours_memory_reconfig(model: str, folder: Path, save_world: int, load_world: int, tokens) -> dict:
+    """Our planned path: write_memory on save_world ranks (then persist, apart), load_memory on load_world."""
+    print(f"[reconfig {model}] ours through memory: write on {save_world} ranks, load on {load_world} ...",
+          flush=True)
+    shm = Path("/dev/shm") / f"elastic-trainer-vs-deepspeed-{os.getpid()}"
+    shutil.rmtree(shm, ignore_errors=True)
+    try:
+        saved = run_ranks(ours_memory_write_job, save_world, model, folder, str(shm), tokens, timeout=TIMEOUT)
+        loaded = run_ranks(ours_memory_load_job, load_world, model, folder, str(shm), tokens, timeout=TIMEOUT)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    durable = sum(f.stat().st_size for f in Path(saved[0]["durable"]).iterdir())
+    return {"write_s": saved[0]["write_s"], "load_s": loaded[0]["load_s"], "persist_s": saved[0]["persist_s"],
+            "bytes": saved[0]["bytes"], "durable_bytes": durable, "bytes_fetched": loaded[0]["bytes_fetched"],
+            "saved": merged(saved), "loaded": merged(loaded)}
+
+
 def ds_reconfig(model: str, folder: Path, save_world: int, load_world: int) -> dict:
     """DeepSpeed's documented path, back to back: save_checkpoint, ds_to_universal, load_universal."""
     print(f"[reconfig {model}] DeepSpeed: save on {save_world} ranks, ds_to_universal, load_universal on "
@@ -267,35 +326,45 @@ def ds_reconfig(model: str, folder: Path, save_world: int, load_world: int) -> d
 
 
 def reconfiguration(model: str, scratch: Path, save_world: int, load_world: int, tokens, rounds: int) -> dict:
-    """`rounds` alternations (ours first in even rounds, DeepSpeed first in odd ones); each side's save is
-    followed at once by its own load, so neither side's files are evicted by the other's work in between.
-    Per side the median of the totals and of each phase is reported (with two rounds: their means)."""
-    runs = {"ours": [], "deepspeed": []}
+    """`rounds` alternations (ours durable, ours through memory, DeepSpeed in even rounds, the reverse in odd
+    ones); each side's save is followed at once by its own load, so neither side's files are evicted by the
+    other's work in between. Per side the median of the totals and of each phase is reported (with two rounds:
+    their means)."""
+    runs = {"ours": [], "ours_memory": [], "deepspeed": []}
+    sides = {"ours": lambda: ours_reconfig(model, scratch, save_world, load_world, tokens),
+             "ours_memory": lambda: ours_memory_reconfig(model, scratch, save_world, load_world, tokens),
+             "deepspeed": lambda: ds_reconfig(model, scratch, save_world, load_world)}
     for r in range(rounds):
-        order = ("ours", "deepspeed") if r % 2 == 0 else ("deepspeed", "ours")
+        order = list(sides) if r % 2 == 0 else list(reversed(sides))
         for side in order:
             shutil.rmtree(scratch, ignore_errors=True)
             scratch.mkdir(parents=True)
-            runs[side].append(ours_reconfig(model, scratch, save_world, load_world, tokens) if side == "ours"
-                              else ds_reconfig(model, scratch, save_world, load_world))
+            runs[side].append(sides[side]())
     shutil.rmtree(scratch, ignore_errors=True)
-    o_runs, d_runs = runs["ours"], runs["deepspeed"]
+    o_runs, m_runs, d_runs = runs["ours"], runs["ours_memory"], runs["deepspeed"]
     o_tot = [x["save_s"] + x["load_s"] for x in o_runs]
+    m_tot = [x["write_s"] + x["load_s"] for x in m_runs]
     d_tot = [x["save_s"] + x["convert_s"] + x["load_s"] for x in d_runs]
     o, d = o_runs[0], d_runs[0]
     # the two sides start from the same weights (our names; DeepSpeed sees the same module)
     same_init = max_rel_diff(o["saved"], d["saved"], [k for k in o["saved"] if k.startswith("param/")])
     phases = ("save_s", "load_s")
     ds_phases = ("save_s", "convert_s", "convert_with_startup_s", "startup_s", "load_s")
-    ours_s, ds_s = statistics.median(o_tot), statistics.median(d_tot)
+    m_phases = ("write_s", "load_s", "persist_s")
+    ours_s, memory_s, ds_s = statistics.median(o_tot), statistics.median(m_tot), statistics.median(d_tot)
     return {"model": model, "save_ranks": save_world, "load_ranks": load_world, "rounds": rounds,
             "ours_bytes": o["bytes"], "deepspeed_bytes": d["bytes"],
             "ours": {**{k: statistics.median(x[k] for x in o_runs) for k in phases}, "totals_s": o_tot,
                      "reloaded_max_rel_diff": max(max_rel_diff(x["saved"], x["loaded"]) for x in o_runs)},
+            "ours_memory": {**{k: statistics.median(x[k] for x in m_runs) for k in m_phases}, "totals_s": m_tot,
+                            "bytes": m_runs[0]["bytes"], "durable_bytes": m_runs[0]["durable_bytes"],
+                            "bytes_fetched": max(x["bytes_fetched"] for x in m_runs),
+                            "reloaded_max_rel_diff": max(max_rel_diff(x["saved"], x["loaded"]) for x in m_runs)},
             "deepspeed": {**{k: statistics.median(x[k] for x in d_runs) for k in ds_phases}, "totals_s": d_tot,
                           "reloaded_max_rel_diff": max(max_rel_diff(x["saved"], x["loaded"]) for x in d_runs)},
             "initial_weights_max_rel_diff": same_init,
-            "ours_s": ours_s, "deepspeed_s": ds_s, "ratio": ds_s / ours_s}
+            "ours_s": ours_s, "deepspeed_s": ds_s, "ratio": ds_s / ours_s,
+            "ours_memory_s": memory_s, "ratio_memory": ds_s / memory_s}
 
 
 # -- step time --------------------------------------------------------------------------------------------------
@@ -429,11 +498,17 @@ def report(results: dict) -> None:
               f"ours {r['ours_bytes'] / 1e9:.2f} GB, DeepSpeed {r['deepspeed_bytes'] / 1e9:.2f} GB")
         print(f"  ours       save {o['save_s']:6.1f} s                          load {o['load_s']:6.1f} s"
               f"   total {r['ours_s']:6.1f} s {_runs(o)}  reloaded max rel diff {o['reloaded_max_rel_diff']:.1e}")
+        m = r.get("ours_memory")
+        if m:
+            print(f"  ours mem   write {m['write_s']:5.1f} s                          load {m['load_s']:6.1f} s"
+                  f"   total {r['ours_memory_s']:6.1f} s {_runs(m)}  reloaded max rel diff "
+                  f"{m['reloaded_max_rel_diff']:.1e}   (then persist {m['persist_s']:.1f} s, off the critical path)")
         print(f"  DeepSpeed  save {d['save_s']:6.1f} s  ds_to_universal {d['convert_s']:6.1f} s "
               f"(+{d['startup_s']:.1f} s start)  load {d['load_s']:6.1f} s   total {r['deepspeed_s']:6.1f} s {_runs(d)}  "
               f"reloaded max rel diff {d['reloaded_max_rel_diff']:.1e}")
-        print(f"  ratio deepspeed/ours {r['ratio']:.2f}   (same initial weights: max rel diff "
-              f"{r['initial_weights_max_rel_diff']:.1e})")
+        print(f"  ratio deepspeed/ours {r['ratio']:.2f}"
+              + (f", deepspeed/ours through memory {r['ratio_memory']:.2f}" if "ratio_memory" in r else "")
+              + f"   (same initial weights: max rel diff {r['initial_weights_max_rel_diff']:.1e})")
     st = results.get("step_time")
     if st:
         print(f"\nstep time {st['model']}, global batch {st['global_batch']} x {st['seq_len']} tokens, "

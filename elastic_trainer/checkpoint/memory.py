@@ -319,6 +319,19 @@ def _fetch_file(found: Found, name: str, path: Path) -> None:
         client.close()
 
 
+def _merged(ranges: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """Byte ranges of the same file that touch or overlap, as one range each: DCP stores a rank's pieces one
+    after the other, so a rank's thousands of small pieces of a file are a few requests."""
+    out: list[tuple[str, int, int]] = []
+    for name, offset, length in sorted(ranges):
+        if out and out[-1][0] == name and offset <= out[-1][1] + out[-1][2]:
+            last = out[-1]
+            out[-1] = (name, last[1], max(last[1] + last[2], offset + length) - last[1])
+        else:
+            out.append((name, offset, length))
+    return out
+
+
 def _gather_pieces(pg, record: dict, ranges, hosts: list[str], servers: dict, here: Path, folder: Path) -> int:
     """Put every piece this host's ranks need into `folder`: a link to a file of this host, or the piece
     fetched from its host's server into a sparse file of the same name (each piece once per host, by the
@@ -327,7 +340,7 @@ def _gather_pieces(pg, record: dict, ranges, hosts: list[str], servers: dict, he
     wanted = [None] * len(hosts)
     dist.all_gather_object(wanted, [r for r in ranges if record["files"][r[0]]["host"] != host], group=pg)
     before = {r for other in range(rank) if hosts[other] == host for r in wanted[other]}
-    mine = [r for r in wanted[rank] if r not in before]
+    mine = _merged([r for r in wanted[rank] if r not in before])
     for name in {r[0] for r in ranges if record["files"][r[0]]["host"] == host}:
         try:
             os.symlink(here / name, folder / name)

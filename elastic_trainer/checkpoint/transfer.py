@@ -36,6 +36,9 @@ class _Handler(socketserver.StreamRequestHandler):
     def handle(self) -> None:
         server: Server = self.server.owner  # type: ignore[attr-defined]
         self.connection.settimeout(TIMEOUT_S)
+        # without it a piece smaller than a segment waits for the client's delayed acknowledgement of the
+        # header (~40 ms a request: 95 s instead of 4.7 s for gpt3-small's 2,664 pieces)
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for line in self.rfile:
             try:
                 request = json.loads(line)

@@ -10,19 +10,19 @@ the names resolve to loopback addresses, so the servers are reached over TCP as 
   AdamW moments (filled as benchmarks/reshard does), `Checkpointer.write_memory`: each rank writes its DCP file
   into its own host's memory;
 - new world: 2 ranks with the hosts swapped (rank 0 on B, rank 1 on A), the same layout, so every piece a rank
-  reads is on the other host: `Checkpointer.in_memory` + `load_memory` fetch each piece from that host's
-  byte-range server (checkpoint/transfer.py) into the rank's host, then DCP reads it;
+  reads is on the other host: `Checkpointer.in_memory` + `load_memory` fetch the pieces from that host's
+  byte-range server (checkpoint/transfer.py; a rank's adjacent pieces of a file in one request) into the rank's
+  host, then DCP reads them;
 - plain copies of the very same files (the state's DCP files and metadata), in the same run: `shutil.copyfile`
   from one shared-memory folder to another (one thread, then one thread per file), and over a plain loopback TCP
   socket (the sender `socket.sendfile`, the receiver `recv_into` + `os.write` into a shared-memory file), one
   stream per file, the streams at once as the two ranks fetch at once.
 
-The new world loads the state twice per round: as the package does it ("as_is") and with TCP_NODELAY set on the
-servers' connections ("server_nodelay", a monkeypatch in the new world's processes only), which shows what the
-fix of a ~40 ms stall per small piece gives (see _server_nodelay). Each round writes once; the loads and the
-copies follow in an order that reverses with the round; medians over rounds, and per-round ratios of fetch to
-copy rates (`--report` summarizes the JSON's rounds again without measuring). The loaded state is checked against the saved one: per weight and moment, row and column sums in float64 through
-DTensor.full_tensor (benchmarks/reshard's fingerprints). Every measurement uses a fresh folder under /dev/shm,
+Each round writes once; the new world's load (the package as it is) and the plain copies follow in an order
+that reverses with the round; medians over rounds, and per-round ratios of fetch to copy rates (`--report`
+summarizes the JSON's rounds again without measuring). The loaded state is checked against the saved one: per
+weight and moment, row and column sums in float64 through DTensor.full_tensor (benchmarks/reshard's
+fingerprints). Every measurement uses a fresh folder under /dev/shm,
 removed afterwards. Writes benchmarks/rescale/handover_rate.json.
 """
 
@@ -50,7 +50,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from elastic_trainer.checkpoint import Checkpointer, CheckpointConfig, memory, storage, transfer  # noqa: E402
+from elastic_trainer.checkpoint import Checkpointer, CheckpointConfig, memory, storage  # noqa: E402
 from elastic_trainer.config import TrainConfig, load_model_config  # noqa: E402
 from elastic_trainer.elastic.handover import HOST_ENV  # noqa: E402
 from elastic_trainer.parallel import build_mesh  # noqa: E402
@@ -118,26 +118,10 @@ def old_world(rank, world, model, ckpt, shm, hosts, tokens):
             "fingerprints": prints}
 
 
-def _server_nodelay() -> None:
-    """This process's hand-over servers send at once (TCP_NODELAY on each accepted connection). Not the
-    package's behaviour: measured beside it to show what the fix of the small-piece stall gives (the server
-    writes an 8-byte header, then the piece; without TCP_NODELAY Nagle's algorithm holds a piece shorter than
-    a segment until the client's delayed ACK of the header, ~40 ms per request)."""
-    setup = transfer._Handler.setup
-
-    def nodelay_setup(self):
-        setup(self)
-        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    transfer._Handler.setup = nodelay_setup
-
-
-def new_world(rank, world, model, ckpt, shm, hosts, tokens, nodelay=False):
+def new_world(rank, world, model, ckpt, shm, hosts, tokens):
     """Find the state in memory and load it resharded, fetching the other host's pieces."""
     quiet()
     _place(rank, hosts, shm)
-    if nodelay:
-        _server_nodelay()
     trainer = make_trainer(model, tokens)
     ck = Checkpointer(CheckpointConfig(dir=ckpt), log=lambda *a, **k: None)
 
@@ -267,15 +251,16 @@ def max_rel_diff(a: dict, b: dict) -> float:
 
 
 def pieces(files: list[Path]) -> dict:
-    """The state's stored pieces (DCP storage items: what the load fetches, one request each up to 64 MB)."""
+    """The state's stored pieces (DCP storage items; the load fetches a rank's adjacent pieces of a file in one
+    request, memory._merged)."""
     meta = next(f for f in files if f.name == ".metadata")
     sizes = [i.length for i in storage.parse_dcp_metadata(meta.read_bytes(), str(meta)).storage_data.values()]
     return {"count": len(sizes), "under_64kb": sum(n < 64 << 10 for n in sizes),
             "under_64kb_bytes": sum(n for n in sizes if n < 64 << 10), "largest": max(sizes)}
 
 
-def load_once(model, ckpt, shm, tokens, nodelay: bool) -> dict:
-    new = run_ranks(new_world, 2, model, str(ckpt), str(shm), [HOST_B, HOST_A], tokens, nodelay, timeout=TIMEOUT)
+def load_once(model, ckpt, shm, tokens) -> dict:
+    new = run_ranks(new_world, 2, model, str(ckpt), str(shm), [HOST_B, HOST_A], tokens, timeout=TIMEOUT)
     stats = new[0]["stats"]
     return {"load_s": new[0]["load_s"], "bytes_total": stats["bytes_total"], "bytes_read": stats["bytes_read"],
             "bytes_fetched": stats["bytes_fetched"], "fetch_s": stats["fetch_s"],
@@ -284,12 +269,9 @@ def load_once(model, ckpt, shm, tokens, nodelay: bool) -> dict:
             "fingerprints": new[0]["fingerprints"]}
 
 
-VARIANTS = {"as_is": False, "server_nodelay": True}
-
-
-def one_round(model: str, r: int, tokens, base: Path, variants: list[str]) -> dict:
-    """Write once; then, in an order that alternates with the round, each hand-over load and the plain copies
-    (a load leaves the written state in memory: only its own folder of fetched pieces is removed)."""
+def one_round(model: str, r: int, tokens, base: Path) -> dict:
+    """Write once; then, in an order that alternates with the round, the hand-over load and the plain copies
+    (the load leaves the written state in memory: only its own folder of fetched pieces is removed)."""
     tag = f"{model}-{r}"
     shm = Path("/dev/shm") / f"handover-rate-{os.getpid()}-{tag}"
     scratch = Path("/dev/shm") / f"handover-rate-{os.getpid()}-{tag}-copies"
@@ -301,20 +283,20 @@ def one_round(model: str, r: int, tokens, base: Path, variants: list[str]) -> di
         old = run_ranks(old_world, 2, model, str(ckpt), str(shm), [HOST_A, HOST_B], tokens, timeout=TIMEOUT)
         files = state_files(shm, old[0]["record"])
         out = {"state_bytes": sum(f.stat().st_size for f in files), "write_s": old[0]["write_s"],
-               "pieces": pieces(files), "loads": {}}
-        order = list(variants) + ["copies"]
+               "pieces": pieces(files)}
+        order = ["load", "copies"]
         if r % 2:
             order.reverse()
         for step in order:
-            print(f"[{model} round {r + 1}] {'plain copies' if step == 'copies' else 'new world: load (' + step + ')'}"
-                  f" ...", flush=True)
+            what = "plain copies" if step == "copies" else f"new world: load on {HOST_B}, {HOST_A}"
+            print(f"[{model} round {r + 1}] {what} ...", flush=True)
             if step == "copies":
                 out["copies"] = plain_copies(files, scratch)
                 continue
-            load = load_once(model, ckpt, shm, tokens, VARIANTS[step])
+            load = load_once(model, ckpt, shm, tokens)
             load["reloaded_max_rel_diff"] = max_rel_diff(old[0]["fingerprints"], load.pop("fingerprints"))
             load["handover_s"] = out["write_s"] + load["load_s"]
-            out["loads"][step] = load
+            out["load"] = load
         out["order"] = order
         out["fingerprints_compared"] = len(old[0]["fingerprints"])
         return out
@@ -327,36 +309,29 @@ def summarize(model: str, rounds: list[dict]) -> dict:
     out = {"model": model, "rounds": len(rounds), "layout": LAYOUT.describe(),
            "hosts_old": [HOST_A, HOST_B], "hosts_new": [HOST_B, HOST_A],
            "state_bytes": rounds[0]["state_bytes"], "pieces": rounds[0]["pieces"],
-           "write_s": statistics.median(x["write_s"] for x in rounds), "loads": {}}
-    for variant in rounds[0]["loads"]:
-        runs = [x["loads"][variant] for x in rounds]
-        load = {key: statistics.median(x[key] for x in runs) for key in runs[0] if key != "reloaded_max_rel_diff"}
-        load["reloaded_max_rel_diff"] = max(x["reloaded_max_rel_diff"] for x in runs)
-        out["loads"][variant] = load
+           "write_s": statistics.median(x["write_s"] for x in rounds)}
+    runs = [x["load"] for x in rounds]
+    out["load"] = {key: statistics.median(x[key] for x in runs) for key in runs[0] if key != "reloaded_max_rel_diff"}
+    out["load"]["reloaded_max_rel_diff"] = max(x["reloaded_max_rel_diff"] for x in runs)
     out["copies"] = {name: {"s": statistics.median(x["copies"][name]["s"] for x in rounds),
                             "gbs": statistics.median(x["copies"][name]["gbs"] for x in rounds)}
                      for name in rounds[0]["copies"]}
     # ratios within each round (both sides of a ratio measured minutes apart), then their median
-    out["fetch_vs_copy"] = {v: {name: statistics.median(x["loads"][v]["fetch_gbs"] / x["copies"][name]["gbs"]
-                                                        for x in rounds) for name in out["copies"]}
-                            for v in out["loads"]}
-    if {"as_is", "server_nodelay"} <= set(out["loads"]):
-        out["as_is_over_nodelay_load"] = statistics.median(x["loads"]["as_is"]["load_s"]
-                                                           / x["loads"]["server_nodelay"]["load_s"] for x in rounds)
+    out["fetch_vs_copy"] = {name: statistics.median(x["load"]["fetch_gbs"] / x["copies"][name]["gbs"] for x in rounds)
+                            for name in out["copies"]}
     out["per_round"] = rounds
     return out
 
 
 def report(results: dict) -> None:
-    print(f"\nhand-over between two loopback hosts ({results['cpus']} CPUs), medians of "
-          f"{next(iter(results['models'].values()))['rounds']} rounds")
-    print(f"{'state':<12} {'server':<15} {'GB':>5} {'write s':>8} {'load s':>7} {'hand-over s':>11} "
-          f"{'fetched GB':>10} {'fetch s':>7} {'fetch GB/s':>10} {'max rel diff':>12}")
+    print(f"\nhand-over between two loopback hosts ({results['cpus']} CPUs), medians of the rounds")
+    print(f"{'state':<12} {'rounds':>6} {'GB':>5} {'write s':>8} {'load s':>7} {'hand-over s':>11} {'fetched GB':>10} "
+          f"{'fetch s':>7} {'fetch GB/s':>10} {'max rel diff':>12}")
     for model, m in results["models"].items():
-        for variant, x in m["loads"].items():
-            print(f"{model:<12} {variant:<15} {m['state_bytes'] / GB:5.2f} {m['write_s']:8.2f} {x['load_s']:7.2f} "
-                  f"{x['handover_s']:11.2f} {x['bytes_fetched'] / GB:10.2f} {x['fetch_s']:7.2f} {x['fetch_gbs']:10.2f} "
-                  f"{x['reloaded_max_rel_diff']:12.1e}")
+        x = m["load"]
+        print(f"{model:<12} {m['rounds']:6d} {m['state_bytes'] / GB:5.2f} {m['write_s']:8.2f} {x['load_s']:7.2f} "
+              f"{x['handover_s']:11.2f} {x['bytes_fetched'] / GB:10.2f} {x['fetch_s']:7.2f} {x['fetch_gbs']:10.2f} "
+              f"{x['reloaded_max_rel_diff']:12.1e}")
     print(f"\n{'state':<12} {'pieces':>6} {'< 64 KB':>7} | plain copy of the same files, GB/s: "
           f"{'copyfile':>8} {'copyfile x2':>11} {'TCP sendfile x2':>15}")
     for model, m in results["models"].items():
@@ -365,18 +340,13 @@ def report(results: dict) -> None:
               f"{c['copyfile_threads']['gbs']:11.2f} {c['tcp_sendfile']['gbs']:15.2f}")
     print("\nfetch GB/s / copy GB/s (per round, then the median):")
     for model, m in results["models"].items():
-        for variant, ratios in m["fetch_vs_copy"].items():
-            print(f"{model:<12} {variant:<15} " + "   ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
-        if "as_is_over_nodelay_load" in m:
-            print(f"{model:<12} load as_is / load server_nodelay: {m['as_is_over_nodelay_load']:.1f}")
+        print(f"{model:<12} " + "   ".join(f"{k} {v:.3f}" for k, v in m["fetch_vs_copy"].items()))
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="gpt3-small,gpt3-medium")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--variants", default="as_is,server_nodelay",
-                   help="hand-over loads per round: as_is (the package), server_nodelay (TCP_NODELAY patched in)")
     p.add_argument("--dir", default="/tmp/elastic-trainer-handover-rate", help="checkpoint folders (ids only)")
     p.add_argument("--out", default=str(Path(__file__).with_name("handover_rate.json")))
     p.add_argument("--report", action="store_true", help="summarize and print --out's rounds again, measure nothing")
@@ -393,7 +363,7 @@ def main(argv=None) -> None:
     for model in args.models.split(","):
         tokens = np.random.default_rng(0).integers(0, load_model_config(model).vocab_size,
                                                    256 * (SEQ_LEN + 1) + 1).astype(np.int64)
-        rounds = [one_round(model, r, tokens, base, args.variants.split(",")) for r in range(args.rounds)]
+        rounds = [one_round(model, r, tokens, base) for r in range(args.rounds)]
         results["models"][model] = summarize(model, rounds)
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     shutil.rmtree(base, ignore_errors=True)

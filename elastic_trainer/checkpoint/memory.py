@@ -38,7 +38,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from elastic_trainer.checkpoint import faults, storage
 from elastic_trainer.checkpoint import state as ckpt_state
-from elastic_trainer.checkpoint.transfer import Client, Server
+from elastic_trainer.checkpoint.transfer import Server, fetch_file, gather_pieces
 from elastic_trainer.config import CheckpointError
 from elastic_trainer.elastic.handover import host_name
 
@@ -48,8 +48,6 @@ ID_FILE = ".memory-id"
 NAME = re.compile(r"^step-(\d{8})-([0-9a-z]+)$")
 LOAD_PREFIX = ".load-"
 LOAD_NAME = re.compile(r"^\.load-step-(\d{8})-[0-9a-z]+-[0-9a-z]+$")
-PIECE_BYTES = 64 << 20
-"""Largest single request to a server (a stored piece may be larger: it is fetched in parts)."""
 
 
 def shm_base() -> Path:
@@ -266,7 +264,7 @@ def load(pg, trainer, found: Found, hosts: list[str], checkpoint_dir: str, run_i
     folder = root / f"{LOAD_PREFIX}{found.name}-{run_id}"
     folder.mkdir(parents=True, exist_ok=True)
     t1 = time.perf_counter()
-    fetched = _gather_pieces(pg, record, ranges, hosts, servers, root / found.name, folder)
+    fetched = gather_pieces(pg, record, ranges, hosts, servers, root / found.name, folder)
     t2 = time.perf_counter()
     try:
         dcp.load(state, storage_reader=storage.SafeReader(str(folder), metadata=metadata),
@@ -296,7 +294,7 @@ def _metadata(pg, found: Found, hosts: list[str], root: Path):
         try:
             if owner not in hosts:
                 path = root / f".metadata-{found.name}"
-                _fetch_file(found, ".metadata", path)
+                fetch_file(found.servers[owner], found.record, ".metadata", path)
             box = [path.read_bytes()]
         except (OSError, CheckpointError, KeyError) as e:
             box = [f"the metadata of the in-memory state {found.name} cannot be read: {e}"]
@@ -307,66 +305,6 @@ def _metadata(pg, found: Found, hosts: list[str], root: Path):
     if isinstance(box[0], str):
         raise CheckpointError(box[0])
     return storage.parse_dcp_metadata(box[0], f"the in-memory state {found.name}")
-
-
-def _fetch_file(found: Found, name: str, path: Path) -> None:
-    info, client = found.record["files"][name], Client()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        client.fetch_into(found.servers[info["host"]], found.record["token"], found.name, name, 0, info["bytes"], fd)
-    finally:
-        os.close(fd)
-        client.close()
-
-
-def _merged(ranges: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
-    """Byte ranges of the same file that touch or overlap, as one range each: DCP stores a rank's pieces one
-    after the other, so a rank's thousands of small pieces of a file are a few requests."""
-    out: list[tuple[str, int, int]] = []
-    for name, offset, length in sorted(ranges):
-        if out and out[-1][0] == name and offset <= out[-1][1] + out[-1][2]:
-            last = out[-1]
-            out[-1] = (name, last[1], max(last[1] + last[2], offset + length) - last[1])
-        else:
-            out.append((name, offset, length))
-    return out
-
-
-def _gather_pieces(pg, record: dict, ranges, hosts: list[str], servers: dict, here: Path, folder: Path) -> int:
-    """Put every piece this host's ranks need into `folder`: a link to a file of this host, or the piece
-    fetched from its host's server into a sparse file of the same name (each piece once per host, by the
-    host's lowest rank needing it). Bytes fetched by this rank."""
-    rank, host = dist.get_rank(), host_name()
-    wanted = [None] * len(hosts)
-    dist.all_gather_object(wanted, [r for r in ranges if record["files"][r[0]]["host"] != host], group=pg)
-    before = {r for other in range(rank) if hosts[other] == host for r in wanted[other]}
-    mine = _merged([r for r in wanted[rank] if r not in before])
-    for name in {r[0] for r in ranges if record["files"][r[0]]["host"] == host}:
-        try:
-            os.symlink(here / name, folder / name)
-        except FileExistsError:
-            pass
-    client, fetched, error = Client(), 0, None
-    try:
-        for name, offset, length in mine:
-            fd = os.open(folder / name, os.O_WRONLY | os.O_CREAT, 0o600)
-            try:
-                for start in range(offset, offset + length, PIECE_BYTES):
-                    n = min(PIECE_BYTES, offset + length - start)
-                    client.fetch_into(servers[record["files"][name]["host"]], record["token"], record["name"],
-                                      name, start, n, fd)
-                    fetched += n
-            finally:
-                os.close(fd)
-    except (CheckpointError, KeyError) as e:  # KeyError: no server for the piece's host
-        error = str(e) if isinstance(e, CheckpointError) else f"no server holds the pieces of host {e}"
-    finally:
-        client.close()
-    errors = [None] * len(hosts)
-    dist.all_gather_object(errors, error, group=pg)  # every piece of this host is in place before any rank reads
-    if any(errors):
-        raise CheckpointError(next(e for e in errors if e))
-    return fetched
 
 
 def copy_files(source: Path, target: Path, names: list[str], chunk: int = 16 << 20) -> dict[str, dict]:

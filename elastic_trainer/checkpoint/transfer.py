@@ -7,6 +7,10 @@ and writes it into a private folder of its own host; nothing goes through shared
 from the page cache with `sendfile` (no copy through Python), serves only the files a state's record lists,
 and only to a client that knows the state's token (a random value in that record).
 
+`gather_pieces` does it for a whole world: every rank says which remote ranges it needs, each range is fetched
+once per host (by the host's lowest rank needing it), adjacent ranges of a file as one request, and pieces of
+the rank's own host are linked, not copied.
+
 Protocol, one TCP connection per client and server, any number of requests on it: the client sends one line
 of JSON {"token", "state", "file", "offset", "length"}; the server answers an 8-byte big-endian length (the
 bytes that follow) or -1 followed by one line of error text.
@@ -24,12 +28,17 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch.distributed as dist
+
 from elastic_trainer.config import CheckpointError
+from elastic_trainer.elastic.handover import host_name
 
 SAFE_FILE = re.compile(r"^(\.metadata|__\d+_\d+\.distcp)$")
 HEADER = struct.Struct(">q")
 CHUNK = 8 << 20
 TIMEOUT_S = 60.0
+PIECE_BYTES = 64 << 20
+"""Largest single request to a server (a stored piece may be larger: it is fetched in parts)."""
 
 
 class _Handler(socketserver.StreamRequestHandler):
@@ -141,3 +150,66 @@ class Client:
             reader.close()
             sock.close()
         self._socks.clear()
+
+
+# -- a world's pieces --------------------------------------------------------------------------------------
+
+def fetch_file(address: str, record: dict, name: str, path: Path) -> None:
+    """The whole file `name` of the state `record` from the server at `address`, into `path`."""
+    client = Client()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        client.fetch_into(address, record["token"], record["name"], name, 0, record["files"][name]["bytes"], fd)
+    finally:
+        os.close(fd)
+        client.close()
+
+
+def _merged(ranges: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """Byte ranges of the same file that touch or overlap, as one range each: DCP stores a rank's pieces one
+    after the other, so a rank's thousands of small pieces of a file are a few requests."""
+    out: list[tuple[str, int, int]] = []
+    for name, offset, length in sorted(ranges):
+        if out and out[-1][0] == name and offset <= out[-1][1] + out[-1][2]:
+            last = out[-1]
+            out[-1] = (name, last[1], max(last[1] + last[2], offset + length) - last[1])
+        else:
+            out.append((name, offset, length))
+    return out
+
+
+def gather_pieces(pg, record: dict, ranges, hosts: list[str], servers: dict, here: Path, folder: Path) -> int:
+    """Put every piece this host's ranks need into `folder`: a link to a file of this host, or the piece
+    fetched from its host's server into a sparse file of the same name (each piece once per host, by the
+    host's lowest rank needing it). Bytes fetched by this rank."""
+    rank, host = dist.get_rank(), host_name()
+    wanted = [None] * len(hosts)
+    dist.all_gather_object(wanted, [r for r in ranges if record["files"][r[0]]["host"] != host], group=pg)
+    before = {r for other in range(rank) if hosts[other] == host for r in wanted[other]}
+    mine = _merged([r for r in wanted[rank] if r not in before])
+    for name in {r[0] for r in ranges if record["files"][r[0]]["host"] == host}:
+        try:
+            os.symlink(here / name, folder / name)
+        except FileExistsError:
+            pass
+    client, fetched, error = Client(), 0, None
+    try:
+        for name, offset, length in mine:
+            fd = os.open(folder / name, os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                for start in range(offset, offset + length, PIECE_BYTES):
+                    n = min(PIECE_BYTES, offset + length - start)
+                    client.fetch_into(servers[record["files"][name]["host"]], record["token"], record["name"],
+                                      name, start, n, fd)
+                    fetched += n
+            finally:
+                os.close(fd)
+    except (CheckpointError, KeyError) as e:  # KeyError: no server for the piece's host
+        error = str(e) if isinstance(e, CheckpointError) else f"no server holds the pieces of host {e}"
+    finally:
+        client.close()
+    errors = [None] * len(hosts)
+    dist.all_gather_object(errors, error, group=pg)  # every piece of this host is in place before any rank reads
+    if any(errors):
+        raise CheckpointError(next(e for e in errors if e))
+    return fetched

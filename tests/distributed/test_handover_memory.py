@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from elastic_trainer.checkpoint import CheckpointConfig, memory
+from elastic_trainer.checkpoint import transfer
 from elastic_trainer.checkpoint.transfer import Client, Server
 from elastic_trainer.config import CheckpointError, TrainConfig, load_model_config
 from elastic_trainer.data.corpus import load
@@ -202,7 +203,7 @@ def test_adjacent_pieces_are_one_request():
     """A rank's pieces of one file, stored one after the other, are fetched in one request (gpt3-small: 2,664
     pieces, 2,364 of them under 64 KB; the rate with and without is in benchmarks/rescale/handover_rate.py)."""
     ranges = [("b", 0, 10), ("a", 10, 5), ("a", 0, 10), ("a", 20, 5), ("a", 12, 3), ("b", 10, 1)]
-    assert memory._merged(ranges) == [("a", 0, 15), ("a", 20, 5), ("b", 0, 11)]
+    assert transfer._merged(ranges) == [("a", 0, 15), ("a", 20, 5), ("b", 0, 11)]
 
 
 def test_the_server_refuses_what_the_state_does_not_list(tmp_path):

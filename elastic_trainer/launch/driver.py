@@ -315,8 +315,10 @@ class Driver:
         job = self.job
         if following >= len(job.phases) or job.phases[following].waits or self._interrupts or not job.opts.warm_start:
             return False
-        if self.control.get(world.index, "first_step") is None or (left is not None and left > WARM_LEAD_S):
-            return False  # not before the current world's first step: its start-up would slow that step
+        if left is not None and left > WARM_LEAD_S:
+            return False
+        if world.warm and self.control.get(world.index, "first_step") is None:
+            return False  # a world that took a hand-over: its first step (the event's) is not to be slowed
         if following not in self._refusals:
             self._refusals[following] = warm_refusal(job, world.index, following)
             if self._refusals[following]:

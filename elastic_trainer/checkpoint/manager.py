@@ -170,15 +170,14 @@ class Checkpointer:
 
     def in_memory(self, live: dict | None = None) -> list[memory.Found]:
         """Complete in-memory states this world can read, newest first (a collective)."""
-        found, self._hosts = memory.discover(self.pg, self.cfg.dir, live)
-        return found
+        return memory.discover(self.pg, self.cfg.dir, live)
 
     def load_memory(self, trainer, found: memory.Found) -> tuple[LoadStats, memory.HandoverStats]:
         """Reshard an in-memory state into `trainer` (a collective)."""
         meta = found.record["meta"]
         where = f"the in-memory state {found.name}"
         ckpt_state.check_compatible(meta, trainer.model_cfg, trainer.cfg, where, ckpt_state.data_id_of(trainer))
-        stats = memory.load(self.pg, trainer, found, self._hosts, self.cfg.dir, self.run_id)
+        stats = memory.load(self.pg, trainer, found, self.cfg.dir, self.run_id)
         self.last_saved_step = found.step
         self.log(f"[checkpoint] resumed step {found.step} from memory ({stats.bytes_read / 1e6:.1f} MB read, "
                  f"{stats.bytes_fetched / 1e6:.1f} MB of it from other hosts; saved with dp={meta['layout']['dp']} "

@@ -134,16 +134,16 @@ def write(pg, trainer, checkpoint_dir: str, run_id: str) -> Written:
     mine = {p.name: p.stat().st_size for p in folder.glob(f"__{rank}_*.distcp")}
     if rank == 0:
         mine[".metadata"] = (folder / ".metadata").stat().st_size
-    second = [None] * world
-    dist.all_gather_object(second, (mine, address), group=pg)
-    files = {f: {"bytes": size, "host": hosts[r]} for r, (got, _) in enumerate(second) for f, size in got.items()}
-    record = {"format": 1, "name": name, "step": trainer.step, "token": token, "meta": ckpt_state.build_meta(trainer),
-              "files": files, "servers": {hosts[r]: a for r, (_, a) in enumerate(second) if a},
-              "written": time.time()}
-    outcome = [record]
-    if rank == 0:
+    second = [None] * world if rank == 0 else None
+    dist.gather_object((mine, address), second, dst=0, group=pg)
+    outcome = [None]
+    if rank == 0:  # the record, made and written here, reaches every rank through the broadcast
+        files = {f: {"bytes": size, "host": hosts[r]} for r, (got, _) in enumerate(second) for f, size in got.items()}
+        outcome = [{"format": 1, "name": name, "step": trainer.step, "token": token,
+                    "meta": ckpt_state.build_meta(trainer), "files": files,
+                    "servers": {hosts[r]: a for r, (_, a) in enumerate(second) if a}, "written": time.time()}]
         try:
-            storage.write_json_atomic(folder / STATE_FILE, record)
+            storage.write_json_atomic(folder / STATE_FILE, outcome[0])
         except OSError as e:
             outcome = [f"writing the state to memory failed: {e}"]
     dist.broadcast_object_list(outcome, src=0, group=pg)
@@ -151,7 +151,8 @@ def write(pg, trainer, checkpoint_dir: str, run_id: str) -> Written:
         if server:
             server.stop()
         raise CheckpointError(outcome[0])
-    total = sum(f["bytes"] for f in files.values())
+    record = outcome[0]
+    total = sum(f["bytes"] for f in record["files"].values())
     return Written(record, folder, total, time.perf_counter() - t0, server)
 
 
@@ -162,6 +163,8 @@ class Found:
     """A complete state the ranks of this world can read."""
 
     record: dict
+    hosts: list[str]
+    """Each rank's host in this world (by rank)."""
     servers: dict[str, str] = field(default_factory=dict)
     """{host: address} of the servers its files come from."""
 
@@ -190,14 +193,15 @@ def _listing(root: Path) -> dict:
     return out
 
 
-def discover(pg, checkpoint_dir: str, live: dict | None = None) -> tuple[list[Found], list[str]]:
-    """The complete in-memory states this world can read, newest first, and each rank's host (a collective).
+def discover(pg, checkpoint_dir: str, live: dict | None = None) -> list[Found]:
+    """The complete in-memory states this world can read, newest first (a collective).
     `live`: the stopping world's record of the state it has just written (its servers are still up), which
     may hold files of hosts this world has no rank on. Folders of states that can never complete here (no
     record anywhere) are removed."""
     root, host = host_root(checkpoint_dir), host_name()
+    mine = _listing(root) if root else {}
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (host, _listing(root) if root else {}), group=pg)
+    dist.all_gather_object(gathered, (host, mine), group=pg)
     hosts = [h for h, _ in gathered]
     records, present = {}, {}
     for h, listing in gathered:
@@ -215,11 +219,11 @@ def discover(pg, checkpoint_dir: str, live: dict | None = None) -> tuple[list[Fo
                for f, info in record["files"].items()):
             # this world's hosts serve their own files (load starts their servers); the stopping world's
             # servers are asked only for the files of hosts this world has no rank on
-            found.append(Found(record, {h: a for h, a in serving.items() if h not in hosts}))
+            found.append(Found(record, hosts, {h: a for h, a in serving.items() if h not in hosts}))
     if root and hosts.index(host) == dist.get_rank():
-        for name in set(_listing(root)) - set(records):
+        for name in set(mine) - set(records):
             shutil.rmtree(root / name, ignore_errors=True)
-    return sorted(found, key=lambda s: s.step, reverse=True), hosts
+    return sorted(found, key=lambda s: s.step, reverse=True)
 
 
 @dataclass
@@ -242,10 +246,10 @@ class HandoverStats:
         return self.bytes_fetched / self.fetch_s / 1e9 if self.fetch_s > 0 else 0.0
 
 
-def load(pg, trainer, found: Found, hosts: list[str], checkpoint_dir: str, run_id: str) -> HandoverStats:
+def load(pg, trainer, found: Found, checkpoint_dir: str, run_id: str) -> HandoverStats:
     """Read `found` resharded into `trainer` (a collective of `pg`), then continue at its step."""
     t0 = time.perf_counter()
-    rank, host, record = dist.get_rank(), host_name(), found.record
+    rank, host, record, hosts = dist.get_rank(), host_name(), found.record, found.hosts
     root = host_root(checkpoint_dir)
     servers = dict(found.servers)
     serving = None
@@ -308,21 +312,21 @@ def _metadata(pg, found: Found, hosts: list[str], root: Path):
 
 
 def copy_files(source: Path, target: Path, names: list[str], chunk: int = 16 << 20) -> dict[str, dict]:
-    """Copy files of an in-memory state into a durable checkpoint's folder, hashing them on the way: the
-    {name: {"bytes", HASH}} the commit records (storage.describe_files' form)."""
-    import xxhash
-
-    out = {}
+    """Copy files of an in-memory state into a durable checkpoint's folder, hashed on the way as a save's files
+    are (storage.HashingStream): the {name: {"bytes", HASH}} the commit records."""
+    out: dict[str, dict] = {}
     for name in names:
-        h, size = xxhash.xxh3_128(), 0
-        with open(source / name, "rb") as src, open(target / name, "wb") as dst:
-            while block := src.read(chunk):
-                dst.write(block)
-                h.update(block)
-                size += len(block)
-            dst.flush()
-            os.fsync(dst.fileno())
-        out[name] = {"bytes": size, storage.HASH: h.hexdigest()}
+        def record(nbytes: int, digest: str, name: str = name) -> None:
+            out[name] = {"bytes": nbytes, storage.HASH: digest}
+
+        with open(source / name, "rb") as src:
+            stream = storage.HashingStream(open(target / name, "wb"), record)
+            try:
+                shutil.copyfileobj(src, stream, chunk)
+                stream.flush()
+                os.fsync(stream.fileno())
+            finally:
+                stream.close()
     return out
 
 

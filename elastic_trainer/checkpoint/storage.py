@@ -162,8 +162,9 @@ def describe_files(folder: Path, names: list[str], known: dict[str, dict] | None
     return out
 
 
-class _HashingStream(io.BufferedIOBase):
-    """A file opened for writing that hashes what passes through it, for HashingWriter. Any seek makes the
+class HashingStream(io.BufferedIOBase):
+    """A file opened for writing that hashes what passes through it (HashingWriter's files, and the copies of a
+    state in memory). Any seek makes the
     digest unusable (then the file is read back and hashed at commit, as without this stream)."""
 
     def __init__(self, raw, on_close):
@@ -224,7 +225,7 @@ class _HashingFileSystem(FileSystem):
         def record(nbytes: int, digest: str) -> None:
             self.digests[name] = {"bytes": nbytes, HASH: digest}
 
-        stream = _HashingStream(open(path, mode), record)
+        stream = HashingStream(open(path, mode), record)
         try:
             yield stream
         finally:

@@ -283,10 +283,7 @@ class Driver:
                          if interrupted else f"phase {world.index + 1} is over: asking the ranks to stop")
             if self._interrupts > 1:
                 self._terminate(world.agents)
-        for a in world.agents:
-            a.pump.join()
-        codes = {a.host: a.proc.returncode for a in world.agents}
-        self.events.emit("exited", phase=world.index, codes=codes)
+        codes = self._exited(world)
         if successor is not None and control.get(following, "state") is None:
             control.set(following, "state", {"none": "the stopping world exited without handing its state over"})
         return PhaseOutcome(codes, stop_requested, interrupted), successor
@@ -301,11 +298,7 @@ class Driver:
             if world.alive():
                 continue
             self._draining.remove(world)
-            for a in world.agents:
-                a.pump.join()
-            codes = {a.host: a.proc.returncode for a in world.agents}
-            self.events.emit("exited", phase=world.index, codes=codes)
-            failed = {h: c for h, c in codes.items() if c != 0}
+            failed = {h: c for h, c in self._exited(world).items() if c != 0}
             if failed:
                 self.say(f"phase {world.index + 1}, after handing its state over: {_codes(failed)} (its durable "
                          "checkpoint may be missing; the next periodic save covers it)")
@@ -331,11 +324,17 @@ class Driver:
             self._terminate(world.agents)
         for a in world.agents:
             a.proc.wait()
-            a.pump.join()
         self.control.set(world.index, "loaded", {"gone": why})
-        self.events.emit("exited", phase=world.index, codes={a.host: a.proc.returncode for a in world.agents},
-                         warm=True)
+        self._exited(world, warm=True)
         return None
+
+    def _exited(self, world: World, **tags) -> dict[str, int]:
+        """A world whose agents are gone: their output read to the end, the `exited` event; the exit codes."""
+        for a in world.agents:
+            a.pump.join()
+        codes = {a.host: a.proc.returncode for a in world.agents}
+        self.events.emit("exited", phase=world.index, codes=codes, **tags)
+        return codes
 
     def wait_phase(self, index: int, phase: Phase) -> PhaseOutcome:
         """A phase without GPUs: nothing runs until its time is up (or the user stops the job)."""

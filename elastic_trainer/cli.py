@@ -93,7 +93,8 @@ def run_launch(args: argparse.Namespace) -> int:
                                                   args.ssh_config),
                          force_ssh=tuple(args.force_ssh), rdzv_port=args.rdzv_port, rdzv_conf=tuple(args.rdzv_conf),
                          max_restarts=args.max_restarts, min_hosts=args.min_hosts, remote_root=args.remote_root,
-                         warm_start=not args.no_warm_start, train_argv=tuple(train_argv))
+                         warm_start=not args.no_warm_start, notice_grace_s=args.notice_grace_s,
+                         train_argv=tuple(train_argv))
     return launch(JobSetup(opts), dry_run=args.dry_run)
 
 

@@ -237,6 +237,10 @@ def _add_launch_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--no-warm-start", action="store_true",
                    help="start each phase's world only after the previous one exited, its state through the "
                         "checkpoint folder (default: beside it, the state through memory)")
+    r.add_argument("--notice-grace-s", type=Number(float, 1.0, 86400.0), default=30.0, metavar="S",
+                   help="seconds a scheduler gives a host between its SIGTERM and SIGKILL: an agent that gets "
+                        "SIGTERM tells this launcher, which re-forms the job without the host within half of it "
+                        "(default 30, Kubernetes' default grace)")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then `train` arguments for every rank")
 
 

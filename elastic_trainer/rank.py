@@ -195,17 +195,17 @@ def _train(spec: JobSpec, phase: PhaseSpec, layout: Layout, device, stop, events
 
 
 def _handover(phase: PhaseSpec, env: TorchrunEnv):
-    """The launcher's channel for this world's phase (None outside the launcher); `warm` when the launcher
+    """The launcher's channel for this world (its rendezvous id; None outside the launcher); `warm` when the launcher
     started this world beside the current one (ELASTIC_TRAINER_WARM, set for its agents) and it has not
     loaded its state yet (a restart after that resumes as any restart does)."""
     from elastic_trainer.elastic.handover import WARM_ENV, Control, Handover
 
-    control = Control.from_environment() if phase.index is not None else None
+    control = Control.from_environment() if phase.index is not None and env.run_id else None
     if control is None:
         return None
     mode = os.environ.get(WARM_ENV)
-    warm = mode in ("early", "late") and control.get(phase.index, "loaded") is None
-    return Handover(control, phase.index, warm, late=mode == "late")
+    warm = mode in ("early", "late") and control.get(env.run_id, "loaded") is None
+    return Handover(control, env.run_id, warm, late=mode == "late")
 
 
 def load_corpus(spec: JobSpec, env: TorchrunEnv):

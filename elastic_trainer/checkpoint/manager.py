@@ -168,6 +168,10 @@ class Checkpointer:
         self.last_saved_step = step
         return stats
 
+    def release(self, written: memory.Written) -> None:
+        """Remove a state in memory that a durable checkpoint already holds (each rank, its host's copy)."""
+        memory.drop(self.cfg.dir, written.step)
+
     def in_memory(self, live: dict | None = None) -> list[memory.Found]:
         """Complete in-memory states this world can read, newest first (a collective)."""
         return memory.discover(self.pg, self.cfg.dir, live)

@@ -1,16 +1,21 @@
-"""The control channel of a planned reconfiguration: the launcher's store, a few keys per phase.
+"""The control channel of a planned reconfiguration: the launcher's store, a few keys per world.
 
 The launcher hosts a TCPStore for the rendezvous anyway; it gives its agents ELASTIC_TRAINER_CONTROL=
 HOST:PORT/JOB (the workers inherit it), and the launcher, the stopping world's rank 0 and the next world's
-ranks talk through these keys, each under JOB/pN/ for the world of phase N:
+ranks talk through these keys, each under JOB/W/ for the world W (its rendezvous id, TORCHELASTIC_RUN_ID in
+its ranks: one per start of a phase, so a phase re-formed on other hosts is a world of its own):
 
     first_step   N's first step is done: the launcher may start the next world beside it
-    next         the launcher started the world of phase M warm, beside N: N hands its state over in memory
-    stop         the launcher asks N to stop after its current step (its phase's time is up)
+    next         the launcher started the world M warm, beside N: N hands its state over in memory
+    stop         the launcher asks N to stop after its current step (its phase's time is up, or its hosts
+                 change and M, on the new ones, is ready): {"why": ..., "leaving": [N's hosts that go away]}
     ready        (M) built, connected and waiting: the launcher may now stop the current world
     state        (M) what M starts from: {"record": the in-memory state's record} once it is written, or
                  {"none": why} (the stopping world exited without one: M takes the newest checkpoint)
     loaded       (M) M has read the state ({"step": ...}), or {"gone": why}: the stopping world may release it
+
+and one per host under JOB/notice/: a scheduler's notice that the host goes away (`notify`), which its
+agent posts on SIGTERM and the launcher answers by re-forming the job without it (launch/notices.py).
 
 Nothing here decides anything: `train.job` and the launcher's driver do.
 """
@@ -29,6 +34,9 @@ CONTROL_ENV = "ELASTIC_TRAINER_CONTROL"
 WARM_ENV = "ELASTIC_TRAINER_WARM"
 """For the agents (and so the workers) of a world started beside the current one: `early` (build the model,
 then wait for the state) or `late` (wait, then build: old and new would not fit on the device together)."""
+PHASE_END = "the phase's time is up"
+HOSTS_CHANGE = "the job's hosts change"
+"""Why the launcher asks a world to stop (the `stop` key's "why"): both hand the state over to a waiting world."""
 WAIT_SLICE_S = 1.0
 """How long one blocking wait on the store lasts before the waiter checks whether it was asked to stop."""
 
@@ -45,7 +53,7 @@ class Control:
         """The store stopped answering (the launcher is gone)."""
 
     @classmethod
-    def from_environment(cls) -> "Control | None":
+    def from_environment(cls, timeout_s: float = 30.0) -> "Control | None":
         """The launcher's store as a client, when this process was started by the launcher."""
         value = os.environ.get(CONTROL_ENV)
         if not value:
@@ -54,45 +62,45 @@ class Control:
 
         address, _, job = value.partition("/")
         host, _, port = address.rpartition(":")
-        store = TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=30))
+        store = TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
         return cls(store, job)
 
     @staticmethod
     def environment(address: str, job: str) -> dict[str, str]:
         return {CONTROL_ENV: f"{address}/{job}"}
 
-    def _key(self, phase: int, name: str) -> str:
-        return f"elastic-trainer/{self.job}/p{phase}/{name}"
+    def _key(self, world, name: str) -> str:
+        return f"elastic-trainer/{self.job}/{world}/{name}"
 
     # Every operation survives the launcher's death (its store gone): the ranks then learn of it from their
     # agents' SIGTERM and save as always, so a lost channel only means "no news".
 
-    def set(self, phase: int, name: str, value: dict | str = "") -> None:
+    def set(self, world, name: str, value: dict | str = "") -> None:
         try:
-            self.store.set(self._key(phase, name), json.dumps(value))
+            self.store.set(self._key(world, name), json.dumps(value))
         except (RuntimeError, OSError):
             self.lost = True
 
-    def unset(self, phase: int, name: str) -> None:
+    def unset(self, world, name: str) -> None:
         try:
-            self.store.delete_key(self._key(phase, name))
+            self.store.delete_key(self._key(world, name))
         except (RuntimeError, OSError):
             self.lost = True
 
-    def get(self, phase: int, name: str):
+    def get(self, world, name: str):
         """The key's value, or None when it is not set or the store is gone (one round trip)."""
         if self.lost:
             return None
-        key = self._key(phase, name)
+        key = self._key(world, name)
         try:
             return json.loads(self.store.get(key)) if self.store.check([key]) else None
         except (RuntimeError, OSError):
             self.lost = True
             return None
 
-    def wait(self, phase: int, name: str, give_up=lambda: False):
+    def wait(self, world, name: str, give_up=lambda: False):
         """Block until the key is set (its value) or `give_up()` turns true or the store is gone (None)."""
-        key = self._key(phase, name)
+        key = self._key(world, name)
         while not give_up() and not self.lost:
             try:
                 self.store.wait([key], timedelta(seconds=WAIT_SLICE_S))
@@ -102,43 +110,75 @@ class Control:
                     self.lost = True
         return None
 
+    # -- notices: a host that will go away (a scheduler's SIGTERM to its agent, with a grace period) ---------
+
+    def notify(self, host: str, grace_s: float) -> bool:
+        """Post that `host` goes away within `grace_s` (False: the launcher's store did not answer)."""
+        try:
+            self.store.set(self._key("notice", host), json.dumps({"host": host, "grace_s": grace_s}))
+            self.store.add(self._key("notice", "count"), 1)
+            return True
+        except (RuntimeError, OSError):
+            self.lost = True
+            return False
+
+    def notices(self, seen: int, hosts) -> tuple[int, dict[str, dict]]:
+        """(the notice count, the notices of `hosts`) — the second looked up only when the count passed `seen`
+        (one round trip otherwise)."""
+        try:
+            count = self.store.add(self._key("notice", "count"), 0)
+            if count == seen:
+                return count, {}
+            keys = {h: self._key("notice", h) for h in hosts}
+            return count, {h: json.loads(self.store.get(k)) for h, k in keys.items() if self.store.check([k])}
+        except (RuntimeError, OSError):
+            self.lost = True
+            return seen, {}
+
 
 @dataclass
 class Handover:
-    """One world's side of the channel (its phase), as the job loop uses it."""
+    """One world's side of the channel, as the job loop uses it."""
 
     control: Control
-    phase: int
+    world: str
+    """Its rendezvous id (TORCHELASTIC_RUN_ID)."""
     warm: bool
     """This world was started beside the current one: it waits for the state before it loads."""
     late: bool = False
     """It builds its model only once it has the state (the old world's is released by then)."""
 
-    def asked_to_stop(self) -> bool:
-        return self.control.get(self.phase, "stop") is not None
+    def asked_to_stop(self) -> str | None:
+        """Why the launcher asks this world to stop after its step (PHASE_END, HOSTS_CHANGE), or None."""
+        value = self.control.get(self.world, "stop")
+        return None if value is None else (value.get("why") if isinstance(value, dict) else None) or PHASE_END
 
-    def successor(self) -> int | None:
-        """The phase of the world waiting for this one's state (None: nobody waits)."""
-        value = self.control.get(self.phase, "next")
-        return None if value is None else int(value)
+    def hosts_leave(self) -> bool:
+        """The stop request says that hosts of this world leave the job (`{"leaving": [...]}`)."""
+        value = self.control.get(self.world, "stop")
+        return isinstance(value, dict) and bool(value.get("leaving"))
+
+    def successor(self) -> str | None:
+        """The world waiting for this one's state (None: nobody waits)."""
+        return self.control.get(self.world, "next")
 
     def first_step_done(self) -> None:
-        self.control.set(self.phase, "first_step")
+        self.control.set(self.world, "first_step")
 
     def ready(self) -> None:
-        self.control.set(self.phase, "ready")
+        self.control.set(self.world, "ready")
 
     def wait_state(self, give_up) -> dict | None:
-        return self.control.wait(self.phase, "state", give_up)
+        return self.control.wait(self.world, "state", give_up)
 
-    def hand_over(self, successor: int, record: dict | None, why: str = "") -> None:
+    def hand_over(self, successor: str, record: dict | None, why: str = "") -> None:
         self.control.set(successor, "state", {"record": record} if record else {"none": why})
 
     def loaded(self, step: int) -> None:
-        self.control.set(self.phase, "loaded", {"step": step})
+        self.control.set(self.world, "loaded", {"step": step})
 
-    def wait_loaded(self, successor: int, give_up) -> dict | None:
+    def wait_loaded(self, successor: str, give_up) -> dict | None:
         return self.control.wait(successor, "loaded", give_up)
 
-    def wait_first_step(self, successor: int, give_up) -> None:
+    def wait_first_step(self, successor: str, give_up) -> None:
         self.control.wait(successor, "first_step", give_up)

@@ -128,10 +128,15 @@ def _resumed(before: Segment, after: Segment) -> bool:
     return (before.phase, before.restart) == (after.phase, after.restart) and before.start_id != after.start_id
 
 
-def _unplanned(before: Segment, after: Segment) -> bool:
+def _reformed(before: Segment, after: Segment, events: list[dict] | None) -> bool:
+    """A new start of the same phase because the job's hosts changed (a notice, an edit of the hosts file)."""
+    return any(e["event"] == "hosts_changed" and before.start <= e["time"] <= after.start for e in events or ())
+
+
+def _unplanned(before: Segment, after: Segment, events: list[dict] | None = None) -> bool:
     """The gap was a failure's, not a schedule's: a torchrun restart, a resumed job, or steps trained twice."""
-    return after.redone > 0 or _resumed(before, after) or (after.phase == before.phase
-                                                             and after.restart != before.restart)
+    return after.redone > 0 or (_resumed(before, after) and not _reformed(before, after, events)) or (
+        after.phase == before.phase and after.restart != before.restart)
 
 
 def phase_rows(records: list[dict], events: list[dict]) -> list[dict]:
@@ -140,8 +145,10 @@ def phase_rows(records: list[dict], events: list[dict]) -> list[dict]:
     rows = []
     for i, seg in enumerate(segs):
         gap = downtime(segs[i - 1], seg, events) if i else None
-        resumed = bool(i) and _resumed(segs[i - 1], seg)
-        rows.append({"phase": seg.phase, "restart": seg.restart, "resumed": resumed, "ranks": seg.world_size,
+        reformed = bool(i) and _reformed(segs[i - 1], seg, events)
+        resumed = bool(i) and _resumed(segs[i - 1], seg) and not reformed
+        rows.append({"phase": seg.phase, "restart": seg.restart, "resumed": resumed, "reformed": reformed,
+                     "ranks": seg.world_size,
                      "layout": Layout.from_dict(seg.layout).compact(),
                      "steps": (seg.records[0]["step"], seg.records[-1]["step"]), "loss": seg.records[-1]["loss"],
                      "downtime": gap, "redone": seg.redone})
@@ -161,6 +168,8 @@ def format_rows(rows: list[dict]) -> str:
             phase += f" (restart {r['restart']})"
         if r.get("resumed"):
             phase += " (resumed)"
+        if r.get("reformed"):
+            phase += " (new hosts)"
         table.append((phase, str(r["ranks"]), r["layout"], f"{r['steps'][0]}-{r['steps'][1]}", f"{r['loss']:.4f}",
                       "-" if gap is None else f"{gap['downtime_s']:.1f}",
                       "-" if not gap or gap.get("load_s") is None else f"{gap['load_s']:.2f}",
@@ -194,7 +203,7 @@ def plot(records: list[dict], path: str, title: str = "", events: list[dict] | N
                               "o", color="C2", ms=4, label="validation")
             axes[1, col].step(xs, [seg.world_size] * len(xs), where="post", color="C1")
     for a, b in zip(segs, segs[1:]):
-        failure = _unplanned(a, b)
+        failure = _unplanned(a, b, events)
         axes[0, 1].axvspan((a.end - t0) / 60, (b.start - t0) / 60, color="mistyrose" if failure else "0.85")
         axes[1, 1].plot([(a.end - t0) / 60, (b.start - t0) / 60], [0, 0], color="C3", lw=4)
         gap = downtime(a, b, events) if events is not None else None
@@ -222,3 +231,20 @@ def plot(records: list[dict], path: str, title: str = "", events: list[dict] | N
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def summary_lines(run_dir, title: str) -> list[str]:
+    """What the launcher says at the end of a job: the phase table and where the loss plot went (nothing
+    before the first metrics)."""
+    from elastic_trainer.elastic.events import EVENTS_FILE, read_jsonl
+
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    if not records:
+        return []
+    events = read_jsonl(run_dir / EVENTS_FILE)
+    lines = ["phases:\n" + format_rows(phase_rows(records, events))]
+    try:
+        lines.append(f"loss plot: {plot(records, str(run_dir / 'loss.png'), title, events)}")
+    except ImportError:
+        lines.append("loss plot skipped: matplotlib is not installed")
+    return lines

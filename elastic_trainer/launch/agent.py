@@ -26,6 +26,7 @@ import sys
 import time
 
 from elastic_trainer.elastic.exit_codes import EXIT_BAD_INPUT, FINAL_CODES, error_line
+from elastic_trainer.elastic.handover import CONTROL_ENV
 from elastic_trainer.elastic.lifetime import die_with_parent
 
 WORKER_MODULE = "elastic_trainer.rank"
@@ -228,6 +229,10 @@ def run_agent(configured) -> int:
     _rdzv_endpoint = config.rdzv_endpoint
     _agent_class()
     _open_events([str(a) for a in entry_args])
+    if os.environ.get(CONTROL_ENV) and config.run_id:  # the launcher's agent: a SIGTERM may be a notice
+        from elastic_trainer.launch.notices import take_sigterm_as_notice
+
+        take_sigterm_as_notice(config)
     try:
         elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)  # raises when the workers failed
     except ValueError as e:  # a rendezvous setting TorchElastic rejects before any worker starts

@@ -13,28 +13,24 @@ workers in the smaller world, which re-plans and resumes from the last periodic 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import signal
-import subprocess
 import sys
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from elastic_trainer.config import ConfigError
 from elastic_trainer.elastic.exit_codes import EXIT_BAD_INPUT
-from elastic_trainer.elastic.handover import WARM_ENV, Control
-from elastic_trainer.elastic.events import EVENTS_FILE, EventLog, read_jsonl
+from elastic_trainer.elastic.handover import HOSTS_CHANGE, PHASE_END, WARM_ENV, Control
+from elastic_trainer.elastic.events import EVENTS_FILE, EventLog
 from elastic_trainer.elastic.schedule import Phase, run_end
-from elastic_trainer.elastic.report import format_rows, phase_rows, plot
+from elastic_trainer.elastic.report import summary_lines
 from elastic_trainer.launch import live_hosts
-from elastic_trainer.launch.agent import PARKED
-from elastic_trainer.launch.commands import AgentSpec, Placement
+from elastic_trainer.launch.hosts import default_slots
 from elastic_trainer.launch.job_setup import JobSetup
+from elastic_trainer.launch.notices import NOTICE_GRACE_ENV, Notices
 from elastic_trainer.launch.output import Output
-from elastic_trainer.launch.worlds import Agent, PhaseOutcome, World, codes_line as _codes
+from elastic_trainer.launch.worlds import PhaseOutcome, Processes, World, codes_line as _codes
 from elastic_trainer.launch.warm import READY_WAIT_S, WARM_LEAD_S, builds_early, warm_refusal
 
 POLL_S = 0.1
@@ -56,8 +52,6 @@ class Driver:
     """{phase: how many times its agents were started}."""
     _draining: list = field(default_factory=list)
     """Worlds that handed their state over and are still finishing."""
-    _parked: dict = field(default_factory=dict)
-    """{host: an agent started ahead of its world} (local hosts, with warm starts)."""
     failure: str | None = None
     """A rank's bad-input error that ended the job (raised as the launcher's own one-line error)."""
 
@@ -77,6 +71,7 @@ class Driver:
         job.spec.write(job.spec_file(self.job_id))
         job.spec.write(job.job_file)
         self.out = Output(job.run_dir / "launch.log")
+        self.processes = Processes(job, self.out)
         self.events = EventLog(job.run_dir / EVENTS_FILE, tags={"writer": "launch"})
         stop_signals = self._stop_signals()
         previous = {s: signal.signal(s, self._on_signal) for s in stop_signals}
@@ -90,7 +85,7 @@ class Driver:
             if first is None:
                 code = self._nothing_to_do()
             else:
-                store = self._start_store()  # referenced until the phases are done: it is the rendezvous
+                store = live_hosts.host_store(self.job, self.say)  # referenced until the phases are done
                 code = self._phases(first, store)
             self.summary()
             if self.failure:
@@ -102,33 +97,11 @@ class Driver:
             self.events.close()
             self.out.close()
 
-    def _start_store(self):
-        """The rendezvous store, hosted here for the whole job: no agent hosts it, so any host may be lost."""
-        from torch.distributed import TCPStore
-
-        try:
-            store = TCPStore(self.job.endpoint_host() if self.job.iface else "0.0.0.0", self.job.opts.rdzv_port,
-                             is_master=True, wait_for_workers=False)
-        except (RuntimeError, OSError) as e:
-            raise ConfigError(f"cannot host the rendezvous on port {self.job.opts.rdzv_port} ({e}); "
-                              "choose another with --rdzv-port") from None
-        self.say(f"rendezvous: {self.job.endpoint_host()}:{store.port} (c10d, hosted by this launcher)")
-        return store
-
     def summary(self) -> None:
         """The phase table and the loss plot, from the run's metrics and events."""
-        records = read_jsonl(self.job.run_dir / "metrics.jsonl")
-        if not records:
-            return
-        events = read_jsonl(self.job.run_dir / EVENTS_FILE)
-        rows = phase_rows(records, events)
-        self.say("phases:\n" + format_rows(rows))
-        try:
-            path = plot(records, str(self.job.run_dir / "loss.png"), f"{self.job.model.name}: loss and ranks", events)
-            self.say(f"loss plot: {path}")
-        except ImportError:
-            self.say("loss plot skipped: matplotlib is not installed")
-        if self.job.train.skip_bad_records:
+        for line in summary_lines(self.job.run_dir, f"{self.job.model.name}: loss and ranks"):
+            self.say(line)
+        if self.job.train.skip_bad_records and (self.job.run_dir / "metrics.jsonl").exists():
             from elastic_trainer.data.corpus import skipped_note
 
             self.say(skipped_note(self.job.train))
@@ -153,7 +126,9 @@ class Driver:
     def _phases(self, index: int, store) -> int:
         job = self.job
         self.control = Control(store, self.job_id)
+        self.notices = Notices(job.opts.hosts, job.opts.gpus_per_host or default_slots(), list(job.hosts))
         successor: World | None = None
+        clock = 0.0
         try:
             while index is not None:
                 phase = job.phases[index]
@@ -161,8 +136,12 @@ class Driver:
                     outcome = self.wait_phase(index, phase)
                 else:
                     world = successor or self._launch(index, store)
-                    world.began = time.time()
+                    world.began = world.began or clock or time.time()
                     outcome, successor = self._run(world, store)
+                    clock = 0.0
+                    if self._reformed(world, outcome, successor):
+                        clock = world.began  # its hosts changed: the phase goes on (in `successor`, or again)
+                        continue
                 code = None if outcome.handed_over else self._after(index, outcome)
                 if code is not None:
                     return code
@@ -172,12 +151,21 @@ class Driver:
             if successor is not None and (index is None or successor.index != index or self.failure):
                 successor = self._settle(successor, "the job ended before its turn", terminate=True)
             self._drain(wait=True)
-            for parked in self._parked.values():  # its stdin closed: it exits without starting anything
-                self._terminate([parked])
-                parked.pump.join()
+            self.processes.close()
         self.say(f"the schedule ended at step {job.checkpoint_step()} of {job.train.steps}; "
                  "continue with --resume (and a schedule)")
         return 0
+
+    def _reformed(self, world: World, outcome: PhaseOutcome, successor: World | None) -> bool:
+        """Whether `world` stopped for a change of its hosts with its phase not over: the phase goes on, in
+        `successor` (which took the state) or started again on the new hosts (the state through the folder)."""
+        if world.reform_by is None or outcome.interrupted:
+            return False
+        if outcome.handed_over:
+            return successor.index == world.index
+        until = self.job.spec.phases[world.index].until_step
+        return self.job.checkpoint_step() < (until or self.job.train.steps) and \
+            bool(self.job.placements(self.job.phases[world.index]))
 
     def _after(self, index: int, outcome: PhaseOutcome) -> int | None:
         """The job's exit code when this phase's outcome ends it, else None (the next phase runs)."""
@@ -203,9 +191,10 @@ class Driver:
             return 0
         return None
 
-    def _launch(self, index: int, store, warm: bool = False, early: bool = True) -> World:
-        """Start the agents of phase `index`; `warm`: beside the running world, whose state it will take (and
-        `early`: builds its model before it has the state; else after, where the two would not fit)."""
+    def _launch(self, index: int, store, warm: bool = False, early: bool = True, reform: str = "") -> World:
+        """Start the agents of phase `index` on the job's hosts; `warm`: beside the running world, whose state
+        it will take (and `early`: builds its model before it has the state; else after, where the two would not
+        fit); `reform`: why the phase is re-formed on other hosts (rank 0 plans for the ones it gets)."""
         job = self.job
         phase = job.phases[index]
         placements = job.placements(phase)
@@ -215,18 +204,22 @@ class Driver:
         self._launches[index] = self._launches.get(index, 0) + 1
         if self._launches[index] > 1:  # a rendezvous id is used once (a failed early start closed its round)
             spec = dataclasses.replace(spec, run_id=f"{spec.run_id}-{self._launches[index]}")
-        self.say(job.phase_line(index) + (" (started beside the current world, to take its state in memory)"
-                                          if warm else ""))
-        self.say(job.plans[index][1])
+        where = ", ".join(f"{p.host.name}:{p.nproc}" for p in placements)
+        self.say((f"phase {index + 1} re-formed on {where}" if reform else job.phase_line(index))
+                 + (" (started beside the current world, to take its state in memory)" if warm else ""))
+        self.say("[plan] made by rank 0 for the hosts it gets" if job.hosts_changed else job.plans[index][1])
         prefix = live_hosts.key_prefix(spec.run_id)
         live_hosts.publish(store, prefix, len(placements))
         env = {**Control.environment(f"{job.endpoint_host()}:{store.port}", self.job_id),
+               NOTICE_GRACE_ENV: f"{job.opts.notice_grace_s:g}",
                **({WARM_ENV: "early" if early else "late"} if warm else {})}
-        agents = [self._start(p, spec, env) for p in placements]
-        self._park(run_end(job.phases, index) + 1)
-        self.events.emit("launched", phase=index, gpus=phase.gpus, run_id=spec.run_id, warm=warm,
-                         hosts=[[p.host.name, p.nproc] for p in placements])
-        return World(index, prefix, agents, time.time(), warm)
+        agents = [self.processes.start(p, spec, env) for p in placements]
+        self.processes.park(run_end(job.phases, index) + 1)
+        self.events.emit("launched", phase=index, gpus=sum(p.nproc for p in placements), run_id=spec.run_id,
+                         warm=warm, hosts=[[p.host.name, p.nproc] for p in placements], **({"reform": reform}
+                                                                                          if reform else {}))
+        return World(index, spec.run_id, prefix, agents, [(p.host.name, p.nproc) for p in placements],
+                     time.time(), warm)
 
     def _watch(self, world: World, store) -> None:
         """One look at a world's agents: a lost host, a bad-input exit (the others get a grace period)."""
@@ -241,11 +234,12 @@ class Driver:
         if world.bad_since is None and any(a.proc.poll() == EXIT_BAD_INPUT for a in world.agents):
             world.bad_since = time.time()
         if world.bad_since is not None and time.time() - world.bad_since > BAD_INPUT_GRACE_S:
-            self._terminate(world.agents)
+            self._terminate(world)
 
     def _run(self, world: World, store) -> tuple[PhaseOutcome, World | None]:
-        """Run `world` until its agents are gone, or until the world started beside it for the next phase has
-        taken its state (returned): `world` then writes its durable checkpoint and exits meanwhile (`_drain`)."""
+        """Run `world` until its agents are gone, or until the world started beside it (for the next phase, or
+        for this one on changed hosts) has taken its state (returned): `world` then writes its durable
+        checkpoint and exits meanwhile (`_drain`)."""
         job, control = self.job, self.control
         duration = job.run_duration(world.index)
         following = run_end(job.phases, world.index) + 1
@@ -254,39 +248,83 @@ class Driver:
             time.sleep(POLL_S)
             self._drain()
             self._watch(world, store)
-            if successor is not None and "step" in (control.get(following, "loaded") or {}):
+            if successor is not None and "step" in (control.get(successor.key, "loaded") or {}):
                 self._draining.append(world)
                 return PhaseOutcome({}, stop_requested, interrupted, handed_over=True), successor
+            if not stop_requested:
+                successor = self._listen(world, successor, store)
             left = None if duration is None else duration - (time.time() - world.began)
-            if successor is None and not stop_requested and self._may_warm(world, following, left):
+            if successor is None and world.reform_by is None and not stop_requested and \
+                    self._may_warm(world, following, left):
                 successor = self._launch(following, store, warm=True,
                                          early=builds_early(job, world.index, following))
-                control.set(world.index, "next", following)
+                control.set(world.key, "next", successor.key)
             if successor is not None and not successor.alive():
-                self.say(f"phase {following + 1}'s early start failed; it starts again after this phase")
-                self._refusals[following] = "its early start failed"
-                control.unset(world.index, "next")
+                reformed = successor.index == world.index
+                self.say(f"phase {successor.index + 1}'s " + ("world on the new hosts" if reformed else "early start")
+                         + " failed; it starts again after this world has stopped")
+                if not reformed:
+                    self._refusals[following] = "its early start failed"
+                control.unset(world.key, "next")
                 successor = self._settle(successor, "it failed")
-            ready = successor is not None and control.get(following, "ready") is not None
+            ready = successor is not None and control.get(successor.key, "ready") is not None
             due = left is not None and left <= 0 and (successor is None or ready or -left > READY_WAIT_S)
-            if (due or self._interrupts) and not stop_requested:
+            reform = world.reform_by is not None and (successor is None or ready or time.time() > world.reform_by)
+            if (due or reform or self._interrupts) and not stop_requested:
                 stop_requested, interrupted = True, bool(self._interrupts)
                 if interrupted and successor is not None:
-                    control.unset(world.index, "next")
+                    control.unset(world.key, "next")
                     successor = self._settle(successor, "the job was interrupted", terminate=True)
                 if interrupted:  # the user's stop: the stop file, which also holds a resumed job back
                     job.stop_file.touch()
                 else:
-                    control.set(world.index, "stop")
-                self.events.emit("stop_requested", phase=world.index, reason="interrupt" if interrupted else "phase end")
-                self.say("interrupted: the ranks finish their step and save (Ctrl-C again to abort)"
-                         if interrupted else f"phase {world.index + 1} is over: asking the ranks to stop")
+                    control.set(world.key, "stop", {"why": HOSTS_CHANGE, "leaving": world.leaving} if reform
+                                else {"why": PHASE_END})
+                reason = "interrupt" if interrupted else "hosts changed" if reform else "phase end"
+                self.events.emit("stop_requested", phase=world.index, reason=reason)
+                self.say({"interrupt": "interrupted: the ranks finish their step and save (Ctrl-C again to abort)",
+                          "hosts changed": f"phase {world.index + 1}'s hosts changed: asking the ranks to stop",
+                          "phase end": f"phase {world.index + 1} is over: asking the ranks to stop"}[reason])
             if self._interrupts > 1:
-                self._terminate(world.agents)
+                self._terminate(world)
         codes = self._exited(world)
-        if successor is not None and control.get(following, "state") is None:
-            control.set(following, "state", {"none": "the stopping world exited without handing its state over"})
+        if successor is not None and control.get(successor.key, "state") is None:
+            control.set(successor.key, "state", {"none": "the stopping world exited without handing its state over"})
         return PhaseOutcome(codes, stop_requested, interrupted), successor
+
+    def _listen(self, world: World, successor: World | None, store) -> World | None:
+        """A change of the job's hosts (launch/notices.py): later phases are placed on the new hosts; when the
+        current world's own hosts change, its phase is re-formed on them in a world started beside it (`world`
+        stops once that one is ready; at once without warm starts). Returns the successor, as it now is."""
+        change = self.notices.poll(self.control, self.say)
+        if change is None:
+            return successor
+        job = self.job
+        job.use_hosts(change.hosts)
+        placements = job.placements(job.phases[world.index])
+        self.say(f"hosts changed: {change.why}")
+        self.events.emit("hosts_changed", phase=world.index, why=change.why,
+                         hosts=[[h.name, h.slots] for h in change.hosts])
+        if successor is not None:  # started on the old hosts
+            self.control.unset(world.key, "next")
+            successor = self._settle(successor, "the job's hosts changed", terminate=True)
+        if [(p.host.name, p.nproc) for p in placements] == world.placed:
+            return None
+        if not placements:
+            self.say("no host is left: the ranks save and stop; continue with --resume once hosts are back")
+            self._interrupts = max(self._interrupts, 1)
+            return None
+        world.reform_by = change.deadline or time.time() + READY_WAIT_S
+        world.leaving = sorted({h for h, _ in world.placed} - {p.host.name for p in placements})
+        refusal = warm_refusal(job, world.index, world.index) if job.opts.warm_start else "no warm start"
+        if refusal:
+            self.say(f"{refusal}: the phase starts again on the new hosts after the ranks saved")
+            return None
+        successor = self._launch(world.index, store, warm=True, early=builds_early(job, world.index, world.index),
+                                 reform=change.why)
+        successor.began = world.began
+        self.control.set(world.key, "next", successor.key)
+        return successor
 
     def _drain(self, wait: bool = False) -> None:
         """The worlds that handed their state over and are finishing (durable checkpoint, exit): each one's
@@ -310,7 +348,7 @@ class Driver:
             return False
         if left is not None and left > WARM_LEAD_S:
             return False
-        if world.warm and self.control.get(world.index, "first_step") is None:
+        if world.warm and self.control.get(world.key, "first_step") is None:
             return False  # a world that took a hand-over: its first step (the event's) is not to be slowed
         if following not in self._refusals:
             self._refusals[following] = warm_refusal(job, world.index, following)
@@ -321,10 +359,10 @@ class Driver:
     def _settle(self, world: World, why: str, terminate: bool = False) -> None:
         """A next world that will not take over: stop it (or see it gone) and release whoever waits on it."""
         if terminate:
-            self._terminate(world.agents)
+            self._terminate(world)
         for a in world.agents:
             a.proc.wait()
-        self.control.set(world.index, "loaded", {"gone": why})
+        self.control.set(world.key, "loaded", {"gone": why})
         self._exited(world, warm=True)
         return None
 
@@ -346,38 +384,10 @@ class Driver:
             time.sleep(POLL_S)
         return PhaseOutcome({}, stop_requested=False, interrupted=bool(self._interrupts))
 
-    def _park(self, index: int) -> None:
-        """Start an agent, parked, on each local host of phase `index` that has none: it imports the training
-        stack while the job trains and takes its command line when its world is launched (agent.unpark)."""
-        if index >= len(self.job.phases) or self.job.phases[index].waits or not self.job.opts.warm_start:
-            return
-        for placement in self.job.placements(self.job.phases[index]):
-            if placement.local and placement.host.name not in self._parked:
-                argv, env = self.job.command(placement, None)
-                self._parked[placement.host.name] = self._spawn(placement.host.name, [*argv[:3], PARKED], env)
-
-    def _start(self, placement: Placement, spec: AgentSpec, extra_env: dict[str, str]) -> Agent:
-        parked = self._parked.pop(placement.host.name, None) if placement.local else None
-        argv, env = self.job.command(placement, spec, extra_env)
-        if parked is not None and parked.proc.poll() is None:
-            parked.proc.stdin.write((json.dumps({"argv": argv[3:], "env": env}) + "\n").encode())
-            parked.proc.stdin.flush()
-            return parked
-        return self._spawn(placement.host.name, argv, env)
-
-    def _spawn(self, host: str, argv: list[str], env: dict[str, str]) -> Agent:
-        # stdin stays an open pipe: a remote host's bootstrap stops its agent when the pipe closes
-        proc = subprocess.Popen(argv, env={**os.environ, **env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        pump = threading.Thread(target=self.out.pump, args=(host, proc.stdout), daemon=True)
-        pump.start()
-        return Agent(host, proc, pump)
-
-    def _terminate(self, agents: list[Agent]) -> None:
-        for a in agents:
-            if a.proc.poll() is None:
-                a.proc.terminate()  # the local agent stops its workers; ssh closes, remote.sh stops the agent
-                a.proc.stdin.close()
+    def _terminate(self, world: World) -> None:
+        """Stop a world's agents: marked first, so that their SIGTERM is not taken for a scheduler's notice."""
+        self.control.set(world.key, "terminate")
+        self.processes.terminate(world.agents)
 
 
 def launch(job: JobSetup, dry_run: bool = False) -> int:

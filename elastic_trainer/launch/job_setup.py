@@ -51,6 +51,8 @@ class LaunchOptions:
     remote_root: str | None = None
     warm_start: bool = True
     """Start the next phase's world beside the current one and hand the state over in memory (launch/warm.py)."""
+    notice_grace_s: float = 30.0
+    """Seconds between a scheduler's SIGTERM to a host's agent and its SIGKILL (launch/notices.py)."""
     train_argv: tuple[str, ...] = ()
     """`train` arguments for every rank (model, data and training settings)."""
 
@@ -92,6 +94,8 @@ class JobSetup:
         if unknown:
             raise HostsError(f"--force-ssh {unknown[0]!r} is not a host of {opts.hosts}")
         self.total_slots = sum(h.slots for h in self.hosts)
+        self.hosts_changed = False
+        """The hosts are no longer the file's as the job started (launch/notices.py): phases take what there is."""
         self.phases = load_schedule(opts.schedule) if opts.schedule else [Phase(self.total_slots)]
         if "--check" in opts.train_argv:
             raise ConfigError("--check is train's; `launch --dry-run` checks the whole job and prints each phase's "
@@ -125,10 +129,16 @@ class JobSetup:
     # -- checks and plans -------------------------------------------------------------------------------
 
     def placements(self, phase: Phase) -> list[Placement]:
-        if phase.waits:
+        """The phase's ranks over the hosts; once the hosts changed, as many of them as there are slots."""
+        gpus = min(phase.gpus, sum(h.slots for h in self.hosts)) if self.hosts_changed else phase.gpus
+        if phase.waits or gpus == 0:
             return []
         return [Placement(h, n, is_local(h.name) and h.name not in self.opts.force_ssh)
-                for h, n in allocate(self.hosts, phase.gpus, self.opts.hosts)]
+                for h, n in allocate(self.hosts, gpus, self.opts.hosts)]
+
+    def use_hosts(self, hosts: list) -> None:
+        """The hosts from now on (a notice or an edit of the hosts file): later starts are placed on them."""
+        self.hosts, self.hosts_changed = list(hosts), True
 
     def pinned_layout(self, spec: JobSpec, phase: Phase) -> Layout | None:
         """The layout the phase (or the flags) pins, completed as the ranks complete --layout."""

@@ -29,6 +29,23 @@ ENV = "ELASTIC_TRAINER_LAUNCHER_HOSTS"
 REFRESH_S = 0.2
 
 
+def host_store(job, say):
+    """The rendezvous store, hosted by the launcher for the whole job (`job`: its JobSetup): no agent hosts it,
+    so any host may be lost."""
+    from torch.distributed import TCPStore
+
+    from elastic_trainer.config import ConfigError
+
+    try:
+        store = TCPStore(job.endpoint_host() if job.iface else "0.0.0.0", job.opts.rdzv_port, is_master=True,
+                         wait_for_workers=False)
+    except (RuntimeError, OSError) as e:
+        raise ConfigError(f"cannot host the rendezvous on port {job.opts.rdzv_port} ({e}); "
+                          "choose another with --rdzv-port") from None
+    say(f"rendezvous: {job.endpoint_host()}:{store.port} (c10d, hosted by this launcher)")
+    return store
+
+
 def key_prefix(run_id: str) -> str:
     return f"elastic_trainer/{run_id}"
 

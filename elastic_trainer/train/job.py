@@ -33,7 +33,7 @@ from elastic_trainer.checkpoint import storage
 from elastic_trainer.config import CheckpointConfig, ModelConfig, TrainConfig
 from elastic_trainer.elastic.events import EventLog
 from elastic_trainer.elastic.exit_codes import PEER_REASON
-from elastic_trainer.elastic.handover import Handover
+from elastic_trainer.elastic.handover import HOSTS_CHANGE, PHASE_END, Handover
 from elastic_trainer.elastic.stop import StopRequest
 from elastic_trainer.parallel.mesh import build_mesh
 from elastic_trainer.plan.layout import Layout
@@ -55,7 +55,6 @@ class JobResult:
     """Why it stopped (None when it finished): the local request, "until step N", or elastic.PEER_REASON."""
 
 
-PHASE_END = "the phase's time is up"
 RELEASE_WAIT_S = 120.0
 """How long a world that handed its state over keeps its copy in memory (and its server) for the next world
 to load; without word from it by then, the copy stays for a restart to find and the world exits."""
@@ -174,10 +173,10 @@ class Job:
                                  layout=trainer.layout.to_dict())
                 if self.handover is not None and dist.get_rank() == 0:
                     self.handover.first_step_done()
-            phase_end = self.handover is not None and dist.get_rank() == 0 and self.handover.asked_to_stop()
-            stop_now, save_due = _agree(stop, checkpointer, trainer.step, phase_end)
+            asked = self.handover.asked_to_stop() if self.handover is not None and dist.get_rank() == 0 else None
+            stop_now, save_due = _agree(stop, checkpointer, trainer.step, asked is not None)
             if stop_now:
-                reason = (stop.reason if stop is not None else None) or (PHASE_END if phase_end else PEER_REASON)
+                reason = (stop.reason if stop is not None else None) or asked or PEER_REASON
             elif save_due:
                 checkpointer.save(trainer)
         if not self.records and self.handover is not None and dist.get_rank() == 0:
@@ -189,9 +188,9 @@ class Job:
                              layout=trainer.layout.to_dict())
             self.log.info(f"[train] stopped after step {trainer.step} ({reason})")
         if checkpointer is not None:
-            successor = self._successor(reason)
+            successor, leaving = self._successor(reason)
             if successor is not None:
-                self._hand_over(successor, stop)
+                self._hand_over(successor, leaving)
             elif checkpointer.last_saved_step != trainer.step:
                 checkpointer.save(trainer, blocking=True)
             checkpointer.wait()
@@ -203,22 +202,26 @@ class Job:
         self.stop_reason = reason
         return "finished" if reason is None else "stopped"
 
-    def _successor(self, reason: str | None) -> int | None:
-        """The phase of a warm world waiting for this state, when this stop is a planned phase end (rank 0
-        asks the launcher; every rank gets its answer). A user's stop or a signal saves to disk as always."""
+    def _successor(self, reason: str | None) -> tuple[str | None, bool]:
+        """(the warm world waiting for this state, whether a host of this world leaves the job), when this stop
+        is a planned phase end (rank 0 asks the launcher; every rank gets its answer). A user's stop or a
+        signal saves to disk as always."""
         if self.handover is None or reason is None:
-            return None
-        planned = reason == PHASE_END or reason.startswith("until step")
-        answer = [self.handover.successor() if dist.get_rank() == 0 and planned else None]
+            return None, False
+        planned = reason in (PHASE_END, HOSTS_CHANGE) or reason.startswith("until step")
+        ask = dist.get_rank() == 0 and planned
+        answer = [(self.handover.successor(), self.handover.hosts_leave()) if ask else (None, False)]
         dist.broadcast_object_list(answer, src=0, group=self.checkpointer.pg)
         return answer[0]
 
-    def _hand_over(self, successor: int, stop: StopRequest | None) -> None:
+    def _hand_over(self, successor: str, leaving: bool) -> None:
         """Write the state into memory and tell the waiting world; once it has loaded and taken its first step
         (so that nothing here slows that step), write the durable checkpoint from the copy in memory and release
-        the copy. Without word from the next world by RELEASE_WAIT_S, the copy stays for a restart to find."""
+        the copy. Without word from the next world by RELEASE_WAIT_S, the copy stays for a restart to find.
+        `leaving`: a host of this world goes away (a scheduler's notice): the durable checkpoint comes first,
+        so that nothing depends on that host living until the next world has loaded."""
         trainer, checkpointer, rank0 = self.trainer, self.checkpointer, dist.get_rank() == 0
-        self.events.emit("handover_started", step=trainer.step, successor=successor)
+        self.events.emit("handover_started", step=trainer.step, successor=successor, hosts_leave=leaving)
         try:
             written = checkpointer.write_memory(trainer)
         except (CheckpointError, CheckpointException) as e:  # on every rank alike (DCP gathers the failures)
@@ -233,14 +236,21 @@ class Job:
                                                             "total_s": written.seconds, "path": str(written.folder)})
         if rank0:
             self.handover.hand_over(successor, written.record)
+        durable = checkpointer.persist(written) if leaving else None
+        if durable is not None:
+            self.events.emit("durable_saved", step=trainer.step, save=dataclasses.asdict(durable))
         deadline = time.monotonic() + RELEASE_WAIT_S
         loaded = self.handover.wait_loaded(successor, lambda: time.monotonic() > deadline)
-        if loaded is not None and "step" in loaded:
+        took = loaded is not None and "step" in loaded
+        if took and not leaving:
             self.handover.wait_first_step(successor, lambda: time.monotonic() > deadline)
         if written.server is not None:
             written.server.stop()
-        durable = checkpointer.persist(written, release=loaded is not None and "step" in loaded)
-        self.events.emit("durable_saved", step=trainer.step, save=dataclasses.asdict(durable))
+        if durable is None:
+            durable = checkpointer.persist(written, release=took)
+            self.events.emit("durable_saved", step=trainer.step, save=dataclasses.asdict(durable))
+        elif took:
+            checkpointer.release(written)
 
     def _diverged(self, error: Diverged) -> Diverged:
         """Nothing is saved: the last checkpoint stays the newest (an asynchronous save of an earlier, good

@@ -5,6 +5,8 @@ its own ranks' files; a rank reaches another host's files only through that host
 - 4 ranks on hosts a, b (dp2 tp2) write a state into memory; 3 ranks on b, c, a (pp3) read it resharded:
   the per-step losses of the chain equal one uninterrupted single-process run (1e-5 relative), rank 0 (on b)
   fetched a's pieces, c (no files) fetched every piece it read, and the durable checkpoint was not read;
+- the same for ZeRO-1 on both sides (2 ranks on a, b -> 4 on a, a, b, c), whose optimizer shards live outside
+  the model's parameters;
 - an in-memory state newer than the newest durable checkpoint wins; one as new too (it is read from memory);
   a state without its record (a rank died writing it) is never read and its folders are removed; the durable
   commit of a step removes the states it covers, except the one the next world is still reading;
@@ -104,6 +106,19 @@ def test_a_state_in_memory_reshards_across_hosts_onto_the_trajectory(tmp_path, s
     assert all(loaded == f"memory:{record['name']}" for loaded, _ in second), (second, record["name"])
     assert close(losses + second[0][1], reference(tokens, 6))
     assert not Path(counts).exists()  # no rank read a durable checkpoint (there is none)
+
+
+def test_a_zero1_state_in_memory_reshards_into_zero1_onto_the_trajectory(tmp_path, shm, tokens):
+    """ZeRO-1 keeps each rank's optimizer shard outside the model's parameters: the state read from memory must
+    reach it (dp2 on hosts a, b -> dp4 on a, a, b, c, each with its own shard of the AdamW moments)."""
+    ckpt, counts = str(tmp_path / "ckpt"), str(tmp_path / "counts.txt")
+    losses, record = run_ranks(write_state, 2, Layout(2, 1, 1, 4, 1, "zero1"), ckpt, [HOST_A, HOST_B], tokens,
+                               3)[0]
+    second = run_ranks(read_state, 4, Layout(4, 1, 1, 2, 1, "zero1"), ckpt, [HOST_A, HOST_A, HOST_B, HOST_C],
+                       tokens, 6, counts)
+    assert all(loaded == f"memory:{record['name']}" for loaded, _ in second), second
+    assert close(losses + second[0][1], reference(tokens, 6))
+    assert not Path(counts).exists()
 
 
 def test_the_newest_state_wins_and_commits_remove_what_they_cover(tmp_path, shm, tokens):

@@ -30,6 +30,9 @@ from elastic_trainer.elastic.handover import CONTROL_ENV
 from elastic_trainer.elastic.lifetime import die_with_parent
 
 WORKER_MODULE = "elastic_trainer.rank"
+EXIT_BARRIER_S = 30.0
+"""How long a launcher's agent whose workers finished waits for the other agents (TorchElastic: 300 s, for an
+agent that hosts the store; an agent stopped by SIGTERM never arrives)."""
 START_ENV = "ELASTIC_TRAINER_WORKER_START"
 """`spawn` makes the agent start fresh interpreters, as plain torchrun does (default `fork`)."""
 
@@ -116,6 +119,8 @@ def _agent_class() -> None:
 
         def __init__(self, spec, *args, **kwargs):
             super().__init__(spec, *args, **kwargs)
+            if os.environ.get(CONTROL_ENV):  # the launcher hosts the store: no agent must outlive the others
+                self._exit_barrier_timeout = EXIT_BARRIER_S
             from elastic_trainer.launch import live_hosts
 
             why = live_hosts.from_environment(spec.rdzv_handler, _rdzv_endpoint)

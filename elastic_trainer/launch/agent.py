@@ -30,6 +30,9 @@ from elastic_trainer.elastic.handover import CONTROL_ENV
 from elastic_trainer.elastic.lifetime import die_with_parent
 
 WORKER_MODULE = "elastic_trainer.rank"
+LAUNCHER_GONE = signal.SIGUSR2
+"""What stops a launcher's agent as SIGTERM stops any other (its ranks save, it exits 143): the launcher's death
+(the kernel's parent-death signal here, remote.sh's on another host) and the launcher's own stop."""
 EXIT_BARRIER_S = 30.0
 """How long a launcher's agent whose workers finished waits for the other agents (TorchElastic: 300 s, for an
 agent that hosts the store; an agent stopped by SIGTERM never arrives)."""
@@ -234,10 +237,10 @@ def run_agent(configured) -> int:
     _rdzv_endpoint = config.rdzv_endpoint
     _agent_class()
     _open_events([str(a) for a in entry_args])
-    if os.environ.get(CONTROL_ENV) and config.run_id:  # the launcher's agent: a SIGTERM may be a notice
+    if os.environ.get(CONTROL_ENV):  # the launcher's agent: SIGTERM is a notice, LAUNCHER_GONE the stop
         from elastic_trainer.launch.notices import take_sigterm_as_notice
 
-        take_sigterm_as_notice(config)
+        take_sigterm_as_notice(config, LAUNCHER_GONE)
     try:
         elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)  # raises when the workers failed
     except ValueError as e:  # a rendezvous setting TorchElastic rejects before any worker starts
@@ -334,6 +337,8 @@ def main(argv: list[str] | None = None) -> None:
         argv = unpark()
         if argv is None:
             os._exit(0)
+    if os.environ.get(CONTROL_ENV):  # the launcher's agent: its SIGTERM is a scheduler's (launch/notices.py)
+        die_with_parent(LAUNCHER_GONE)
 
     relay = start_relay()  # under the launcher: the ranks' output outlives the launcher
     if relay is not None and relay.log_error:

@@ -308,13 +308,15 @@ class Driver:
         if successor is not None:  # started on the old hosts
             self.control.unset(world.key, "next")
             successor = self._settle(successor, "the job's hosts changed", terminate=True)
-        if [(p.host.name, p.nproc) for p in placements] == world.placed:
+        if [(p.host.name, p.nproc) for p in placements] == world.placed:  # (back to) the hosts it has
+            world.reform_by, world.leaving = None, []
             return None
         if not placements:
             self.say("no host is left: the ranks save and stop; continue with --resume once hosts are back")
             self._interrupts = max(self._interrupts, 1)
             return None
-        world.reform_by = change.deadline or time.time() + READY_WAIT_S
+        by = change.deadline or time.time() + READY_WAIT_S  # an earlier notice's deadline still holds
+        world.reform_by = by if world.reform_by is None else min(world.reform_by, by)
         world.leaving = sorted({h for h, _ in world.placed} - {p.host.name for p in placements})
         refusal = warm_refusal(job, world.index, world.index) if job.opts.warm_start else "no warm start"
         if refusal:
@@ -385,8 +387,6 @@ class Driver:
         return PhaseOutcome({}, stop_requested=False, interrupted=bool(self._interrupts))
 
     def _terminate(self, world: World) -> None:
-        """Stop a world's agents: marked first, so that their SIGTERM is not taken for a scheduler's notice."""
-        self.control.set(world.key, "terminate")
         self.processes.terminate(world.agents)
 
 

@@ -113,13 +113,13 @@ class Notices:
             ([f"{', '.join(joined)} joined the hosts file"] if joined else [])
 
 
-def take_sigterm_as_notice(config) -> None:
-    """In a launcher's agent (`config`: TorchElastic's launch config, before it starts): SIGTERM becomes a notice to the launcher
-    that this host goes away. The workers keep training; the launcher re-forms the job without this host and
-    asks them to stop and hand their state over. Half the grace period later, or at once when the launcher's
-    store does not answer (the launcher is gone: its death is what SIGTERMs a local agent, and a remote one when
-    ssh closes), when the launcher itself stopped this world, or on a second SIGTERM, the agent does what
-    TorchElastic does with SIGTERM: it stops its workers, which save to the checkpoint folder."""
+def take_sigterm_as_notice(config, stop_signal: int) -> None:
+    """In a launcher's agent (`config`: TorchElastic's launch config, before it starts): SIGTERM becomes a notice
+    to the launcher that this host goes away. The workers keep training; the launcher re-forms the job without
+    this host and asks them to stop and hand their state over. Half the grace period later, on a second
+    SIGTERM, or at once when the launcher's store does not answer, the agent does what TorchElastic does with
+    SIGTERM: it stops its workers, which save to the checkpoint folder. `stop_signal` (which the launcher's
+    death and the launcher itself send) does that at once."""
     import signal
     import threading
 
@@ -127,17 +127,17 @@ def take_sigterm_as_notice(config) -> None:
 
     from elastic_trainer.elastic.handover import Control, host_name
 
-    parent, noticed = os.getppid(), []
+    noticed = []
     grace = float(os.environ.get(NOTICE_GRACE_ENV) or DEFAULT_GRACE_S)
 
     def notify() -> bool:
-        if noticed or os.getppid() != parent:
+        if noticed:
             return False
         try:
             control = Control.from_environment(timeout_s=2.0)
         except (RuntimeError, OSError, ValueError):
             return False
-        return control is not None and control.get(world, "terminate") is None and control.notify(host_name(), grace)
+        return control is not None and control.notify(host_name(), grace)
 
     def on_sigterm(signum, frame) -> None:
         if not notify():
@@ -149,6 +149,6 @@ def take_sigterm_as_notice(config) -> None:
         timer.daemon = True
         timer.start()
 
-    world = config.run_id
     config.signals_to_handle = "SIGINT,SIGHUP,SIGQUIT"  # TorchElastic's, for its workers' start: SIGTERM is ours
     signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(stop_signal, lambda signum, frame: _terminate_process_handler(signal.SIGTERM, frame))

@@ -10,7 +10,7 @@ import subprocess
 import threading
 from dataclasses import dataclass, field
 
-from elastic_trainer.launch.agent import PARKED
+from elastic_trainer.launch.agent import LAUNCHER_GONE, PARKED
 from elastic_trainer.launch.commands import AgentSpec, Placement
 
 
@@ -107,9 +107,11 @@ class Processes:
 
     @staticmethod
     def terminate(agents: list[Agent]) -> None:
+        """Stop agents as the launcher's death would: LAUNCHER_GONE (not SIGTERM, which is a scheduler's notice)
+        to a local agent, which stops its workers; to ssh, which closes, and remote.sh sends it on."""
         for a in agents:
             if a.proc.poll() is None:
-                a.proc.terminate()  # the local agent stops its workers; ssh closes, remote.sh stops the agent
+                a.proc.send_signal(LAUNCHER_GONE)
                 a.proc.stdin.close()
 
     def close(self) -> None:

@@ -126,6 +126,9 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-batches", type=POSITIVE, help="validation batches of --global-batch samples (default 4)")
     p.add_argument("--metrics-file", help="append one JSON object per step to this file")
     p.add_argument("--log-every", type=POSITIVE, help="progress line every N steps (default 1)")
+    p.add_argument("--tensorboard", nargs="?", const="", metavar="DIR",
+                   help="write TensorBoard event files (rank 0) into DIR (default: tensorboard/ beside the metrics "
+                        "file, the run folder under the launcher); needs the tensorboard package")
     p.add_argument("--until-step", type=STEP, help="stop (saving) after this global step; unlike --steps it "
                                                    "leaves the learning-rate schedule alone (a schedule phase's end)")
     p.add_argument("--events-file", help="append scale events (JSON lines: processes up, state loaded, first "

@@ -130,8 +130,21 @@ def check_outputs(spec: JobSpec) -> None:
     for flag, value in (("--metrics-file", spec.train.metrics_file), ("--events-file", spec.events_file)):
         if value:
             check_file_target(value, flag)
+    check_tensorboard(spec.train.tensorboard)
     if spec.stop_file and Path(spec.stop_file).is_dir():
         raise ConfigError(f"--stop-file {spec.stop_file!r} is a folder (valid: a file path that does not exist yet)")
+
+
+def check_tensorboard(folder: str | None) -> None:
+    """--tensorboard: the package importable and the folder one that can be made or written."""
+    if folder is None:
+        return
+    from elastic_trainer.train.tensorboard import missing
+
+    error = missing()
+    if error:
+        raise ConfigError(error)
+    check_dir_target(folder, "--tensorboard")
 
 
 def resume_summary(ckpt: CheckpointConfig | None) -> str:

@@ -182,7 +182,8 @@ def _train(spec: JobSpec, phase: PhaseSpec, layout: Layout, device, stop, events
     rank0 = dist.get_rank() == 0
     _say_host_ranks(dist.get_rank(), dist.get_world_size(), env)
     train = spec.train
-    log = MetricsLog(train.metrics_file, enabled=rank0, log_every=train.log_every, total_steps=train.steps, tags=tags)
+    log = MetricsLog(train.metrics_file, enabled=rank0, log_every=train.log_every, total_steps=train.steps, tags=tags,
+                     tensorboard=train.tensorboard)
     result = run_job(spec.model, train, layout, device, ckpt=spec.checkpoint, stop=stop, until=phase.until_step,
                      log=log, events=events, tokens=corpus.train, val_tokens=corpus.val,
                      handover=_handover(phase, env))

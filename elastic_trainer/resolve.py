@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 from elastic_trainer.config import (DP_MODES, CheckpointConfig, ConfigError, ModelConfig, TrainConfig, divisors,
                                     fmt_values, load_model_config, load_run_config)
@@ -21,7 +22,7 @@ from elastic_trainer.test_hooks import count
 # command-line flag -> TrainConfig field, for flags that override a run config
 TRAIN_FLAGS = ("global_batch", "seq_len", "steps", "seed", "lr", "warmup_steps", "decay_steps", "dtype",
                "metrics_file", "log_every", "data_cache", "grad_clip", "weight_decay", "skip_bad_records",
-               "text_field", "data_split", "val_fraction", "eval_every", "eval_batches")
+               "text_field", "data_split", "val_fraction", "eval_every", "eval_batches", "tensorboard")
 
 
 # -- flags -> parts of the spec --------------------------------------------------------------------------
@@ -106,6 +107,11 @@ def describe_job(args: argparse.Namespace, *, built_by: str, detect_hardware: bo
     resolve_files(train.data)  # a missing or unsupported data source fails here, not on every rank later
     if metrics_file is not None:
         train = dataclasses.replace(train, metrics_file=metrics_file)
+    if train.tensorboard is not None:  # `--tensorboard` alone: beside the metrics file; every rank, one path
+        from elastic_trainer.train.tensorboard import default_dir
+
+        train = dataclasses.replace(train, tensorboard=os.path.abspath(train.tensorboard or
+                                                                       default_dir(train.metrics_file)))
     hardware = resolve_hardware(args.hardware) if args.hardware or detect_hardware else None
     return JobSpec(model, train, checkpoint_config(args, *checkpoint), layout_settings(args, table), hardware,
                    args.use_gpus, events_file if events_file is not None else args.events_file,

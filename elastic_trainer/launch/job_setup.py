@@ -212,6 +212,7 @@ class JobSetup:
         preflight.check_dir_target(self.run_dir, "--run-dir")
         preflight.check_dir_target(self.checkpoint_dir, "--checkpoint-dir")
         preflight.check_dir_target(self.train.data_cache or default_cache_dir(), "the data cache (--data-cache)")
+        preflight.check_tensorboard(self.train.tensorboard)
         for data in (self.train.data, self.train.val_data):
             if data:
                 resolved = resolve(data, self.train.data_split, validation=data is self.train.val_data)

@@ -10,18 +10,26 @@ from pathlib import Path
 
 class MetricsLog:
     def __init__(self, path: str | None, enabled: bool, log_every: int = 1, total_steps: int | None = None,
-                 tags: dict | None = None):
-        """`tags` (the launcher's phase, torchrun's restart count) are added to every record."""
+                 tags: dict | None = None, tensorboard: str | None = None):
+        """`tags` (the launcher's phase, torchrun's restart count) are added to every record; `tensorboard`: a
+        folder for TensorBoard event files of the same records (train/tensorboard.py)."""
         self.enabled = enabled
         self.tags = dict(tags or {})
         self.log_every = log_every
         self.total_steps = total_steps
         self.path = path if enabled else None
         self._file = None
+        self._board = None
+        if enabled and tensorboard:
+            from elastic_trainer.train.tensorboard import TensorBoardLog
+
+            self._board = TensorBoardLog(tensorboard, self.path)
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
+        if self._board is not None:  # first: its first step reads the record the previous start wrote last
+            self._board.write({**record, **self.tags})
         if self._file is None and self.path:  # opened at the first step: a run that never steps leaves no file
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a", buffering=1)
@@ -43,6 +51,8 @@ class MetricsLog:
             print(message, flush=True)
 
     def close(self) -> None:
+        if self._board is not None:
+            self._board.close()
         if self._file is not None:
             self._file.close()
             self._file = None

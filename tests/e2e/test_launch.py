@@ -135,7 +135,8 @@ def wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int, timeout: flo
 def test_default_job_through_run_sh(tmp_path, data_cache, reference):
     run_dir = tmp_path / "default"
     counts = tmp_path / "counts.txt"
-    proc = subprocess.run([str(ROOT / "run.sh"), "--run-dir", str(run_dir), "--", "--data-cache", data_cache],
+    proc = subprocess.run([str(ROOT / "run.sh"), "--run-dir", str(run_dir), "--", "--data-cache", data_cache,
+                           "--tensorboard"],
                           capture_output=True, text=True, env=dict(env(), ELASTIC_TRAINER_TEST_COUNTS=str(counts)),
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
@@ -157,6 +158,17 @@ def test_default_job_through_run_sh(tmp_path, data_cache, reference):
     table = proc.stdout[proc.stdout.index("phases:"):]
     assert [line.split()[:2] for line in table.splitlines()[2:6]] == [["1", "4"], ["2", "8"], ["3", "2"], ["4", "4"]]
     assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # TensorBoard (`--tensorboard`: RUN_DIR/tensorboard), read with its own reader: one curve through 3 events
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    board.Reload()
+    losses = board.Scalars("train/loss")
+    assert [e.step for e in losses] == list(range(1, 33))  # every step once
+    assert all(abs(e.value - r["loss"]) <= 1e-6 * r["loss"] for e, r in zip(losses, kept))
+    assert [e.value for e in board.Scalars("elastic/world_size")] == [4] * 8 + [8] * 8 + [2] * 8 + [4] * 8
+    assert [e.step for e in board.Scalars("elastic/downtime_s")] == [9, 17, 25]
+    assert [e.step for e in board.Scalars("train/learning_rate")] == list(range(1, 33))
     again = subprocess.run([str(ROOT / "run.sh"), "--run-dir", str(run_dir), "--resume"], capture_output=True,
                            text=True, env=env(), timeout=300)
     assert again.returncode == 0 and "nothing to train: the newest checkpoint is step 32 of 32" in again.stdout

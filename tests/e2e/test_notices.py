@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from elastic_trainer.elastic.events import read_jsonl
+from elastic_trainer.elastic.report import effective
 from tests.e2e.test_handover import _wait_event, assert_nothing_left, assert_on_trajectory, durable_reads, events, \
     job_env
 from tests.e2e.test_launch import DEFAULT, launch_argv, metrics, schedule, static_run
@@ -61,8 +62,8 @@ def test_a_host_leaves_on_notice_and_another_joins(tmp_path, data_cache, sotu_to
     """2 + 2 ranks on 127.0.0.1 and 127.0.0.2. At step 3, 127.0.0.2's agent gets SIGTERM (a scheduler's
     notice): the launcher re-forms the job on 127.0.0.1 alone, in a world started beside the running one, which
     takes the state from memory (127.0.0.2's pieces from its server). Then 127.0.0.3 is added to the hosts
-    file: the job re-forms on 127.0.0.1 + 127.0.0.3 the same way. No durable checkpoint is read, and the
-    noticed agent ends with exit code 0 after its ranks handed over."""
+    file: the job re-forms on 127.0.0.1 + 127.0.0.3 the same way (two steps later the job is stopped). No
+    durable checkpoint is read, and the noticed agent ends with exit code 0 after its ranks handed over."""
     proc, run_dir, hosts_file = start(tmp_path, data_cache, "127.0.0.1 slots=2\n127.0.0.2 slots=2\n")
     noticed = agent_of(run_dir, proc, "127.0.0.2")
     wait_step(run_dir, proc, 3)
@@ -71,8 +72,14 @@ def test_a_host_leaves_on_notice_and_another_joins(tmp_path, data_cache, sotu_to
     tmp = hosts_file.with_suffix(".new")
     tmp.write_text("127.0.0.1 slots=2\n127.0.0.3 slots=2\n")
     os.replace(tmp, hosts_file)
+    first = events(run_dir, "handover_done")[0]
+    joined = _wait_event(run_dir, proc, lambda e: e["event"] == "handover_done" and e["time"] > first["time"])
+    wait_step(run_dir, proc, joined["step"] + 2)
+    (run_dir / "stop").touch()  # the rest of the schedule would only train on
     out = finish(proc)
-    reference = static_run(sotu_tokens, dataclasses.replace(DEFAULT.train, steps=STEPS), STEPS)
+    trained = effective(metrics(run_dir))[-1]["step"]
+    assert trained < STEPS
+    reference = static_run(sotu_tokens, dataclasses.replace(DEFAULT.train, steps=STEPS), trained)
     kept = assert_on_trajectory(run_dir, reference, DEFAULT.train.global_batch)
     sizes = [r["world_size"] for r in kept]
     changes = [sizes[i] for i in range(len(sizes)) if i == 0 or sizes[i] != sizes[i - 1]]

@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,11 +32,11 @@ import time
 from pathlib import Path
 
 from elastic_trainer.elastic.events import read_jsonl
-from elastic_trainer.elastic.report import downtime, effective, segments
+from elastic_trainer.elastic.report import downtime, segments
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from failures import agent_of, wait  # noqa: E402  (the sibling benchmark's helpers)
+from failures import agent_of, median, wait  # noqa: E402  (the sibling benchmark's helpers)
 
 PARTS = ("save_s", "wait_s", "handover_s", "setup_s", "first_step_s")
 
@@ -59,6 +58,10 @@ def stepped(run_dir: Path, after: float, world: int):
     """The first step that began after `after` in a world of `world` ranks (or None)."""
     return next((r for r in read_jsonl(run_dir / "metrics.jsonl")
                  if r["world_size"] == world and r["time"] - r["step_time_s"] > after), None)
+
+
+def reached(run_dir: Path, step: int) -> bool:
+    return any(r["step"] >= step for r in read_jsonl(run_dir / "metrics.jsonl"))
 
 
 def finish(proc: subprocess.Popen, run_dir: Path) -> None:
@@ -88,11 +91,11 @@ def gaps(run_dir: Path, marks: list[float]) -> list[dict]:
 def notice_then_join(folder: Path, data_cache: str) -> list[dict]:
     proc, run_dir = start(folder, data_cache)
     try:
-        wait(lambda: any(r["step"] >= 6 for r in read_jsonl(run_dir / "metrics.jsonl")), proc)
+        wait(lambda: reached(run_dir, 6), proc)
         noticed = time.time()
         os.kill(agent_of(proc.pid, "127.0.0.2"), signal.SIGTERM)
         two = wait(lambda: stepped(run_dir, noticed, 2), proc)
-        wait(lambda: any(r["step"] >= two["step"] + 5 for r in read_jsonl(run_dir / "metrics.jsonl")), proc)
+        wait(lambda: reached(run_dir, two["step"] + 5), proc)
         edited = time.time()
         new = folder / "hosts.new"
         new.write_text("127.0.0.1 slots=2\n127.0.0.3 slots=2\n")
@@ -104,14 +107,13 @@ def notice_then_join(folder: Path, data_cache: str) -> list[dict]:
     rows = gaps(run_dir, [noticed, edited])
     for row, kind in zip(rows, ("notice", "join")):
         row["kind"] = kind
-    assert len(effective(read_jsonl(run_dir / "metrics.jsonl"))) > 0
     return rows
 
 
 def lost(folder: Path, data_cache: str) -> dict:
     proc, run_dir = start(folder, data_cache)
     try:
-        wait(lambda: any(r["step"] >= 6 for r in read_jsonl(run_dir / "metrics.jsonl")), proc)
+        wait(lambda: reached(run_dir, 6), proc)
         killed = time.time()
         os.kill(agent_of(proc.pid, "127.0.0.2"), signal.SIGKILL)
         first = wait(lambda: stepped(run_dir, killed, 2), proc)
@@ -122,11 +124,6 @@ def lost(folder: Path, data_cache: str) -> dict:
     last_end = max(r["time"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["time"] <= killed)
     return {"kind": "lost", "from": 4, "to": 2, "downtime_s": first["time"] - first["step_time_s"] - last_end,
             "first_step_s": first["step_time_s"], "redone": before - first["step"] + 1}
-
-
-def median(rows: list[dict], key: str) -> float | None:
-    values = [r[key] for r in rows if r.get(key) is not None]
-    return round(statistics.median(values), 3) if values else None
 
 
 def main() -> None:

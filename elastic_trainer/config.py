@@ -179,10 +179,8 @@ class TrainConfig:
     """Directory for tokenized corpora; default ~/.cache/elastic_trainer."""
     metrics_file: str | None = None
     """JSON-lines file receiving one object per step."""
-    log_every: int = 1
-    """Print a progress line every this many steps."""
-    tensorboard: str | None = None
-    """Folder of TensorBoard event files, written by rank 0 (train/tensorboard.py); None: none."""
+    log_every: int = 1  # a progress line every this many steps
+    tensorboard: str | None = None  # folder of TensorBoard event files, written by rank 0 (train/tensorboard.py)
     skip_bad_records: bool = False
     """Leave data records that cannot be read out of the corpus (counted and reported) instead of stopping at
     the first with its file and line."""

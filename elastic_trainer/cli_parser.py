@@ -126,6 +126,9 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-batches", type=POSITIVE, help="validation batches of --global-batch samples (default 4)")
     p.add_argument("--metrics-file", help="append one JSON object per step to this file")
     p.add_argument("--log-every", type=POSITIVE, help="progress line every N steps (default 1)")
+    p.add_argument("--profile-steps", metavar="A:B",
+                   help="torch.profiler trace of global steps A to B, one Chrome-trace file per rank in profile/ "
+                        "beside the metrics file (the run folder under the launcher)")
     p.add_argument("--tensorboard", nargs="?", const="", metavar="DIR",
                    help="write TensorBoard event files (rank 0) into DIR (default: tensorboard/ beside the metrics "
                         "file, the run folder under the launcher); needs the tensorboard package")

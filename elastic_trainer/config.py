@@ -181,6 +181,7 @@ class TrainConfig:
     """JSON-lines file receiving one object per step."""
     log_every: int = 1  # a progress line every this many steps
     tensorboard: str | None = None  # folder of TensorBoard event files, written by rank 0 (train/tensorboard.py)
+    profile_steps: str | None = None  # "A:B": a profiler trace of global steps A..B per rank (train/profile.py)
     skip_bad_records: bool = False
     """Leave data records that cannot be read out of the corpus (counted and reported) instead of stopping at
     the first with its file and line."""
@@ -253,7 +254,6 @@ class CheckpointConfig:
                               f"save_interval_s={self.save_interval_s}, keep={self.keep})")
         if self.resume not in ("auto", "never") and not Path(self.resume).is_dir():
             raise ConfigError(f"--resume {self.resume!r} is neither auto, never nor a checkpoint folder")
-
 
 
 def configs_dir() -> Path:

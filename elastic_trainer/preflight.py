@@ -131,6 +131,10 @@ def check_outputs(spec: JobSpec) -> None:
         if value:
             check_file_target(value, flag)
     check_tensorboard(spec.train.tensorboard)
+    if spec.train.profile_steps is not None:
+        from elastic_trainer.train.profile import parse
+
+        parse(spec.train.profile_steps)
     if spec.stop_file and Path(spec.stop_file).is_dir():
         raise ConfigError(f"--stop-file {spec.stop_file!r} is a folder (valid: a file path that does not exist yet)")
 

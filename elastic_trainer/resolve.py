@@ -22,7 +22,8 @@ from elastic_trainer.test_hooks import count
 # command-line flag -> TrainConfig field, for flags that override a run config
 TRAIN_FLAGS = ("global_batch", "seq_len", "steps", "seed", "lr", "warmup_steps", "decay_steps", "dtype",
                "metrics_file", "log_every", "data_cache", "grad_clip", "weight_decay", "skip_bad_records",
-               "text_field", "data_split", "val_fraction", "eval_every", "eval_batches", "tensorboard")
+               "text_field", "data_split", "val_fraction", "eval_every", "eval_batches", "tensorboard",
+               "profile_steps")
 
 
 # -- flags -> parts of the spec --------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
 
 from elastic_trainer.config import ModelConfig
 from elastic_trainer.data.order import microbatch_slices
@@ -103,7 +104,8 @@ class Engine:
         else:
             total = self._sequential(tokens, kwargs)
         if self.zero is not None:
-            self.zero.reduce()
+            with record_function("zero1 reduce-scatter"):
+                self.zero.reduce()
         return total
 
     def _sequential(self, tokens: torch.Tensor, kwargs: dict) -> torch.Tensor:
@@ -113,8 +115,10 @@ class Engine:
             if self.layout.dp_mode == "ddp":  # reduce once, after the last micro-batch
                 set_gradient_sync(self.model, j == len(slices) - 1)
             mb = tokens[rows]
-            loss = self.loss_fn(self.model(mb[:, :-1], **{k: v[rows] for k, v in kwargs.items()}), mb[:, 1:])
-            loss.backward()
+            with record_function(f"forward {j}"):
+                loss = self.loss_fn(self.model(mb[:, :-1], **{k: v[rows] for k, v in kwargs.items()}), mb[:, 1:])
+            with record_function(f"backward {j}"):
+                loss.backward()
             total += loss.detach()
         return total
 

@@ -41,9 +41,28 @@ def build_schedule(
     # imported here: it pulls in torch._dynamo (0.6 s per process), which a layout with pp = 1 never needs
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    stage = PipelineStage(stage_module, stage_index, layout.pp, device, group=pp_group)
+    stage = _labelled(PipelineStage(stage_module, stage_index, layout.pp, device, group=pp_group))
     schedule_cls = Schedule1F1B if layout.num_microbatches >= layout.pp else ScheduleGPipe
     return schedule_cls(stage, n_microbatches=layout.num_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def _labelled(stage):
+    """The stage, its forward and backward of each micro-batch labelled `forward M` / `backward M` for a
+    profiler trace (train/profile.py), as the sequential path labels them: not every torch schedule does."""
+    from torch.profiler import record_function
+
+    forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+
+    def forward_one_chunk(fwd_chunk_id, *args, **kwargs):
+        with record_function(f"forward {fwd_chunk_id}"):
+            return forward(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(bwd_chunk_id, *args, **kwargs):
+        with record_function(f"backward {bwd_chunk_id}"):
+            return backward(bwd_chunk_id, *args, **kwargs)
+
+    stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+    return stage
 
 
 def tied_embedding_group(mesh: DeviceMesh, layout: Layout) -> dist.ProcessGroup | None:

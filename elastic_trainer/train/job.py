@@ -39,6 +39,7 @@ from elastic_trainer.parallel.mesh import build_mesh
 from elastic_trainer.plan.layout import Layout
 from elastic_trainer.train.loop import Diverged, Trainer
 from elastic_trainer.train.metrics import MetricsLog
+from elastic_trainer.train.profile import StepProfiler
 
 
 @dataclass
@@ -90,6 +91,8 @@ class Job:
                       f"{layout.world_size} rank(s), {device.type}: {layout.describe()}; global batch "
                       f"{train_cfg.global_batch} x {train_cfg.seq_len} tokens, until step {train_cfg.steps}")
         mesh = build_mesh(layout, device.type)
+        self.profiler = StepProfiler(train_cfg.profile_steps, train_cfg.metrics_file,
+                                     dist.get_rank() if dist.is_initialized() else 0, device.type)
         self.checkpointer = Checkpointer(ckpt, log=print if self.log.enabled else _quiet) if ckpt else None
         resume = ckpt.resume if ckpt else "never"
         build = functools.partial(Trainer, model_cfg, train_cfg, layout, mesh, device, tokens=tokens,
@@ -160,10 +163,12 @@ class Job:
         last = trainer.cfg.steps if until is None else min(until, trainer.cfg.steps)
         reason = None
         while trainer.step < last and reason is None:
+            self.profiler.before(trainer.step + 1)
             try:
                 record = trainer.train_step()
             except Diverged as e:
                 raise self._diverged(e) from None
+            self.profiler.after(trainer.step)
             if evaluation_due(trainer.step, trainer.cfg, trainer.val_batches):
                 record.update(self._evaluate())
             self.log.write(record)
@@ -179,6 +184,7 @@ class Job:
                 reason = (stop.reason if stop is not None else None) or asked or PEER_REASON
             elif save_due:
                 checkpointer.save(trainer)
+        self.profiler.close()  # a run that stops inside the window: the steps it traced
         if not self.records and self.handover is not None and dist.get_rank() == 0:
             self.handover.first_step_done()  # nothing to train: whoever waits for a first step waits no more
         if reason is None and trainer.step < trainer.cfg.steps:

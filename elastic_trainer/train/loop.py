@@ -13,6 +13,7 @@ import time
 import numpy as np
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.profiler import record_function
 
 from elastic_trainer.config import ConfigError, ModelConfig, TrainConfig
 from elastic_trainer.data import TokenSamples, samples_for
@@ -104,15 +105,19 @@ class Trainer:
             keys = sample_keys(cfg.seed, torch.arange(positions.start, positions.stop, dtype=torch.int64))
         self.optimizer.zero_grad(set_to_none=True)
         local_loss = engine.forward_backward(tokens, keys)
-        engine.reduce_tied_grads()
-        grad_norm = float(engine.clip_grad_norm_(cfg.grad_clip))  # global: the same on every rank
-        loss = engine.global_loss(local_loss)  # a collective: every rank has finished its backward
+        with record_function("clip grad norm"):  # labels for a profiler trace (train/profile.py)
+            engine.reduce_tied_grads()
+            grad_norm = float(engine.clip_grad_norm_(cfg.grad_clip))  # global: the same on every rank
+        with record_function("loss all-reduce"):
+            loss = engine.global_loss(local_loss)  # a collective: every rank has finished its backward
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             raise Diverged(self.step + 1, loss, grad_norm)  # on every rank alike, before the update
         lr = lr_at(self.step, cfg)
         set_lr(self.optimizer, lr)
-        self.optimizer.step()
-        engine.sync_params()
+        with record_function("optimizer"):
+            self.optimizer.step()
+        with record_function("sync params"):
+            engine.sync_params()
         self.step += 1
         dt = time.perf_counter() - t0
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,

@@ -116,6 +116,18 @@ def run_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_generate(args: argparse.Namespace) -> int:
+    from elastic_trainer.data import tokenizer
+    from elastic_trainer.model import generate
+
+    prompt = tokenizer.encode(args.prompt)
+    generate.check(len(prompt), args.max_new_tokens, 1 << 62, args.temperature, args.top_k)  # before loading
+    model, _ = generate.from_checkpoint(args.checkpoint)
+    tokens = generate.generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    print(args.prompt + tokenizer.decode(tokens), flush=True)
+    return 0
+
+
 def run_import_deepspeed(args: argparse.Namespace) -> int:
     from elastic_trainer.interop import deepspeed
 
@@ -253,8 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         return rank.finish_worker(rank.report_bad_input(e, env), env)
 
 
-COMMANDS = {"train": run_train_command, "launch": run_launch, "checkpoint": run_checkpoint, "plan": run_plan,
-            "calibrate": run_calibrate, "experiment": run_experiment, "kubernetes": run_kubernetes,
+COMMANDS = {"train": run_train_command, "launch": run_launch, "checkpoint": run_checkpoint, "generate": run_generate,
+            "plan": run_plan, "calibrate": run_calibrate, "experiment": run_experiment, "kubernetes": run_kubernetes,
             "prepare-data": run_prepare_data}
 
 

@@ -328,6 +328,17 @@ def _add_prepare_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verify", action="store_true", help="also check every shard's digest against the manifest")
 
 
+def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="continue a prompt with a checkpoint's model (any layout), in one process")
+    p.add_argument("checkpoint", help="a checkpoint root (its newest complete one) or one checkpoint folder")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=50, help="tokens to add (default 50)")
+    p.add_argument("--temperature", type=Number(float), default=0.8, help="0: greedy, the most likely token each "
+                                                                          "time; else sampled (default 0.8)")
+    p.add_argument("--top-k", type=int, help="sample among the K most likely tokens only (default: all)")
+    p.add_argument("--seed", type=NON_NEGATIVE, default=0, help="the sampling generator's seed (default 0)")
+
+
 def build_parser(description: str = "") -> Parser:
     parser = Parser(prog="elastic-trainer", description=description)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -335,6 +346,7 @@ def build_parser(description: str = "") -> Parser:
     _add_launch_parser(sub)
     _add_torchrun_parser(sub)
     _add_checkpoint_parser(sub)
+    _add_generate_parser(sub)
     _add_plan_parser(sub)
     _add_prepare_parser(sub)
     _add_calibrate_parser(sub)

@@ -14,6 +14,11 @@ weight decay included; `optimizer.iterations` then counts updates. Two things th
 - a `LearningRateSchedule` is evaluated at the update count. Keras evaluates schedules at the micro-step
   count, so with n steps a schedule would run n times faster, and the trajectory would depend on the GPU
   count that chose n.
+
+The whole-model entry point of Run:AI's library, `runai.elastic.keras.models.Model(model)`, is `Model(model,
+init(global_batch_size, max_gpu_batch_size))` here (the arithmetic comes back from `init` rather than from
+module globals): `compile` wraps whatever optimizer it is given with the accumulation steps, `fit` runs
+batches of the per-device size.
 Install with the `keras` extra: `pip install elastic-trainer[keras]`.
 """
 
@@ -95,5 +100,37 @@ Adadelta = _accumulating(keras.optimizers.Adadelta)
 Adamax = _accumulating(keras.optimizers.Adamax)
 Nadam = _accumulating(keras.optimizers.Nadam)
 
-__all__ = ["GradientAccumulation", "PerUpdateSchedule", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad",
+class Model:
+    """A Keras model trained with the global batch of an `ElasticConfig` (compat.runai.init) on this device:
+    `compile(optimizer=...)` accumulates over `config.steps` batches (any optimizer, or its name), `fit` takes
+    `config.batch_size` samples per batch, so every optimizer update sees `config.global_batch_size` samples.
+    Everything else (predict, evaluate, save, weights) is the wrapped model's."""
+
+    def __init__(self, model: keras.Model, config) -> None:
+        if not isinstance(model, keras.Model):
+            raise ConfigError(f"model={type(model).__name__} is not a keras.Model")
+        if config.world_size > 1:
+            raise ConfigError(f"the Keras wrapper trains on one device; init() found {config.world_size} "
+                              "(Keras's data-parallel distribution needs its JAX backend, which this project does "
+                              "not test): pass world_size=1, or train with elastic-trainer")
+        self.model, self.config = model, config
+
+    def compile(self, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> None:
+        self.model.compile(GradientAccumulation(keras.optimizers.get(optimizer), self.config.steps), *args,
+                           **kwargs)
+
+    def fit(self, *args: Any, batch_size: int | None = None, **kwargs: Any) -> Any:
+        """Keras's fit with the per-device batch; `batch_size`, when given, must be the global batch (what it
+        means without accumulation) or the per-device one."""
+        allowed = (self.config.global_batch_size, self.config.batch_size)
+        if batch_size is not None and batch_size not in allowed:
+            raise ConfigError(f"fit(batch_size={batch_size}) is neither the global batch {allowed[0]} nor the "
+                              f"per-device batch {allowed[1]} of init(); leave it out")
+        return self.model.fit(*args, batch_size=self.config.batch_size, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+__all__ = ["Model", "GradientAccumulation", "PerUpdateSchedule", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad",
            "Adadelta", "Adamax", "Nadam"]

@@ -107,3 +107,36 @@ def test_bad_input_is_one_clear_line(build, steps, message):
     with pytest.raises(ConfigError) as info:
         ga.GradientAccumulation(build(), steps)
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_the_model_wrapper_trains_the_global_batch_on_one_device():
+    """Run:AI's `runai.elastic.keras.models.Model(model)`: init(12, 3) on one device gives 4 accumulated
+    batches of 3; fit through the wrapper equals plain Keras with batches of 12, after UPDATES updates
+    (measured difference below 1e-7; bound 1e-6 as above)."""
+    from elastic_trainer.compat.runai import init
+
+    config = init(K * B, B, world_size=1)
+    assert (config.steps, config.batch_size) == (K, B)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((K * B * UPDATES, 6)).astype("float32")
+    y = rng.standard_normal((K * B * UPDATES, 3)).astype("float32")
+
+    def model():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3)])
+
+    plain = model()
+    plain.compile(optimizer=keras.optimizers.AdamW(learning_rate=1e-2), loss="mse")
+    plain.fit(x, y, batch_size=K * B, epochs=1, shuffle=False, verbose=0)
+    wrapped = ga.Model(model(), config)
+    wrapped.compile(optimizer=keras.optimizers.AdamW(learning_rate=1e-2), loss="mse")
+    wrapped.fit(x, y, batch_size=K * B, epochs=1, shuffle=False, verbose=0)
+    assert max_diff(wrapped.get_weights(), plain.get_weights()) < 1e-6
+    assert int(wrapped.optimizer.iterations) == UPDATES and wrapped.optimizer.gradient_accumulation_steps == K
+    named = ga.Model(model(), config)  # an optimizer given by name is accumulated too
+    named.compile(optimizer="sgd", loss="mse")
+    assert named.optimizer.gradient_accumulation_steps == K
+    with pytest.raises(ConfigError, match="neither the global batch 12 nor the per-device batch 3"):
+        wrapped.fit(x, y, batch_size=5, verbose=0)
+    with pytest.raises(ConfigError, match="trains on one device; init\\(\\) found 2"):
+        ga.Model(model(), init(K * B, B, world_size=2))

@@ -82,17 +82,20 @@ def cli(*argv: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
-def test_the_command_prints_the_text_and_refuses_bad_input_in_one_line(checkpoint, tmp_path):
+def test_the_command_prints_the_text_and_refuses_bad_input_in_one_line(checkpoint, tmp_path, capsys):
+    from elastic_trainer import cli as command
+
     model, _ = from_checkpoint(str(checkpoint))
     greedy = tokenizer.decode(generate(model, tokenizer.encode(PROMPT), 12, temperature=0))
     run = cli(str(checkpoint), "--prompt", PROMPT, "--max-new-tokens", "12", "--temperature", "0")
     assert run.returncode == 0 and run.stdout == PROMPT + greedy + "\n", run.stderr[-2000:]
-    for argv, message in [
+    for argv, message in [  # in this process: the same main() the command runs
         ((str(tmp_path / "none"), "--prompt", "x"), "does not exist"),
         ((str(checkpoint), "--prompt", "word " * 300), "exceed the model's context of 256 tokens"),
         ((str(checkpoint), "--prompt", "x", "--top-k", "0"), "--top-k 0 must be >= 1"),
         ((str(checkpoint), "--prompt", ""), "--prompt is empty"),
     ]:
-        bad = cli(*argv)
-        assert bad.returncode == 2 and bad.stdout == "", (argv, bad.stdout, bad.stderr)
-        assert bad.stderr.count("\n") == 1 and message in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+        capsys.readouterr()
+        assert command.main(["generate", *argv]) == 2, argv
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and message in err and "Traceback" not in err, (argv, err)

@@ -148,15 +148,14 @@ class Handover:
     late: bool = False
     """It builds its model only once it has the state (the old world's is released by then)."""
 
-    def asked_to_stop(self) -> str | None:
-        """Why the launcher asks this world to stop after its step (PHASE_END, HOSTS_CHANGE), or None."""
+    def stop_request(self) -> dict | None:
+        """The launcher's request that this world stop after its step, or None: {"why": PHASE_END or
+        HOSTS_CHANGE, "leaving": [its hosts that go away]}."""
         value = self.control.get(self.world, "stop")
-        return None if value is None else (value.get("why") if isinstance(value, dict) else None) or PHASE_END
-
-    def hosts_leave(self) -> bool:
-        """The stop request says that hosts of this world leave the job (`{"leaving": [...]}`)."""
-        value = self.control.get(self.world, "stop")
-        return isinstance(value, dict) and bool(value.get("leaving"))
+        if value is None:
+            return None
+        value = value if isinstance(value, dict) else {}
+        return {"why": value.get("why") or PHASE_END, "leaving": list(value.get("leaving") or [])}
 
     def successor(self) -> str | None:
         """The world waiting for this one's state (None: nobody waits)."""

@@ -324,7 +324,6 @@ class Driver:
             return None
         successor = self._launch(world.index, store, warm=True, early=builds_early(job, world.index, world.index),
                                  reform=change.why)
-        successor.began = world.began
         self.control.set(world.key, "next", successor.key)
         return successor
 

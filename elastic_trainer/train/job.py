@@ -161,7 +161,7 @@ class Job:
             return "stopped"
         trainer, checkpointer = self.trainer, self.checkpointer
         last = trainer.cfg.steps if until is None else min(until, trainer.cfg.steps)
-        reason = None
+        reason, asked = None, None
         while trainer.step < last and reason is None:
             self.profiler.before(trainer.step + 1)
             try:
@@ -178,10 +178,10 @@ class Job:
                                  layout=trainer.layout.to_dict())
                 if self.handover is not None and dist.get_rank() == 0:
                     self.handover.first_step_done()
-            asked = self.handover.asked_to_stop() if self.handover is not None and dist.get_rank() == 0 else None
+            asked = self.handover.stop_request() if self.handover is not None and dist.get_rank() == 0 else None
             stop_now, save_due = _agree(stop, checkpointer, trainer.step, asked is not None)
             if stop_now:
-                reason = (stop.reason if stop is not None else None) or asked or PEER_REASON
+                reason = (stop.reason if stop is not None else None) or (asked or {}).get("why") or PEER_REASON
             elif save_due:
                 checkpointer.save(trainer)
         self.profiler.close()  # a run that stops inside the window: the steps it traced
@@ -194,7 +194,7 @@ class Job:
                              layout=trainer.layout.to_dict())
             self.log.info(f"[train] stopped after step {trainer.step} ({reason})")
         if checkpointer is not None:
-            successor, leaving = self._successor(reason)
+            successor, leaving = self._successor(reason, asked)
             if successor is not None:
                 self._hand_over(successor, leaving)
             elif checkpointer.last_saved_step != trainer.step:
@@ -208,15 +208,15 @@ class Job:
         self.stop_reason = reason
         return "finished" if reason is None else "stopped"
 
-    def _successor(self, reason: str | None) -> tuple[str | None, bool]:
-        """(the warm world waiting for this state, whether a host of this world leaves the job), when this stop
-        is a planned phase end (rank 0 asks the launcher; every rank gets its answer). A user's stop or a
-        signal saves to disk as always."""
+    def _successor(self, reason: str | None, asked: dict | None) -> tuple[str | None, bool]:
+        """(the warm world waiting for this state, whether a host of this world leaves the job: `asked`, the
+        launcher's stop request rank 0 read), when this stop is a planned phase end (rank 0 asks the launcher;
+        every rank gets its answer). A user's stop or a signal saves to disk as always."""
         if self.handover is None or reason is None:
             return None, False
         planned = reason in (PHASE_END, HOSTS_CHANGE) or reason.startswith("until step")
         ask = dist.get_rank() == 0 and planned
-        answer = [(self.handover.successor(), self.handover.hosts_leave()) if ask else (None, False)]
+        answer = [(self.handover.successor(), bool(asked and asked["leaving"])) if ask else (None, False)]
         dist.broadcast_object_list(answer, src=0, group=self.checkpointer.pg)
         return answer[0]
 

@@ -121,7 +121,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from elastic_trainer.model import generate
 
     prompt = tokenizer.encode(args.prompt)
-    generate.check(len(prompt), args.max_new_tokens, 1 << 62, args.temperature, args.top_k)  # before loading
+    generate.check(len(prompt), args.max_new_tokens, args.temperature, args.top_k)  # before loading the model
     model, _ = generate.from_checkpoint(args.checkpoint)
     tokens = generate.generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
     print(args.prompt + tokenizer.decode(tokens), flush=True)

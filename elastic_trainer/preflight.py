@@ -130,25 +130,26 @@ def check_outputs(spec: JobSpec) -> None:
     for flag, value in (("--metrics-file", spec.train.metrics_file), ("--events-file", spec.events_file)):
         if value:
             check_file_target(value, flag)
-    check_tensorboard(spec.train.tensorboard)
-    if spec.train.profile_steps is not None:
-        from elastic_trainer.train.profile import parse
-
-        parse(spec.train.profile_steps)
+    check_tracing(spec.train)
     if spec.stop_file and Path(spec.stop_file).is_dir():
         raise ConfigError(f"--stop-file {spec.stop_file!r} is a folder (valid: a file path that does not exist yet)")
 
 
-def check_tensorboard(folder: str | None) -> None:
-    """--tensorboard: the package importable and the folder one that can be made or written."""
-    if folder is None:
+def check_tracing(train: TrainConfig) -> None:
+    """--tensorboard (the package importable, the folder one that can be made or written) and --profile-steps
+    (a window A:B)."""
+    if train.profile_steps is not None:
+        from elastic_trainer.train.profile import parse
+
+        parse(train.profile_steps)
+    if train.tensorboard is None:
         return
     from elastic_trainer.train.tensorboard import missing
 
     error = missing()
     if error:
         raise ConfigError(error)
-    check_dir_target(folder, "--tensorboard")
+    check_dir_target(train.tensorboard, "--tensorboard")
 
 
 def resume_summary(ckpt: CheckpointConfig | None) -> str:

@@ -182,8 +182,13 @@ def _train(spec: JobSpec, phase: PhaseSpec, layout: Layout, device, stop, events
     rank0 = dist.get_rank() == 0
     _say_host_ranks(dist.get_rank(), dist.get_world_size(), env)
     train = spec.train
+    board = None
+    if rank0 and train.tensorboard:
+        from elastic_trainer.train.tensorboard import TensorBoardLog
+
+        board = TensorBoardLog(train.tensorboard, train.metrics_file)
     log = MetricsLog(train.metrics_file, enabled=rank0, log_every=train.log_every, total_steps=train.steps, tags=tags,
-                     tensorboard=train.tensorboard)
+                     board=board)
     result = run_job(spec.model, train, layout, device, ckpt=spec.checkpoint, stop=stop, until=phase.until_step,
                      log=log, events=events, tokens=corpus.train, val_tokens=corpus.val,
                      handover=_handover(phase, env))

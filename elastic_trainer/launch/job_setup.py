@@ -208,14 +208,11 @@ class JobSetup:
         from elastic_trainer.data import read
         from elastic_trainer.data.corpus import default_cache_dir
         from elastic_trainer.data.sources import resolve
-        from elastic_trainer.train.profile import parse as parse_profile_steps
 
         preflight.check_dir_target(self.run_dir, "--run-dir")
         preflight.check_dir_target(self.checkpoint_dir, "--checkpoint-dir")
         preflight.check_dir_target(self.train.data_cache or default_cache_dir(), "the data cache (--data-cache)")
-        preflight.check_tensorboard(self.train.tensorboard)
-        if self.train.profile_steps is not None:
-            parse_profile_steps(self.train.profile_steps)
+        preflight.check_tracing(self.train)
         for data in (self.train.data, self.train.val_data):
             if data:
                 resolved = resolve(data, self.train.data_split, validation=data is self.train.val_data)

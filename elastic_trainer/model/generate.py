@@ -16,12 +16,12 @@ import torch.nn.functional as F
 from elastic_trainer.config import ConfigError
 
 
-def check(prompt_tokens: int, max_new_tokens: int, context_length: int, temperature: float,
-          top_k: int | None) -> None:
-    """One-line errors for what cannot be generated."""
+def check(prompt_tokens: int, max_new_tokens: int, temperature: float, top_k: int | None,
+          context_length: int | None = None) -> None:
+    """One-line errors for what cannot be generated (against the model's context once it is known)."""
     if prompt_tokens == 0:
         raise ConfigError("--prompt is empty (valid: some text)")
-    if prompt_tokens + max_new_tokens > context_length:
+    if context_length is not None and prompt_tokens + max_new_tokens > context_length:
         raise ConfigError(f"the prompt ({prompt_tokens} tokens) and --max-new-tokens {max_new_tokens} exceed the "
                           f"model's context of {context_length} tokens (valid: at most {context_length} together)")
     if max_new_tokens < 1:
@@ -56,7 +56,7 @@ def generate(model, prompt: list[int], max_new_tokens: int, temperature: float =
              seed: int = 0) -> list[int]:
     """`max_new_tokens` token ids after `prompt` from `model` (our GPT, whole, in eval mode)."""
     cfg = model.config
-    check(len(prompt), max_new_tokens, cfg.context_length, temperature, top_k)
+    check(len(prompt), max_new_tokens, temperature, top_k, cfg.context_length)
     device = model.tok_emb.weight.device
     generator = torch.Generator(device=device).manual_seed(seed)
     cache: list = [None] * len(model.layers)

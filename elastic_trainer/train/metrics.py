@@ -8,22 +8,24 @@ import sys
 from pathlib import Path
 
 
+def beside_metrics(metrics_file: str | None, name: str) -> Path:
+    """The folder `name` beside the metrics file (the run folder under the launcher), else in this folder: where
+    a run's TensorBoard files and profiler traces go by default."""
+    return (Path(metrics_file).parent if metrics_file else Path()) / name
+
+
 class MetricsLog:
     def __init__(self, path: str | None, enabled: bool, log_every: int = 1, total_steps: int | None = None,
-                 tags: dict | None = None, tensorboard: str | None = None):
-        """`tags` (the launcher's phase, torchrun's restart count) are added to every record; `tensorboard`: a
-        folder for TensorBoard event files of the same records (train/tensorboard.py)."""
+                 tags: dict | None = None, board=None):
+        """`tags` (the launcher's phase, torchrun's restart count) are added to every record; `board`: a second
+        writer of the same records (train/tensorboard.TensorBoardLog), given the record before the file is."""
         self.enabled = enabled
         self.tags = dict(tags or {})
         self.log_every = log_every
         self.total_steps = total_steps
         self.path = path if enabled else None
         self._file = None
-        self._board = None
-        if enabled and tensorboard:
-            from elastic_trainer.train.tensorboard import TensorBoardLog
-
-            self._board = TensorBoardLog(tensorboard, self.path)
+        self._board = board if enabled else None
 
     def write(self, record: dict) -> None:
         if not self.enabled:

@@ -4,7 +4,7 @@ run folder under the launcher): `rank{R}-steps{A}-{B}.json`, to open in Perfetto
 chrome://tracing. A start that does not train step A (it resumed after it) traces nothing.
 
 The step's phases carry labels (`torch.profiler.record_function`): `forward M` and `backward M` per
-micro-batch (`Forward M`/`Backward M`, torch's own, under pipeline parallelism), `zero1 reduce-scatter`,
+micro-batch (under pipeline parallelism too: parallel/pipeline.py labels each stage's), `zero1 reduce-scatter`,
 `clip grad norm`, `loss all-reduce`, `optimizer`, `sync params`; each collective appears as the profiler
 records it (for example `gloo:all_reduce`, `nccl:all_reduce`), inside the phase that issued it.
 """
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 
 from elastic_trainer.config import ConfigError
+from elastic_trainer.train.metrics import beside_metrics
 
 
 def parse(text: str | None) -> tuple[int, int] | None:
@@ -29,17 +29,13 @@ def parse(text: str | None) -> tuple[int, int] | None:
     return int(m.group(1)), int(m.group(2))
 
 
-def trace_dir(metrics_file: str | None) -> Path:
-    return (Path(metrics_file).parent if metrics_file else Path(".")) / "profile"
-
-
 class StepProfiler:
     """`before(step)` ahead of each step (the global step about to run), `after(step)` once it is done."""
 
     def __init__(self, steps: str | None, metrics_file: str | None, rank: int, device_type: str):
         self.window = parse(steps)
         self.path = None if self.window is None else \
-            trace_dir(metrics_file) / f"rank{rank}-steps{self.window[0]}-{self.window[1]}.json"
+            beside_metrics(metrics_file, "profile") / f"rank{rank}-steps{self.window[0]}-{self.window[1]}.json"
         self.device_type = device_type
         self._prof = None
 

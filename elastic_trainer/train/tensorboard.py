@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
+
+from elastic_trainer.train.metrics import beside_metrics
 
 SCALARS = (("train/loss", "loss"), ("train/learning_rate", "lr"), ("train/grad_norm", "grad_norm"),
            ("train/tokens_per_s", "tokens_per_s"), ("train/step_time_s", "step_time_s"), ("val/loss", "val_loss"),
@@ -38,7 +39,7 @@ def missing() -> str | None:
 def default_dir(metrics_file: str | None) -> str:
     """`--tensorboard` without a folder: `tensorboard/` beside the metrics file (the run folder under the
     launcher), else under the current folder."""
-    return str(Path(metrics_file).parent / "tensorboard") if metrics_file else "tensorboard"
+    return str(beside_metrics(metrics_file, "tensorboard"))
 
 
 def last_record(metrics_file: str | None) -> dict | None:

@@ -12,7 +12,7 @@ pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
 from elastic_trainer.train.metrics import MetricsLog  # noqa: E402
-from elastic_trainer.train.tensorboard import default_dir, last_record, missing  # noqa: E402
+from elastic_trainer.train.tensorboard import TensorBoardLog, default_dir, last_record, missing  # noqa: E402
 
 
 def record(step: int, loss: float, world: int, t: float, **extra) -> dict:
@@ -24,7 +24,8 @@ def record(step: int, loss: float, world: int, t: float, **extra) -> dict:
 
 def start(tmp_path, records: list[dict]) -> None:
     """One start of a run: its own MetricsLog (rank 0) writing the metrics file and the event files."""
-    log = MetricsLog(str(tmp_path / "metrics.jsonl"), enabled=True, tensorboard=str(tmp_path / "tb"))
+    metrics = str(tmp_path / "metrics.jsonl")
+    log = MetricsLog(metrics, enabled=True, board=TensorBoardLog(str(tmp_path / "tb"), metrics))
     for r in records:
         log.write(r)
     log.close()

@@ -56,11 +56,28 @@ def worker(*argv: str) -> int:
     from elastic_trainer import rank
     from elastic_trainer.launch.relay import whole_lines
 
+    signals_as_after_exec()
     whole_lines()  # this host's ranks share one pipe
     code = rank.main(list(argv), started=time.time(), forked=True)
     if code:
         raise SystemExit(code)
     return code
+
+
+def signals_as_after_exec() -> None:
+    """Give a forked worker the signal handlers a spawned one has: exec resets every handled signal to its
+    default (SIGINT: KeyboardInterrupt) and keeps the ignored ones. A fork keeps the agent's Python handlers
+    instead: a launcher's agent takes SIGTERM as a scheduler's notice (launch/notices.py), so a worker SIGTERMed
+    while its own stop handler is not installed (by its agent stopping the group after another worker died,
+    during setup or the teardown) posted that its host was going away, and the launcher re-formed the job
+    without a healthy host."""
+    for sig in signal.valid_signals():
+        try:
+            handler = signal.getsignal(sig)
+        except ValueError:
+            continue
+        if callable(handler) and handler is not signal.default_int_handler:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
 
 
 _events = None

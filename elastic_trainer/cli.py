@@ -179,7 +179,14 @@ def run_calibrate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--ranks {args.ranks!r} must be rank counts from 2 to 64 separated by commas "
                           "(for example 2,4,8)")
     ranks = [int(r) for r in ranks]
-    hw = calibrate(base, name, ranks, default_device())
+    device = default_device()
+    if args.compile:
+        from elastic_trainer.parallel.compile import compiler_problem
+
+        problem = compiler_problem(device.type)
+        if problem:
+            raise ConfigError(problem)
+    hw = calibrate(base, name, ranks, device, compiled=args.compile)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text("# Measured by `elastic-trainer calibrate` (elastic_trainer/parallel/calibrate.py).\n"
                                  + hw.to_toml())

@@ -129,6 +129,11 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--profile-steps", metavar="A:B",
                    help="torch.profiler trace of global steps A to B, one Chrome-trace file per rank in profile/ "
                         "beside the metrics file (the run folder under the launcher)")
+    p.add_argument("--compile", action="store_true", default=None,
+                   help="torch.compile each transformer block (CPU: needs g++; the first start compiles, later "
+                        "starts of a layout seen before load the kernels from the compile cache)")
+    p.add_argument("--compile-cache", metavar="DIR", help="the compile cache (default: compile-cache/ beside the "
+                                                          "metrics file, the run folder under the launcher)")
     p.add_argument("--tensorboard", nargs="?", const="", metavar="DIR",
                    help="write TensorBoard event files (rank 0) into DIR (default: tensorboard/ beside the metrics "
                         "file, the run folder under the launcher); needs the tensorboard package")
@@ -199,6 +204,8 @@ def _add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", help="profile name (default: the output file's stem)")
     p.add_argument("--base", help="profile whose unmeasured fields to keep (default: built-in defaults)")
     p.add_argument("--ranks", default="2,4,8", help="local rank counts for the collective measurements")
+    p.add_argument("--compile", action="store_true", help="also measure a block under torch.compile: the planner's "
+                                                          "compiled_speedup for jobs run with --compile")
 
 
 def _add_launch_parser(sub: argparse._SubParsersAction) -> None:

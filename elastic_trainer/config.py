@@ -182,6 +182,8 @@ class TrainConfig:
     log_every: int = 1  # a progress line every this many steps
     tensorboard: str | None = None  # folder of TensorBoard event files, written by rank 0 (train/tensorboard.py)
     profile_steps: str | None = None  # "A:B": a profiler trace of global steps A..B per rank (train/profile.py)
+    compile: bool = False  # torch.compile each transformer block (parallel/compile.py)
+    compile_cache: str | None = None  # the compile cache's folder; default: compile-cache/ beside the metrics file
     skip_bad_records: bool = False
     """Leave data records that cannot be read out of the corpus (counted and reported) instead of stopping at
     the first with its file and line."""
@@ -193,7 +195,7 @@ class TrainConfig:
         check_field_types(self, "train")
         for key in ("global_batch", "seq_len", "log_every", "eval_batches"):
             positive_int(f"train.{key}", getattr(self, key))
-        for key in ("steps", "warmup_steps", "seed", "eval_every"):
+        for key in ("steps", "warmup_steps", "seed", "eval_every", "weight_decay", "grad_clip"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"train.{key}={getattr(self, key)} must be >= 0")
         if self.seed >= 1 << 63:
@@ -206,9 +208,6 @@ class TrainConfig:
             raise ConfigError(f"train.lr={self.lr} must be > 0")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
-        for key in ("weight_decay", "grad_clip"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"train.{key}={getattr(self, key)} must be >= 0")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ConfigError(f"train.beta1={self.beta1} and beta2={self.beta2} must be in [0, 1)")
         if not self.eps > 0:

@@ -23,7 +23,7 @@ from elastic_trainer.test_hooks import count
 TRAIN_FLAGS = ("global_batch", "seq_len", "steps", "seed", "lr", "warmup_steps", "decay_steps", "dtype",
                "metrics_file", "log_every", "data_cache", "grad_clip", "weight_decay", "skip_bad_records",
                "text_field", "data_split", "val_fraction", "eval_every", "eval_batches", "tensorboard",
-               "profile_steps")
+               "profile_steps", "compile", "compile_cache")
 
 
 # -- flags -> parts of the spec --------------------------------------------------------------------------
@@ -113,6 +113,12 @@ def describe_job(args: argparse.Namespace, *, built_by: str, detect_hardware: bo
 
         train = dataclasses.replace(train, tensorboard=os.path.abspath(train.tensorboard or
                                                                        default_dir(train.metrics_file)))
+    if train.compile and (train.compile_cache or train.metrics_file):  # else inductor's own (/tmp, per user)
+        from elastic_trainer.train.metrics import beside_metrics
+
+        train = dataclasses.replace(train, compile_cache=os.path.abspath(train.compile_cache or
+                                                                         beside_metrics(train.metrics_file,
+                                                                                        "compile-cache")))
     hardware = resolve_hardware(args.hardware) if args.hardware or detect_hardware else None
     return JobSpec(model, train, checkpoint_config(args, *checkpoint), layout_settings(args, table), hardware,
                    args.use_gpus, events_file if events_file is not None else args.events_file,
@@ -155,7 +161,7 @@ def plan_request(spec: JobSpec, hardware: Hardware, world_size: int, gpus_per_ho
     return Request(spec.model, world_size, spec.train.global_batch, spec.train.seq_len, hardware,
                    hardware.gpus_per_host if gpus_per_host is None else gpus_per_host, host_sizes=host_sizes,
                    dtype=spec.train.dtype, micro_batch=s.micro_batch, dp_modes=(s.dp_mode,) if s.dp_mode else DP_MODES,
-                   recompute=(False, True) if s.recompute is None else (s.recompute,))
+                   recompute=(False, True) if s.recompute is None else (s.recompute,), compiled=spec.train.compile)
 
 
 def naming_fixed(settings: LayoutSettings, fn, *args):

@@ -53,9 +53,21 @@ def sample_keys(seed: int, positions: torch.Tensor) -> torch.Tensor:
     return mix32(h ^ (positions >> 32))
 
 
+def layer_keys(keys: torch.Tensor, layer: int) -> torch.Tensor:
+    """The per-sample keys of one layer (layer -1: outside the blocks). The model computes them outside its
+    blocks, so that identical blocks run identical code: a block compiled once serves every layer (with the
+    layer index inside, torch.compile would specialize and compile each block again)."""
+    return keys ^ ((layer + 1) & M32)
+
+
+def site_of(keys_of_layer: torch.Tensor, site: str) -> torch.Tensor:
+    """The per-sample key of one dropout site, from its layer's keys."""
+    return mix32(mix32(keys_of_layer) ^ SITES[site])
+
+
 def site_keys(keys: torch.Tensor, layer: int, site: str) -> torch.Tensor:
     """The per-sample key of one dropout site of one layer (layer -1: outside the blocks)."""
-    return mix32(mix32(keys ^ ((layer + 1) & M32)) ^ SITES[site])
+    return site_of(layer_keys(keys, layer), site)
 
 
 def keep_mask(keys: torch.Tensor, shape: tuple[int, ...], p: float, offset: int = 0) -> torch.Tensor:

@@ -30,22 +30,22 @@ from elastic_trainer.model import dropout as keyed
 INIT_STD = 0.02
 
 
-def _drop(x: torch.Tensor, p: float, keys: torch.Tensor | None, layer: int, site: str, training: bool,
+def _drop(x: torch.Tensor, p: float, keys: torch.Tensor | None, site: str, training: bool,
           offset: int = 0) -> torch.Tensor:
-    """Dropout at one site: keyed (layout-independent) when keys are given, else torch's own."""
+    """Dropout at one site: keyed (layout-independent) when its layer's keys (dropout.layer_keys) are given,
+    else torch's own."""
     if not training or p == 0.0:
         return x
     if keys is None:
         return F.dropout(x, p, training=True)
-    return keyed.dropout(x, keyed.site_keys(keys, layer, site), p, offset)
+    return keyed.dropout(x, keyed.site_of(keys, site), p, offset)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int = 0):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.dropout = cfg.dropout
-        self.layer = layer
         self.head_offset = 0
         """Global index of this module's first head (set by tensor parallelism), for the dropout masks."""
         self.qkv_proj = nn.Linear(cfg.d_model, 3 * cfg.d_model)
@@ -64,7 +64,7 @@ class Attention(nn.Module):
                 q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
             )
         y = y.transpose(1, 2).reshape(B, T, -1)
-        return _drop(self.o_proj(y), self.dropout, keys, self.layer, "attn_out", self.training)
+        return _drop(self.o_proj(y), self.dropout, keys, "attn_out", self.training)
 
     def _attention_with_keyed_dropout(self, q, k, v, keys: torch.Tensor) -> torch.Tensor:
         """Causal attention with the probabilities materialized so that their dropout mask can be keyed by
@@ -73,31 +73,30 @@ class Attention(nn.Module):
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
         causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
         probs = scores.float().masked_fill(~causal, float("-inf")).softmax(-1).to(q.dtype)
-        probs = _drop(probs, self.dropout, keys, self.layer, "attn", True, self.head_offset * T * T)
+        probs = _drop(probs, self.dropout, keys, "attn", True, self.head_offset * T * T)
         return probs @ v
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int = 0):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.dropout = cfg.dropout
-        self.layer = layer
         self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
         self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
         self.proj.init_std = INIT_STD / math.sqrt(2 * cfg.n_layers)
 
     def forward(self, x: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
         y = self.proj(F.gelu(self.fc(x), approximate="tanh"))
-        return _drop(y, self.dropout, keys, self.layer, "mlp_out", self.training)
+        return _drop(y, self.dropout, keys, "mlp_out", self.training)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int = 0):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
-        self.attn = Attention(cfg, layer)
+        self.attn = Attention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
-        self.mlp = MLP(cfg, layer)
+        self.mlp = MLP(cfg)
         self.recompute = False
         """Recompute this block's activations in backward instead of storing them (saves memory)."""
 
@@ -106,6 +105,7 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x), keys)
 
     def forward(self, x: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
+        """`keys`: this layer's dropout keys (dropout.layer_keys), so that every block runs the same code."""
         if self.recompute and torch.is_grad_enabled():  # keyed masks are recomputed identically
             return checkpoint(self._forward, x, keys, use_reentrant=False)
         return self._forward(x, keys)
@@ -118,7 +118,7 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.context_length, cfg.d_model)
         self.pos_emb.init_std = INIT_STD / 2  # GPT-2 initialises positions at 0.01
-        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
 
     @property
@@ -139,10 +139,10 @@ class GPT(nn.Module):
             if T > self.config.context_length:
                 raise ValueError(f"sequence length {T} exceeds context_length={self.config.context_length}")
             pos = torch.arange(T, device=x.device)
-            x = _drop(self.tok_emb(x) + self.pos_emb(pos), self.config.dropout, dropout_keys, -1, "embed",
-                      self.training)
-        for layer in self.layers.values():
-            x = layer(x, dropout_keys)
+            keys = None if dropout_keys is None else keyed.layer_keys(dropout_keys, -1)
+            x = _drop(self.tok_emb(x) + self.pos_emb(pos), self.config.dropout, keys, "embed", self.training)
+        for name, layer in self.layers.items():
+            x = layer(x, None if dropout_keys is None else keyed.layer_keys(dropout_keys, int(name)))
         if self.has_output:
             x = F.linear(self.ln_f(x), self.tok_emb.weight)
         return x

@@ -7,6 +7,8 @@ work) with one intra-op thread per rank, as the trainer runs its ranks on a CPU:
   (`half_rate_tokens`) and the fixed time per block c (`layer_overhead_ms`);
 - the output head with softmax cross-entropy at two widths and vocabularies: a fit of
   t = 6 * tokens * d * vocab / H + tokens * vocab * l gives `head_tflops` H and `logit_ns` l;
+- with `--compile`: the block at the largest shape eager and under torch.compile; the ratio of their times is
+  `compiled_speedup`, which the planner applies to jobs run with `--compile`;
 - a large in-place add (`memory_bandwidth_gbs`) and clipping + an AdamW step (`optimizer_ns_per_param`);
 - gloo all-reduces of several sizes on 2..N forked local ranks; a fit of the ring model
   t = 2 (n - 1) / n * bytes / B + 2 (n - 1) * L gives the bus bandwidth B and step latency L (one host:
@@ -76,17 +78,28 @@ def _sync(device: torch.device) -> Callable[[], None]:
     return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
-def measure_blocks(device: torch.device, dtype: torch.dtype, shapes, repeat: int = 3) -> list[tuple[float, int, float]]:
-    """[(forward+backward FLOPs, tokens, seconds)] of one block per (d_model, tokens) shape."""
+def measure_blocks(device: torch.device, dtype: torch.dtype, shapes, repeat: int = 3,
+                   compiled: bool = False) -> list[tuple[float, int, float]]:
+    """[(forward+backward FLOPs, tokens, seconds)] of one block per (d_model, tokens) shape; `compiled`: under
+    torch.compile (its first call, which compiles, is not timed)."""
     out = []
     for d, tokens in shapes:
         cfg = ModelConfig(n_layers=1, d_model=d, n_heads=max(1, d // 64), context_length=SEQ_LEN)
         block = Block(cfg).to(device, dtype)
+        if compiled:
+            block.compile()
         x = torch.randn(tokens // SEQ_LEN, SEQ_LEN, d, device=device, dtype=dtype, requires_grad=True)
         grad = torch.randn_like(x)
         seconds = timed(lambda: block(x).backward(grad), repeat, _sync(device))
         out.append((3 * block_flops(cfg, tokens, SEQ_LEN, 1), tokens, seconds))
     return out
+
+
+def measure_compiled_speedup(device: torch.device, dtype: torch.dtype, shape: tuple[int, int]) -> tuple[float, float]:
+    """(eager seconds / compiled seconds, compiled seconds) of one block's forward + backward at `shape`."""
+    eager = measure_blocks(device, dtype, [shape])[0][2]
+    compiled = measure_blocks(device, dtype, [shape], compiled=True)[0][2]
+    return eager / compiled, compiled
 
 
 def fit_compute(points: list[tuple[float, int, float]]) -> tuple[float, float, float]:
@@ -164,8 +177,9 @@ def measure_links(worlds: list[int], sizes: list[int], repeat: int = 3) -> tuple
 
 
 def calibrate(base: Hardware, name: str, worlds: list[int], device: torch.device,
-              say: Callable[[str], None] = print) -> Hardware:
-    """Measure this machine; the fields not measured come from `base`."""
+              say: Callable[[str], None] = print, compiled: bool = False) -> Hardware:
+    """Measure this machine; the fields not measured come from `base` (`compiled_speedup` too, unless
+    `compiled`)."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -176,6 +190,12 @@ def calibrate(base: Hardware, name: str, worlds: list[int], device: torch.device
             f"({f / t / 1e9:.1f} GFLOP/s)")
     tflops, half, overhead = fit_compute(points)
     hw = dataclasses.replace(hw, tflops=tflops, half_rate_tokens=half, layer_overhead_ms=overhead)
+    if compiled:
+        shape = (GPU_SHAPES if device.type == "cuda" else CPU_SHAPES)[-1]
+        speedup, seconds = measure_compiled_speedup(device, dtype, shape)
+        say(f"[calibrate] block fwd+bwd compiled, {shape[1]:5d} tokens: {seconds * 1e3:8.2f} ms "
+            f"({speedup:.2f}x eager)")
+        hw = dataclasses.replace(hw, compiled_speedup=round(speedup, 3))
     head_tflops, logit_ns = measure_head(device, dtype)
     hw = dataclasses.replace(hw, head_tflops=head_tflops, logit_ns=logit_ns,
                              memory_bandwidth_gbs=measure_memory_bandwidth(device),

@@ -1,8 +1,9 @@
 """The parallel engine: one rank's part of a GPT laid out by a Layout, and the forward/backward of a step.
 
 Build order (no rank ever holds the full model): GPT on the meta device -> keep this rank's pipeline stage
--> tensor parallel -> activation recompute -> data parallel -> allocate on the device -> initialize from
-the seed (layout-independent, model/init.py) -> pipeline schedule.
+-> tensor parallel -> activation recompute -> torch.compile per block (`compile`, parallel/compile.py) -> data
+parallel -> allocate on the device -> initialize from the seed (layout-independent, model/init.py) ->
+pipeline schedule.
 
 A step's loss is the token mean over the whole global batch: every micro-batch's summed cross-entropy is
 divided by the global token count and gradients are summed over micro-batches and dp ranks. So the
@@ -24,6 +25,7 @@ from elastic_trainer.config import ModelConfig
 from elastic_trainer.data.order import microbatch_slices
 from elastic_trainer.model.gpt import GPT, lm_loss_sum
 from elastic_trainer.model.init import materialize
+from elastic_trainer.parallel.compile import compile_blocks
 from elastic_trainer.parallel.data_parallel import apply_data_parallel, set_gradient_sync
 from elastic_trainer.parallel.mesh import Coords
 from elastic_trainer.parallel.pipeline import build_schedule, split_stage, tied_embedding_group
@@ -46,7 +48,7 @@ class Engine:
 
     def __init__(self, model_cfg: ModelConfig, layout: Layout, mesh: DeviceMesh, device: torch.device,
                  *, seed: int, global_batch: int, seq_len: int, param_dtype: torch.dtype = torch.float32,
-                 initialize: bool = True):
+                 initialize: bool = True, compile: bool = False):
         layout.validate(mesh.size(), model_cfg, global_batch)
         self.layout, self.mesh, self.device = layout, mesh, device
         self.coords = Coords.of(mesh)
@@ -56,7 +58,7 @@ class Engine:
         self.seed = seed
         self.zero: Zero1 | None = None
         """The gradient and master-weight buffers of dp_mode "zero1" (None in the other modes)."""
-        self.model = self._build(model_cfg, param_dtype, initialize)
+        self.model = self._build(model_cfg, param_dtype, initialize, compile)
         params = list(self.model.parameters())
         self._trained = list(zip(params, self.zero.masters if self.zero is not None else params))
         self.tied_group = tied_embedding_group(mesh, layout)
@@ -68,7 +70,7 @@ class Engine:
         self._eval_schedule = None
         """The forward-only schedule of `eval_loss` (pp > 1), built at the first evaluation."""
 
-    def _build(self, model_cfg: ModelConfig, param_dtype: torch.dtype, initialize: bool) -> nn.Module:
+    def _build(self, model_cfg: ModelConfig, param_dtype: torch.dtype, initialize: bool, compile: bool) -> nn.Module:
         layout = self.layout
         with torch.device("meta"):
             model = GPT(model_cfg)
@@ -79,6 +81,8 @@ class Engine:
         if layout.recompute:
             for block in model.layers.values():
                 block.recompute = True
+        if compile:
+            compile_blocks(model)
         if layout.dp_mode == "zero1":
             materialize(model, self.device, self.seed, initialize)
             self.zero = Zero1(model, self.mesh, param_dtype)

@@ -46,6 +46,8 @@ class Request:
     """Data-parallel modes to consider."""
     recompute: tuple[bool, ...] = (False, True)
     """Recompute settings to consider."""
+    compiled: bool = False
+    """The blocks run compiled (--compile): their compute is the hardware's measured `compiled_speedup` faster."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -145,7 +147,8 @@ def evaluate(req: Request, layout: Layout) -> Candidate:
     hw = req.hardware
     stages = stage_memories(req.model, layout, req.seq_len, dtype)
     memory = max(stages, key=lambda m: m.total)
-    time = step_time(req.model, layout, req.seq_len, dtype, hw, req.topology)
+    time = step_time(req.model, layout, req.seq_len, dtype, hw, req.topology,
+                     block_speedup=hw.compiled_speedup if req.compiled else 1.0)
     reason = None
     if hw.shared_host:  # the host's ranks share its memory: every stage's dp * tp ranks, on one host or spread
         ranks = req.topology.largest

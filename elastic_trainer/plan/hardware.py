@@ -43,6 +43,9 @@ class Hardware:
     """Tokens per micro-batch at which a block's GEMMs run at half of `tflops` (0: no size effect)."""
     layer_overhead_ms: float = 0.0
     """Fixed time of one block's forward + backward (kernel launches, framework overhead)."""
+    compiled_speedup: float = 1.0
+    """How many times faster a block's forward + backward runs under torch.compile (--compile) than eager:
+    measured by `calibrate --compile`; 1.0 (no gain assumed) where it was not measured."""
     memory_bandwidth_gbs: float = 2000.0
     """Device memory bandwidth (GB/s), for memory-bound work: embedding gradients, loss."""
     logit_ns: float = 0.0
@@ -91,6 +94,8 @@ class Hardware:
             value = getattr(self, f.name)
             if isinstance(value, float) and value < 0:
                 raise ConfigError(f"hardware {self.name}: {f.name}={value} must not be negative")
+        if self.compiled_speedup <= 0:
+            raise ConfigError(f"hardware {self.name}: compiled_speedup={self.compiled_speedup} must be positive")
         if self.reserved_gb >= self.memory_gb:
             raise ConfigError(f"hardware {self.name}: reserved_gb={self.reserved_gb} must be below "
                               f"memory_gb={self.memory_gb}")

@@ -114,14 +114,16 @@ class StageTime:
 
 
 def stage_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw: Hardware, links: Links,
-               stage: int) -> StageTime:
-    """Forward + backward of one micro-batch on `stage`."""
+               stage: int, block_speedup: float = 1.0) -> StageTime:
+    """Forward + backward of one micro-batch on `stage`; the blocks' compute `block_speedup` times faster
+    (compiled)."""
     tokens = layout.micro_batch * seq_len
     rate = hw.tflops * 1e12 * tokens / (tokens + hw.half_rate_tokens)
     head_rate = (hw.head_tflops or hw.tflops) * 1e12
     n_blocks = len(stage_layers(model.n_layers, layout.pp)[stage])
     passes = 4 if layout.recompute else 3  # forward, backward (2x), recomputed forward
-    compute = n_blocks * (passes * block_flops(model, tokens, seq_len, layout.tp) / rate + hw.layer_overhead_ms * 1e-3)
+    block = passes * block_flops(model, tokens, seq_len, layout.tp) / rate + hw.layer_overhead_ms * 1e-3
+    compute = n_blocks * block / block_speedup
     emb_grad = 2 * model.vocab_size * model.d_model * MASTER_BYTES / (hw.memory_bandwidth_gbs * 1e9)
     if stage == 0:
         compute += emb_grad
@@ -189,12 +191,13 @@ class StepTime:
 
 
 def step_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw: Hardware,
-              hosts: Topology | int) -> StepTime:
-    """`hosts`: the ranks on each host, or a number of ranks per host that they fill in turn."""
+              hosts: Topology | int, block_speedup: float = 1.0) -> StepTime:
+    """`hosts`: the ranks on each host, or a number of ranks per host that they fill in turn; `block_speedup`:
+    the blocks' compute is that many times faster (compiled, Hardware.compiled_speedup)."""
     if not isinstance(hosts, Topology):
         hosts = Topology.uniform(layout.world_size, hosts)
     links = Links.of(layout, hw, hosts)
-    stages = [stage_time(model, layout, seq_len, dtype, hw, links, s) for s in range(layout.pp)]
+    stages = [stage_time(model, layout, seq_len, dtype, hw, links, s, block_speedup) for s in range(layout.pp)]
     a = layout.num_microbatches
     pipeline = sum(t.total for t in stages) + (a - 1) * max(t.total for t in stages)
     dp = max(dp_comm_time(model, layout, dtype, hw, links, s, t.total) for s, t in enumerate(stages))

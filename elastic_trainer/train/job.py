@@ -35,6 +35,7 @@ from elastic_trainer.elastic.events import EventLog
 from elastic_trainer.elastic.exit_codes import PEER_REASON
 from elastic_trainer.elastic.handover import HOSTS_CHANGE, PHASE_END, Handover
 from elastic_trainer.elastic.stop import StopRequest
+from elastic_trainer.parallel.compile import report as compile_report, report_line
 from elastic_trainer.parallel.mesh import build_mesh
 from elastic_trainer.plan.layout import Layout
 from elastic_trainer.train.loop import Diverged, Trainer
@@ -174,8 +175,11 @@ class Job:
             self.log.write(record)
             self.records.append(record)
             if len(self.records) == 1:
+                compiled = compile_report() if trainer.cfg.compile else {}
                 self.events.emit("first_step_done", step=trainer.step, step_time_s=record["step_time_s"],
-                                 layout=trainer.layout.to_dict())
+                                 layout=trainer.layout.to_dict(), **({"compile": compiled} if compiled else {}))
+                if compiled and dist.get_rank() == 0:
+                    print(report_line(compiled, len(trainer.engine.model.layers)), flush=True)
                 if self.handover is not None and dist.get_rank() == 0:
                     self.handover.first_step_done()
             asked = self.handover.stop_request() if self.handover is not None and dist.get_rank() == 0 else None

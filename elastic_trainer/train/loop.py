@@ -20,6 +20,7 @@ from elastic_trainer.data import TokenSamples, samples_for
 from elastic_trainer.data.order import sample_rows
 from elastic_trainer.data.corpus import eval_batch_count, load as load_corpus
 from elastic_trainer.model.dropout import sample_keys
+from elastic_trainer.parallel.compile import compiler_problem, use_cache
 from elastic_trainer.parallel.engine import Engine, resolve_dtype
 from elastic_trainer.plan.layout import Layout
 from elastic_trainer.train.optim import build_optimizer, lr_at, set_lr
@@ -51,8 +52,14 @@ class Trainer:
         self.val_batches = 0 if val_tokens is None else eval_batch_count(len(val_tokens), cfg)
         """Validation batches of global_batch samples per evaluation (0: no validation data)."""
         self.model_cfg, self.cfg, self.layout, self.device = model_cfg, cfg, layout, device
+        if cfg.compile:
+            problem = compiler_problem(device.type)
+            if problem:
+                raise ConfigError(problem)
+            use_cache(cfg.compile_cache)
         self.engine = Engine(model_cfg, layout, mesh, device, seed=cfg.seed, global_batch=cfg.global_batch,
-                             seq_len=cfg.seq_len, param_dtype=resolve_dtype(cfg.dtype, device), initialize=initialize)
+                             seq_len=cfg.seq_len, param_dtype=resolve_dtype(cfg.dtype, device), initialize=initialize,
+                             compile=cfg.compile)
         self.optimizer = build_optimizer(self.engine.model, cfg, self.engine.trained_params())
         self.samples = TokenSamples(tokens, cfg.seq_len, cfg.seed)
         self.step = 0

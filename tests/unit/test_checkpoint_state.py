@@ -88,7 +88,7 @@ TRAJECTORY = ("global_batch", "seq_len", "seed", "lr", "min_lr_ratio", "warmup_s
 NOT_TRAJECTORY = {"steps": 50, "dtype": "fp32", "data_cache": "/elsewhere/cache", "metrics_file": "m.jsonl",
                   "log_every": 5, "skip_bad_records": True, "text_field": "body", "data_split": "other",
                   "val_data": ("v.txt",), "eval_every": 3, "eval_batches": 2, "tensorboard": "/tmp/tb",
-                  "profile_steps": "2:3"}
+                  "profile_steps": "2:3", "compile": True, "compile_cache": "/tmp/cc"}
 SCHEDULE = ("decay_steps",)
 
 

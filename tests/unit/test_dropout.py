@@ -103,11 +103,11 @@ def test_attention_dropout_masks_the_probabilities_by_global_head():
     """Hand computation: softmax(q k^T / sqrt(d) + causal), each (head, i, j) dropped by its keyed bit."""
     torch.manual_seed(1)
     p, T = 0.3, 7
-    attn = Attention(dataclasses.replace(TINY, dropout=p), layer=2)
+    attn = Attention(dataclasses.replace(TINY, dropout=p))
     attn.head_offset = 1  # a tensor-parallel rank holding heads 1 and 2
     q, k, v = torch.randn(3, 2, 2, T, 16).unbind(0)
     keys = keyed.sample_keys(9, torch.arange(2))
-    ours = attn._attention_with_keyed_dropout(q, k, v, keys)
+    ours = attn._attention_with_keyed_dropout(q, k, v, keyed.layer_keys(keys, 2))  # layer 2's keys
     site = keyed.site_keys(keys, 2, "attn")
     expected = torch.zeros_like(ours)
     for b in range(2):

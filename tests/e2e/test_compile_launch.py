@@ -1,0 +1,32 @@
+"""`--compile` through the launcher: a job compiled on 2 ranks, re-planned onto 4 and back onto 2 (warm starts,
+the state handed over in memory) stays on the eager single-process trajectory, and the compile cache in the
+run folder lets the return to a layout seen before load every kernel instead of compiling it."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from elastic_trainer.elastic.events import read_jsonl
+from tests.e2e.test_launch import assert_on_trajectory, env, launch_argv, reference, schedule  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_compiled_job_reconfigures_on_the_trajectory_and_reuses_its_cache(tmp_path, data_cache, reference):
+    run_dir = tmp_path / "compiled"
+    argv = launch_argv(run_dir, "localhost slots=4\n", "--schedule", schedule(tmp_path / "s.json", (2, 3), (4, 3), (2, 2)),
+                       cache=data_cache)
+    proc = subprocess.run([*argv, "--compile", "--micro-batch", "2", "--dp-mode", "fsdp"], capture_output=True,
+                          text=True, env=env(), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    kept = assert_on_trajectory(run_dir, reference, 8)  # compiled vs eager: 1e-5 (tests/distributed/test_compile.py)
+    assert [r["world_size"] for r in kept] == [2] * 3 + [4] * 3 + [2] * 2
+    firsts = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "first_step_done"]
+    assert len(firsts) == 3 and all(e["compile"]["graphs"] >= 1 for e in firsts)
+    assert firsts[0]["compile"]["cache_misses"] > 0  # a new run folder: the first world compiles
+    assert firsts[2]["layout"] == firsts[0]["layout"]
+    assert firsts[2]["compile"]["cache_misses"] == 0 and firsts[2]["compile"]["cache_hits"] > 0
+    assert any((run_dir / "compile-cache").iterdir())
+    assert "[compile] rank 0's 4 blocks as 1 graph(s)" in proc.stdout

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.profiler import record_function
 
@@ -127,11 +128,21 @@ class Trainer:
             engine.sync_params()
         self.step += 1
         dt = time.perf_counter() - t0
-        return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                "step_time_s": dt, "tokens_per_s": cfg.global_batch * cfg.seq_len / dt,
-                "samples": [self.consumed_samples - cfg.global_batch, self.consumed_samples],
-                "world_size": self.layout.world_size, "layout": self.layout.to_dict(),
-                "time": time.time()}
+        record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                  "step_time_s": dt, "tokens_per_s": cfg.global_batch * cfg.seq_len / dt,
+                  "samples": [self.consumed_samples - cfg.global_batch, self.consumed_samples],
+                  "world_size": self.layout.world_size, "layout": self.layout.to_dict(),
+                  "time": time.time()}
+        if self.device.type == "cuda":
+            record["max_memory_gib"] = self._peak_memory_gib()
+        return record
+
+    def _peak_memory_gib(self) -> float:
+        """The largest peak of device memory any rank's tensors took so far (torch.cuda.max_memory_allocated),
+        in GiB: what the planner's memory model predicts (plan/memory.py)."""
+        peak = torch.tensor([float(torch.cuda.max_memory_allocated(self.device))], device=self.device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return peak.item() / 2**30
 
     @property
     def val_samples(self) -> int:

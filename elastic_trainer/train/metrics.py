@@ -44,9 +44,10 @@ class MetricsLog:
         if step % self.log_every == 0 or step == self.total_steps or "val_loss" in record:
             of = f"/{self.total_steps}" if self.total_steps else ""
             val = f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""
+            memory = f" | peak {record['max_memory_gib']:.1f} GiB" if "max_memory_gib" in record else ""
             print(f"step {step}{of} | loss {record['loss']:.4f}{val} | lr {record['lr']:.2e} | "
                   f"grad_norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
-                  f"{record['step_time_s']:.3f} s/step", file=sys.stdout, flush=True)
+                  f"{record['step_time_s']:.3f} s/step{memory}", file=sys.stdout, flush=True)
 
     def info(self, message: str) -> None:
         if self.enabled:

@@ -38,7 +38,6 @@ LAYOUTS = [
     Layout(2, 1, 1, 4, 1, "zero1"),
     Layout(1, 2, 1, 4, 2, "fsdp"),
     Layout(1, 1, 2, 4, 2, "fsdp", recompute=True),
-    Layout(2, 2, 1, 4, 1, "zero1"),
 ]
 
 

@@ -146,3 +146,25 @@ def test_link_latency_tree_or_ring():
     assert ring.all_reduce(0, 8) == pytest.approx(2 * 7 * 10e-6)
     assert ring.gather(8e9, 8) == pytest.approx(7 + 7 * 10e-6)
     assert tree.all_reduce(1e9, 1) == 0.0
+
+
+def test_a_compiled_job_runs_its_blocks_compiled_speedup_times_faster():
+    """--compile divides the blocks' forward + backward (and nothing else) by the profile's measured
+    compiled_speedup; the planner applies it to a compiled job's request only. Hand computation on one rank
+    (no communication): the step shrinks by micro-batches x layers x block time x (1 - 1/speedup)."""
+    from elastic_trainer.config import load_model_config
+    from elastic_trainer.plan import Request, load_hardware
+    from elastic_trainer.plan.candidates import evaluate
+    from elastic_trainer.plan.step_time import block_flops
+
+    model, hw = load_model_config("gpt3-xl"), dataclasses.replace(load_hardware("h100-80g"), compiled_speedup=1.25)
+    layout, seq = Layout(1, 1, 1, 2, 4, "ddp"), 2048
+    tokens = layout.micro_batch * seq
+    block = 3 * block_flops(model, tokens, seq, 1) / (hw.tflops * 1e12 * tokens / (tokens + hw.half_rate_tokens)) \
+        + hw.layer_overhead_ms * 1e-3
+    eager = step_time(model, layout, seq, "bf16", hw, 8).total
+    compiled = step_time(model, layout, seq, "bf16", hw, 8, block_speedup=1.25).total
+    assert eager - compiled == pytest.approx(4 * model.n_layers * block * (1 - 1 / 1.25), rel=1e-9)
+    request = Request(model, 1, 8, seq, hw, 8, dtype="bf16")
+    assert evaluate(request, layout).time.total == pytest.approx(eager)
+    assert evaluate(dataclasses.replace(request, compiled=True), layout).time.total == pytest.approx(compiled)

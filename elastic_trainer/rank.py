@@ -46,6 +46,8 @@ class Decision:
     start: str
     """This start's id (its records, events and the idle ranks' store keys)."""
     held: int
+    hosts: tuple[int, ...] = ()
+    """The ranks on each host the layout was settled for."""
 
     @property
     def idle(self) -> int:
@@ -56,27 +58,30 @@ def decide(spec: JobSpec, phase: PhaseSpec, topology: Topology, start: str) -> D
     """Rank 0's choice of layout for these hosts (a ConfigError when a fixed layout does not fit them)."""
     from elastic_trainer import resolve
 
-    held = topology.world_size
+    held, hosts = topology.world_size, topology.sizes
     if phase.layout is not None and phase.pinned:
         layout = resolve.checked(phase.layout, spec, held)
         resolve.check_hosts(layout, spec.model, topology)
-        return Decision(layout, f"[plan] given: {layout.describe()}", "given", "", start, held)
+        return Decision(layout, f"[plan] given: {layout.describe()}", "given", "", start, held, hosts)
     layout = phase.layout
+    hardware = spec.hardware or resolve.resolve_hardware(None)
+    learned = resolve.learned(spec, hardware, topology)  # step times earlier starts measured on these hosts
     if layout is not None and spec.hardware is not None and topology.same_hosts(phase.hosts) and \
-            topology.first(layout.world_size).within(layout.tp):
+            topology.first(layout.world_size).within(layout.tp) and not learned:
         idle = held - layout.world_size
         line = phase.plan_line or (f"[plan] as planned by {spec.built_by} for {topology.describe()}: "
                                    f"{layout.describe()}" + (f"; {idle} of the {held} GPUs idle" if idle else ""))
-        return Decision(layout, line, "spec", "", start, held)
-    if spec.hardware is None:
+        return Decision(layout, line, "spec", "", start, held, hosts)
+    if learned:
+        reason = "with the step times this job measured on these hosts"
+    elif spec.hardware is None:
         reason = "the job's hardware is detected on the hosts"
     elif phase.hosts is None:
         reason = "the hosts were not known when the job was described"
     else:
         reason = f"planned for {Topology(phase.hosts).describe()}, got {topology.describe()}"
-    hardware = spec.hardware or resolve.resolve_hardware(None)
-    layout, _, line = resolve.plan_for_hosts(spec, hardware, topology)
-    return Decision(layout, f"{line} [{reason}]", "planned", reason, start, held)
+    layout, _, line = resolve.plan_for_hosts(spec, hardware, topology, learned)
+    return Decision(layout, f"{line} [{reason}]", "planned", reason, start, held, hosts)
 
 
 def run(spec: JobSpec, phase_index: int | None, env: TorchrunEnv, *, started: float = IMPORTED_AT,
@@ -163,7 +168,7 @@ def _train_releasing(spec, phase, decision, device, stop, events, tags, corpus, 
     import torch.distributed as dist
 
     try:
-        return _train(spec, phase, decision.layout, device, stop, events, tags, corpus, env)
+        return _train(spec, phase, decision.layout, device, stop, events, tags, corpus, env, decision.hosts)
     except BaseException as e:
         if store is not None and dist.get_rank() == 0:
             from elastic_trainer.parallel import active
@@ -174,7 +179,7 @@ def _train_releasing(spec, phase, decision, device, stop, events, tags, corpus, 
 
 
 def _train(spec: JobSpec, phase: PhaseSpec, layout: Layout, device, stop, events, tags: dict, corpus,
-           env: TorchrunEnv) -> tuple[str, str | None]:
+           env: TorchrunEnv, hosts: tuple[int, ...] = ()) -> tuple[str, str | None]:
     import torch.distributed as dist
 
     from elastic_trainer.train import MetricsLog, run_job
@@ -193,11 +198,24 @@ def _train(spec: JobSpec, phase: PhaseSpec, layout: Layout, device, stop, events
                      log=log, events=events, tokens=corpus.train, val_tokens=corpus.val,
                      handover=_handover(phase, env))
     log.close()
+    if rank0 and hosts:
+        _record_measured(spec, layout, hosts, result.records)
     if rank0 and train.skip_bad_records:
         from elastic_trainer.data.corpus import skipped_note
 
         print(f"[data] {skipped_note(train)}", flush=True)
     return result.status, result.reason
+
+
+def _record_measured(spec: JobSpec, layout: Layout, hosts: tuple[int, ...], records: list[dict]) -> None:
+    """This start's steady step time for the job's later plans (plan/measured.py); a failure to record costs
+    the job nothing but the lesson."""
+    from elastic_trainer.resolve import record_measured
+
+    try:
+        record_measured(spec, layout, hosts, records)
+    except (OSError, ValueError) as e:
+        print(f"[plan] this start's step time was not recorded: {e}", file=sys.stderr, flush=True)
 
 
 def _handover(phase: PhaseSpec, env: TorchrunEnv):

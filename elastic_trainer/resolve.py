@@ -13,6 +13,7 @@ from elastic_trainer.config import (DP_MODES, CheckpointConfig, ConfigError, Mod
                                     fmt_values, load_model_config, load_run_config)
 from elastic_trainer.job_spec import JobSpec, LayoutSettings, PhaseSpec
 from elastic_trainer.plan import Hardware, PlanError, Request, hardware_for_device, load_hardware, plan
+from elastic_trainer.plan import measured as measured_times
 from elastic_trainer.plan.layout import Layout, LayoutError, parse_degrees, split_batch
 from elastic_trainer.plan.report import summary
 from elastic_trainer.plan.topology import Topology
@@ -155,13 +156,35 @@ memory (rank 0 plans with the real profile)."""
 # -- planning on a spec ----------------------------------------------------------------------------------
 
 def plan_request(spec: JobSpec, hardware: Hardware, world_size: int, gpus_per_host: int | None = None,
-                 host_sizes: tuple[int, ...] | None = None) -> Request:
-    """What the planner considers: every setting the user left open."""
+                 host_sizes: tuple[int, ...] | None = None, measured: tuple = ()) -> Request:
+    """What the planner considers: every setting the user left open (and what this job measured)."""
     s = spec.layout
     return Request(spec.model, world_size, spec.train.global_batch, spec.train.seq_len, hardware,
                    hardware.gpus_per_host if gpus_per_host is None else gpus_per_host, host_sizes=host_sizes,
                    dtype=spec.train.dtype, micro_batch=s.micro_batch, dp_modes=(s.dp_mode,) if s.dp_mode else DP_MODES,
-                   recompute=(False, True) if s.recompute is None else (s.recompute,), compiled=spec.train.compile)
+                   recompute=(False, True) if s.recompute is None else (s.recompute,), compiled=spec.train.compile,
+                   measured=measured)
+
+
+def _measured_key(spec: JobSpec, hardware: Hardware) -> dict:
+    t = spec.train
+    return measured_times.job_key(spec.model.name, t.global_batch, t.seq_len, t.dtype, hardware.name, t.compile)
+
+
+def learned(spec: JobSpec, hardware: Hardware, topology: Topology) -> tuple:
+    """The step times this job measured on hosts of these sizes (plan/measured.py), for its next plan."""
+    return measured_times.for_hosts(measured_times.path_for(spec.train.metrics_file), _measured_key(spec, hardware),
+                                    topology.sizes)
+
+
+def record_measured(spec: JobSpec, layout: Layout, hosts: tuple[int, ...], records: list[dict]) -> dict | None:
+    """Rank 0 at the end of a start: its steady step time on these hosts, beside the prediction."""
+    from elastic_trainer.plan.candidates import evaluate
+
+    hardware = spec.hardware or resolve_hardware(None)
+    predicted = evaluate(plan_request(spec, hardware, layout.world_size, max(hosts), hosts), layout)
+    return measured_times.record(measured_times.path_for(spec.train.metrics_file), _measured_key(spec, hardware),
+                                 layout, hosts, records, predicted.time.total if predicted.time else None)
 
 
 def naming_fixed(settings: LayoutSettings, fn, *args):
@@ -174,11 +197,13 @@ def naming_fixed(settings: LayoutSettings, fn, *args):
         raise PlanError(f"with {settings.fixed}: {err}") from None
 
 
-def plan_for_hosts(spec: JobSpec, hardware: Hardware, topology: Topology) -> tuple[Layout, GpuPlan, str]:
+def plan_for_hosts(spec: JobSpec, hardware: Hardware, topology: Topology,
+                   measured: tuple = ()) -> tuple[Layout, GpuPlan, str]:
     """The layout for ranks on these hosts (on the first `used` of them when no layout fits all, or when the
-    job's use_gpus prefers fewer), its GpuPlan, and one line for the log."""
+    job's use_gpus prefers fewer), its GpuPlan, and one line for the log; `measured`: step times this job
+    measured on these hosts (plan/measured.py)."""
     count("plan")
-    req = plan_request(spec, hardware, topology.world_size, topology.largest, topology.sizes)
+    req = plan_request(spec, hardware, topology.world_size, topology.largest, topology.sizes, measured)
     chosen = naming_fixed(spec.layout, plan_gpus, req, spec.use_gpus)
     line = summary(chosen.plan) + (f"; {chosen.note()}" if chosen.idle else "")
     return chosen.plan.chosen.layout, chosen, line

@@ -48,6 +48,8 @@ class Request:
     """Recompute settings to consider."""
     compiled: bool = False
     """The blocks run compiled (--compile): their compute is the hardware's measured `compiled_speedup` faster."""
+    measured: tuple = ()
+    """(Layout, seconds): steady step times this job measured on these hosts (plan/measured.py)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -94,6 +96,10 @@ class Candidate:
     time: StepTime | None = None
     reason: str | None = None
     """Why this candidate is invalid; None when it is valid."""
+    measured_s: float | None = None
+    """The step time this job measured for this layout on these hosts (plan/measured.py), which ranks it."""
+    correction: float = 1.0
+    """The measured / predicted ratio of this layout's family that its prediction is multiplied by."""
 
     @property
     def valid(self) -> bool:
@@ -114,12 +120,18 @@ class Candidate:
 
     @property
     def step_time_s(self) -> float:
-        return self.time.total
+        """Measured where this job ran the layout, else predicted (and corrected by its family's ratio)."""
+        return self.measured_s if self.measured_s is not None else self.time.total * self.correction
+
+    @property
+    def source(self) -> str:
+        """Where step_time_s comes from: measured, corrected or predicted."""
+        return "measured" if self.measured_s is not None else "corrected" if self.correction != 1.0 else "predicted"
 
     def rank_key(self) -> tuple:
         """Fastest first; ties go to less memory, then fewer pipeline and tensor-parallel ranks, no recompute,
         then the data-parallel mode in DP_MODES' order (fsdp, ddp, zero1)."""
-        return (round(self.time.total, 12), self.memory.total, self.pp, self.tp, self.recompute,
+        return (round(self.step_time_s, 12), self.memory.total, self.pp, self.tp, self.recompute,
                 DP_MODES.index(self.dp_mode))
 
 

@@ -3,10 +3,12 @@ none is valid and what would be (the nearest GPU count, global batch or memory t
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, replace
 
 from elastic_trainer.plan.candidates import Candidate, PlanError, Request, degree_reason, enumerate_candidates
 from elastic_trainer.plan.layout import divisors, factorizations
+from elastic_trainer.plan.measured import family
 
 
 @dataclass(frozen=True)
@@ -38,9 +40,30 @@ class Plan:
 
 def _ranked(req: Request) -> Plan:
     """Every candidate for `req`: the valid ones ranked (possibly none), the rejected ones."""
-    everything = enumerate_candidates(req)
+    everything = learned(list(enumerate_candidates(req)), req.measured)
     valid = sorted((c for c in everything if c.valid), key=Candidate.rank_key)
     return Plan(req, tuple(valid), tuple(c for c in everything if not c.valid))
+
+
+def learned(candidates: list[Candidate], measured: tuple) -> list[Candidate]:
+    """The candidates with what this job measured (plan/measured.py): a layout it ran takes its measured step
+    time; the others of its family (the same degrees and data-parallel mode) their prediction times the
+    family's median ratio of measured to predicted; the rest keep their predictions."""
+    seconds = dict(measured)
+    ratios: dict[tuple, list[float]] = {}
+    for c in candidates:
+        if c.valid and c.layout in seconds:
+            ratios.setdefault(family(c.layout), []).append(seconds[c.layout] / c.time.total)
+    if not ratios:
+        return candidates
+    out = []
+    for c in candidates:
+        if c.valid and c.layout in seconds:
+            c = replace(c, measured_s=seconds[c.layout])
+        elif c.valid and family(c.layout) in ratios:
+            c = replace(c, correction=statistics.median(ratios[family(c.layout)]))
+        out.append(c)
+    return out
 
 
 def plan(req: Request) -> Plan:

@@ -18,7 +18,8 @@ def candidate_dict(c: Candidate, req: Request) -> dict:
     out = {"dp": c.dp, "tp": c.tp, "pp": c.pp, "micro_batch": c.micro_batch, "num_microbatches": c.num_microbatches,
            "dp_mode": c.dp_mode, "recompute": c.recompute}
     if c.memory is not None:
-        out.update(memory_gb=round(c.memory_gb, 3), step_time_s=round(c.step_time_s, 6),
+        out.update(memory_gb=round(c.memory_gb, 3), step_time_s=round(c.step_time_s, 6), source=c.source,
+                   predicted_s=round(c.time.total, 6),
                    tokens_per_s=round(tokens_per_s(c, req), 1), bubble=round(c.time.bubble, 4),
                    breakdown={"state_gb": round(c.memory.state.total / GIB, 3),
                               "activations_gb": round(c.memory.activations / GIB, 3),
@@ -66,10 +67,21 @@ def format_table(plan: Plan, top: int = 10, compare: Candidate | None = None) ->
     return "\n".join(lines)
 
 
+def step_time_words(c: Candidate) -> str:
+    """`predicted X s/step`, or where the figure came from when this job's measurements gave it."""
+    if c.source == "measured":
+        return f"measured {c.step_time_s:.3f} s/step by an earlier start (predicted {c.time.total:.3f})"
+    if c.source == "corrected":
+        return f"predicted {c.step_time_s:.3f} s/step (x{c.correction:.2f}, as its family measured)"
+    return f"predicted {c.step_time_s:.3f} s/step"
+
+
 def summary(plan: Plan) -> str:
-    """One line for logs: the chosen layout and its predictions."""
+    """One line for logs: the chosen layout and its predictions (or this job's measurement of it)."""
     c, req = plan.chosen, plan.request
+    learned = sum(x.source == "measured" for x in plan.candidates)
     return (f"[plan] {req.world_size} x {req.hardware.name} ({req.topology.describe()}): "
-            f"{c.layout.describe()}; {c.memory_gb:.1f} GiB/GPU, predicted {c.step_time_s:.3f} s/step, "
+            f"{c.layout.describe()}; {c.memory_gb:.1f} GiB/GPU, {step_time_words(c)}, "
             f"{tokens_per_s(c, req):,.0f} tokens/s, bubble {100 * c.time.bubble:.1f}% "
-            f"(best of {len(plan.candidates)} valid layouts)")
+            f"(best of {len(plan.candidates)} valid layouts"
+            + (f"; {learned} measured by this job)" if learned else ")"))

@@ -1,0 +1,80 @@
+"""What a job learns about its own step time, and how its later plans use it.
+
+Every start of a job that trained at least MIN_STEPS steps appends one record to `measured.jsonl` in the run
+folder (beside the metrics file): the layout, the ranks per host it ran on, the steady step time (the median
+of its steps after the first, which pays for warm-up and compiles), the planner's prediction for the same
+layout, and on GPUs the peak memory. Each later plan of the job for the same hosts (the same ranks per host)
+reads them back (`for_hosts`) and ranks its candidates (plan/planner.py `learned`) by:
+- **measured**, for a layout this job has run on these hosts: the median of its records, not a prediction;
+- **corrected**, for the other layouts of a family it has run (the same degrees and data-parallel mode,
+  another micro-batch size or recompute): the prediction times the family's median ratio of measured to
+  predicted. A family shares every term of the step-time model, so its members most likely share the error;
+- **predicted**, for the rest.
+So a layout that ran slower than predicted, with its family, gives way at the next re-plan to the best of the
+others; if that one measures slower still, the plan after it returns. A job never stays on a layout slower
+than another it measured, and tries one it has not run only when its prediction beats every measurement.
+What this cannot do is find a better layout that a wrong profile predicts slow: the job never tries it
+(benchmarks/planner/learning.py simulates both cases). That needs the profile measured at the job's shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+
+from elastic_trainer.plan.layout import Layout
+
+FILE = "measured.jsonl"
+MIN_STEPS = 3
+"""Steps a start must train for its step time to be recorded (the first is left out of the median)."""
+
+
+def path_for(metrics_file: str | None) -> Path | None:
+    """The job's record of measured step times: beside its metrics file (the run folder under the launcher)."""
+    return Path(metrics_file).parent / FILE if metrics_file else None
+
+
+def job_key(model: str, global_batch: int, seq_len: int, dtype: str, hardware: str, compiled: bool) -> dict:
+    """What must match for a measurement to count: the model, batch, precision, compile and the hardware."""
+    return {"model": model, "global_batch": global_batch, "seq_len": seq_len, "dtype": dtype, "hardware": hardware,
+            "compile": compiled}
+
+
+def record(path: Path | None, key: dict, layout: Layout, hosts: tuple[int, ...], records: list[dict],
+           predicted_s: float | None) -> dict | None:
+    """Append this start's steady step time (and peak memory on GPUs) to `path`; None when it trained too few
+    steps to say."""
+    if path is None or len(records) < MIN_STEPS:
+        return None
+    times = [r["step_time_s"] for r in records[1:]]
+    entry = {**key, "layout": layout.to_dict(), "hosts": list(hosts), "step_s": statistics.median(times),
+             "steps": len(times), "predicted_s": predicted_s,
+             "peak_memory_gib": records[-1].get("max_memory_gib")}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:  # one line, one write: a crash leaves whole lines
+        f.write(json.dumps(entry) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    return entry
+
+
+def for_hosts(path: Path | None, key: dict, hosts: tuple[int, ...]) -> tuple[tuple[Layout, float], ...]:
+    """(layout, median measured step seconds) for every layout this job ran on hosts of these sizes."""
+    if path is None or not path.exists():
+        return ()
+    seen: dict[Layout, list[float]] = {}
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+            if {k: entry.get(k) for k in key} == key and tuple(entry["hosts"]) == tuple(hosts):
+                seen.setdefault(Layout(**entry["layout"]), []).append(float(entry["step_s"]))
+        except (ValueError, KeyError, TypeError):
+            continue  # a line from another version, or cut short: ignored
+    return tuple((layout, statistics.median(times)) for layout, times in seen.items())
+
+
+def family(layout: Layout) -> tuple:
+    """Layouts that share every term of the step-time model: the same degrees and data-parallel mode."""
+    return layout.dp, layout.tp, layout.pp, layout.dp_mode

@@ -1,0 +1,79 @@
+"""plan/measured.py and the planner's use of it: a job's measured step times, recorded per start in the run
+folder, rank the layouts it ran at its next plans; the other layouts of their family are corrected by the
+family's ratio; nothing else changes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from elastic_trainer.config import load_model_config
+from elastic_trainer.plan import Request, load_hardware, plan
+from elastic_trainer.plan import measured
+from elastic_trainer.plan.layout import Layout
+from elastic_trainer.plan.report import summary
+
+KEY = measured.job_key("gpt-tiny", 8, 64, "auto", "cpu", False)
+A = Layout(2, 1, 1, 4, 1, "zero1")
+
+
+def steps(*seconds: float) -> list[dict]:
+    return [{"step_time_s": s} for s in seconds]
+
+
+def test_a_start_records_its_steady_step_time_and_later_plans_read_it_back(tmp_path):
+    path = measured.path_for(str(tmp_path / "metrics.jsonl"))
+    assert path == tmp_path / "measured.jsonl" and measured.path_for(None) is None
+    assert measured.record(path, KEY, A, (2,), steps(9.0, 1.0), 0.5) is None  # too few steps to say
+    entry = measured.record(path, KEY, A, (2,), steps(9.0, 1.0, 3.0, 2.0), 0.5)  # the first (warm-up) left out
+    assert entry["step_s"] == 2.0 and entry["steps"] == 3 and entry["predicted_s"] == 0.5
+    measured.record(path, KEY, A, (2,), steps(9.0, 4.0, 4.0), 0.5)
+    measured.record(path, {**KEY, "global_batch": 16}, A, (2,), steps(9.0, 7.0, 7.0), 0.5)  # another job's
+    measured.record(path, KEY, A, (1, 1), steps(9.0, 7.0, 7.0), 0.5)  # other hosts
+    with open(path, "a") as f:
+        f.write('{"model": "gpt-tiny", "cut sh')  # a crash mid-line
+    assert measured.for_hosts(path, KEY, (2,)) == ((A, 3.0),)  # the median of this job's starts on 2 ranks
+    assert measured.for_hosts(path, KEY, (1, 1)) == ((A, 7.0),)
+    assert measured.for_hosts(tmp_path / "none.jsonl", KEY, (2,)) == ()
+    assert all(json.loads(line)["hosts"] for line in path.read_text().splitlines()[:-1])
+
+
+@pytest.fixture
+def request_4():
+    return Request(load_model_config("gpt-tiny"), 4, 8, 64, load_hardware("cpu"), 4, dtype="fp32")
+
+
+def test_a_layout_the_job_ran_is_ranked_by_its_measurement(request_4):
+    first = plan(request_4).chosen
+    again = plan(dataclasses.replace(request_4, measured=((first.layout, first.step_time_s * 0.9),)))
+    assert again.chosen.layout == first.layout and again.chosen.source == "measured"
+    assert again.chosen.step_time_s == pytest.approx(first.step_time_s * 0.9)  # not a prediction: the figure
+    assert again.chosen.time.total == pytest.approx(first.step_time_s)  # the model's own is kept beside it
+    assert f"measured {first.step_time_s * 0.9:.3f} s/step by an earlier start" in summary(again)
+    assert "1 measured by this job" in summary(again)
+
+
+def test_a_layout_twice_as_slow_as_predicted_gives_way_after_one_phase_and_its_family_with_it(request_4):
+    """The profile's prediction for A is wrong by 2x (as a profile edited on purpose would make it): after one
+    phase on A, the next plan moves to the best layout outside A's family (the same degrees and dp mode, which
+    share every term of the model, so their predictions are doubled too); the rest keep their predictions."""
+    before = plan(request_4)
+    a = before.chosen
+    after = plan(dataclasses.replace(request_4, measured=((a.layout, 2 * a.step_time_s),)))
+    family = measured.family(a.layout)
+    outside = [c for c in before.candidates if measured.family(c.layout) != family]
+    assert after.chosen.layout == outside[0].layout and after.chosen.step_time_s == outside[0].step_time_s
+    for c in after.candidates:
+        if c.layout == a.layout:
+            assert c.source == "measured" and c.step_time_s == pytest.approx(2 * a.step_time_s)
+        elif measured.family(c.layout) == family:
+            assert c.source == "corrected" and c.correction == pytest.approx(2.0)
+        else:
+            assert c.source == "predicted" and c.correction == 1.0
+    # B then measures slower than A did: the plan after it returns to A, the faster of the two it measured
+    b = after.chosen
+    back = plan(dataclasses.replace(request_4, measured=((a.layout, 2 * a.step_time_s),
+                                                          (b.layout, 3 * a.step_time_s))))
+    assert back.chosen.layout != b.layout and back.chosen.step_time_s <= 2 * a.step_time_s

@@ -8,7 +8,8 @@ workers run this module; `elastic-trainer train` calls `run` in its own process.
 the job was described with: the spec was built and checked once (resolve.train_spec, launch.job_setup).
 
 Rank 0 takes the spec's layout for the phase when the hosts it really got are the hosts the spec was planned
-for, and plans again (saying why) when they differ or when the hardware was left to detection on the hosts.
+for, and plans again (saying why) when they differ, when the hardware was left to detection on the hosts, or
+when earlier starts of the job measured step times on hosts of these sizes (plan/measured.py).
 When no layout fits all the ranks (or the job's use_gpus prefers fewer), the first `used` ranks train and the
 others wait idle (parallel/active.py).
 """
@@ -16,6 +17,7 @@ others wait idle (parallel/active.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -194,12 +196,13 @@ def _train(spec: JobSpec, phase: PhaseSpec, layout: Layout, device, stop, events
         board = TensorBoardLog(train.tensorboard, train.metrics_file)
     log = MetricsLog(train.metrics_file, enabled=rank0, log_every=train.log_every, total_steps=train.steps, tags=tags,
                      board=board)
+    # this start's step time, recorded before its save or hand-over: the next world may plan with it
+    on_stop = functools.partial(_record_measured, spec, layout, hosts, device_type=device.type) \
+        if rank0 and hosts else None
     result = run_job(spec.model, train, layout, device, ckpt=spec.checkpoint, stop=stop, until=phase.until_step,
                      log=log, events=events, tokens=corpus.train, val_tokens=corpus.val,
-                     handover=_handover(phase, env))
+                     handover=_handover(phase, env), on_stop=on_stop)
     log.close()
-    if rank0 and hosts:
-        _record_measured(spec, layout, hosts, result.records)
     if rank0 and train.skip_bad_records:
         from elastic_trainer.data.corpus import skipped_note
 
@@ -207,14 +210,15 @@ def _train(spec: JobSpec, phase: PhaseSpec, layout: Layout, device, stop, events
     return result.status, result.reason
 
 
-def _record_measured(spec: JobSpec, layout: Layout, hosts: tuple[int, ...], records: list[dict]) -> None:
-    """This start's steady step time for the job's later plans (plan/measured.py); a failure to record costs
-    the job nothing but the lesson."""
+def _record_measured(spec: JobSpec, layout: Layout, hosts: tuple[int, ...], records: list[dict],
+                     device_type: str) -> None:
+    """This start's steady step time for the job's later plans (plan/measured.py). Whatever goes wrong here
+    costs the job nothing but the lesson: the training is done."""
     from elastic_trainer.resolve import record_measured
 
     try:
-        record_measured(spec, layout, hosts, records)
-    except (OSError, ValueError) as e:
+        record_measured(spec, layout, hosts, records, device_type)
+    except Exception as e:  # noqa: BLE001 (best effort by design)
         print(f"[plan] this start's step time was not recorded: {e}", file=sys.stderr, flush=True)
 
 

@@ -177,12 +177,18 @@ def learned(spec: JobSpec, hardware: Hardware, topology: Topology) -> tuple:
                                     topology.sizes)
 
 
-def record_measured(spec: JobSpec, layout: Layout, hosts: tuple[int, ...], records: list[dict]) -> dict | None:
-    """Rank 0 at the end of a start: its steady step time on these hosts, beside the prediction."""
+def record_measured(spec: JobSpec, layout: Layout, hosts: tuple[int, ...], records: list[dict],
+                    device_type: str) -> dict | None:
+    """Rank 0 when a start stops training: its steady step time on these hosts (the ranks held, the key of
+    later plans), beside the prediction for the ranks it used. Nothing when the job plans with a profile of
+    another kind of device (--hardware h100-80g on CPU ranks): those seconds would not be that device's."""
     from elastic_trainer.plan.candidates import evaluate
 
     hardware = spec.hardware or resolve_hardware(None)
-    predicted = evaluate(plan_request(spec, hardware, layout.world_size, max(hosts), hosts), layout)
+    if hardware.device != device_type:
+        return None
+    used = Topology(hosts).first(layout.world_size)  # with GPUs idle, the plan was for these
+    predicted = evaluate(plan_request(spec, hardware, layout.world_size, used.largest, used.sizes), layout)
     return measured_times.record(measured_times.path_for(spec.train.metrics_file), _measured_key(spec, hardware),
                                  layout, hosts, records, predicted.time.total if predicted.time else None)
 

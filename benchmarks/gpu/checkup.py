@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -83,25 +84,32 @@ def detect(args) -> Setup:
     gpu = torch.cuda.is_available()
     name = torch.cuda.get_device_name(0) if gpu else "cpu"
     small = args.smoke or not gpu
-    return Setup(gpu, name, torch.cuda.device_count() if gpu else 2,
+    gpus = torch.cuda.device_count() if gpu else 2
+    return Setup(gpu, name, gpus,
                  args.model or ("gpt-tiny" if small else "gpt3-xl"), args.seq_len or (32 if small else 2048),
-                 args.global_batch or (4 if small else 8), args.steps or (3 if small else 6),
+                 args.global_batch or math.lcm(4 if small else 8, gpus), args.steps or (3 if small else 6),
                  "bf16" if gpu else "fp32", args.hardware or hardware_for_device("cuda" if gpu else "cpu", name).name,
                  (1, 2) if small else (1, 2, 4, 8), 300 if small else 900)
 
 
 def cases(s: Setup) -> list[Case]:
-    n, model = s.gpus, load_model_config(s.model)
-    out = [Case(f"dp{n} {mode}", n, (n, 1, 1), mode, max(1, s.global_batch // n)) for mode in ("fsdp", "ddp", "zero1")]
+    n, model, batch = s.gpus, load_model_config(s.model), s.global_batch
+
+    def micro(dp: int, wanted: int) -> int:
+        """The largest micro-batch up to `wanted` that splits a dp rank's share of the batch evenly."""
+        share = batch // dp
+        return max(m for m in range(1, max(1, min(wanted, share)) + 1) if share % m == 0)
+
+    out = [Case(f"dp{n} {mode}", n, (n, 1, 1), mode, micro(n, 2)) for mode in ("fsdp", "ddp", "zero1")]
     if n >= 2 and model.n_heads % n == 0:
-        out.append(Case(f"tp{n}", n, (1, n, 1), "fsdp", max(1, s.global_batch // 2)))
+        out.append(Case(f"tp{n}", n, (1, n, 1), "fsdp", micro(1, 2)))
     if n >= 2 and model.n_layers >= n:
-        out.append(Case(f"pp{n}", n, (1, 1, n), "fsdp", max(1, s.global_batch // (2 * n))))
+        out.append(Case(f"pp{n}", n, (1, 1, n), "fsdp", micro(1, max(1, batch // (2 * n)))))
     if n >= 4 and n % 2 == 0 and model.n_heads % 2 == 0:
-        out.append(Case(f"dp{n // 2} x tp2 zero1", n, (n // 2, 2, 1), "zero1", max(1, s.global_batch // n)))
+        out.append(Case(f"dp{n // 2} x tp2 zero1", n, (n // 2, 2, 1), "zero1", micro(n // 2, 2)))
     for compiled in (False, True):
         for mb in s.sweep:
-            if s.global_batch % mb == 0:
+            if batch % mb == 0:
                 out.append(Case(f"1 {'GPU' if s.gpu else 'rank'} mb{mb}" + (" compiled" if compiled else ""), 1,
                                 (1, 1, 1), "fsdp", mb, compile=compiled))
     return out

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from elastic_trainer.config import ModelConfig
 from elastic_trainer.plan.layout import Layout
+from elastic_trainer.plan.measured import measured_file_exists
 
 WARM_LEAD_S = 60.0
 """A time phase's next world starts this long before the phase's end (a start takes 3-10 s here, 30-90 s for
@@ -128,5 +129,7 @@ def builds_early(job, current: int, following: int) -> bool:
     hardware = job.spec.hardware
     if hardware is None or hardware.device == "cpu":
         return True
+    if measured_file_exists(job.train.metrics_file):
+        return False  # rank 0 re-plans with the job's measurements: not necessarily the layouts checked here
     return device_fits(job.model, job.plans[current][0].layout, job.plans[following][0].layout,
                        job.train.seq_len, hardware.compute_dtype, hardware.usable_bytes)

@@ -36,6 +36,13 @@ def path_for(metrics_file: str | None) -> Path | None:
     return Path(metrics_file).parent / FILE if metrics_file else None
 
 
+def measured_file_exists(metrics_file: str | None) -> bool:
+    """Whether an earlier start of this job recorded a step time (its next plans may then differ from the
+    launcher's)."""
+    path = path_for(metrics_file)
+    return path is not None and path.exists()
+
+
 def job_key(model: str, global_batch: int, seq_len: int, dtype: str, hardware: str, compiled: bool) -> dict:
     """What must match for a measurement to count: the model, batch, precision, compile and the hardware."""
     return {"model": model, "global_batch": global_batch, "seq_len": seq_len, "dtype": dtype, "hardware": hardware,
@@ -62,10 +69,12 @@ def record(path: Path | None, key: dict, layout: Layout, hosts: tuple[int, ...],
 
 def for_hosts(path: Path | None, key: dict, hosts: tuple[int, ...]) -> tuple[tuple[Layout, float], ...]:
     """(layout, median measured step seconds) for every layout this job ran on hosts of these sizes."""
-    if path is None or not path.exists():
-        return ()
+    try:
+        text = path.read_text() if path is not None and path.exists() else ""
+    except (OSError, UnicodeDecodeError):
+        return ()  # unreadable: plan as if nothing were measured
     seen: dict[Layout, list[float]] = {}
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         try:
             entry = json.loads(line)
             if {k: entry.get(k) for k in key} == key and tuple(entry["hosts"]) == tuple(hosts):

@@ -62,7 +62,7 @@ def format_table(plan: Plan, top: int = 10, compare: Candidate | None = None) ->
     lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
     if compare is not None:
         ratio = compare.step_time_s / plan.chosen.step_time_s
-        lines.append(f"compare {compare.dp},{compare.tp},{compare.pp}: predicted {compare.step_time_s:.3f} s/step, "
+        lines.append(f"compare {compare.dp},{compare.tp},{compare.pp}: {step_time_words(compare)}, "
                      f"{ratio:.2f}x the chosen layout's {plan.chosen.step_time_s:.3f} s")
     return "\n".join(lines)
 

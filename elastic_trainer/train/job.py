@@ -74,10 +74,12 @@ class Job:
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, layout: Layout, device: torch.device, *,
                  ckpt: CheckpointConfig | None = None, tokens: np.ndarray | None = None, val_tokens=None,
                  log: MetricsLog | None = None, events: EventLog | None = None, handover: Handover | None = None,
-                 stop: StopRequest | None = None):
+                 stop: StopRequest | None = None, on_stop=None):
         """`val_tokens`: the validation token stream (as `tokens`), or None for no validation loss. `handover`:
         the launcher's channel for a planned reconfiguration (a warm world waits on it for its state after it is
-        built, before it loads; `stop` ends that wait)."""
+        built, before it loads; `stop` ends that wait). `on_stop(records)`: called with this start's step
+        records when it stops training, before its save or hand-over."""
+        self.on_stop = on_stop
         self.log = log or MetricsLog(None, enabled=False)
         self.events = events or EventLog(None, enabled=False)
         self.handover, self.layout = handover, layout
@@ -193,6 +195,8 @@ class Job:
             self.handover.first_step_done()  # nothing to train: whoever waits for a first step waits no more
         if reason is None and trainer.step < trainer.cfg.steps:
             reason = f"until step {last}"
+        if self.on_stop is not None:
+            self.on_stop(self.records)
         if reason is not None:
             self.events.emit("stopping", step=trainer.step, reason=reason, last_step_end=self._last_step_end(),
                              layout=trainer.layout.to_dict())
@@ -308,10 +312,10 @@ class Job:
 def run_job(model_cfg: ModelConfig, train_cfg: TrainConfig, layout: Layout, device: torch.device, *,
             ckpt: CheckpointConfig | None = None, stop: StopRequest | None = None, until: int | None = None,
             tokens: np.ndarray | None = None, val_tokens=None, log: MetricsLog | None = None,
-            events: EventLog | None = None, handover: Handover | None = None) -> JobResult:
-    """The whole sequence: build -> load -> fit -> close."""
+            events: EventLog | None = None, handover: Handover | None = None, on_stop=None) -> JobResult:
+    """The whole sequence: build -> load -> fit -> close (`on_stop`: see Job)."""
     with Job(model_cfg, train_cfg, layout, device, ckpt=ckpt, tokens=tokens, val_tokens=val_tokens, log=log,
-             events=events, handover=handover, stop=stop) as job:
+             events=events, handover=handover, stop=stop, on_stop=on_stop) as job:
         status = job.fit(stop, until)
     return job.result(status)
 

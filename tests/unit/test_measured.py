@@ -77,3 +77,20 @@ def test_a_layout_twice_as_slow_as_predicted_gives_way_after_one_phase_and_its_f
     back = plan(dataclasses.replace(request_4, measured=((a.layout, 2 * a.step_time_s),
                                                           (b.layout, 3 * a.step_time_s))))
     assert back.chosen.layout != b.layout and back.chosen.step_time_s <= 2 * a.step_time_s
+
+
+def test_a_start_records_with_gpus_idle_and_not_under_another_device_s_profile(tmp_path):
+    """resolve.record_measured: with 1 of 4 ranks idle the prediction is for the 3 used (the record keyed by
+    the 4 held); a job planned with a GPU profile on CPU ranks records nothing (those are not GPU seconds)."""
+    from elastic_trainer import cli_parser, resolve
+
+    def spec(*argv: str):
+        args = cli_parser.train_args(["--model", "gpt-tiny", "--global-batch", "6", "--seq-len", "64",
+                                      "--metrics-file", str(tmp_path / "metrics.jsonl"), *argv])
+        return resolve.train_spec(args, built_by="test", world_size=4, local_world_size=4, hosts_known=True)
+
+    three = Layout(3, 1, 1, 2, 1, "ddp")
+    entry = resolve.record_measured(spec("--hardware", "cpu"), three, (4,), steps(5.0, 1.0, 1.0), "cpu")
+    assert entry["hosts"] == [4] and entry["predicted_s"] > 0 and entry["layout"]["dp"] == 3
+    assert resolve.record_measured(spec("--hardware", "h100-80g"), three, (4,), steps(5.0, 1.0, 1.0), "cpu") is None
+    assert len((tmp_path / "measured.jsonl").read_text().splitlines()) == 1

@@ -15,12 +15,13 @@ from elastic_trainer.plan.layout import Layout
 GIB = 1 << 30
 
 
-def fake_job(model: str, layouts: list[Layout], ranks: list[int], hardware: str | None = None):
+def fake_job(model: str, layouts: list[Layout], ranks: list[int], hardware: str | None = None,
+             metrics_file: str | None = None):
     """What warm_refusal and builds_early read of the launcher's JobSetup: phases on one host."""
     phases = list(range(len(layouts)))
     host = SimpleNamespace(name="node1")
     return SimpleNamespace(
-        model=load_model_config(model), train=SimpleNamespace(seq_len=1024), phases=phases,
+        model=load_model_config(model), train=SimpleNamespace(seq_len=1024, metrics_file=metrics_file), phases=phases,
         placements=lambda phase: [SimpleNamespace(host=host, nproc=ranks[phase])],
         plans=[(SimpleNamespace(layout=layout), "") for layout in layouts],
         spec=SimpleNamespace(hardware=load_hardware(hardware) if hardware else None))
@@ -59,3 +60,13 @@ def test_the_next_world_builds_before_the_hand_over_only_where_both_fit(model, h
     job = fake_job(model, [Layout(8, 1, 1, 1, 16, dp_mode="ddp"), Layout(4, 1, 1, 1, 32, dp_mode="ddp")], [8, 4],
                    hardware)
     assert warm.builds_early(job, 0, 1) is early
+
+
+def test_a_gpu_world_waits_to_build_once_the_job_has_measured_step_times(tmp_path):
+    """Rank 0 re-plans with the job's measurements (plan/measured.py), so the launcher's layouts, which
+    device_fits checked, may not be the ones the worlds run: the next world builds after the hand-over."""
+    layouts = [Layout(8, 1, 1, 1, 16, dp_mode="ddp"), Layout(4, 1, 1, 1, 32, dp_mode="ddp")]
+    metrics = tmp_path / "metrics.jsonl"
+    assert warm.builds_early(fake_job("gpt-tiny", layouts, [8, 4], "h100-80g", str(metrics)), 0, 1)
+    (tmp_path / "measured.jsonl").write_text("{}\n")
+    assert not warm.builds_early(fake_job("gpt-tiny", layouts, [8, 4], "h100-80g", str(metrics)), 0, 1)

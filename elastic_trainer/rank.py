@@ -283,8 +283,11 @@ def recorded(fn, env: TorchrunEnv):
 def report_bad_input(error: Exception, env: TorchrunEnv) -> int:
     """One line on stderr, exit code 2. Under torchrun the line also goes into the rank's error file (what
     torchrun and our agent report as the root cause), and only each host's local rank 0 prints it: every
-    rank checks the same inputs and would print the same line."""
+    rank checks the same inputs and would print the same line. The file is written after the line is printed:
+    the agent takes a line in local rank 0's file as printed (launch/agent.py)."""
     line = error_line(str(error) or type(error).__name__)
+    if env.local_rank == 0 or not env.under_torchrun:
+        print(line, file=sys.stderr, flush=True)
     if env.error_file:
         try:
             with open(env.error_file, "w") as f:
@@ -292,8 +295,6 @@ def report_bad_input(error: Exception, env: TorchrunEnv) -> int:
                                                                       "timestamp": str(int(time.time()))}}}, f)
         except OSError:
             pass
-    if env.local_rank == 0 or not env.under_torchrun:
-        print(line, file=sys.stderr, flush=True)
     return EXIT_BAD_INPUT
 
 

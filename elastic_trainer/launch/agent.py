@@ -25,7 +25,7 @@ import signal
 import sys
 import time
 
-from elastic_trainer.elastic.exit_codes import EXIT_BAD_INPUT, FINAL_CODES, error_line
+from elastic_trainer.elastic.exit_codes import ERROR_MARK, EXIT_BAD_INPUT, FINAL_CODES, error_line
 from elastic_trainer.elastic.handover import CONTROL_ENV
 from elastic_trainer.elastic.lifetime import die_with_parent
 
@@ -183,16 +183,23 @@ def _quiet_bad_input(record: logging.LogRecord) -> bool:
     return not any(f"(exitcode: {code})" in record.getMessage() for code in FINAL_CODES)
 
 
+def _message(failure) -> str:
+    message = failure.message.get("message") if isinstance(failure.message, dict) else failure.message
+    return str(message or "")
+
+
 def _failure_line(error) -> tuple[int, str | None]:
     """(exit code, the one line to print or None) of TorchElastic's ChildFailedError."""
     _, failure = error.get_first_failure()
-    message = failure.message.get("message") if isinstance(failure.message, dict) else failure.message
     if failure.exitcode != EXIT_BAD_INPUT:
         return failure.exitcode, None
     # local rank 0 printed its line already (rank.report_bad_input): print another rank's line only when local
-    # rank 0 did not fail the same way (the first failure is whichever rank's error file came first)
-    printed = any(f.local_rank == 0 and f.exitcode == EXIT_BAD_INPUT for f in error.failures.values())
-    return EXIT_BAD_INPUT, (str(message) if not printed and message else None)
+    # rank 0 did not fail the same way (the first failure is whichever rank's error file came first). Local
+    # rank 0 writes its error file after printing, so a line in it was printed even when the agent stopped
+    # rank 0 (after another rank failed) before it could exit with the code.
+    printed = any(f.local_rank == 0 and (f.exitcode == EXIT_BAD_INPUT or _message(f).startswith(ERROR_MARK))
+                  for f in error.failures.values())
+    return EXIT_BAD_INPUT, (_message(failure) or None) if not printed else None
 
 
 def _rendezvous_defaults(args) -> None:

@@ -143,7 +143,13 @@ def test_default_job_through_run_sh(tmp_path, data_cache, reference):
     seen = [line.split()[0] for line in counts.read_text().splitlines()]
     starts = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "processes_up"]
     assert seen.count("parse_train_flags") == 1  # the train flags, by the launcher only
-    assert seen.count("plan") == 4 and len(starts) == 4  # the launcher's plan per phase; rank 0 took each
+    # the launcher's plan per phase; rank 0 took the first three and planned the fourth again, with the step
+    # time the job measured in the first on the same 4 ranks (plan/measured.py)
+    assert seen.count("plan") == 5 and len(starts) == 4
+    planned = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "planned"]
+    assert [e["source"] for e in planned] == ["spec", "spec", "spec", "planned"]
+    assert planned[3]["reason"] == "with the step times this job measured on these hosts"
+    assert [r["hosts"] for r in read_jsonl(run_dir / "measured.jsonl")] == [[4], [8], [2], [4]]
     assert seen.count("read_spec") == 4 + 8 + 2 + 4  # job.json, once per rank start
     kept = assert_on_trajectory(run_dir, reference, 32)
     assert len(metrics(run_dir)) == 32  # nothing redone

@@ -280,13 +280,14 @@ def recorded(fn, env: TorchrunEnv):
     return record(fn)
 
 
-def report_bad_input(error: Exception, env: TorchrunEnv) -> int:
+def report_bad_input(error: Exception, env: TorchrunEnv, quiet: bool = False) -> int:
     """One line on stderr, exit code 2. Under torchrun the line also goes into the rank's error file (what
     torchrun and our agent report as the root cause), and only each host's local rank 0 prints it: every
-    rank checks the same inputs and would print the same line. The file is written after the line is printed:
-    the agent takes a line in local rank 0's file as printed (launch/agent.py)."""
+    rank checks the same inputs and would print the same line. `quiet`: a worker forked by our agent prints
+    nothing; the agent prints the line of the first rank that failed (launch/agent.py). The file is written
+    after the line is printed: the agent takes a line in local rank 0's file as printed."""
     line = error_line(str(error) or type(error).__name__)
-    if env.local_rank == 0 or not env.under_torchrun:
+    if not quiet and (env.local_rank == 0 or not env.under_torchrun):
         print(line, file=sys.stderr, flush=True)
     if env.error_file:
         try:
@@ -314,7 +315,7 @@ def main(argv: list[str] | None = None, *, started: float | None = None, forked:
         count("read_spec")
         code = recorded(run, env)(spec, args.phase, env, started=started or IMPORTED_AT, forked=forked)
     except (ConfigError, CheckpointError) as e:
-        code = report_bad_input(e, env)
+        code = report_bad_input(e, env, quiet=forked)
     return code if forked else finish_worker(code, env)
 
 

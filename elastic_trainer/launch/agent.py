@@ -188,11 +188,15 @@ def _message(failure) -> str:
     return str(message or "")
 
 
-def _failure_line(error) -> tuple[int, str | None]:
-    """(exit code, the one line to print or None) of TorchElastic's ChildFailedError."""
+def _failure_line(error, workers_print: bool = True) -> tuple[int, str | None]:
+    """(exit code, the one line to print or None) of TorchElastic's ChildFailedError. `workers_print`: local
+    rank 0 printed its line itself (spawned workers); forked ones leave it to the agent."""
     _, failure = error.get_first_failure()
     if failure.exitcode != EXIT_BAD_INPUT:
         return failure.exitcode, None
+    if not workers_print:  # the failures name only the ranks that failed before the agent stopped the rest
+        lines = [_message(f) for f in (failure, *error.failures.values()) if _message(f)]
+        return EXIT_BAD_INPUT, lines[0] if lines else None
     # local rank 0 printed its line already (rank.report_bad_input): print another rank's line only when local
     # rank 0 did not fail the same way (the first failure is whichever rank's error file came first). Local
     # rank 0 writes its error file after printing, so a line in it was printed even when the agent stopped
@@ -279,7 +283,7 @@ def run_agent(configured) -> int:
               file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
     except ChildFailedError as e:
-        code, line = _failure_line(e)
+        code, line = _failure_line(e, workers_print=entrypoint is not worker)
         if code != EXIT_BAD_INPUT:
             raise
         if line:

@@ -107,6 +107,21 @@ def test_the_bad_input_line_is_printed_once(failures, line):
     assert agent._failure_line(error) == (2, line)
 
 
+@pytest.mark.parametrize("failures", [
+    {0: (0, 2, "rank 0's line", 1), 1: (1, 2, "rank 1's line", 2)},
+    {1: (1, 2, "rank 1's line", 1)},  # rank 0 stopped by the agent after rank 1 failed: not among the failures
+])
+def test_forked_workers_leave_the_line_to_the_agent(failures):
+    """Forked workers print nothing (rank.report_bad_input, quiet): the agent prints the first failure's line.
+    When local rank 0 printed its own, a rank 0 the agent stopped after another rank failed is missing from the
+    failures, so the agent could not tell that it had printed and printed the line again (seen in CI)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    error = ChildFailedError("worker", {rank: _failure(*spec) for rank, spec in failures.items()})
+    first = min(failures.values(), key=lambda spec: spec[3])[2]
+    assert agent._failure_line(error, workers_print=False) == (2, first)
+
+
 def test_a_forked_worker_does_not_keep_the_agents_notice_handler():
     """A launcher's agent takes SIGTERM as its host's notice (launch/notices.py); a worker it forks must die of
     SIGTERM as a spawned one does. With the agent's handler kept, a worker SIGTERMed outside its own stop handler

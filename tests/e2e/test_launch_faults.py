@@ -61,8 +61,10 @@ def test_launcher_death_saves_the_step_in_flight(sig, tmp_path, data_cache, refe
         return [*launch_argv(run_dir, "localhost slots=2\n", "--schedule", "none", *extra, cache=data_cache),
                 "--steps", str(STEPS)]
 
+    # SIGHUP as a terminal sends it, even when this suite runs under nohup (which the launcher would inherit
+    # and rightly take as "keep running")
     proc = subprocess.Popen(argv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env(),
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     try:
         wait_for(run_dir, proc, lambda r: r["step"] >= 4)
         tree = [proc.pid, *descendants(proc.pid)]

@@ -38,12 +38,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from elastic_trainer.config import load_model_config  # noqa: E402
-from elastic_trainer.plan import hardware_for_device, load_hardware  # noqa: E402
+from elastic_trainer.plan import Request, hardware_for_device, load_hardware  # noqa: E402
+from elastic_trainer.plan.candidates import evaluate  # noqa: E402
 from elastic_trainer.plan.layout import Layout  # noqa: E402
-from elastic_trainer.plan.memory import stage_memories  # noqa: E402
-from elastic_trainer.plan.step_time import step_time  # noqa: E402
 
-GIB = 2**30
 PEAK_BF16_TFLOPS = {"h100": 989.4, "h200": 989.4, "a100": 312.0, "l40s": 362.1}
 """Dense bf16 tensor-core peaks from the vendors' data sheets (SXM parts), the denominator of MFU."""
 NOT_GPU = ("NOT GPU FIGURES: this machine has no CUDA device, so the check-up ran its CPU form (gpt-tiny, fp32, "
@@ -155,10 +153,10 @@ def predict(case: Case, s: Setup) -> None:
     model, hw = load_model_config(s.model), load_hardware(s.hardware)
     dp, tp, pp = case.layout
     layout = Layout(dp, tp, pp, case.micro_batch, s.global_batch // (dp * case.micro_batch), case.dp_mode)
-    speedup = hw.compiled_speedup if case.compile else 1.0
-    case.result["predicted_step_s"] = step_time(model, layout, s.seq_len, s.dtype, hw, case.ranks,
-                                                block_speedup=speedup).total
-    case.result["predicted_memory_gib"] = max(m.total for m in stage_memories(model, layout, s.seq_len, s.dtype)) / GIB
+    request = Request(model, case.ranks, s.global_batch, s.seq_len, hw, case.ranks, dtype=s.dtype,
+                      compiled=case.compile)
+    planned = evaluate(request, layout)  # what the planner ranks this layout by
+    case.result["predicted_step_s"], case.result["predicted_memory_gib"] = planned.step_time_s, planned.memory_gb
     peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in s.device_name.lower()), None) if s.gpu else None
     if peak and case.result.get("step_s"):
         tokens = s.global_batch * s.seq_len

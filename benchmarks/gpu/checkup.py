@@ -87,7 +87,7 @@ def detect(args) -> Setup:
                  args.model or ("gpt-tiny" if small else "gpt3-xl"), args.seq_len or (32 if small else 2048),
                  args.global_batch or math.lcm(4 if small else 8, gpus), args.steps or (3 if small else 6),
                  "bf16" if gpu else "fp32", args.hardware or hardware_for_device("cuda" if gpu else "cpu", name).name,
-                 (1, 2) if small else (1, 2, 4, 8), 300 if small else 900)
+                 tuple(args.sweep) if args.sweep else (1, 2) if small else (1, 2, 4, 8), 300 if small else 900)
 
 
 def cases(s: Setup) -> list[Case]:
@@ -200,6 +200,18 @@ def table(all_cases: list[Case], s: Setup) -> list[str]:
     return lines
 
 
+def write_report(out: Path, s: Setup, done: list[Case], cal: dict | None, complete: bool,
+                 lines: list[str] | None = None) -> None:
+    report = {"setup": dataclasses.asdict(s), "gpu_figures": s.gpu, "note": None if s.gpu else NOT_GPU,
+              "complete": complete,
+              "cases": [{"name": c.name, "ranks": c.ranks, "layout": c.layout, "dp_mode": c.dp_mode,
+                         "micro_batch": c.micro_batch, "compile": c.compile, **c.result} for c in done],
+              "calibrate": cal, "table": lines if lines is not None else table(done, s)}
+    tmp = out / "checkup.json.tmp"
+    tmp.write_text(json.dumps(report, indent=1) + "\n")
+    tmp.replace(out / "checkup.json")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="the small form (gpt-tiny, short sequences) on the GPUs too; "
@@ -211,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int)
     p.add_argument("--hardware", help="profile the predictions use (default: the one matching the GPU; cpu)")
     p.add_argument("--no-calibrate", action="store_true", help="skip `calibrate` (it takes minutes)")
+    p.add_argument("--sweep", type=lambda v: [int(x) for x in v.split(",")],
+                   help="micro-batch sizes of the one-device sweep (default 1,2,4,8 on GPUs; 1,2 small)")
+    p.add_argument("--only", action="append", default=[], metavar="NAME",
+                   help="run only the case of this name (repeatable; e.g. --only 'dp2 fsdp' --only '1 GPU mb2 compiled')")
     args = p.parse_args(argv)
     s = detect(args)
     out = Path(args.out) / (s.device_name.replace(" ", "-") if s.gpu else "cpu-form")
@@ -219,11 +235,14 @@ def main(argv: list[str] | None = None) -> int:
           f"{s.global_batch}, {s.steps} steps per case; predictions from hardware profile {s.hardware!r}", flush=True)
     if not s.gpu:
         print(f"[checkup] {NOT_GPU}", flush=True)
-    all_cases = cases(s)
-    for case in all_cases:
+    all_cases = [c for c in cases(s) if not args.only or c.name in args.only]
+    if not all_cases:
+        p.error(f"no case matches --only {args.only}: the cases are {', '.join(c.name for c in cases(s))}")
+    for done, case in enumerate(all_cases, 1):
         run_case(case, s, out)
         print(f"[checkup] {case.name}: {'ok' if case.result['ok'] else 'FAILED'} in {case.result['wall_s']:.1f} s",
               flush=True)
+        write_report(out, s, all_cases[:done], None, complete=False)  # a killed check-up keeps what it measured
     cal = None if args.no_calibrate else calibrate(s, out)
     lines = table(all_cases, s)
     print("\n".join(lines))
@@ -233,11 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {k:22s} profile {s.hardware}: {sheet:10.4g}   measured here: {measured:10.4g}")
     if not s.gpu:
         print(f"[checkup] {NOT_GPU}")
-    report = {"setup": dataclasses.asdict(s), "gpu_figures": s.gpu, "note": None if s.gpu else NOT_GPU,
-              "cases": [{"name": c.name, "ranks": c.ranks, "layout": c.layout, "dp_mode": c.dp_mode,
-                         "micro_batch": c.micro_batch, "compile": c.compile, **c.result} for c in all_cases],
-              "calibrate": cal, "table": lines}
-    (out / "checkup.json").write_text(json.dumps(report, indent=1) + "\n")
+    write_report(out, s, all_cases, cal, complete=True, lines=lines)
     print(f"[checkup] wrote {out / 'checkup.json'}")
     return 0 if all(c.result["ok"] for c in all_cases) and (cal is None or cal["profile"]) else 1
 

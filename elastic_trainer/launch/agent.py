@@ -40,6 +40,9 @@ START_ENV = "ELASTIC_TRAINER_WORKER_START"
 """`spawn` makes the agent start fresh interpreters, as plain torchrun does (default `fork`)."""
 
 
+NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
+
+
 def preload() -> None:
     """Import what every worker imports, so forked workers start with it loaded (no CUDA calls here)."""
     import torch.distributed.pipelining  # noqa: F401  (torch._dynamo)
@@ -58,10 +61,20 @@ def worker(*argv: str) -> int:
 
     signals_as_after_exec()
     whole_lines()  # this host's ranks share one pipe
+    refuse_poisoned_cuda()
     code = rank.main(list(argv), started=time.time(), forked=True)
     if code:
         raise SystemExit(code)
     return code
+
+
+def refuse_poisoned_cuda() -> None:
+    """A worker forked from an agent that had used CUDA cannot use it: say so in one line, with the way out."""
+    import torch
+
+    if torch.cuda._is_in_bad_fork() and torch.cuda.is_available():
+        raise RuntimeError(f"this host's agent used CUDA before forking its workers, so they cannot; run the agent "
+                           f"with {START_ENV}=spawn (workers start fresh interpreters) and report it as a bug")
 
 
 def signals_as_after_exec() -> None:
@@ -237,11 +250,16 @@ def agent_config(argv: list[str]):
     parser.error = one_line
     args = parser.parse_args(argv)
     _rendezvous_defaults(args)
+    forking = os.environ.get(START_ENV, "fork") == "fork"
+    if forking:
+        # TorchElastic's LaunchConfig asks torch.cuda.is_available() (for its NUMA defaults), and the CUDA
+        # runtime's device count poisons fork: every forked worker then failed "Cannot re-initialize CUDA in
+        # forked subprocess" (an H100 lease, 2026-11-26). torch's switch makes the check ask NVML instead.
+        os.environ[NVML_CHECK_ENV] = "1"
     try:
         config, entrypoint, entry_args = config_from_args(args)
     except ValueError as e:
         raise UsageError(f"torchrun: {' '.join(str(e).split())}") from None
-    forking = os.environ.get(START_ENV, "fork") == "fork"
     if forking and args.module and args.training_script == WORKER_MODULE and not args.no_python:
         config.start_method = "fork"
         entrypoint, entry_args = worker, list(args.training_script_args)

@@ -150,3 +150,33 @@ def test_a_forked_worker_does_not_keep_the_agents_notice_handler():
     _, status = os.waitpid(agent_pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, "the worker did not die of SIGTERM"
     assert Control(store, "job").notices(0, ["vm-a"]) == (0, {})
+
+
+def test_the_agent_does_not_ask_the_cuda_runtime_before_it_forks(monkeypatch):
+    """TorchElastic's LaunchConfig calls torch.cuda.is_available(); asked of the CUDA runtime (its device count),
+    that poisons fork, and on an H100 every forked worker failed "Cannot re-initialize CUDA in forked subprocess".
+    Here the runtime's count is a spy and NVML (what torch asks under PYTORCH_NVML_BASED_CUDA_CHECK=1) sees one
+    GPU, as on a one-GPU machine: building the agent's config must not reach the runtime."""
+    import torch
+
+    asked = []
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", lambda: asked.append("runtime") or 1, raising=False)
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "_cached_device_count", None)
+    monkeypatch.delenv(agent.NVML_CHECK_ENV, raising=False)
+    monkeypatch.delenv(agent.START_ENV, raising=False)
+    config, entrypoint, _ = agent.agent_config(["--standalone", "--nproc-per-node", "1", "-m", agent.WORKER_MODULE,
+                                                "--job", "job.json"])
+    assert entrypoint is agent.worker and config.start_method == "fork"
+    assert asked == [] and os.environ[agent.NVML_CHECK_ENV] == "1"
+
+
+def test_a_worker_forked_from_a_cuda_agent_says_how_to_go_on(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(RuntimeError, match=f"used CUDA before forking.*{agent.START_ENV}=spawn"):
+        agent.refuse_poisoned_cuda()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CUDA build on a machine without GPUs
+    agent.refuse_poisoned_cuda()

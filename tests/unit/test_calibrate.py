@@ -519,7 +519,8 @@ def measured(monkeypatch, threads):
     seed0 = torch.Generator().manual_seed(0)
     seen["seed0"] = torch.randn(4, generator=seed0)
 
-    def blocks(device, dtype, shapes):
+    def blocks(device, dtype, shapes, repeat=3):
+        seen.setdefault("block_calls", []).append((shapes, repeat))
         seen.update(blocks=(device, dtype, shapes), threads=torch.get_num_threads(), draw=torch.randn(4))
         return POINTS
 
@@ -560,6 +561,8 @@ def test_calibrate_on_cuda_measures_bf16_on_the_device_and_keeps_the_links(measu
     hw = calibrate.calibrate(base, "gpu-here", [2, 4], cuda, say=lines.append)
     assert hw == dataclasses.replace(base, name="gpu-here", device="cuda", compute_dtype="bf16", **MEASURED)
     assert measured["blocks"] == (cuda, torch.bfloat16, calibrate.GPU_SHAPES)
+    # a warm-up at the largest shape first (clocks, cuBLAS's choices), then every shape, 10 times each
+    assert measured["block_calls"] == [(calibrate.GPU_SHAPES[-1:], 20), (calibrate.GPU_SHAPES, 10)]
     assert (measured["head"], measured["memory"], measured["optimizer"]) == ((cuda, torch.bfloat16), cuda, cuda)
     assert measured["fit"] == POINTS and "cpu_host" not in measured
     assert lines == POINT_LINES + [
@@ -573,6 +576,7 @@ def test_calibrate_on_cpu_measures_fp32_with_one_thread_from_seed_0_and_the_host
     assert measured["cpu_host"] == (measured_hw, [2, 3])
     assert hw == dataclasses.replace(measured_hw, intra_host_gbs=1.25, intra_host_latency_us=75.0)
     assert measured["blocks"] == (CPU, torch.float32, calibrate.CPU_SHAPES)
+    assert measured["block_calls"] == [(calibrate.CPU_SHAPES, 3)]
     assert (measured["head"], measured["memory"], measured["optimizer"]) == ((CPU, torch.float32), CPU, CPU)
     assert measured["threads"] == 1 and torch.get_num_threads() == 1
     assert torch.equal(measured["draw"], measured["seed0"])

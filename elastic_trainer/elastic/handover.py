@@ -28,6 +28,8 @@ import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
+from elastic_trainer.elastic.store_wait import wait_key
+
 HOST_ENV = "ELASTIC_TRAINER_HOST"
 """The host's name in the hosts file (set by the launcher per host)."""
 CONTROL_ENV = "ELASTIC_TRAINER_CONTROL"
@@ -37,8 +39,6 @@ then wait for the state) or `late` (wait, then build: old and new would not fit 
 PHASE_END = "the phase's time is up"
 HOSTS_CHANGE = "the job's hosts change"
 """Why the launcher asks a world to stop (the `stop` key's "why"): both hand the state over to a waiting world."""
-WAIT_SLICE_S = 1.0
-"""How long one blocking wait on the store lasts before the waiter checks whether it was asked to stop."""
 
 
 def host_name() -> str:
@@ -101,14 +101,13 @@ class Control:
     def wait(self, world, name: str, give_up=lambda: False):
         """Block until the key is set (its value) or `give_up()` turns true or the store is gone (None)."""
         key = self._key(world, name)
-        while not give_up() and not self.lost:
-            try:
-                self.store.wait([key], timedelta(seconds=WAIT_SLICE_S))
-                return json.loads(self.store.get(key))
-            except (RuntimeError, OSError) as e:
-                if "timeout" not in str(e).lower():  # a slice that timed out goes on; anything else is the end
-                    self.lost = True
-        return None
+        if self.lost:
+            return None
+        try:
+            return json.loads(self.store.get(key)) if wait_key(self.store, key, give_up) else None
+        except (RuntimeError, OSError):
+            self.lost = True
+            return None
 
     # -- notices: a host that will go away (a scheduler's SIGTERM to its agent, with a grace period) ---------
 

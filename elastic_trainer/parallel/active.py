@@ -12,7 +12,6 @@ SIGTERM) ends the wait at once; a crash of a trainer makes the agent restart eve
 from __future__ import annotations
 
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -49,22 +48,19 @@ def release(store, start: str, code: int, idle: int, timeout_s: float = 30.0) ->
 
 def wait_idle(store, start: str, stopping, unreachable_s: float = 60.0) -> int | None:
     """Wait for the trainers' exit code; None when `stopping()` turned true first, 1 when the store has been
-    unreachable for `unreachable_s` (the trainers are gone without a word)."""
+    unreachable for `unreachable_s` (the trainers are gone without a word). Asked with `check` every POLL_S
+    (elastic/store_wait.py says why not `wait`)."""
     key, failing_since = _key(start) + "exit", None
     while not stopping():
-        began = time.monotonic()
         try:
-            store.wait([key], timedelta(seconds=POLL_S))
-            code = int(store.get(key))
-            store.add(_key(start) + "read", 1)
-            return code
-        except (RuntimeError, dist.DistStoreError):  # not yet (a timeout), or the store is unreachable
-            elapsed = time.monotonic() - began
-            if elapsed >= POLL_S / 2:  # a timeout: the store answers
-                failing_since = None
-                continue
-            failing_since = failing_since or began
-            if began - failing_since > unreachable_s:
+            if store.check([key]):
+                code = int(store.get(key))
+                store.add(_key(start) + "read", 1)
+                return code
+            failing_since = None
+        except (RuntimeError, dist.DistStoreError):  # the store is unreachable
+            failing_since = failing_since or time.monotonic()
+            if time.monotonic() - failing_since >= unreachable_s:
                 return 1
-            time.sleep(POLL_S - elapsed)
+        time.sleep(POLL_S)
     return None

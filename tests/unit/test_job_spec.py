@@ -152,7 +152,7 @@ def test_idle_ranks_read_the_trainers_code_and_give_up_on_a_dead_store():
     assert active.wait_idle(store, "other", lambda: True) is None  # a signal ends the wait
 
     class Dead:
-        def wait(self, keys, timeout):
+        def check(self, keys):
             raise dist.DistNetworkError("connection refused")
 
     assert active.wait_idle(Dead(), "s", lambda: False, unreachable_s=0.0) == 1

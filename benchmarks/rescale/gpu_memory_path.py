@@ -8,8 +8,10 @@ weights and two AdamW moments, on the GPU (6 blocks: 4.9 GB). Every write goes t
 /dev/shm, removed afterwards; every read is checked against the written state (per tensor, a float64 sum).
 - write `dcp`: `dcp.save` with FileSystemWriter as memory.py calls it (one thread, GPU tensors: DCP copies
   each to the CPU, then `torch.save`s it into the file); `dcp-threads-N`: the same with N threads and files;
-  `staged`: first every tensor copied to pinned host memory in one pass of asynchronous copies, then `dcp.save`
-  of the host tensors (N threads);
+  `staged`: first every tensor copied to pinned host memory in one pass of asynchronous copies
+  (`checkpoint/staging.py`, what memory.py now does with a GPU state), then `dcp.save` of the host tensors (N
+  threads). The figures in benchmarks/gpu/results/ were taken before memory.py had it, with this file's own
+  copy (`to_pinned`: the same empty pinned tensors and non-blocking copies);
 - read `dcp`: `dcp.load` of the one-file state into the GPU tensors (DCP's reader: one thread); `dcp-threads`:
   of the N-file state; `staged`: into pinned host tensors, then one pass of asynchronous copies to the GPU;
 - floor: the same bytes GPU -> pinned host and back (`copy`).
@@ -34,6 +36,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from elastic_trainer.checkpoint import staging  # noqa: E402
 from elastic_trainer.config import load_model_config  # noqa: E402
 from elastic_trainer.model.gpt import GPT  # noqa: E402
 
@@ -42,7 +45,7 @@ DEV = "cuda"  # `--cpu-check`: "cpu", to try the program's logic on a machine wi
 
 def sync() -> None:
     if DEV == "cuda":
-        sync()
+        torch.cuda.synchronize()
 
 
 def gpu_state(layers: int) -> dict[str, torch.Tensor]:
@@ -121,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
                                       ("staged", args.threads, True)):
             folder = shm / name
             writer = FileSystemWriter(str(folder), sync_files=False, thread_count=threads)
-            if staged:
-                stage_s, cpu = timed(lambda: to_pinned(state))
+            if staged:  # what checkpoint/memory.py does with a GPU state
+                stage_s, cpu = timed(lambda: staging.to_host(state, pin=DEV == "cuda"))
                 save_s, _ = timed(lambda: dcp.save(cpu, storage_writer=writer, no_dist=True))
                 row(f"write {name}", stage_s + save_s, stage_s=round(stage_s, 3), save_s=round(save_s, 3))
                 del cpu

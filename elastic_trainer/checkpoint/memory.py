@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from elastic_trainer.checkpoint import faults, storage
+from elastic_trainer.checkpoint import faults, staging, storage
 from elastic_trainer.checkpoint import state as ckpt_state
 from elastic_trainer.checkpoint.transfer import Server, fetch_file, gather_pieces
 from elastic_trainer.config import CheckpointError
@@ -128,8 +128,10 @@ def write(pg, trainer, checkpoint_dir: str, run_id: str) -> Written:
     hosts, token = [h for h, _, _ in first], first[0][1]
     server = Server(folder.parent, host, {name: token}) if hosts.index(host) == rank else None
     address = server.start() if server else None
-    dcp.save(ckpt_state.tensor_state(trainer), storage_writer=FileSystemWriter(str(folder), sync_files=False),
+    state, threads = staging.for_writing(ckpt_state.tensor_state(trainer), hosts.count(host))
+    dcp.save(state, storage_writer=FileSystemWriter(str(folder), sync_files=False, thread_count=threads),
              process_group=pg)
+    del state  # a staged copy: host memory the size of the rank's state
     faults.fault("in_memory", trainer.step)
     mine = {p.name: p.stat().st_size for p in folder.glob(f"__{rank}_*.distcp")}
     if rank == 0:

@@ -28,6 +28,8 @@ import time
 from elastic_trainer.elastic.exit_codes import ERROR_MARK, EXIT_BAD_INPUT, FINAL_CODES, error_line
 from elastic_trainer.elastic.handover import CONTROL_ENV
 from elastic_trainer.elastic.lifetime import die_with_parent
+from elastic_trainer.launch.forked import (NVML_CHECK_ENV, START_ENV, refuse_poisoned_cuda,  # noqa: F401
+                                          signals_as_after_exec)
 
 WORKER_MODULE = "elastic_trainer.rank"
 LAUNCHER_GONE = signal.SIGUSR2
@@ -36,11 +38,6 @@ LAUNCHER_GONE = signal.SIGUSR2
 EXIT_BARRIER_S = 30.0
 """How long a launcher's agent whose workers finished waits for the other agents (TorchElastic: 300 s, for an
 agent that hosts the store; an agent stopped by SIGTERM never arrives)."""
-START_ENV = "ELASTIC_TRAINER_WORKER_START"
-"""`spawn` makes the agent start fresh interpreters, as plain torchrun does (default `fork`)."""
-
-
-NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 
 def preload() -> None:
@@ -66,31 +63,6 @@ def worker(*argv: str) -> int:
     if code:
         raise SystemExit(code)
     return code
-
-
-def refuse_poisoned_cuda() -> None:
-    """A worker forked from an agent that had used CUDA cannot use it: say so in one line, with the way out."""
-    import torch
-
-    if torch.cuda._is_in_bad_fork() and torch.cuda.is_available():
-        raise RuntimeError(f"this host's agent used CUDA before forking its workers, so they cannot; run the agent "
-                           f"with {START_ENV}=spawn (workers start fresh interpreters) and report it as a bug")
-
-
-def signals_as_after_exec() -> None:
-    """Give a forked worker the signal handlers a spawned one has: exec resets every handled signal to its
-    default (SIGINT: KeyboardInterrupt) and keeps the ignored ones. A fork keeps the agent's Python handlers
-    instead: a launcher's agent takes SIGTERM as a scheduler's notice (launch/notices.py), so a worker SIGTERMed
-    while its own stop handler is not installed (by its agent stopping the group after another worker died,
-    during setup or the teardown) posted that its host was going away, and the launcher re-formed the job
-    without a healthy host."""
-    for sig in signal.valid_signals():
-        try:
-            handler = signal.getsignal(sig)
-        except ValueError:
-            continue
-        if callable(handler) and handler is not signal.default_int_handler:
-            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
 
 
 _events = None

@@ -37,10 +37,12 @@ class MemoryNeed:
     available: int
     shm_free: int
     """Free space of the shared-memory folder the state goes to."""
+    staging: int = 0
+    """GPU ranks first copy their state into pinned host memory, then write it (checkpoint/staging.py)."""
 
     @property
     def total(self) -> int:
-        return self.current + self.following + self.state
+        return self.current + self.following + self.state + self.staging
 
     @property
     def fits(self) -> bool:
@@ -80,9 +82,10 @@ def available_bytes() -> tuple[int, int]:
 def memory_need(model: ModelConfig, current: tuple[Layout | None, int], following: tuple[Layout | None, int],
                 seq_len: int, on_cpu: bool) -> MemoryNeed:
     """What the busiest host needs while both worlds live: (layout, ranks on that host) of each."""
+    state = model.num_params() * STATE_BYTES_PER_PARAM
     return MemoryNeed(world_bytes(model, current[0], current[1], seq_len, on_cpu),
                       world_bytes(model, following[0], following[1], seq_len, on_cpu),
-                      model.num_params() * STATE_BYTES_PER_PARAM, *available_bytes())
+                      state, *available_bytes(), staging=0 if on_cpu else state)
 
 
 def device_fits(model: ModelConfig, current: Layout | None, following: Layout | None, seq_len: int, dtype: str,
@@ -103,7 +106,8 @@ def device_fits(model: ModelConfig, current: Layout | None, following: Layout | 
 def refusal(need: MemoryNeed, phase: int, host: str) -> str:
     gib = 1 << 30
     return (f"phase {phase + 1}: no warm start: the current world (~{need.current / gib:.1f} GiB), the next one "
-            f"(~{need.following / gib:.1f} GiB) and the state in memory (~{need.state / gib:.1f} GiB) need "
+            f"(~{need.following / gib:.1f} GiB) and the state in memory (~{need.state / gib:.1f} GiB"
+            f"{f', twice while it is staged from the GPUs' if need.staging else ''}) need "
             f"~{need.total / gib:.1f} GiB on {host}, which has {need.available / gib:.1f} GiB available "
             f"({need.shm_free / gib:.1f} GiB in its shared-memory folder); the "
             "next world starts after the current one has saved and exited")

@@ -108,6 +108,31 @@ def test_a_state_in_memory_reshards_across_hosts_onto_the_trajectory(tmp_path, s
     assert not Path(counts).exists()  # no rank read a durable checkpoint (there is none)
 
 
+def test_a_state_staged_in_host_memory_and_written_by_threads_reshards_onto_the_trajectory(tmp_path, shm, tokens,
+                                                                                          monkeypatch):
+    """What a GPU state takes (checkpoint/staging.py): a host copy made with DCP's staging helpers, DTensors and
+    all, written by several threads into several files per rank. Forced here on CPU tensors (a copy, not
+    pinned), so the files, the record and the resharded read are checked where CI runs."""
+    from elastic_trainer.checkpoint import staging
+
+    def stage_always(state, local_ranks):
+        host = staging.to_host(state, pin=False)
+        assert host is not state and staging.is_on_gpu(host) is False
+        return host, 3
+
+    monkeypatch.setattr(staging, "for_writing", stage_always)
+    ckpt, counts = str(tmp_path / "ckpt"), str(tmp_path / "counts.txt")
+    losses, record = run_ranks(write_state, 4, Layout(2, 2, 1, 4, 1), ckpt, [HOST_A, HOST_A, HOST_B, HOST_B],
+                               tokens, 3)[0]
+    root_b = memory.host_root(ckpt).parent / HOST_B
+    assert sorted(p.name for p in (root_b / record["name"]).iterdir()) == [f"__{r}_{i}.distcp" for r in (2, 3)
+                                                                           for i in range(3)]
+    second = run_ranks(read_state, 3, Layout(1, 1, 3, 2, 4), ckpt, [HOST_B, HOST_C, HOST_A], tokens, 6, counts)
+    assert all(loaded == f"memory:{record['name']}" for loaded, _ in second), (second, record["name"])
+    assert close(losses + second[0][1], reference(tokens, 6))
+    assert not Path(counts).exists()
+
+
 def test_a_zero1_state_in_memory_reshards_into_zero1_onto_the_trajectory(tmp_path, shm, tokens):
     """ZeRO-1 keeps each rank's optimizer shard outside the model's parameters: the state read from memory must
     reach it (dp2 on hosts a, b -> dp4 on a, a, b, c, each with its own shard of the AdamW moments)."""

@@ -70,3 +70,21 @@ def test_a_gpu_world_waits_to_build_once_the_job_has_measured_step_times(tmp_pat
     assert warm.builds_early(fake_job("gpt-tiny", layouts, [8, 4], "h100-80g", str(metrics)), 0, 1)
     (tmp_path / "measured.jsonl").write_text("{}\n")
     assert not warm.builds_early(fake_job("gpt-tiny", layouts, [8, 4], "h100-80g", str(metrics)), 0, 1)
+
+
+def test_gpu_ranks_need_host_memory_for_the_staged_copy_too(monkeypatch):
+    """GPU ranks copy the state into pinned host memory before writing it to shared memory
+    (checkpoint/staging.py): for a moment the host holds it twice; CPU ranks write their tensors as they are."""
+    model = load_model_config("gpt3-xl")
+    layouts = [Layout(8, 1, 1, 1, 16), Layout(4, 1, 1, 1, 32)]
+    state = model.num_params() * 12
+    gpu = warm.memory_need(model, (layouts[0], 8), (layouts[1], 4), 1024, on_cpu=False)
+    cpu = warm.memory_need(model, (layouts[0], 8), (layouts[1], 4), 1024, on_cpu=True)
+    assert (gpu.staging, cpu.staging) == (state, 0)
+    assert gpu.total == 12 * warm.PROCESS_BYTES + 2 * state  # processes only: the models are on the GPUs
+    # 15.8 GB of state: 32 GiB fits one copy with the processes but not two
+    monkeypatch.setattr(warm, "available_bytes", lambda: (32 * GIB, 64 * GIB))
+    line = warm.warm_refusal(fake_job("gpt3-xl", layouts, [8, 4], "h100-80g"), 0, 1)
+    assert line is not None and "twice while it is staged from the GPUs" in line
+    monkeypatch.setattr(warm, "available_bytes", lambda: (40 * GIB, 64 * GIB))
+    assert warm.warm_refusal(fake_job("gpt3-xl", layouts, [8, 4], "h100-80g"), 0, 1) is None

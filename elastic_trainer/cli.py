@@ -156,6 +156,11 @@ def run_plan(args: argparse.Namespace) -> int:
         print(json.dumps(plan_dict(result, compare), indent=1))
     else:
         print(format_table(result, args.top, compare))
+    if args.explain and not args.json:
+        from elastic_trainer.plan.explain import format_terms
+
+        for c in [result.chosen] + ([compare] if compare is not None else []):
+            print(format_terms(result.request, c))
     return 0
 
 

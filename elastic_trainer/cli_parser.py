@@ -196,6 +196,8 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top", type=POSITIVE, default=10, help="rows of the table (default 10)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--compare", help="DP,TP,PP: also show the predicted time of these degrees")
+    p.add_argument("--explain", action="store_true", help="the chosen layout's (and --compare's) predicted step "
+                                                        "time term by term")
 
 
 def _add_calibrate_parser(sub: argparse._SubParsersAction) -> None:

@@ -107,6 +107,8 @@ class StageTime:
     compute: float
     tp_comm: float
     p2p: float
+    blocks: float = 0.0
+    """The transformer blocks' part of `compute` (the rest: output head, embedding gradient, zero1's adds)."""
 
     @property
     def total(self) -> float:
@@ -137,7 +139,7 @@ def stage_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw:
     per_block = (6 if layout.recompute else 4) * links.tp.all_reduce(hidden, layout.tp)
     sends = (stage > 0) + (stage < layout.pp - 1)  # activation forward, its gradient backward
     p2p = sends * links.pp.send(hidden)
-    return StageTime(compute, n_blocks * per_block, p2p)
+    return StageTime(compute, n_blocks * per_block, p2p, n_blocks * block / block_speedup)
 
 
 def _exposed(comm: float, window: float, overlap: float) -> float:
@@ -184,6 +186,10 @@ class StepTime:
     optimizer: float
     bubble: float
     """Idle share of the pipeline, (pp - 1) / (num_microbatches + pp - 1)."""
+    stages: tuple[StageTime, ...] = ()
+    """Each stage's time per micro-batch (what `plan/explain.py` splits the pipeline term by)."""
+    shared_cores: float = 0.0
+    """Of `pipeline`: what ranks sharing a host's cores add (shared_host profiles)."""
 
     @property
     def total(self) -> float:
@@ -206,6 +212,7 @@ def step_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw: 
         dp += links.pp.all_reduce(model.vocab_size * model.d_model * MASTER_BYTES / shard, 2)
     local = [stage_numel(model, layout, s) / shard for s in range(layout.pp)]
     optimizer = max(local) * hw.optimizer_ns_per_param * 1e-9
+    alone = pipeline
     if hw.shared_host:
         # ranks of a host share its cores: the host's whole work, spread over its cores, bounds the step
         ranks = hosts.largest
@@ -214,4 +221,4 @@ def step_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw: 
         work = a * sum(t.compute for t in stages) * copies
         pipeline = max(pipeline, work / cores + a * max(t.tp_comm + t.p2p for t in stages))
         optimizer = sum(local) * copies * hw.optimizer_ns_per_param * 1e-9 / cores
-    return StepTime(pipeline, dp, optimizer, (layout.pp - 1) / (a + layout.pp - 1))
+    return StepTime(pipeline, dp, optimizer, (layout.pp - 1) / (a + layout.pp - 1), tuple(stages), pipeline - alone)

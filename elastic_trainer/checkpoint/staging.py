@@ -49,9 +49,16 @@ def writer_threads(local_ranks: int) -> int:
     return max(1, min(MAX_WRITER_THREADS, (os.cpu_count() or 1) // max(1, local_ranks)))
 
 
-def for_writing(state: dict, local_ranks: int) -> tuple[dict, int]:
+def for_writing(state: dict, local_ranks: int, say=print) -> tuple[dict, int]:
     """(what DCP writes, its writer's threads): a GPU state staged in pinned host memory with `writer_threads`,
-    a CPU state as it is with one."""
+    a CPU state as it is with one. When the host copy cannot be made (pinned memory refused: a container's
+    RLIMIT_MEMLOCK, a host short of memory), this rank writes from the GPU as before and says so: the ranks
+    need not agree, each one's files are its own."""
     if not is_on_gpu(state):
         return state, 1
-    return to_host(state), writer_threads(local_ranks)
+    try:
+        return to_host(state), writer_threads(local_ranks)
+    except RuntimeError as e:  # torch.cuda.OutOfMemoryError too
+        say(f"[checkpoint] the state could not be staged in pinned host memory ({str(e).splitlines()[0]}); "
+            "writing it from the GPU, more slowly", flush=True)
+        return state, 1

@@ -88,3 +88,4 @@ def test_gpu_ranks_need_host_memory_for_the_staged_copy_too(monkeypatch):
     assert line is not None and "twice while it is staged from the GPUs" in line
     monkeypatch.setattr(warm, "available_bytes", lambda: (40 * GIB, 64 * GIB))
     assert warm.warm_refusal(fake_job("gpt3-xl", layouts, [8, 4], "h100-80g"), 0, 1) is None
+

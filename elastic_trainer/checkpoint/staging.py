@@ -58,7 +58,7 @@ def for_writing(state: dict, local_ranks: int, say=print) -> tuple[dict, int]:
         return state, 1
     try:
         return to_host(state), writer_threads(local_ranks)
-    except RuntimeError as e:  # torch.cuda.OutOfMemoryError too
+    except (RuntimeError, ImportError) as e:  # torch.cuda.OutOfMemoryError too; helpers a torch has moved
         say(f"[checkpoint] the state could not be staged in pinned host memory ({str(e).splitlines()[0]}); "
             "writing it from the GPU, more slowly", flush=True)
         return state, 1

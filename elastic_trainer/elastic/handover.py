@@ -28,7 +28,7 @@ import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
-from elastic_trainer.elastic.store_wait import wait_key
+from elastic_trainer.elastic.store_wait import poll_interval, wait_key
 
 HOST_ENV = "ELASTIC_TRAINER_HOST"
 """The host's name in the hosts file (set by the launcher per host)."""
@@ -98,13 +98,15 @@ class Control:
             self.lost = True
             return None
 
-    def wait(self, world, name: str, give_up=lambda: False):
-        """Block until the key is set (its value) or `give_up()` turns true or the store is gone (None)."""
+    def wait(self, world, name: str, give_up=lambda: False, waiters: int = 1):
+        """Block until the key is set (its value) or `give_up()` turns true or the store is gone (None);
+        `waiters`: the ranks that wait for it together (they share a request rate: store_wait.poll_interval)."""
         key = self._key(world, name)
         if self.lost:
             return None
         try:
-            return json.loads(self.store.get(key)) if wait_key(self.store, key, give_up) else None
+            set_ = wait_key(self.store, key, give_up, poll_interval(waiters))
+            return json.loads(self.store.get(key)) if set_ else None
         except (RuntimeError, OSError):
             self.lost = True
             return None
@@ -166,8 +168,8 @@ class Handover:
     def ready(self) -> None:
         self.control.set(self.world, "ready")
 
-    def wait_state(self, give_up) -> dict | None:
-        return self.control.wait(self.world, "state", give_up)
+    def wait_state(self, give_up, waiters: int = 1) -> dict | None:
+        return self.control.wait(self.world, "state", give_up, waiters)
 
     def hand_over(self, successor: str, record: dict | None, why: str = "") -> None:
         self.control.set(successor, "state", {"record": record} if record else {"none": why})
@@ -175,8 +177,8 @@ class Handover:
     def loaded(self, step: int) -> None:
         self.control.set(self.world, "loaded", {"step": step})
 
-    def wait_loaded(self, successor: str, give_up) -> dict | None:
-        return self.control.wait(successor, "loaded", give_up)
+    def wait_loaded(self, successor: str, give_up, waiters: int = 1) -> dict | None:
+        return self.control.wait(successor, "loaded", give_up, waiters)
 
-    def wait_first_step(self, successor: str, give_up) -> None:
-        self.control.wait(successor, "first_step", give_up)
+    def wait_first_step(self, successor: str, give_up, waiters: int = 1) -> None:
+        self.control.wait(successor, "first_step", give_up, waiters)

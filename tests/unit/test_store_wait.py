@@ -34,3 +34,11 @@ def test_long_waits_on_the_store_log_nothing_and_end_when_the_key_is_set():
     assert 1.6 <= float(lines[0].split()[-1]) < 1.6 + 0.5  # seen within a poll of being set
     assert lines[1:] == ["idle 3", "gave up None"]
     assert "waitForInput" not in proc.stderr and "timed out" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_world_s_waiting_ranks_share_a_request_rate():
+    from elastic_trainer.elastic.store_wait import STORE_REQUESTS_PER_S, poll_interval
+
+    assert [poll_interval(n) for n in (1, 8, 32)] == [0.05] * 3  # small worlds: every 50 ms
+    assert poll_interval(1024) == 1.6
+    assert all(n / poll_interval(n) <= STORE_REQUESTS_PER_S for n in (1, 31, 32, 33, 500, 4096))

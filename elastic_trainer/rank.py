@@ -226,6 +226,8 @@ def _handover(phase: PhaseSpec, env: TorchrunEnv):
     """The launcher's channel for this world (its rendezvous id; None outside the launcher); `warm` when the launcher
     started this world beside the current one (ELASTIC_TRAINER_WARM, set for its agents) and it has not
     loaded its state yet (a restart after that resumes as any restart does)."""
+    import torch.distributed as dist
+
     from elastic_trainer.elastic.handover import WARM_ENV, Control, Handover
 
     control = Control.from_environment() if phase.index is not None and env.run_id else None
@@ -233,7 +235,7 @@ def _handover(phase: PhaseSpec, env: TorchrunEnv):
         return None
     mode = os.environ.get(WARM_ENV)
     warm = mode in ("early", "late") and control.get(env.run_id, "loaded") is None
-    return Handover(control, env.run_id, warm, late=mode == "late")
+    return Handover(control, env.run_id, warm, late=mode == "late", ranks=dist.get_world_size())
 
 
 def load_corpus(spec: JobSpec, env: TorchrunEnv):

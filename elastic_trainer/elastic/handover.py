@@ -148,6 +148,8 @@ class Handover:
     """This world was started beside the current one: it waits for the state before it loads."""
     late: bool = False
     """It builds its model only once it has the state (the old world's is released by then)."""
+    ranks: int = 1
+    """The world's training ranks: each waits on the store, and together they keep to a request rate."""
 
     def stop_request(self) -> dict | None:
         """The launcher's request that this world stop after its step, or None: {"why": PHASE_END or
@@ -168,8 +170,8 @@ class Handover:
     def ready(self) -> None:
         self.control.set(self.world, "ready")
 
-    def wait_state(self, give_up, waiters: int = 1) -> dict | None:
-        return self.control.wait(self.world, "state", give_up, waiters)
+    def wait_state(self, give_up) -> dict | None:
+        return self.control.wait(self.world, "state", give_up, self.ranks)
 
     def hand_over(self, successor: str, record: dict | None, why: str = "") -> None:
         self.control.set(successor, "state", {"record": record} if record else {"none": why})
@@ -177,8 +179,8 @@ class Handover:
     def loaded(self, step: int) -> None:
         self.control.set(self.world, "loaded", {"step": step})
 
-    def wait_loaded(self, successor: str, give_up, waiters: int = 1) -> dict | None:
-        return self.control.wait(successor, "loaded", give_up, waiters)
+    def wait_loaded(self, successor: str, give_up) -> dict | None:
+        return self.control.wait(successor, "loaded", give_up, self.ranks)
 
-    def wait_first_step(self, successor: str, give_up, waiters: int = 1) -> None:
-        self.control.wait(successor, "first_step", give_up, waiters)
+    def wait_first_step(self, successor: str, give_up) -> None:
+        self.control.wait(successor, "first_step", give_up, self.ranks)

@@ -26,7 +26,7 @@ def choice_text(choice: Choice) -> str:
     c = choice.candidate
     if c is None:
         return "waits"
-    return Layout(c.dp, c.tp, c.pp, c.micro_batch, c.num_microbatches, c.dp_mode, c.recompute).compact()
+    return c.layout.compact()
 
 
 def run_records(run_dir: Path) -> tuple[dict[int, dict], dict[int, float], list[dict]]:

@@ -35,8 +35,7 @@ def terms(req: Request, layout: Layout) -> list[tuple[str, float]]:
 
 
 def format_terms(req: Request, c: Candidate) -> str:
-    layout = Layout(c.dp, c.tp, c.pp, c.micro_batch, c.num_microbatches, c.dp_mode, c.recompute)
-    rows = terms(req, layout)
+    rows = terms(req, c.layout)
     total = sum(s for _, s in rows)
     width = max(len(name) for name, _ in rows)
     lines = [f"explain dp{c.dp} tp{c.tp} pp{c.pp}, micro-batch {c.micro_batch} x {c.num_microbatches}, "

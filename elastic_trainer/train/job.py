@@ -139,7 +139,7 @@ class Job:
         self.events.emit("next_world_ready", warm_up_s=time.time() - t0, built=self.trainer is not None)
         if dist.get_rank() == 0:
             self.handover.ready()
-        state = self.handover.wait_state(lambda: stop is not None and stop.local(), dist.get_world_size())
+        state = self.handover.wait_state(lambda: stop is not None and stop.local())
         if state is None:
             self.cancelled, self.stop_reason = True, (stop.reason if stop else None) or "cancelled"
             return None
@@ -254,10 +254,10 @@ class Job:
         if durable is not None:
             self.events.emit("durable_saved", step=trainer.step, save=dataclasses.asdict(durable))
         deadline = time.monotonic() + RELEASE_WAIT_S
-        loaded = self.handover.wait_loaded(successor, lambda: time.monotonic() > deadline, dist.get_world_size())
+        loaded = self.handover.wait_loaded(successor, lambda: time.monotonic() > deadline)
         took = loaded is not None and "step" in loaded
         if took and not leaving:
-            self.handover.wait_first_step(successor, lambda: time.monotonic() > deadline, dist.get_world_size())
+            self.handover.wait_first_step(successor, lambda: time.monotonic() > deadline)
         if written.server is not None:
             written.server.stop()
         if durable is None:

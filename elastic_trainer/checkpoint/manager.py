@@ -152,15 +152,14 @@ class Checkpointer:
         return memory.write(self.pg, trainer, self.cfg.dir, self.run_id)
 
     def persist(self, written: memory.Written, release: bool = False) -> SaveStats:
-        """The durable checkpoint of a state in memory: each rank copies the files it wrote there (hashing
-        them on the way) and rank 0 commits, as a save does. The state in memory is then removed with
-        `release` (the next world has it), else kept (a restart may still need it)."""
+        """The durable checkpoint of a state in memory: each rank writes the pieces it wrote there into DCP's
+        own format (hashing the files on the way) and rank 0 commits, as a save does. The state in memory is
+        then removed with `release` (the next world has it), else kept (a restart may still need it)."""
         t0 = time.perf_counter()
         step = written.step
         tmp = storage.new_tmp_dir(self.root, step, self.run_id)
         os.makedirs(tmp, exist_ok=True)
-        names = [p.name for p in written.folder.glob(f"__{self.rank}_*.distcp")]
-        digests = memory.copy_files(written.folder, tmp, names + ([".metadata"] if self.rank == 0 else []))
+        digests = memory.to_durable(written, tmp, self.rank, self.pg)
         stats = SaveStats(step=step, stall_s=0.0)
         self._finish(None, tmp, written.record["meta"], stats, t0, digests,
                      keep=None if release else written.record["name"])

@@ -1,7 +1,7 @@
 """In-memory training states: how a planned hand-over passes the state from the stopping world to the next.
 
-The stopping ranks write the state with DCP into their own host's shared memory (tmpfs), one folder per
-state, each host holding only its own ranks' files:
+The stopping ranks write the state with DCP's plan and metadata, each piece as its bare bytes (`raw`), into
+their own host's shared memory (tmpfs), one folder per state, each host holding only its own ranks' files:
 
     SHM/elastic-trainer-UID/JOB/HOST/step-NNNNNNNN-ID/
         __R_0.distcp       the files of the ranks that ran on HOST
@@ -17,7 +17,8 @@ The next world reads the state resharded into its own layout: DCP's load plan na
 stored piece a rank needs; pieces on the rank's own host are read in place, the others are fetched from
 their host's server into a private folder on the rank's host (`load`). A state in memory is a checkpoint like
 the durable ones: any start (a restart after a failure, a resumed job) takes it when it is complete and at
-least as new as the newest durable checkpoint, and every durable commit removes the states it covers.
+least as new as the newest durable checkpoint, and every durable commit removes the states it covers. The
+durable checkpoint made from a state in memory is in DCP's own format (`to_durable`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import re
 import secrets
 import shutil
@@ -34,9 +36,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 
-from elastic_trainer.checkpoint import faults, staging, storage
+from elastic_trainer.checkpoint import faults, raw, staging, storage
 from elastic_trainer.checkpoint import state as ckpt_state
 from elastic_trainer.checkpoint.transfer import Server, fetch_file, gather_pieces
 from elastic_trainer.config import CheckpointError
@@ -45,6 +46,8 @@ from elastic_trainer.elastic.handover import host_name
 SHM_ENV = "ELASTIC_TRAINER_SHM_DIR"
 STATE_FILE = "state.json"
 ID_FILE = ".memory-id"
+FORMAT = 2
+"""state.json's format: 2, each piece stored as its bytes (`raw`); 1 (before), DCP's torch.save framing."""
 NAME = re.compile(r"^step-(\d{8})-([0-9a-z]+)$")
 LOAD_PREFIX = ".load-"
 LOAD_NAME = re.compile(r"^\.load-step-(\d{8})-[0-9a-z]+-[0-9a-z]+$")
@@ -103,6 +106,8 @@ class Written:
     seconds: float
     server: Server | None = None
     """The server of this host's files (on the host's lowest rank), until the next world has loaded."""
+    pieces: dict = field(default_factory=dict)
+    """This rank's stored pieces (`raw.Writer.pieces`): what the durable copy is made from."""
 
     @property
     def step(self) -> int:
@@ -129,8 +134,8 @@ def write(pg, trainer, checkpoint_dir: str, run_id: str) -> Written:
     server = Server(folder.parent, host, {name: token}) if hosts.index(host) == rank else None
     address = server.start() if server else None
     state, threads = staging.for_writing(ckpt_state.tensor_state(trainer), hosts.count(host))
-    dcp.save(state, storage_writer=FileSystemWriter(str(folder), sync_files=False, thread_count=threads),
-             process_group=pg)
+    writer = raw.Writer(folder, thread_count=threads)
+    dcp.save(state, storage_writer=writer, process_group=pg)
     del state  # a staged copy: host memory the size of the rank's state
     faults.fault("in_memory", trainer.step)
     mine = {p.name: p.stat().st_size for p in folder.glob(f"__{rank}_*.distcp")}
@@ -141,7 +146,7 @@ def write(pg, trainer, checkpoint_dir: str, run_id: str) -> Written:
     outcome = [None]
     if rank == 0:  # the record, made and written here, reaches every rank through the broadcast
         files = {f: {"bytes": size, "host": hosts[r]} for r, (got, _) in enumerate(second) for f, size in got.items()}
-        outcome = [{"format": 1, "name": name, "step": trainer.step, "token": token,
+        outcome = [{"format": FORMAT, "name": name, "step": trainer.step, "token": token,
                     "meta": ckpt_state.build_meta(trainer), "files": files,
                     "servers": {hosts[r]: a for r, (_, a) in enumerate(second) if a}, "written": time.time()}]
         try:
@@ -155,7 +160,7 @@ def write(pg, trainer, checkpoint_dir: str, run_id: str) -> Written:
         raise CheckpointError(outcome[0])
     record = outcome[0]
     total = sum(f["bytes"] for f in record["files"].values())
-    return Written(record, folder, total, time.perf_counter() - t0, server)
+    return Written(record, folder, total, time.perf_counter() - t0, server, writer.pieces)
 
 
 # -- the next world: find and load -----------------------------------------------------------------------
@@ -273,7 +278,8 @@ def load(pg, trainer, found: Found, checkpoint_dir: str, run_id: str) -> Handove
     fetched = gather_pieces(pg, record, ranges, hosts, servers, root / found.name, folder)
     t2 = time.perf_counter()
     try:
-        dcp.load(state, storage_reader=storage.SafeReader(str(folder), metadata=metadata),
+        reader = raw.Reader if record.get("format") == FORMAT else storage.SafeReader  # 1: DCP's own files
+        dcp.load(state, storage_reader=reader(str(folder), metadata=metadata),
                  planner=storage.SafeLoadPlanner(), process_group=pg)
     finally:
         dist.barrier(group=pg)
@@ -313,23 +319,49 @@ def _metadata(pg, found: Found, hosts: list[str], root: Path):
     return storage.parse_dcp_metadata(box[0], f"the in-memory state {found.name}")
 
 
-def copy_files(source: Path, target: Path, names: list[str], chunk: int = 16 << 20) -> dict[str, dict]:
-    """Copy files of an in-memory state into a durable checkpoint's folder, hashed on the way as a save's files
-    are (storage.HashingStream): the {name: {"bytes", HASH}} the commit records."""
+def to_durable(written: Written, target: Path, rank: int, pg) -> dict[str, dict]:
+    """Write this rank's files of `written` into a durable checkpoint's folder in DCP's own format, hashed on the
+    way as a save's files are (a collective: rank 0 also writes the metadata with every piece's new place). The
+    {name: {"bytes", HASH}} the commit records."""
     out: dict[str, dict] = {}
-    for name in names:
-        def record(nbytes: int, digest: str, name: str = name) -> None:
-            out[name] = {"bytes": nbytes, storage.HASH: digest}
 
-        with open(source / name, "rb") as src:
-            stream = storage.HashingStream(open(target / name, "wb"), record)
+    def record(name: str, nbytes: int, digest: str) -> None:
+        out[name] = {"bytes": nbytes, storage.HASH: digest}
+
+    error = None
+    try:
+        placed = raw.to_dcp(written.folder, target, written.pieces, record)
+    except OSError as e:
+        placed, error = {}, f"{host_name()}: {e}"
+    gathered = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object((placed, error), gathered, dst=0, group=pg)
+    outcome = [None]
+    if rank == 0:
+        outcome = [next((e for _, e in gathered if e), None)]
+        if outcome[0] is None:
             try:
-                shutil.copyfileobj(src, stream, chunk)
-                stream.flush()
-                os.fsync(stream.fileno())
-            finally:
-                stream.close()
+                _write_metadata(written, target, [got for got, _ in gathered], record)
+            except (OSError, CheckpointError) as e:
+                outcome = [f"{host_name()}: {e}"]
+    dist.broadcast_object_list(outcome, src=0, group=pg)  # every rank raises alike, or none does
+    if outcome[0]:
+        raise CheckpointError(f"the durable copy of the state in memory failed ({outcome[0]})")
     return out
+
+
+def _write_metadata(written: Written, target: Path, placed: list[dict], record) -> None:
+    """The in-memory state's DCP metadata with every piece's place in the durable files."""
+    metadata = storage.read_dcp_metadata(written.folder / ".metadata")
+    for got in placed:
+        metadata.storage_data.update(got)
+    stream = storage.HashingStream(open(target / ".metadata", "wb"),
+                                   lambda nbytes, digest: record(".metadata", nbytes, digest))
+    try:
+        pickle.dump(metadata, stream)
+        stream.flush()
+        os.fsync(stream.fileno())
+    finally:
+        stream.close()
 
 
 # -- removal ---------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from elastic_trainer.checkpoint import raw
 from elastic_trainer.config import CheckpointError
 from elastic_trainer.elastic.handover import host_name
 
@@ -165,12 +166,13 @@ def fetch_file(address: str, record: dict, name: str, path: Path) -> None:
         client.close()
 
 
-def _merged(ranges: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
-    """Byte ranges of the same file that touch or overlap, as one range each: DCP stores a rank's pieces one
-    after the other, so a rank's thousands of small pieces of a file are a few requests."""
+def _merged(ranges: list[tuple[str, int, int]], gap: int = raw.ALIGN) -> list[tuple[str, int, int]]:
+    """Byte ranges of the same file less than `gap` bytes apart (the padding between stored pieces) or
+    overlapping, as one range each: a rank's pieces are stored one after the other, so its thousands of small
+    pieces of a file are a few requests."""
     out: list[tuple[str, int, int]] = []
     for name, offset, length in sorted(ranges):
-        if out and out[-1][0] == name and offset <= out[-1][1] + out[-1][2]:
+        if out and out[-1][0] == name and offset - (out[-1][1] + out[-1][2]) < gap:
             last = out[-1]
             out[-1] = (name, last[1], max(last[1] + last[2], offset + length) - last[1])
         else:

@@ -1,0 +1,230 @@
+"""The hand-over's files: DCP's plan and metadata, each stored piece as its bare bytes.
+
+DCP's FileSystemWriter frames every tensor it stores with `torch.save` (a zip record with a checksum) and its
+reader gets each one back through `torch.load` into a new tensor, which is then copied into the target: three
+passes over the state on the write side and the read side together, and a fixed cost per piece. For a state
+that lives a few seconds in host memory between two worlds of one job that is most of the hand-over's time:
+0.74 GB of fp32 tensors into /dev/shm, one process, 2-core machine: `dcp.save` 0.59 s, bare bytes 0.30 s;
+`dcp.load` 0.55 s, a copy out of the mapped file 0.11 s.
+
+So the hand-over keeps everything of DCP that decides *what* goes where (the save plan with its deduplication,
+the global metadata, the load plan that reshards into any layout) and changes only how a piece is stored:
+
+- `Writer` (a FileSystemWriter) writes each piece's bytes at a 64-byte aligned offset of the rank's file(s),
+  and keeps, for this rank, what each piece is (dtype and shape), so that the durable copy can be made later;
+- `Reader` maps each file and copies a piece's needed part straight into the target tensor (on the host or a
+  GPU), with no intermediate tensor;
+- `to_dcp` turns a rank's files into DCP's own format (what any `dcp.load` reads) when the durable checkpoint
+  is made from the copy in memory, so checkpoints on disk stay plain DCP.
+
+Non-tensor pieces (bytes) are stored as DCP stores them, so their reading is DCP's.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import io
+import mmap
+import os
+from dataclasses import dataclass
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from elastic_trainer.checkpoint import storage
+
+ALIGN = 64
+SUFFIX = ".distcp"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One stored piece of this rank: where it is, and what it is (a tensor's dtype and shape, or bytes)."""
+
+    info: _StorageInfo
+    dtype: torch.dtype | None = None
+    shape: tuple[int, ...] = ()
+
+    @property
+    def is_bytes(self) -> bool:
+        return self.dtype is None
+
+
+def _host_bytes(tensor: torch.Tensor) -> memoryview:
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _write_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
+
+
+def _buckets(items: list, sizes: list[int], count: int) -> list[list]:
+    """`items` in `count` groups of about equal bytes (largest first into the lightest group)."""
+    groups: list[list] = [[] for _ in range(max(1, min(count, len(items))))]
+    weight = [0] * len(groups)
+    for size, item in sorted(zip(sizes, items), key=lambda p: -p[0]):
+        lightest = weight.index(min(weight))
+        groups[lightest].append(item)
+        weight[lightest] += size
+    return [g for g in groups if g]
+
+
+class Writer(FileSystemWriter):
+    """DCP's writer with each piece stored as its bytes (see the module). `pieces`: this rank's, once written."""
+
+    def __init__(self, path: str | os.PathLike, thread_count: int = 1):
+        super().__init__(path, sync_files=False, thread_count=thread_count)
+        self.pieces: dict[MetadataIndex, Piece] = {}
+
+    def write_data(self, plan, planner) -> Future:
+        items = list(plan.items)
+        sizes = [_item_bytes(i) for i in items]
+        groups = _buckets(items, sizes, self.thread_count)
+        names = [f"{plan.storage_data.prefix}{n}{SUFFIX}" for n in range(len(groups))]
+        if len(groups) > 1:
+            with concurrent.futures.ThreadPoolExecutor(len(groups)) as pool:
+                done = list(pool.map(lambda a: self._write_file(*a, planner), zip(names, groups)))
+        else:
+            done = [self._write_file(n, g, planner) for n, g in zip(names, groups)]
+        results = []
+        for pieces in done:
+            for index, piece in pieces:
+                self.pieces[index] = piece
+                results.append(WriteResult(index=index, size_in_bytes=piece.info.length, storage_data=piece.info))
+        future: Future = Future()
+        future.set_result(results)
+        return future
+
+    def _write_file(self, name: str, items: list, planner) -> list[tuple[MetadataIndex, Piece]]:
+        out, offset = [], 0
+        fd = os.open(os.path.join(self.path, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            for item in items:
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    raw, dtype, shape = data.getbuffer(), None, ()
+                else:
+                    raw, dtype, shape = _host_bytes(data), data.dtype, tuple(data.shape)
+                _write_all(fd, raw, offset)
+                out.append((item.index, Piece(_StorageInfo(name, offset, len(raw)), dtype, shape)))
+                offset = -(-(offset + len(raw)) // ALIGN) * ALIGN
+        finally:
+            os.close(fd)
+        return out
+
+
+def _item_bytes(item) -> int:
+    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+        return 0
+    n = 1
+    for d in item.tensor_data.size:
+        n *= d
+    return n * torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
+
+
+class Reader(storage.SafeReader):
+    """Reads the files `Writer` wrote (the metadata through the allowlisted unpickler, as SafeReader)."""
+
+    def read_data(self, plan, planner) -> Future:
+        chunks = _chunk_shapes(self.storage_data_metadata)
+        per_file: dict[str, list] = {}
+        for req in plan.items:
+            per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+        for name, reqs in per_file.items():
+            with open(os.path.join(self.path, name), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else None
+            try:
+                for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
+                    self._read_one(req, planner, mapped, chunks)
+            finally:
+                _close(mapped)
+        future: Future = Future()
+        future.set_result(None)
+        return future
+
+    def _read_one(self, req, planner, mapped, chunks) -> None:
+        info = self.storage_data[req.storage_index]
+        if req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(req, io.BytesIO(mapped[info.offset:info.offset + info.length] if mapped else b""))
+            return
+        dtype, shape = chunks[(req.storage_index.fqn, tuple(req.storage_index.offset))]
+        target = planner.resolve_tensor(req).detach()
+        count = info.length // dtype.itemsize
+        if count:
+            stored = torch.frombuffer(mapped, dtype=dtype, count=count, offset=info.offset).view(shape)
+            target.copy_(narrow_tensor_by_index(stored, req.storage_offsets, req.lengths))
+            del stored  # the mapping closes only once no tensor views it
+        planner.commit_tensor(req, target)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self.storage_data_metadata = metadata
+
+
+def _chunk_shapes(metadata: Metadata) -> dict:
+    """{(fqn, chunk offsets): (dtype, chunk shape)} of every stored tensor piece."""
+    out = {}
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            for chunk in entry.chunks:
+                out[(fqn, tuple(chunk.offsets))] = (entry.properties.dtype, tuple(chunk.sizes))
+    return out
+
+
+# -- the durable copy ---------------------------------------------------------------------------------------
+
+def to_dcp(source: str | os.PathLike, target: str | os.PathLike, pieces: dict[MetadataIndex, Piece],
+           on_file) -> dict[MetadataIndex, _StorageInfo]:
+    """Write this rank's pieces (`pieces`, from its Writer) from the files in `source` into files of the same
+    names in `target` as DCP stores them (`torch.save` per tensor), each file fsynced and its digest reported
+    through `on_file(name, nbytes, digest)`; the pieces' places in the new files (for the metadata)."""
+    by_file: dict[str, list] = {}
+    for index, piece in pieces.items():
+        by_file.setdefault(piece.info.relative_path, []).append((index, piece))
+    placed: dict[MetadataIndex, _StorageInfo] = {}
+    for name, entries in sorted(by_file.items()):
+        entries.sort(key=lambda e: e[1].info.offset)
+        with open(os.path.join(source, name), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else None
+        stream = storage.HashingStream(open(os.path.join(target, name), "wb"),
+                                       lambda nbytes, digest, name=name: on_file(name, nbytes, digest))
+        try:
+            for index, piece in entries:
+                start, info = stream.tell(), piece.info
+                if piece.is_bytes:
+                    stream.write(mapped[info.offset:info.offset + info.length] if mapped else b"")
+                else:
+                    count = info.length // piece.dtype.itemsize
+                    tensor = (torch.frombuffer(mapped, dtype=piece.dtype, count=count, offset=info.offset)
+                              if count else torch.empty(0, dtype=piece.dtype)).view(piece.shape)
+                    torch.save(tensor, stream)
+                    del tensor
+                placed[index] = _StorageInfo(name, start, stream.tell() - start)
+            stream.flush()
+            os.fsync(stream.fileno())
+        finally:
+            stream.close()
+            _close(mapped)
+    return placed
+
+
+def _close(mapped: mmap.mmap | None) -> None:
+    """Unmap now, or (a tensor of a failed read still views it) once the last view is gone."""
+    if mapped is not None:
+        try:
+            mapped.close()
+        except BufferError:
+            pass

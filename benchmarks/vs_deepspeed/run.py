@@ -14,8 +14,10 @@ Ranks are gloo processes forked from this one; each system runs its own document
   of its time) -> a new engine on 2 ranks with `"checkpoint": {"load_universal": true}` and
   `engine.load_checkpoint`. Ours: `Checkpointer.save` (fsync, checksums, atomic commit) -> `Checkpointer.load`
   on 2 ranks (checksum verification and DCP's resharding load). Ours through memory (the planned
-  reconfiguration's path): `Checkpointer.write_memory` on the 4 ranks (DCP into shared memory, a fresh folder
-  under /dev/shm) -> `Checkpointer.in_memory` + `load_memory` on 2 ranks (DCP's resharding read from there);
+  reconfiguration's path): `Checkpointer.write_memory` on the 4 ranks (DCP's plan, each piece as its bytes,
+  into shared memory, a fresh folder under /dev/shm) -> `Checkpointer.in_memory` + `load_memory` on 2 ranks
+  (DCP's resharding plan, read from there), by ranks that took their warm-up step first, as the next world of
+  a planned reconfiguration does while the old one still trains;
   the durable checkpoint of that state (`Checkpointer.persist`) is written by the stopping ranks after the
   write, off the critical path (in a reconfiguration it runs while the next world loads and trains), and
   timed apart. Each side checks its reloaded weights and both moments against what it saved (per tensor,
@@ -253,6 +255,7 @@ def ours_memory_load_job(rank, world, model, folder, shm, tokens):
     quiet()
     os.environ[memory.SHM_ENV] = shm
     trainer = our_trainer(model, Layout(world, 1, 1, 4 // world, 1), 128, tokens)  # the saver's global batch
+    trainer.warm_up()  # what the next world has done before the state arrives (launch/warm.py)
     ck = Checkpointer(CheckpointConfig(dir=str(folder)), log=lambda *a, **k: None)
 
     def load():

@@ -268,7 +268,7 @@ def load(pg, trainer, found: Found, checkpoint_dir: str, run_id: str) -> Handove
     servers.update({hosts[r]: a for r, a in enumerate(addresses) if a})
     metadata = _metadata(pg, found, hosts, root)
     state = ckpt_state.tensor_state(trainer)
-    planner = storage.SafeLoadPlanner()
+    planner = _PlannedOnce()
     planner.set_up_planner(state, metadata, rank == 0)
     ranges = sorted({(i.relative_path, i.offset, i.length) for i in
                      (metadata.storage_data[item.storage_index] for item in planner.create_local_plan().items)})
@@ -279,8 +279,7 @@ def load(pg, trainer, found: Found, checkpoint_dir: str, run_id: str) -> Handove
     t2 = time.perf_counter()
     try:
         reader = raw.Reader if record.get("format") == FORMAT else storage.SafeReader  # 1: DCP's own files
-        dcp.load(state, storage_reader=reader(str(folder), metadata=metadata),
-                 planner=storage.SafeLoadPlanner(), process_group=pg)
+        dcp.load(state, storage_reader=reader(str(folder), metadata=metadata), planner=planner, process_group=pg)
     finally:
         dist.barrier(group=pg)
         shutil.rmtree(folder, ignore_errors=True)
@@ -294,6 +293,18 @@ def load(pg, trainer, found: Found, checkpoint_dir: str, run_id: str) -> Handove
     return HandoverStats(record["step"], found.name, sum(f["bytes"] for f in record["files"].values()),
                          sum(t[0] for t in totals), sum(t[1] for t in totals), t2 - t1, t3 - t2, t3 - t0,
                          len(set(hosts)))
+
+
+class _PlannedOnce(storage.SafeLoadPlanner):
+    """The load's planner, whose local plan (which pieces this rank reads: the fetch needs it before the load)
+    is made once for the same state and metadata (gpt3-small, 2 ranks: 0.24 s a plan)."""
+
+    _plan = None
+
+    def create_local_plan(self):
+        if self._plan is None:
+            self._plan = super().create_local_plan()
+        return self._plan
 
 
 def _metadata(pg, found: Found, hosts: list[str], root: Path):

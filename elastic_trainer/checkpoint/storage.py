@@ -18,6 +18,7 @@ restriction (pytorch issue 189308) and its load planner reads non-tensor items w
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import os
@@ -115,14 +116,20 @@ class SafeReader(FileSystemReader):
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """Non-tensor items (optimizer hyper-parameters) are read with torch.load(weights_only=True)."""
+    """Non-tensor items (optimizer hyper-parameters) are read with torch.load(weights_only=True), each distinct
+    payload once: the flattened optimizer state repeats a few values in thousands of items (gpt3-medium: 3,212
+    items a rank, 0.3 s of torch.load), and every item gets its own copy of the object."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        try:
-            obj = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as e:
-            raise CheckpointError(f"refusing unsafe item {read_item.dest_index.fqn!r} in checkpoint: "
-                                  f"{_refusal_reason(e)}") from None
+        payload = value.getvalue()
+        seen = self.__dict__.setdefault("_loaded", {})
+        if payload not in seen:
+            try:
+                seen[payload] = torch.load(io.BytesIO(payload), weights_only=True)
+            except pickle.UnpicklingError as e:
+                raise CheckpointError(f"refusing unsafe item {read_item.dest_index.fqn!r} in checkpoint: "
+                                      f"{_refusal_reason(e)}") from None
+        obj = copy.deepcopy(seen[payload])
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:

@@ -5,7 +5,8 @@ thread. On an H100 that wrote 4.9 GB of GPT-3 XL's weights and moments into /dev
 with 8 threads and files 5.10 s; copied first into pinned host memory (one pass of asynchronous copies, 0.09
 s) and then written from there by 8 threads, 0.89 s (benchmarks/rescale/gpu_memory_path.py, 2026-11-26, torch
 2.11). The host copy is made with DCP's own staging helpers (what its async_save uses): DTensors keep their
-placements, so the files and the metadata are the ones a direct save writes, only from host tensors.
+placements, so the files and the metadata are the ones a direct save writes, only from host tensors. The
+hand-over's writer (`raw.Writer`) takes the same thread count: one file per thread.
 
 A CPU state is written as it is, on one thread (its tensors are in host memory already; on the 2-core
 machine more threads only contend).

@@ -253,6 +253,24 @@ def test_safe_loading_still_reads_plain_values(tmp_path):
 
 
 # -- hand-built protocol-2 pickles that run code -------------------------------------------------------
+
+def test_a_payload_repeated_in_many_items_is_unpickled_once_and_each_item_gets_its_own(tmp_path, monkeypatch):
+    """The flattened optimizer state repeats each group's settings per parameter: one torch.load per distinct
+    payload, and no two items share a mutable object (a change to one group's betas must not move another's)."""
+    saved = {"t": torch.arange(4.0), **{f"g{i}.betas": [0.9, 0.95] for i in range(5)}, "lr": 0.5}
+    dcp.save(saved, checkpoint_id=str(tmp_path), no_dist=True)
+    calls = []
+    real_load = torch.load
+    # the non-tensor items' loads (from a BytesIO; DCP's reader loads the tensor from a view of the file)
+    monkeypatch.setattr(torch, "load", lambda f, **k: calls.append(isinstance(f, io.BytesIO)) or real_load(f, **k))
+    state = {"t": torch.zeros(4), **{f"g{i}.betas": None for i in range(5)}, "lr": 0.0}
+    dcp.load(state, storage_reader=storage.SafeReader(str(tmp_path)), planner=storage.SafeLoadPlanner(),
+             no_dist=True)
+    assert sum(calls) == 2  # [0.9, 0.95] and 0.5
+    assert all(state[f"g{i}.betas"] == [0.9, 0.95] for i in range(5)) and state["lr"] == 0.5
+    state["g0.betas"].append(0.0)
+    assert state["g1.betas"] == [0.9, 0.95]
+
 # Each program would, if unpickled without restriction, create the file `plant.marker` (the control test
 # below proves it for every live one); the loaders must refuse it by the first global it names.
 

@@ -27,9 +27,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from elastic_trainer.checkpoint import memory
+from elastic_trainer.checkpoint import memory, raw
 from elastic_trainer.checkpoint import state as ckpt_state
-from elastic_trainer.checkpoint import storage
+from elastic_trainer.checkpoint import hashing, storage
 from elastic_trainer.config import CheckpointConfig
 from elastic_trainer.test_hooks import count
 
@@ -99,7 +99,7 @@ class Checkpointer:
         os.makedirs(tmp, exist_ok=True)
         state = ckpt_state.tensor_state(trainer)
         meta = ckpt_state.build_meta(trainer)
-        writer = storage.HashingWriter(str(tmp))
+        writer = hashing.HashingWriter(str(tmp))
         stats = SaveStats(step=step, stall_s=0.0)
         if blocking is False or (blocking is None and self.cfg.async_save):
             upload = dcp.async_save(state, storage_writer=writer, process_group=self.pg)
@@ -159,7 +159,7 @@ class Checkpointer:
         step = written.step
         tmp = storage.new_tmp_dir(self.root, step, self.run_id)
         os.makedirs(tmp, exist_ok=True)
-        digests = memory.to_durable(written, tmp, self.rank, self.pg)
+        digests = raw.to_durable(self.pg, written.folder, written.pieces, tmp)
         stats = SaveStats(step=step, stall_s=0.0)
         self._finish(None, tmp, written.record["meta"], stats, t0, digests,
                      keep=None if release else written.record["name"])

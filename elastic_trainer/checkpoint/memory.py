@@ -18,7 +18,7 @@ stored piece a rank needs; pieces on the rank's own host are read in place, the 
 their host's server into a private folder on the rank's host (`load`). A state in memory is a checkpoint like
 the durable ones: any start (a restart after a failure, a resumed job) takes it when it is complete and at
 least as new as the newest durable checkpoint, and every durable commit removes the states it covers. The
-durable checkpoint made from a state in memory is in DCP's own format (`to_durable`).
+durable checkpoint made from a state in memory is in DCP's own format (`raw.to_durable`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pickle
 import re
 import secrets
 import shutil
@@ -328,51 +327,6 @@ def _metadata(pg, found: Found, hosts: list[str], root: Path):
     if isinstance(box[0], str):
         raise CheckpointError(box[0])
     return storage.parse_dcp_metadata(box[0], f"the in-memory state {found.name}")
-
-
-def to_durable(written: Written, target: Path, rank: int, pg) -> dict[str, dict]:
-    """Write this rank's files of `written` into a durable checkpoint's folder in DCP's own format, hashed on the
-    way as a save's files are (a collective: rank 0 also writes the metadata with every piece's new place). The
-    {name: {"bytes", HASH}} the commit records."""
-    out: dict[str, dict] = {}
-
-    def record(name: str, nbytes: int, digest: str) -> None:
-        out[name] = {"bytes": nbytes, storage.HASH: digest}
-
-    error = None
-    try:
-        placed = raw.to_dcp(written.folder, target, written.pieces, record)
-    except OSError as e:
-        placed, error = {}, f"{host_name()}: {e}"
-    gathered = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object((placed, error), gathered, dst=0, group=pg)
-    outcome = [None]
-    if rank == 0:
-        outcome = [next((e for _, e in gathered if e), None)]
-        if outcome[0] is None:
-            try:
-                _write_metadata(written, target, [got for got, _ in gathered], record)
-            except (OSError, CheckpointError) as e:
-                outcome = [f"{host_name()}: {e}"]
-    dist.broadcast_object_list(outcome, src=0, group=pg)  # every rank raises alike, or none does
-    if outcome[0]:
-        raise CheckpointError(f"the durable copy of the state in memory failed ({outcome[0]})")
-    return out
-
-
-def _write_metadata(written: Written, target: Path, placed: list[dict], record) -> None:
-    """The in-memory state's DCP metadata with every piece's place in the durable files."""
-    metadata = storage.read_dcp_metadata(written.folder / ".metadata")
-    for got in placed:
-        metadata.storage_data.update(got)
-    stream = storage.HashingStream(open(target / ".metadata", "wb"),
-                                   lambda nbytes, digest: record(".metadata", nbytes, digest))
-    try:
-        pickle.dump(metadata, stream)
-        stream.flush()
-        os.fsync(stream.fileno())
-    finally:
-        stream.close()
 
 
 # -- removal ---------------------------------------------------------------------------------------------

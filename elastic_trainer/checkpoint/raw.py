@@ -14,8 +14,9 @@ the global metadata, the load plan that reshards into any layout) and changes on
   and keeps, for this rank, what each piece is (dtype and shape), so that the durable copy can be made later;
 - `Reader` maps each file and copies a piece's needed part straight into the target tensor (on the host or a
   GPU), with no intermediate tensor;
-- `to_dcp` turns a rank's files into DCP's own format (what any `dcp.load` reads) when the durable checkpoint
-  is made from the copy in memory, so checkpoints on disk stay plain DCP.
+- `to_durable` (each rank's pieces through `to_dcp`, then the metadata) turns the files into DCP's own
+  format, what any `dcp.load` reads, when the durable checkpoint is made from the copy in memory: checkpoints
+  on disk stay plain DCP.
 
 Non-tensor pieces (bytes) are stored as DCP stores them, so their reading is DCP's.
 """
@@ -26,9 +27,12 @@ import concurrent.futures
 import io
 import mmap
 import os
+import pickle
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -37,7 +41,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from elastic_trainer.checkpoint import storage
+from elastic_trainer.checkpoint import hashing, storage
+from elastic_trainer.config import CheckpointError
+from elastic_trainer.elastic.handover import host_name
 
 ALIGN = 64
 SUFFIX = ".distcp"
@@ -199,7 +205,7 @@ def to_dcp(source: str | os.PathLike, target: str | os.PathLike, pieces: dict[Me
         with open(os.path.join(source, name), "rb") as f:
             size = os.fstat(f.fileno()).st_size
             mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else None
-        stream = storage.HashingStream(open(os.path.join(target, name), "wb"),
+        stream = hashing.HashingStream(open(os.path.join(target, name), "wb"),
                                        lambda nbytes, digest, name=name: on_file(name, nbytes, digest))
         try:
             for index, piece in entries:
@@ -219,6 +225,52 @@ def to_dcp(source: str | os.PathLike, target: str | os.PathLike, pieces: dict[Me
             stream.close()
             _close(mapped)
     return placed
+
+
+def to_durable(pg, folder: Path, pieces: dict[MetadataIndex, Piece], target: Path) -> dict[str, dict]:
+    """Write this rank's `pieces` of the state in memory in `folder` into a durable checkpoint's folder `target`
+    in DCP's own format, hashed on the way as a save's files are (a collective of `pg`: rank 0 also writes the
+    metadata with every piece's new place). The {name: {"bytes", HASH}} the commit records."""
+    out: dict[str, dict] = {}
+
+    def record(name: str, nbytes: int, digest: str) -> None:
+        out[name] = {"bytes": nbytes, hashing.HASH: digest}
+
+    error = None
+    try:
+        placed = to_dcp(folder, target, pieces, record)
+    except OSError as e:
+        placed, error = {}, f"{host_name()}: {e}"
+    rank = dist.get_rank(pg)
+    gathered = [None] * dist.get_world_size(pg) if rank == 0 else None
+    dist.gather_object((placed, error), gathered, dst=0, group=pg)
+    outcome = [None]
+    if rank == 0:
+        outcome = [next((e for _, e in gathered if e), None)]
+        if outcome[0] is None:
+            try:
+                _write_metadata(folder, target, [got for got, _ in gathered], record)
+            except (OSError, CheckpointError) as e:
+                outcome = [f"{host_name()}: {e}"]
+    dist.broadcast_object_list(outcome, src=0, group=pg)  # every rank raises alike, or none does
+    if outcome[0]:
+        raise CheckpointError(f"the durable copy of the state in memory failed ({outcome[0]})")
+    return out
+
+
+def _write_metadata(folder: Path, target: Path, placed: list[dict], record) -> None:
+    """The in-memory state's DCP metadata with every piece's place in the durable files."""
+    metadata = storage.read_dcp_metadata(folder / ".metadata")
+    for got in placed:
+        metadata.storage_data.update(got)
+    stream = hashing.HashingStream(open(target / ".metadata", "wb"),
+                                   lambda nbytes, digest: record(".metadata", nbytes, digest))
+    try:
+        pickle.dump(metadata, stream)
+        stream.flush()
+        os.fsync(stream.fileno())
+    finally:
+        stream.close()
 
 
 def _close(mapped: mmap.mmap | None) -> None:

@@ -27,16 +27,15 @@ import re
 import shutil
 import time
 import uuid
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from elastic_trainer.checkpoint import faults
+from elastic_trainer.checkpoint.hashing import HASH
 from elastic_trainer.config import CheckpointError, ConfigError
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -44,7 +43,6 @@ TMP_PREFIX = ".tmp-"
 MANIFEST = "manifest.json"
 META = "meta.json"
 LATEST = "latest"
-HASH = "xxh3_128"
 
 
 # -- safe loading ---------------------------------------------------------------------------------
@@ -167,86 +165,6 @@ def describe_files(folder: Path, names: list[str], known: dict[str, dict] | None
         seen = known.get(n)
         out[n] = seen if seen and seen["bytes"] == size else {"bytes": size, HASH: file_digest(folder / n)}
     return out
-
-
-class HashingStream(io.BufferedIOBase):
-    """A file opened for writing that hashes what passes through it (HashingWriter's files, and the copies of a
-    state in memory). Any seek makes the
-    digest unusable (then the file is read back and hashed at commit, as without this stream)."""
-
-    def __init__(self, raw, on_close):
-        import xxhash
-
-        self._raw, self._on_close = raw, on_close
-        self._hash, self._bytes = xxhash.xxh3_128(), 0
-
-    @property
-    def name(self):
-        return self._raw.name
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data) -> int:
-        written = self._raw.write(data)  # a buffered file in blocking mode: all of it, or an exception
-        if self._hash is not None:
-            self._hash.update(data)
-        self._bytes += written
-        return written
-
-    def tell(self) -> int:
-        return self._raw.tell()
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        self._hash = None  # bytes may be rewritten: no digest of this file from here
-        return self._raw.seek(offset, whence)
-
-    def fileno(self) -> int:
-        return self._raw.fileno()
-
-    def flush(self) -> None:
-        if not self._raw.closed:
-            self._raw.flush()
-
-    def close(self) -> None:
-        if not self.closed:
-            self._raw.close()
-            if self._hash is not None:
-                self._on_close(self._bytes, self._hash.hexdigest())
-        super().close()
-
-
-class _HashingFileSystem(FileSystem):
-    def __init__(self, digests: dict[str, dict]):
-        super().__init__()
-        self.digests = digests
-
-    @contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str):
-        if "w" not in mode or "+" in mode:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        name = Path(path).name
-
-        def record(nbytes: int, digest: str) -> None:
-            self.digests[name] = {"bytes": nbytes, HASH: digest}
-
-        stream = HashingStream(open(path, mode), record)
-        try:
-            yield stream
-        finally:
-            stream.close()
-
-
-class HashingWriter(FileSystemWriter):
-    """DCP's FileSystemWriter that takes each data file's checksum while writing it (`digests`, by file name),
-    so that the commit need not read the files back (one pass over the bytes instead of two)."""
-
-    def __init__(self, path: str | os.PathLike, **kwargs):
-        super().__init__(path, **kwargs)
-        self.digests: dict[str, dict] = {}
-        self.fs = _HashingFileSystem(self.digests)
 
 
 def read_manifest(folder: Path) -> dict[str, dict]:

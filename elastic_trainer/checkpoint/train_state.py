@@ -28,7 +28,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from elastic_trainer.checkpoint import state as ckpt_state
-from elastic_trainer.checkpoint import storage
+from elastic_trainer.checkpoint import hashing, storage
 from elastic_trainer.config import ConfigError, ModelConfig, TrainConfig
 
 
@@ -72,7 +72,7 @@ def save_train_state(root: str | os.PathLike, state: TrainState) -> Path:
     tmp = storage.new_tmp_dir(root, state.step)
     os.makedirs(tmp)
     try:
-        writer = storage.HashingWriter(str(tmp))
+        writer = hashing.HashingWriter(str(tmp))
         with warnings.catch_warnings():  # that one process saves is the intent here, which DCP warns about
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
             dcp.save(tensors, storage_writer=writer, no_dist=True)

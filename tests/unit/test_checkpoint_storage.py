@@ -23,7 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 
-from elastic_trainer.checkpoint import storage
+from elastic_trainer.checkpoint import hashing, storage
 from elastic_trainer.config import CheckpointError
 
 
@@ -799,8 +799,8 @@ def test_a_removal_that_fails_does_not_stop_the_run(tmp_path, monkeypatch):
 
 # -- checksums taken while writing (HashingWriter) and metadata read once (SafeReader(metadata=...)) ---------
 
-def _save_with_hashing(folder: Path, state: dict, **kwargs) -> storage.HashingWriter:
-    writer = storage.HashingWriter(str(folder), **kwargs)
+def _save_with_hashing(folder: Path, state: dict, **kwargs) -> hashing.HashingWriter:
+    writer = hashing.HashingWriter(str(folder), **kwargs)
     dcp.save(state, storage_writer=writer, no_dist=True)
     return writer
 
@@ -839,7 +839,7 @@ def test_a_digest_is_used_only_when_the_file_still_has_its_size(tmp_path):
 def test_a_stream_that_seeks_records_no_digest(tmp_path):
     """Hashing in write order is right only for sequential writes: after a seek the stream records nothing,
     so the commit reads the file back."""
-    fs = storage._HashingFileSystem({})
+    fs = hashing._HashingFileSystem({})
     with fs.create_stream(tmp_path / "seq", "wb") as s:
         s.write(b"hello ")
         s.write(memoryview(b"world"))

@@ -220,6 +220,8 @@ def discover(pg, checkpoint_dir: str, live: dict | None = None) -> list[Found]:
         records[live["name"]] = live
     found = []
     for name, record in records.items():
+        if record.get("format") not in (1, FORMAT):  # written by a version whose files this one cannot read
+            continue
         serving = record["servers"] if live and name == live["name"] else {}  # the stopping world's, still up
         if all(present.get(name, {}).get(f, {}).get(info["host"]) == info["bytes"] or info["host"] in serving
                for f, info in record["files"].items()):
@@ -277,7 +279,7 @@ def load(pg, trainer, found: Found, checkpoint_dir: str, run_id: str) -> Handove
     fetched = gather_pieces(pg, record, ranges, hosts, servers, root / found.name, folder)
     t2 = time.perf_counter()
     try:
-        reader = raw.Reader if record.get("format") == FORMAT else storage.SafeReader  # 1: DCP's own files
+        reader = {1: storage.SafeReader, FORMAT: raw.Reader}[record["format"]]  # 1: DCP's own files
         dcp.load(state, storage_reader=reader(str(folder), metadata=metadata), planner=planner, process_group=pg)
     finally:
         dist.barrier(group=pg)

@@ -169,9 +169,13 @@ class Reader(storage.SafeReader):
         target = planner.resolve_tensor(req).detach()
         count = info.length // dtype.itemsize
         if count:
-            stored = torch.frombuffer(mapped, dtype=dtype, count=count, offset=info.offset).view(shape)
-            target.copy_(narrow_tensor_by_index(stored, req.storage_offsets, req.lengths))
-            del stored  # the mapping closes only once no tensor views it
+            part = narrow_tensor_by_index(_view(mapped, dtype, count, info.offset).view(shape), req.storage_offsets,
+                                          req.lengths)
+            if part.shape != target.shape:  # copy_ would broadcast a smaller piece without a word
+                raise CheckpointError(f"{req.storage_index.fqn}: a stored part of shape {tuple(part.shape)} "
+                                      f"for a target of shape {tuple(target.shape)}")
+            target.copy_(part)
+            del part  # the mapping closes only once no tensor views it
         planner.commit_tensor(req, target)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
@@ -214,8 +218,8 @@ def to_dcp(source: str | os.PathLike, target: str | os.PathLike, pieces: dict[Me
                     stream.write(mapped[info.offset:info.offset + info.length] if mapped else b"")
                 else:
                     count = info.length // piece.dtype.itemsize
-                    tensor = (torch.frombuffer(mapped, dtype=piece.dtype, count=count, offset=info.offset)
-                              if count else torch.empty(0, dtype=piece.dtype)).view(piece.shape)
+                    tensor = (_view(mapped, piece.dtype, count, info.offset) if count
+                              else torch.empty(0, dtype=piece.dtype)).view(piece.shape)
                     torch.save(tensor, stream)
                     del tensor
                 placed[index] = _StorageInfo(name, start, stream.tell() - start)
@@ -239,8 +243,8 @@ def to_durable(pg, folder: Path, pieces: dict[MetadataIndex, Piece], target: Pat
     error = None
     try:
         placed = to_dcp(folder, target, pieces, record)
-    except OSError as e:
-        placed, error = {}, f"{host_name()}: {e}"
+    except Exception as e:  # any failure (torch.save reports a full disk as a RuntimeError): every rank hears it
+        placed, error = {}, f"{host_name()}: {type(e).__name__}: {e}"
     rank = dist.get_rank(pg)
     gathered = [None] * dist.get_world_size(pg) if rank == 0 else None
     dist.gather_object((placed, error), gathered, dst=0, group=pg)
@@ -250,8 +254,8 @@ def to_durable(pg, folder: Path, pieces: dict[MetadataIndex, Piece], target: Pat
         if outcome[0] is None:
             try:
                 _write_metadata(folder, target, [got for got, _ in gathered], record)
-            except (OSError, CheckpointError) as e:
-                outcome = [f"{host_name()}: {e}"]
+            except Exception as e:  # every rank waits in the broadcast below
+                outcome = [f"{host_name()}: {type(e).__name__}: {e}"]
     dist.broadcast_object_list(outcome, src=0, group=pg)  # every rank raises alike, or none does
     if outcome[0]:
         raise CheckpointError(f"the durable copy of the state in memory failed ({outcome[0]})")
@@ -261,6 +265,9 @@ def to_durable(pg, folder: Path, pieces: dict[MetadataIndex, Piece], target: Pat
 def _write_metadata(folder: Path, target: Path, placed: list[dict], record) -> None:
     """The in-memory state's DCP metadata with every piece's place in the durable files."""
     metadata = storage.read_dcp_metadata(folder / ".metadata")
+    moved = {index for got in placed for index in got}
+    if moved != set(metadata.storage_data):  # a piece left where memory had it would fail only when loaded
+        raise CheckpointError(f"{len(set(metadata.storage_data) - moved)} of the state's pieces were not copied")
     for got in placed:
         metadata.storage_data.update(got)
     stream = hashing.HashingStream(open(target / ".metadata", "wb"),
@@ -271,6 +278,12 @@ def _write_metadata(folder: Path, target: Path, placed: list[dict], record) -> N
         os.fsync(stream.fileno())
     finally:
         stream.close()
+
+
+def _view(mapped: mmap.mmap, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:
+    """A tensor over bytes of the mapped file. Through a memoryview, so that the mapping refuses to close while
+    a tensor views it (torch.frombuffer of the mmap itself lets it close under the tensor)."""
+    return torch.frombuffer(memoryview(mapped), dtype=dtype, count=count, offset=offset)
 
 
 def _close(mapped: mmap.mmap | None) -> None:

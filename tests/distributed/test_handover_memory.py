@@ -8,7 +8,8 @@ its own ranks' files; a rank reaches another host's files only through that host
 - the same for ZeRO-1 on both sides (2 ranks on a, b -> 4 on a, a, b, c), whose optimizer shards live outside
   the model's parameters;
 - the durable checkpoint made from a state in memory (each piece stored as its bytes) is DCP's own format:
-  torch's reader reads it, equal item for item to what DCP's writer saves of the same state;
+  torch's reader reads it, equal item for item to what DCP's writer saves of the same state; when it fails
+  on one rank, every rank raises (none waits in a collective) and nothing is committed;
 - an in-memory state newer than the newest durable checkpoint wins; one as new too (it is read from memory);
   a state without its record (a rank died writing it) is never read and its folders are removed; the durable
   commit of a step removes the states it covers, except the one the next world is still reading;
@@ -197,6 +198,44 @@ def test_the_durable_copy_of_a_state_in_memory_is_dcps_own_checkpoint(tmp_path, 
     for key, value in theirs.items():
         assert torch.equal(ours[key], value) if isinstance(value, torch.Tensor) else ours[key] == value, key
     assert not any(shm.rglob("*.distcp"))  # released: the durable copy holds it
+
+
+def persist_failing(rank, world, layout, ckpt, hosts, tokens, how):
+    """The durable copy fails on rank 1 only: "disk", with what torch.save raises on a full disk (a
+    RuntimeError); "pieces", rank 1 has lost the list of its pieces (so it copies none)."""
+    _as_host(hosts, rank)
+    with Job(MODEL, config(2), layout, torch.device("cpu"), ckpt=CheckpointConfig(dir=ckpt), tokens=tokens) as job:
+        job.trainer.train_step()
+        written = job.checkpointer.write_memory(job.trainer)
+        save = torch.save
+
+        def full_disk(*args, **kwargs):
+            raise RuntimeError("unexpected pos (a full disk)")
+
+        torch.save = full_disk if rank == 1 and how == "disk" else save
+        if rank == 1 and how == "pieces":
+            written.pieces.clear()
+        try:
+            job.checkpointer.persist(written)
+        except CheckpointError as e:
+            return str(e)
+        finally:
+            torch.save = save  # run_ranks returns the result with it
+            written.server.stop() if written.server else None
+    return None
+
+
+@pytest.mark.parametrize("how, why", [("disk", "RuntimeError: unexpected pos (a full disk)"),
+                                      ("pieces", "of the state's pieces were not copied")])
+def test_a_durable_copy_failing_on_one_rank_fails_on_every_rank(tmp_path, shm, tokens, how, why):
+    """No rank is left waiting in a collective for one that failed; nothing is committed; the state in memory
+    stays for a restart."""
+    ckpt = tmp_path / "ckpt"
+    errors = run_ranks(persist_failing, 2, Layout(2, 1, 1, 4, 1), str(ckpt), [HOST_A, HOST_B], tokens, how,
+                       timeout=120)
+    assert all(e and why in e for e in errors), errors
+    assert not list(ckpt.glob("step-*"))
+    assert list(shm.rglob("*.distcp"))
 
 
 def test_the_newest_state_wins_and_commits_remove_what_they_cover(tmp_path, shm, tokens):

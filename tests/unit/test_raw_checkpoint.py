@@ -6,7 +6,8 @@
 - `raw.to_dcp` with the metadata's places replaced gives files that torch's own FileSystemReader (not ours)
   reads back equal: the durable copy of a state in memory is a plain DCP checkpoint;
 - a piece larger than the reader needs is read in part (DCP's storage offsets and lengths are honoured): a
-  bf16 matrix stored whole is read into two row halves.
+  bf16 matrix stored whole is read into two row halves; a target of another shape is refused;
+- the mapping of a file is not closed under a tensor that still views it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
 from elastic_trainer.checkpoint import raw, storage
+from elastic_trainer.config import CheckpointError
 
 
 def state() -> dict:
@@ -127,3 +129,23 @@ def test_a_stored_piece_is_read_in_part(tmp_path):
         assert isinstance(metadata.state_dict_metadata["half"].chunks[0], ChunkStorageMetadata)
         reader.read_data(type("Plan", (), {"items": [req]})(), Planner(target)).wait()
         assert torch.equal(target, whole[start:start + 4])
+    # a plan whose target does not match the part (copy_ would broadcast it) is refused
+    with pytest.raises(CheckpointError, match="shape"):
+        reader.read_data(type("Plan", (), {"items": [req]})(), Planner(torch.zeros(1, 5, dtype=torch.bfloat16)))
+
+
+def test_the_mapping_outlives_the_tensors_that_view_it(tmp_path):
+    """A read that fails midway leaves a tensor over the mapped file in its traceback: closing the mapping
+    then must wait for it (an unmapped view reads garbage or crashes), and close once it is gone."""
+    import mmap
+
+    path = tmp_path / "piece"
+    path.write_bytes(torch.arange(16, dtype=torch.float32).numpy().tobytes())
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    view = raw._view(mapped, torch.float32, 16, 0)
+    raw._close(mapped)
+    assert not mapped.closed and float(view.sum()) == 120.0
+    del view
+    raw._close(mapped)
+    assert mapped.closed

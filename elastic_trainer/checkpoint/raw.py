@@ -28,6 +28,7 @@ import io
 import mmap
 import os
 import pickle
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.filesystem import _split_by_size_and_type, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
@@ -75,17 +76,6 @@ def _write_all(fd: int, data: memoryview, offset: int) -> None:
         done += os.pwrite(fd, data[done:], offset + done)
 
 
-def _buckets(items: list, sizes: list[int], count: int) -> list[list]:
-    """`items` in `count` groups of about equal bytes (largest first into the lightest group)."""
-    groups: list[list] = [[] for _ in range(max(1, min(count, len(items))))]
-    weight = [0] * len(groups)
-    for size, item in sorted(zip(sizes, items), key=lambda p: -p[0]):
-        lightest = weight.index(min(weight))
-        groups[lightest].append(item)
-        weight[lightest] += size
-    return [g for g in groups if g]
-
-
 class Writer(FileSystemWriter):
     """DCP's writer with each piece stored as its bytes (see the module). `pieces`: this rank's, once written."""
 
@@ -94,9 +84,8 @@ class Writer(FileSystemWriter):
         self.pieces: dict[MetadataIndex, Piece] = {}
 
     def write_data(self, plan, planner) -> Future:
-        items = list(plan.items)
-        sizes = [_item_bytes(i) for i in items]
-        groups = _buckets(items, sizes, self.thread_count)
+        # DCP's own split of a rank's items into a file per thread, of about equal bytes (none left empty)
+        groups = [g for g in _split_by_size_and_type(self.thread_count, list(plan.items)) if g]
         names = [f"{plan.storage_data.prefix}{n}{SUFFIX}" for n in range(len(groups))]
         if len(groups) > 1:
             with concurrent.futures.ThreadPoolExecutor(len(groups)) as pool:
@@ -130,42 +119,30 @@ class Writer(FileSystemWriter):
         return out
 
 
-def _item_bytes(item) -> int:
-    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
-        return 0
-    n = 1
-    for d in item.tensor_data.size:
-        n *= d
-    return n * torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
-
-
 class Reader(storage.SafeReader):
     """Reads the files `Writer` wrote (the metadata through the allowlisted unpickler, as SafeReader)."""
 
     def read_data(self, plan, planner) -> Future:
-        chunks = _chunk_shapes(self.storage_data_metadata)
         per_file: dict[str, list] = {}
         for req in plan.items:
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
         for name, reqs in per_file.items():
-            with open(os.path.join(self.path, name), "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else None
+            mapped = _map(os.path.join(self.path, name))
             try:
                 for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
-                    self._read_one(req, planner, mapped, chunks)
+                    self._read_one(req, planner, mapped)
             finally:
                 _close(mapped)
         future: Future = Future()
         future.set_result(None)
         return future
 
-    def _read_one(self, req, planner, mapped, chunks) -> None:
+    def _read_one(self, req, planner, mapped) -> None:
         info = self.storage_data[req.storage_index]
         if req.type == LoadItemType.BYTE_IO:
             planner.load_bytes(req, io.BytesIO(mapped[info.offset:info.offset + info.length] if mapped else b""))
             return
-        dtype, shape = chunks[(req.storage_index.fqn, tuple(req.storage_index.offset))]
+        dtype, shape = self._chunks[(req.storage_index.fqn, tuple(req.storage_index.offset))]
         target = planner.resolve_tensor(req).detach()
         count = info.length // dtype.itemsize
         if count:
@@ -180,7 +157,7 @@ class Reader(storage.SafeReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-        self.storage_data_metadata = metadata
+        self._chunks = _chunk_shapes(metadata)
 
 
 def _chunk_shapes(metadata: Metadata) -> dict:
@@ -206,29 +183,28 @@ def to_dcp(source: str | os.PathLike, target: str | os.PathLike, pieces: dict[Me
     placed: dict[MetadataIndex, _StorageInfo] = {}
     for name, entries in sorted(by_file.items()):
         entries.sort(key=lambda e: e[1].info.offset)
-        with open(os.path.join(source, name), "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else None
-        stream = hashing.HashingStream(open(os.path.join(target, name), "wb"),
-                                       lambda nbytes, digest, name=name: on_file(name, nbytes, digest))
+        mapped = _map(os.path.join(source, name))
         try:
-            for index, piece in entries:
-                start, info = stream.tell(), piece.info
-                if piece.is_bytes:
-                    stream.write(mapped[info.offset:info.offset + info.length] if mapped else b"")
-                else:
-                    count = info.length // piece.dtype.itemsize
-                    tensor = (_view(mapped, piece.dtype, count, info.offset) if count
-                              else torch.empty(0, dtype=piece.dtype)).view(piece.shape)
-                    torch.save(tensor, stream)
-                    del tensor
-                placed[index] = _StorageInfo(name, start, stream.tell() - start)
-            stream.flush()
-            os.fsync(stream.fileno())
+            with _synced(os.path.join(target, name), lambda n, h, name=name: on_file(name, n, h)) as stream:
+                for index, piece in entries:
+                    start = stream.tell()
+                    _store(stream, mapped, piece)
+                    placed[index] = _StorageInfo(name, start, stream.tell() - start)
         finally:
-            stream.close()
             _close(mapped)
     return placed
+
+
+def _store(stream, mapped: mmap.mmap | None, piece: Piece) -> None:
+    """One piece from the mapped file into `stream` as DCP stores it: bytes as they are, a tensor `torch.save`d."""
+    info = piece.info
+    if piece.is_bytes:
+        stream.write(mapped[info.offset:info.offset + info.length] if mapped else b"")
+        return
+    count = info.length // piece.dtype.itemsize
+    tensor = (_view(mapped, piece.dtype, count, info.offset) if count
+              else torch.empty(0, dtype=piece.dtype)).view(piece.shape)
+    torch.save(tensor, stream)
 
 
 def to_durable(pg, folder: Path, pieces: dict[MetadataIndex, Piece], target: Path) -> dict[str, dict]:
@@ -270,14 +246,27 @@ def _write_metadata(folder: Path, target: Path, placed: list[dict], record) -> N
         raise CheckpointError(f"{len(set(metadata.storage_data) - moved)} of the state's pieces were not copied")
     for got in placed:
         metadata.storage_data.update(got)
-    stream = hashing.HashingStream(open(target / ".metadata", "wb"),
-                                   lambda nbytes, digest: record(".metadata", nbytes, digest))
-    try:
+    with _synced(target / ".metadata", lambda nbytes, digest: record(".metadata", nbytes, digest)) as stream:
         pickle.dump(metadata, stream)
+
+
+@contextmanager
+def _synced(path: str | os.PathLike, on_close):
+    """A new file written through a HashingStream (its digest to `on_close`), fsynced once fully written."""
+    stream = hashing.HashingStream(open(path, "wb"), on_close)
+    try:
+        yield stream
         stream.flush()
         os.fsync(stream.fileno())
     finally:
         stream.close()
+
+
+def _map(path: str | os.PathLike) -> mmap.mmap | None:
+    """The file mapped copy-on-write (a private mapping: nothing written back), None when it is empty."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else None
 
 
 def _view(mapped: mmap.mmap, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:

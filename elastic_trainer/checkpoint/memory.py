@@ -47,6 +47,8 @@ STATE_FILE = "state.json"
 ID_FILE = ".memory-id"
 FORMAT = 2
 """state.json's format: 2, each piece stored as its bytes (`raw`); 1 (before), DCP's torch.save framing."""
+READERS = {1: storage.SafeReader, FORMAT: raw.Reader}
+"""The formats this version reads, and their readers (1: DCP's own files)."""
 NAME = re.compile(r"^step-(\d{8})-([0-9a-z]+)$")
 LOAD_PREFIX = ".load-"
 LOAD_NAME = re.compile(r"^\.load-step-(\d{8})-[0-9a-z]+-[0-9a-z]+$")
@@ -220,7 +222,7 @@ def discover(pg, checkpoint_dir: str, live: dict | None = None) -> list[Found]:
         records[live["name"]] = live
     found = []
     for name, record in records.items():
-        if record.get("format") not in (1, FORMAT):  # written by a version whose files this one cannot read
+        if record.get("format") not in READERS:  # written by a version whose files this one cannot read
             continue
         serving = record["servers"] if live and name == live["name"] else {}  # the stopping world's, still up
         if all(present.get(name, {}).get(f, {}).get(info["host"]) == info["bytes"] or info["host"] in serving
@@ -279,8 +281,8 @@ def load(pg, trainer, found: Found, checkpoint_dir: str, run_id: str) -> Handove
     fetched = gather_pieces(pg, record, ranges, hosts, servers, root / found.name, folder)
     t2 = time.perf_counter()
     try:
-        reader = {1: storage.SafeReader, FORMAT: raw.Reader}[record["format"]]  # 1: DCP's own files
-        dcp.load(state, storage_reader=reader(str(folder), metadata=metadata), planner=planner, process_group=pg)
+        reader = READERS[record["format"]](str(folder), metadata=metadata)
+        dcp.load(state, storage_reader=reader, planner=planner, process_group=pg)
     finally:
         dist.barrier(group=pg)
         shutil.rmtree(folder, ignore_errors=True)

@@ -11,8 +11,9 @@ its own ranks' files; a rank reaches another host's files only through that host
   torch's reader reads it, equal item for item to what DCP's writer saves of the same state; when it fails
   on one rank, every rank raises (none waits in a collective) and nothing is committed;
 - an in-memory state newer than the newest durable checkpoint wins; one as new too (it is read from memory);
-  a state without its record (a rank died writing it) is never read and its folders are removed; the durable
-  commit of a step removes the states it covers, except the one the next world is still reading;
+  a state without its record (a rank died writing it) is never read and its folders are removed, nor is one
+  of a format this version cannot read; the durable commit of a step removes the states it covers, except
+  the one the next world is still reading;
 - a warm world that builds late (the old and the new model would not fit a GPU together) waits for the state
   announced through the launcher's store, then builds, loads it from memory and says it has;
 - a state that cannot go to memory (no shared-memory folder) is saved to the checkpoint folder instead, and
@@ -258,6 +259,20 @@ def test_the_newest_state_wins_and_commits_remove_what_they_cover(tmp_path, shm,
         os.environ["ELASTIC_TRAINER_HOST"] = host
         assert memory.drop(str(tmp_path / "c2"), 4, keep=again["name"]) == []  # the one being read is kept
         assert memory.drop(str(tmp_path / "c2"), 4) == [again["name"]]
+
+
+def test_a_state_of_a_format_this_version_cannot_read_is_passed_over(tmp_path, shm, tokens):
+    """A newer version's state in memory (its record says format 99) is not read: the durable one is."""
+    import json
+
+    ckpt, counts = str(tmp_path / "ckpt"), str(tmp_path / "counts.txt")
+    hosts = [HOST_A, HOST_B]
+    _, record = run_ranks(write_state, 2, Layout(2, 1, 1, 4, 1), ckpt, hosts, tokens, 3, durable_step=2)[0]
+    state_json = memory.host_root(ckpt).parent / HOST_A / record["name"] / memory.STATE_FILE
+    state_json.write_text(json.dumps({**json.loads(state_json.read_text()), "format": 99}))
+    loaded, losses = run_ranks(read_state, 2, Layout(2, 1, 1, 4, 1), ckpt, hosts, tokens, 4, counts)[0]
+    assert loaded.endswith("step-00000002"), loaded
+    assert close(losses, reference(tokens, 4)[2:])
 
 
 def late_world(rank, world, layout, ckpt, port, tokens, until, events_file):

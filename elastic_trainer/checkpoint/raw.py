@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import io
+import math
 import mmap
 import os
 import pickle
@@ -77,6 +78,38 @@ def _write_all(fd: int, data: memoryview, offset: int) -> None:
         done += os.pwrite(fd, data[done:], offset + done)
 
 
+class StalePlan(CheckpointError):
+    """The plan a write was given does not fit the state it writes (a planned hand-over's; see planned.py)."""
+
+
+def files_of(plan, threads: int) -> list[tuple[str, list]]:
+    """The files a rank's `plan` is written into, one per thread (DCP's own split, of about equal bytes, none
+    left empty), each with its items in the order they are written: tensors first, whose places follow from
+    their sizes alone (`tensor_places`), then the non-tensor items, whose sizes are known once serialized."""
+    groups = [g for g in _split_by_size_and_type(threads, list(plan.items)) if g]
+    return [(f"{plan.storage_data.prefix}{n}{SUFFIX}", sorted(g, key=lambda i: i.type == WriteItemType.BYTE_IO))
+            for n, g in enumerate(groups)]
+
+
+def tensor_places(files: list[tuple[str, list]]) -> dict[MetadataIndex, _StorageInfo]:
+    """Where `Writer` puts each tensor item of `files` (`files_of`), known before anything is written."""
+    out = {}
+    for name, items in files:
+        offset = 0
+        for item in items:
+            if item.type == WriteItemType.BYTE_IO:
+                break
+            data = item.tensor_data
+            length = math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
+            out[item.index] = _StorageInfo(name, offset, length)
+            offset = _aligned(offset + length)
+    return out
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // ALIGN) * ALIGN
+
+
 class Writer(FileSystemWriter):
     """DCP's writer with each piece stored as its bytes (see the module). `pieces`: this rank's, once written."""
 
@@ -85,14 +118,13 @@ class Writer(FileSystemWriter):
         self.pieces: dict[MetadataIndex, Piece] = {}
 
     def write_data(self, plan, planner) -> Future:
-        # DCP's own split of a rank's items into a file per thread, of about equal bytes (none left empty)
-        groups = [g for g in _split_by_size_and_type(self.thread_count, list(plan.items)) if g]
-        names = [f"{plan.storage_data.prefix}{n}{SUFFIX}" for n in range(len(groups))]
-        if len(groups) > 1:
-            with concurrent.futures.ThreadPoolExecutor(len(groups)) as pool:
-                done = list(pool.map(lambda a: self._write_file(*a, planner), zip(names, groups)))
+        files = files_of(plan, self.thread_count)
+        serialized = _Serialized(planner)
+        if len(files) > 1:
+            with concurrent.futures.ThreadPoolExecutor(len(files)) as pool:
+                done = list(pool.map(lambda f: self._write_file(*f, serialized), files))
         else:
-            done = [self._write_file(n, g, planner) for n, g in zip(names, groups)]
+            done = [self._write_file(*f, serialized) for f in files]
         results = []
         for pieces in done:
             for index, piece in pieces:
@@ -102,22 +134,51 @@ class Writer(FileSystemWriter):
         future.set_result(results)
         return future
 
-    def _write_file(self, name: str, items: list, planner) -> list[tuple[MetadataIndex, Piece]]:
+    def _write_file(self, name: str, items: list, serialized: "_Serialized") -> list[tuple[MetadataIndex, Piece]]:
         out, offset = [], 0
         fd = os.open(os.path.join(self.path, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             for item in items:
-                data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
-                    raw, dtype, shape = data.getbuffer(), None, ()
+                    raw, dtype, shape = serialized(item), None, ()
                 else:
+                    data = serialized.planner.resolve_data(item)
+                    want = item.tensor_data
+                    if data.dtype != want.properties.dtype or tuple(data.shape) != tuple(want.chunk.sizes):
+                        raise StalePlan(f"{item.index.fqn}: planned {want.properties.dtype} "
+                                        f"{tuple(want.chunk.sizes)}, the state holds {data.dtype} {tuple(data.shape)}")
                     raw, dtype, shape = _host_bytes(data), data.dtype, tuple(data.shape)
                 _write_all(fd, raw, offset)
                 out.append((item.index, Piece(_StorageInfo(name, offset, len(raw)), dtype, shape)))
-                offset = -(-(offset + len(raw)) // ALIGN) * ALIGN
+                offset = _aligned(offset + len(raw))
         finally:
             os.close(fd)
         return out
+
+
+class _Serialized:
+    """A non-tensor item's bytes as DCP stores them (`torch.save`), made once per distinct plain value: the
+    flattened optimizer state repeats a few hyper-parameters in thousands of items."""
+
+    PLAIN = (int, float, bool, str, type(None))
+
+    def __init__(self, planner):
+        self.planner, self.seen = planner, {}
+
+    def __call__(self, item) -> memoryview:
+        value = self.planner.lookup_object(item.index)
+        key = repr(value) if self._plain(value) else None  # repr tells 1, 1.0 and True apart; == does not
+        if key is None or key not in self.seen:
+            data = self.planner.transform_object(item, value).getbuffer()
+            if key is None:
+                return data
+            self.seen[key] = data
+        return self.seen[key]
+
+    def _plain(self, value) -> bool:
+        if isinstance(value, (tuple, list)):
+            return all(self._plain(v) for v in value)
+        return type(value) in self.PLAIN
 
 
 class Reader(storage.SafeReader):

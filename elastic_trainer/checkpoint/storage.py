@@ -323,3 +323,12 @@ def read_meta(folder: Path) -> dict:
     except (TypeError, ConfigError) as e:
         raise CheckpointError(f"{str(path)!r}: its model is not valid ({' '.join(str(e).split())})") from None
     return meta
+
+
+def first_failure(error) -> str:
+    """The first rank's exception of a DCP CheckpointException (every rank's tracebacks), on one line."""
+    for failure in error.failures.values():
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        text = str(exc).strip().splitlines()
+        return text[-1].strip() if text else type(exc).__name__
+    return str(error).splitlines()[0]

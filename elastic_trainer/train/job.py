@@ -135,6 +135,8 @@ class Job:
         t0 = time.time()
         if self.trainer is not None:
             self.trainer.warm_up()
+            if self.checkpointer is not None:  # this world's own hand-over, planned while nothing waits for it
+                self.checkpointer.prepare_memory(self.trainer)
         dist.barrier()
         self.events.emit("next_world_ready", warm_up_s=time.time() - t0, built=self.trainer is not None)
         if dist.get_rank() == 0:
@@ -247,7 +249,8 @@ class Job:
             return
         self.events.emit("saved", step=trainer.step, save={"step": trainer.step, "where": "memory",
                                                             "bytes": written.bytes, "stall_s": written.seconds,
-                                                            "total_s": written.seconds, "path": str(written.folder)})
+                                                            "total_s": written.seconds, "path": str(written.folder),
+                                                            "planned": written.planned})
         if rank0:
             self.handover.hand_over(successor, written.record)
         durable = checkpointer.persist(written) if leaving else None

@@ -2,9 +2,14 @@
 each rank's ELASTIC_TRAINER_HOST names its host, so each "host" has its own shared-memory folder and only
 its own ranks' files; a rank reaches another host's files only through that host's server.
 
-- 4 ranks on hosts a, b (dp2 tp2) write a state into memory; 3 ranks on b, c, a (pp3) read it resharded:
-  the per-step losses of the chain equal one uninterrupted single-process run (1e-5 relative), rank 0 (on b)
-  fetched a's pieces, c (no files) fetched every piece it read, and the durable checkpoint was not read;
+- 4 ranks on hosts a, b (dp2 tp2) write a state into memory, as DCP plans it on the spot or as planned two
+  steps before (checkpoint/planned.py); 3 ranks on b, c, a (pp3) read it resharded: the per-step losses of
+  the chain equal one uninterrupted single-process run (1e-5 relative), rank 0 (on b) fetched a's pieces, c
+  (no files) fetched every piece it read, and the durable checkpoint was not read;
+- a planned write whose plan does not fit one rank's state is planned by DCP on every rank, and read back onto
+  the trajectory; a planned write failing on one rank (a full /dev/shm) fails on every rank;
+- a read from memory failing on one rank (the ranks read without DCP's collectives) makes every rank load the
+  newest durable checkpoint instead;
 - the same for ZeRO-1 on both sides (2 ranks on a, b -> 4 on a, a, b, c), whose optimizer shards live outside
   the model's parameters;
 - the durable checkpoint made from a state in memory (each piece stored as its bytes) is DCP's own format:
@@ -62,8 +67,10 @@ def _as_host(hosts: list[str], rank: int) -> None:
     os.environ["ELASTIC_TRAINER_HOST"] = hosts[rank]
 
 
-def write_state(rank, world, layout, ckpt, hosts, tokens, steps, durable_step=None):
-    """Train `steps` steps (a durable save after `durable_step`), then write the state into memory."""
+def write_state(rank, world, layout, ckpt, hosts, tokens, steps, durable_step=None, plan_at=None):
+    """Train `steps` steps (a durable save after `durable_step`; the hand-over's write planned after step
+    `plan_at`, as a warm world plans it before it trains), then write the state into memory. The losses, and
+    the state's record with "planned": whether the write went as planned."""
     _as_host(hosts, rank)
     with Job(MODEL, config(steps), layout, torch.device("cpu"), ckpt=CheckpointConfig(dir=ckpt), tokens=tokens) as job:
         losses = []
@@ -71,10 +78,12 @@ def write_state(rank, world, layout, ckpt, hosts, tokens, steps, durable_step=No
             losses.append(job.trainer.train_step()["loss"])
             if job.trainer.step == durable_step:
                 job.checkpointer.save(job.trainer, blocking=True)
+            if job.trainer.step == plan_at:
+                job.checkpointer.prepare_memory(job.trainer)
         written = job.checkpointer.write_memory(job.trainer)
         if written.server:
             written.server.stop()
-    return losses, written.record
+    return losses, dict(written.record, planned=written.planned)
 
 
 def read_state(rank, world, layout, ckpt, hosts, tokens, until, counts):
@@ -98,10 +107,14 @@ def close(a: list[float], b: list[float]) -> bool:
     return len(a) == len(b) and all(abs(x - y) / abs(y) <= 1e-5 for x, y in zip(a, b))
 
 
-def test_a_state_in_memory_reshards_across_hosts_onto_the_trajectory(tmp_path, shm, tokens):
+@pytest.mark.parametrize("plan_at", [None, 1])
+def test_a_state_in_memory_reshards_across_hosts_onto_the_trajectory(tmp_path, shm, tokens, plan_at):
+    """Written as DCP plans it on the spot, or as planned two steps before (the values have changed since)."""
     ckpt, counts = str(tmp_path / "ckpt"), str(tmp_path / "counts.txt")
-    first = run_ranks(write_state, 4, Layout(2, 2, 1, 4, 1), ckpt, [HOST_A, HOST_A, HOST_B, HOST_B], tokens, 3)
+    first = run_ranks(write_state, 4, Layout(2, 2, 1, 4, 1), ckpt, [HOST_A, HOST_A, HOST_B, HOST_B], tokens, 3,
+                      plan_at=plan_at)
     losses, record = first[0]
+    assert all(r["planned"] == (plan_at is not None) for _, r in first)
     assert {f["host"] for f in record["files"].values()} == {HOST_A, HOST_B}
     assert record["files"][".metadata"]["host"] == HOST_A
     root_b = memory.host_root(ckpt).parent / HOST_B
@@ -239,6 +252,54 @@ def test_a_durable_copy_failing_on_one_rank_fails_on_every_rank(tmp_path, shm, t
     assert list(shm.rglob("*.distcp"))
 
 
+def planned_write_failing(rank, world, layout, ckpt, hosts, tokens, how):
+    """The hand-over's write was planned after step 1; then on rank 1 only: "stale", its state holds an item
+    the plan does not (DCP plans the write on the spot instead, on every rank); "disk", writing a piece fails
+    as on a full /dev/shm."""
+    from elastic_trainer.checkpoint import raw
+    from elastic_trainer.checkpoint import state as ckpt_state
+
+    _as_host(hosts, rank)
+    with Job(MODEL, config(3), layout, torch.device("cpu"), ckpt=CheckpointConfig(dir=ckpt), tokens=tokens) as job:
+        losses = [job.trainer.train_step()["loss"]]
+        job.checkpointer.prepare_memory(job.trainer)
+        losses.append(job.trainer.train_step()["loss"])
+        tensor_state, write_all = ckpt_state.tensor_state, raw._write_all
+        if rank == 1 and how == "stale":
+            ckpt_state.tensor_state = lambda trainer: dict(tensor_state(trainer), extra=torch.ones(3))
+        if rank == 1 and how == "disk":
+            def full(fd, data, offset):
+                raise OSError(28, "No space left on device")
+            raw._write_all = full
+        try:
+            written = job.checkpointer.write_memory(job.trainer)
+        except CheckpointError as e:
+            return str(e)
+        finally:
+            ckpt_state.tensor_state, raw._write_all = tensor_state, write_all
+        written.server.stop() if written.server else None
+        return losses, dict(written.record, planned=written.planned)
+
+
+def test_a_planned_write_that_does_not_fit_one_rank_is_planned_by_dcp_on_every_rank(tmp_path, shm, tokens):
+    ckpt, counts = str(tmp_path / "ckpt"), str(tmp_path / "counts.txt")
+    first = run_ranks(planned_write_failing, 2, Layout(2, 1, 1, 4, 1), str(ckpt), [HOST_A, HOST_B], tokens,
+                      "stale", timeout=120)
+    assert all(not record["planned"] for _, record in first), first
+    losses, record = first[0]
+    second = run_ranks(read_state, 2, Layout(1, 1, 2, 4, 2), ckpt, [HOST_B, HOST_A], tokens, 4, counts)
+    assert all(loaded == f"memory:{record['name']}" for loaded, _ in second), second
+    assert close(losses + second[0][1], reference(tokens, 4))
+
+
+def test_a_planned_write_failing_on_one_rank_fails_on_every_rank(tmp_path, shm, tokens):
+    """No rank waits in a collective for the one that failed (a warm world's job then saves to the checkpoint
+    folder: test_a_state_that_cannot_go_to_memory_goes_to_the_checkpoint_folder)."""
+    errors = run_ranks(planned_write_failing, 2, Layout(2, 1, 1, 4, 1), str(tmp_path / "ckpt"), [HOST_A, HOST_B],
+                       tokens, "disk", timeout=120)
+    assert all(isinstance(e, str) and "No space left on device" in e for e in errors), errors
+
+
 def test_the_newest_state_wins_and_commits_remove_what_they_cover(tmp_path, shm, tokens):
     ckpt, counts = str(tmp_path / "ckpt"), str(tmp_path / "counts.txt")
     hosts = [HOST_A, HOST_B]
@@ -259,6 +320,29 @@ def test_the_newest_state_wins_and_commits_remove_what_they_cover(tmp_path, shm,
         os.environ["ELASTIC_TRAINER_HOST"] = host
         assert memory.drop(str(tmp_path / "c2"), 4, keep=again["name"]) == []  # the one being read is kept
         assert memory.drop(str(tmp_path / "c2"), 4) == [again["name"]]
+
+
+def read_failing(rank, world, layout, ckpt, hosts, tokens, until, counts):
+    """`read_state`, with the read of the state in memory failing on rank 1 only."""
+    from elastic_trainer.checkpoint import raw
+
+    if rank == 1:
+        def broken(self, plan, planner):
+            raise OSError(5, "Input/output error")
+        raw.Reader.read_data = broken
+    return read_state(rank, world, layout, ckpt, hosts, tokens, until, counts)
+
+
+def test_a_read_from_memory_failing_on_one_rank_falls_back_to_the_durable_checkpoint_on_every_rank(
+        tmp_path, shm, tokens):
+    """The ranks read without DCP's collectives: a failure on one is still heard by all, and every rank loads
+    the newest durable checkpoint instead (step 2), none waits in a collective, none trains from memory."""
+    ckpt, counts = str(tmp_path / "ckpt"), str(tmp_path / "counts.txt")
+    hosts = [HOST_A, HOST_B]
+    run_ranks(write_state, 2, Layout(2, 1, 1, 4, 1), ckpt, hosts, tokens, 3, durable_step=2)
+    second = run_ranks(read_failing, 2, Layout(1, 1, 2, 4, 2), ckpt, hosts, tokens, 5, counts, timeout=120)
+    assert all(loaded and not loaded.startswith("memory:") and "step-00000002" in loaded for loaded, _ in second), second
+    assert close(second[0][1], reference(tokens, 5)[2:])
 
 
 def test_a_state_of_a_format_this_version_cannot_read_is_passed_over(tmp_path, shm, tokens):

@@ -59,7 +59,7 @@ from elastic_trainer.config import ModelConfig, TrainConfig, load_model_config  
 from elastic_trainer.parallel import build_mesh  # noqa: E402
 from elastic_trainer.parallel.local_ranks import run_ranks  # noqa: E402
 from elastic_trainer.plan.layout import Layout  # noqa: E402
-from elastic_trainer.train import Trainer  # noqa: E402
+from elastic_trainer.train import Trainer, heap  # noqa: E402
 
 
 def _reshard_module():
@@ -216,6 +216,7 @@ def ours_save_job(rank, world, model, folder, tokens):
     trainer = our_trainer(model, Layout(world, 1, 1, 4 // world, 1), 128, tokens)
     fill_optimizer_state(trainer)
     prints = fingerprints(trainer)
+    heap.settle()  # as a world does once its state is loaded (train/job.py), before it trains and saves
     ck = Checkpointer(CheckpointConfig(dir=str(folder)), log=lambda *a, **k: None)
     seconds, stats = timed(lambda: ck.save(trainer, blocking=True))
     ck.close()
@@ -242,6 +243,7 @@ def ours_memory_write_job(rank, world, model, folder, shm, tokens):
     prints = fingerprints(trainer)
     ck = Checkpointer(CheckpointConfig(dir=str(folder)), log=lambda *a, **k: None)
     ck.prepare_memory(trainer)  # what a world does while it waits to start (train/job.py): not timed
+    heap.settle(collect=True)
     seconds, written = timed(lambda: ck.write_memory(trainer))
     persist_s, durable = timed(lambda: ck.persist(written))
     if written.server is not None:
@@ -256,7 +258,8 @@ def ours_memory_load_job(rank, world, model, folder, shm, tokens):
     quiet()
     os.environ[memory.SHM_ENV] = shm
     trainer = our_trainer(model, Layout(world, 1, 1, 4 // world, 1), 128, tokens)  # the saver's global batch
-    trainer.warm_up()  # what the next world has done before the state arrives (launch/warm.py)
+    trainer.warm_up()  # what the next world has done before the state arrives (train/job.py)
+    heap.settle(collect=True)
     ck = Checkpointer(CheckpointConfig(dir=str(folder)), log=lambda *a, **k: None)
 
     def load():

@@ -38,6 +38,7 @@ from elastic_trainer.elastic.stop import StopRequest
 from elastic_trainer.parallel.compile import report as compile_report, report_line
 from elastic_trainer.parallel.mesh import build_mesh
 from elastic_trainer.plan.layout import Layout
+from elastic_trainer.train import heap
 from elastic_trainer.train.loop import Diverged, Trainer
 from elastic_trainer.train.metrics import MetricsLog
 from elastic_trainer.train.profile import StepProfiler
@@ -110,6 +111,7 @@ class Job:
         found = self.checkpointer.candidates(resume) if self.checkpointer and resume != "never" else []
         in_memory = self.checkpointer.in_memory(live) if self.checkpointer and resume == "auto" else []
         if self.trainer is None or not (found or in_memory):  # a warmed-up trainer trained a step: build anew
+            heap.release()  # the dropped trainer's objects (a warm world settled them) can be freed
             self.trainer = build(initialize=not (found or in_memory))
         if in_memory and (not found or in_memory[0].step >= _step_of(found[0])):
             self.loaded = self._load_memory(in_memory[0])
@@ -122,6 +124,7 @@ class Job:
                                "durable checkpoint; a restart will find the one its writer is saving")
         if self.checkpointer is not None:
             self.checkpointer.prepare_fresh_run(resume if self.trainer.step == 0 else "auto")
+        heap.settle()  # the world's objects stay out of the garbage collector's walks (train/heap.py)
         load = dataclasses.asdict(self.loaded) if self.loaded else None
         if load:
             load.pop("meta")
@@ -137,6 +140,7 @@ class Job:
             self.trainer.warm_up()
             if self.checkpointer is not None:  # this world's own hand-over, planned while nothing waits for it
                 self.checkpointer.prepare_memory(self.trainer)
+        heap.settle(collect=True)
         dist.barrier()
         self.events.emit("next_world_ready", warm_up_s=time.time() - t0, built=self.trainer is not None)
         if dist.get_rank() == 0:
@@ -299,6 +303,7 @@ class Job:
     def close(self) -> None:
         if self.checkpointer is not None:
             self.checkpointer.close()
+        heap.release()  # a process that runs another job after this one frees this one's objects
 
     def result(self, status: str) -> JobResult:
         saves = self.checkpointer.history if self.checkpointer else []

@@ -114,13 +114,20 @@ def test_ranks_learn_the_hosts_and_take_rank_zeros_decision():
 
 
 def test_job_is_a_context_manager_that_closes_its_checkpointer(tmp_path, sotu_tokens):
+    """... and keeps the garbage collector off the world's objects while it runs, not after (train/heap.py)."""
+    import gc
+
     def job(rank, world):
         with Job(MODEL, CFG, Layout(2, 1, 1, 4, 1), torch.device("cpu"), ckpt=CheckpointConfig(dir=str(tmp_path)),
                  tokens=sotu_tokens) as j:
+            frozen = gc.get_freeze_count()
             status = j.fit(until=2)
-        return status, j.trainer.step, [p.name for p in storage.complete_checkpoints(tmp_path)]
+        return status, j.trainer.step, [p.name for p in storage.complete_checkpoints(tmp_path)], frozen, \
+            gc.get_freeze_count()
 
-    assert run_ranks(job, 2)[0] == ("stopped", 2, ["step-00000002"])
+    status, step, saved, frozen, after = run_ranks(job, 2)[0]
+    assert (status, step, saved) == ("stopped", 2, ["step-00000002"])
+    assert frozen > 10_000 and after == 0, (frozen, after)
 
 
 def diverge_at(rank, world, ckpt_dir, events_dir, at_steps):

@@ -56,7 +56,7 @@ from elastic_trainer.elastic.handover import HOST_ENV  # noqa: E402
 from elastic_trainer.parallel import build_mesh  # noqa: E402
 from elastic_trainer.parallel.local_ranks import run_ranks  # noqa: E402
 from elastic_trainer.plan.layout import Layout  # noqa: E402
-from elastic_trainer.train import Trainer  # noqa: E402
+from elastic_trainer.train import Trainer, heap  # noqa: E402
 
 HOST_A, HOST_B = "localhost", "127.0.0.2"
 LAYOUT = Layout(2, 1, 1, 2, 1)  # dp 2 FSDP, global batch 4: both worlds
@@ -110,6 +110,8 @@ def old_world(rank, world, model, ckpt, shm, hosts, tokens):
     fill_optimizer_state(trainer)
     prints = fingerprints(trainer)
     ck = Checkpointer(CheckpointConfig(dir=ckpt), log=lambda *a, **k: None)
+    ck.prepare_memory(trainer)  # as a world does while it waits to start (train/job.py): not timed
+    heap.settle(collect=True)
     seconds, written = timed(lambda: ck.write_memory(trainer))
     if written.server is not None:
         written.server.stop()
@@ -123,6 +125,8 @@ def new_world(rank, world, model, ckpt, shm, hosts, tokens):
     quiet()
     _place(rank, hosts, shm)
     trainer = make_trainer(model, tokens)
+    trainer.warm_up()  # as the next world has before the state arrives (train/job.py): not timed
+    heap.settle(collect=True)
     ck = Checkpointer(CheckpointConfig(dir=ckpt), log=lambda *a, **k: None)
 
     def load():

@@ -1,7 +1,8 @@
 """In-memory training states: how a planned hand-over passes the state from the stopping world to the next.
 
-The stopping ranks write the state with DCP's plan and metadata, each piece as its bare bytes (`raw`), into
-their own host's shared memory (tmpfs), one folder per state, each host holding only its own ranks' files:
+The stopping ranks write the state with DCP's plan and metadata, each piece as its bare bytes (`raw`; the plan
+made ahead, while the world waited to start, when it still fits: `planned`), into their own host's shared
+memory (tmpfs), one folder per state, each host holding only its own ranks' files:
 
     SHM/elastic-trainer-UID/JOB/HOST/step-NNNNNNNN-ID/
         __R_0.distcp       the files of the ranks that ran on HOST
@@ -15,7 +16,8 @@ never read each other's memory. The lowest rank of each host serves its host's f
 
 The next world reads the state resharded into its own layout: DCP's load plan names the byte range of every
 stored piece a rank needs; pieces on the rank's own host are read in place, the others are fetched from
-their host's server into a private folder on the rank's host (`load`). A state in memory is a checkpoint like
+their host's server into a private folder on the rank's host (`load`). Each rank reads with its own plan,
+without DCP's collectives (its global load plan changes nothing); a failure on any rank fails every rank. A state in memory is a checkpoint like
 the durable ones: any start (a restart after a failure, a resumed job) takes it when it is complete and at
 least as new as the newest durable checkpoint, and every durable commit removes the states it covers. The
 durable checkpoint made from a state in memory is in DCP's own format (`raw.to_durable`).

@@ -133,18 +133,20 @@ class Job:
             handover.loaded(self.trainer.step)  # the stopping world may release its copy
 
     def _wait_for_state(self, stop: StopRequest | None) -> dict | None:
-        """A warm world, built (unless it builds late): warm up, say it is ready, wait for the stopping world's
-        state (its record when it is in memory, else None). Asked to stop meanwhile, the job is cancelled."""
+        """A warm world, built (unless it builds late): warm up, say it is ready, plan its own hand-over's write
+        (while the old world ends its step and writes its state: saying so first keeps that off a phase that
+        ends at a step), wait for the stopping world's state (its record when it is in memory, else None).
+        Asked to stop meanwhile, the job is cancelled."""
         t0 = time.time()
         if self.trainer is not None:
             self.trainer.warm_up()
-            if self.checkpointer is not None:  # this world's own hand-over, planned while nothing waits for it
-                self.checkpointer.prepare_memory(self.trainer)
-        heap.settle(collect=True)
         dist.barrier()
         self.events.emit("next_world_ready", warm_up_s=time.time() - t0, built=self.trainer is not None)
         if dist.get_rank() == 0:
             self.handover.ready()
+        if self.trainer is not None and self.checkpointer is not None:
+            self.checkpointer.prepare_memory(self.trainer)  # this world's own hand-over (checkpoint/planned.py)
+        heap.settle(collect=True)
         state = self.handover.wait_state(lambda: stop is not None and stop.local())
         if state is None:
             self.cancelled, self.stop_reason = True, (stop.reason if stop else None) or "cancelled"

@@ -14,8 +14,9 @@ Ranks are gloo processes forked from this one; each system runs its own document
   of its time) -> a new engine on 2 ranks with `"checkpoint": {"load_universal": true}` and
   `engine.load_checkpoint`. Ours: `Checkpointer.save` (fsync, checksums, atomic commit) -> `Checkpointer.load`
   on 2 ranks (checksum verification and DCP's resharding load). Ours through memory (the planned
-  reconfiguration's path): `Checkpointer.write_memory` on the 4 ranks (DCP's plan, each piece as its bytes,
-  into shared memory, a fresh folder under /dev/shm) -> `Checkpointer.in_memory` + `load_memory` on 2 ranks
+  reconfiguration's path): `Checkpointer.write_memory` on the 4 ranks (DCP's plan, made beforehand with
+  `prepare_memory` as a warm world does while it waits, each piece as its bytes, into shared memory, a fresh
+  folder under /dev/shm) -> `Checkpointer.in_memory` + `load_memory` on 2 ranks
   (DCP's resharding plan, read from there), by ranks that took their warm-up step first, as the next world of
   a planned reconfiguration does while the old one still trains;
   the durable checkpoint of that state (`Checkpointer.persist`) is written by the stopping ranks after the

@@ -151,7 +151,13 @@ class Checkpointer:
     def prepare_memory(self, trainer) -> None:
         """Plan the hand-over's write of `trainer`'s state now, while nothing waits for it (a collective; see
         checkpoint/planned.py): `write_memory` then only writes bytes."""
-        self._prepared = memory.prepare(self.pg, trainer)
+        try:
+            self._prepared = memory.prepare(self.pg, trainer)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001  (DCP raises on every rank alike)
+            self._prepared = None
+            why = _first_failure(e) if isinstance(e, CheckpointException) else repr(e)
+            self.log(f"[checkpoint] planning the hand-over's write failed ({why}); DCP will plan it then",
+                     flush=True)
 
     def write_memory(self, trainer) -> memory.Written:
         """The state of `trainer` into each host's memory, for the next world (checkpoint.memory)."""

@@ -33,6 +33,7 @@ import re
 import secrets
 import shutil
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -142,8 +143,13 @@ def write(pg, trainer, checkpoint_dir: str, run_id: str, prepared: planned.Prepa
     hosts, token = [h for h, _, _ in first], first[0][1]
     server = Server(folder.parent, host, {name: token}) if hosts.index(host) == rank else None
     address = server.start() if server else None
-    state, threads = staging.for_writing(ckpt_state.tensor_state(trainer), hosts.count(host))
-    late, pieces = planned.write_files(pg, state, threads, folder, prepared, say)
+    try:
+        state, threads = staging.for_writing(ckpt_state.tensor_state(trainer), hosts.count(host))
+        late, pieces = planned.write_files(pg, state, threads, folder, prepared, say)
+    except BaseException:
+        if server:
+            server.stop()
+        raise
     del state  # a staged copy: host memory the size of the rank's state
     faults.fault("in_memory", trainer.step)
     mine = {p.name: p.stat().st_size for p in folder.glob(f"__{rank}_*.distcp")}
@@ -303,7 +309,9 @@ def load(pg, trainer, found: Found, checkpoint_dir: str, run_id: str) -> Handove
     error = None
     try:  # each rank's plan is its own (DCP's global load plan changes nothing): no collective of DCP's
         reader = READERS[record["format"]](str(folder), metadata=metadata)
-        dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")  # no_dist: each rank on its own
+            dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
     except (Exception, CheckpointException) as e:  # noqa: BLE001  (every rank hears it below, none waits)
         error = f"{host}: {storage.first_failure(e) if isinstance(e, CheckpointException) else repr(e)}"
     totals = [None] * len(hosts)

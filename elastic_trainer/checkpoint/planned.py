@@ -13,10 +13,12 @@ keeping each rank's final plan and, on rank 0, the metadata with the places of e
 follow from the plan alone (`raw.tensor_places`). At the hand-over (`write_files`, from `memory.write`) each
 rank writes its plan's items with `raw.Writer` and sends rank 0 only the places of its non-tensor items
 (`write`), with which rank 0 completes the metadata (`metadata`). Files and metadata are those DCP's save of
-the same state makes on the spot, item for item (tests/unit/test_planned_write.py).
+the same state makes on the spot, item for item (tests/unit/test_planned_write.py); on GPUs the tensors'
+recorded properties (pinned or not) are the GPU state's, not those of its staged host copy.
 
-A plan serves only the state it was made for: a rank whose state's keys, or any item's dtype or shape, differ
-from it (`raw.StalePlan`) makes every rank write through DCP's full save instead.
+A plan serves only the state it was made for: a rank whose state's keys differ from it, or any item's kind
+(tensor or not), dtype, shape, global size or place in the global tensor (`raw.StalePlan`), makes every rank
+write through DCP's full save instead.
 """
 
 from __future__ import annotations

@@ -42,6 +42,8 @@ from torch.distributed.checkpoint.filesystem import _split_by_size_and_type, _St
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.futures import Future
 
 from elastic_trainer.checkpoint import hashing, storage
@@ -142,6 +144,7 @@ class Writer(FileSystemWriter):
                 if item.type == WriteItemType.BYTE_IO:
                     raw, dtype, shape = serialized(item), None, ()
                 else:
+                    _check_tensor(item, serialized.planner.state_dict.get(item.index.fqn))
                     data = serialized.planner.resolve_data(item)
                     want = item.tensor_data
                     if data.dtype != want.properties.dtype or tuple(data.shape) != tuple(want.chunk.sizes):
@@ -156,6 +159,20 @@ class Writer(FileSystemWriter):
         return out
 
 
+def _check_tensor(item, value) -> None:
+    """StalePlan unless `value` is a tensor of the planned global size whose local part starts where the plan
+    says (a DTensor of other placements can have a local part of the same shape elsewhere)."""
+    want = item.tensor_data
+    if not isinstance(value, torch.Tensor):
+        raise StalePlan(f"{item.index.fqn}: planned a tensor, the state holds {type(value).__name__}")
+    offsets = (0,) * value.dim()
+    if isinstance(value, DTensor):
+        offsets = tuple(compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)[1])
+    if tuple(value.shape) != tuple(want.size) or offsets != tuple(want.chunk.offsets):
+        raise StalePlan(f"{item.index.fqn}: planned {tuple(want.size)} from {tuple(want.chunk.offsets)}, the state "
+                        f"holds {tuple(value.shape)} from {offsets}")
+
+
 class _Serialized:
     """A non-tensor item's bytes as DCP stores them (`torch.save`), made once per distinct plain value: the
     flattened optimizer state repeats a few hyper-parameters in thousands of items."""
@@ -167,6 +184,8 @@ class _Serialized:
 
     def __call__(self, item) -> memoryview:
         value = self.planner.lookup_object(item.index)
+        if isinstance(value, torch.Tensor):  # planned as bytes (DCP would store it as a tensor now)
+            raise StalePlan(f"{item.index.fqn}: planned a non-tensor item, the state holds a tensor")
         key = repr(value) if self._plain(value) else None  # repr tells 1, 1.0 and True apart; == does not
         if key is None or key not in self.seen:
             data = self.planner.transform_object(item, value).getbuffer()

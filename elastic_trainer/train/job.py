@@ -111,6 +111,7 @@ class Job:
         found = self.checkpointer.candidates(resume) if self.checkpointer and resume != "never" else []
         in_memory = self.checkpointer.in_memory(live) if self.checkpointer and resume == "auto" else []
         if self.trainer is None or not (found or in_memory):  # a warmed-up trainer trained a step: build anew
+            self.trainer = None
             heap.release()  # the dropped trainer's objects (a warm world settled them) can be freed
             self.trainer = build(initialize=not (found or in_memory))
         if in_memory and (not found or in_memory[0].step >= _step_of(found[0])):
@@ -124,7 +125,9 @@ class Job:
                                "durable checkpoint; a restart will find the one its writer is saving")
         if self.checkpointer is not None:
             self.checkpointer.prepare_fresh_run(resume if self.trainer.step == 0 else "auto")
-        heap.settle()  # the world's objects stay out of the garbage collector's walks (train/heap.py)
+        # the world's objects stay out of the garbage collector's walks (train/heap.py); collected first: a dropped
+        # trainer, a failed load's traceback (a warm world's settled objects are not walked again)
+        heap.settle(collect=True)
         load = dataclasses.asdict(self.loaded) if self.loaded else None
         if load:
             load.pop("meta")

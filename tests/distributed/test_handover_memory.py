@@ -262,7 +262,14 @@ def planned_write_failing(rank, world, layout, ckpt, hosts, tokens, how):
     _as_host(hosts, rank)
     with Job(MODEL, config(3), layout, torch.device("cpu"), ckpt=CheckpointConfig(dir=ckpt), tokens=tokens) as job:
         losses = [job.trainer.train_step()["loss"]]
-        job.checkpointer.prepare_memory(job.trainer)
+        if how == "prepare":  # the planning fails (DCP raises on every rank alike): the write is planned later
+            from elastic_trainer.checkpoint import planned
+
+            prepare, planned.prepare = planned.prepare, lambda *a: (_ for _ in ()).throw(RuntimeError("no plan"))
+            job.checkpointer.prepare_memory(job.trainer)
+            planned.prepare = prepare
+        else:
+            job.checkpointer.prepare_memory(job.trainer)
         losses.append(job.trainer.train_step()["loss"])
         tensor_state, write_all = ckpt_state.tensor_state, raw._write_all
         if rank == 1 and how == "stale":
@@ -281,10 +288,12 @@ def planned_write_failing(rank, world, layout, ckpt, hosts, tokens, how):
         return losses, dict(written.record, planned=written.planned)
 
 
-def test_a_planned_write_that_does_not_fit_one_rank_is_planned_by_dcp_on_every_rank(tmp_path, shm, tokens):
+@pytest.mark.parametrize("how", ["stale", "prepare"])
+def test_a_planned_write_that_does_not_fit_one_rank_is_planned_by_dcp_on_every_rank(tmp_path, shm, tokens, how):
+    """... and so is one whose planning failed."""
     ckpt, counts = str(tmp_path / "ckpt"), str(tmp_path / "counts.txt")
     first = run_ranks(planned_write_failing, 2, Layout(2, 1, 1, 4, 1), str(ckpt), [HOST_A, HOST_B], tokens,
-                      "stale", timeout=120)
+                      how, timeout=120)
     assert all(not record["planned"] for _, record in first), first
     losses, record = first[0]
     second = run_ranks(read_state, 2, Layout(1, 1, 2, 4, 2), ckpt, [HOST_B, HOST_A], tokens, 4, counts)

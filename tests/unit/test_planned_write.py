@@ -3,8 +3,9 @@
 - a write planned before the values change (as a world plans its hand-over while it waits, then trains)
   stores every piece where DCP's save of the new values on the spot stores it, on 1 and 3 threads: the same
   files, offsets and lengths, and the same metadata once completed; the state reads back equal;
-- a plan refuses a state it was not made for: an item more or less, a tensor of another shape or dtype
-  (`raw.StalePlan`, so that `memory.write` falls back to DCP's save);
+- a plan refuses a state it was not made for: an item more or less, a tensor of another shape or dtype, a
+  tensor that became a plain value or the reverse (`raw.StalePlan`, so that `memory.write` falls back to
+  DCP's save);
 - repeated non-tensor values are serialized once, yet 1, 1.0 and True (equal and of equal hash in Python)
   read back as what they were.
 """
@@ -80,7 +81,15 @@ def _dtype(s):
     s["w"] = s["w"].double()
 
 
-@pytest.mark.parametrize("change", [_more, _less, _shape, _dtype])
+def _not_a_tensor(s):
+    s["scalar"] = 3.25
+
+
+def _now_a_tensor(s):
+    s["hyper"]["lr"] = torch.tensor(0.0005)
+
+
+@pytest.mark.parametrize("change", [_more, _less, _shape, _dtype, _not_a_tensor, _now_a_tensor])
 def test_a_plan_refuses_a_state_it_was_not_made_for(tmp_path, change):
     prepared = prepare(state(), 1)
     other = later()

@@ -116,8 +116,7 @@ class Job:
             self.trainer = build(initialize=not (found or in_memory))
         if in_memory and (not found or in_memory[0].step >= _step_of(found[0])):
             self.loaded = self._load_memory(in_memory[0])
-        # load_first loads one of `found` or raises (none resumable): a run with checkpoints never falls back
-        # to the seed's weights, which would bury the damaged checkpoints under new saves
+        # one of `found` or an error: never the seed's weights, which would bury damaged checkpoints under new ones
         if self.loaded is None and found:
             self.loaded = self.checkpointer.load_first(self.trainer, found, strict=resume != "auto")
         if self.loaded is None and in_memory:  # never train on weights that were only allocated
@@ -125,9 +124,7 @@ class Job:
                                "durable checkpoint; a restart will find the one its writer is saving")
         if self.checkpointer is not None:
             self.checkpointer.prepare_fresh_run(resume if self.trainer.step == 0 else "auto")
-        # the world's objects stay out of the garbage collector's walks (train/heap.py); collected first: a dropped
-        # trainer, a failed load's traceback (a warm world's settled objects are not walked again)
-        heap.settle(collect=True)
+        heap.settle(collect=True)  # collected first: a dropped trainer, a failed load's traceback (train/heap.py)
         load = dataclasses.asdict(self.loaded) if self.loaded else None
         if load:
             load.pop("meta")

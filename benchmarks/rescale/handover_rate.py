@@ -111,7 +111,7 @@ def old_world(rank, world, model, ckpt, shm, hosts, tokens):
     prints = fingerprints(trainer)
     ck = Checkpointer(CheckpointConfig(dir=ckpt), log=lambda *a, **k: None)
     ck.prepare_memory(trainer)  # as a world does while it waits to start (train/job.py): not timed
-    heap.settle(collect=True)
+    heap.settle()
     seconds, written = timed(lambda: ck.write_memory(trainer))
     if written.server is not None:
         written.server.stop()
@@ -126,7 +126,7 @@ def new_world(rank, world, model, ckpt, shm, hosts, tokens):
     _place(rank, hosts, shm)
     trainer = make_trainer(model, tokens)
     trainer.warm_up()  # as the next world has before the state arrives (train/job.py): not timed
-    heap.settle(collect=True)
+    heap.settle()
     ck = Checkpointer(CheckpointConfig(dir=ckpt), log=lambda *a, **k: None)
 
     def load():

@@ -244,7 +244,7 @@ def ours_memory_write_job(rank, world, model, folder, shm, tokens):
     prints = fingerprints(trainer)
     ck = Checkpointer(CheckpointConfig(dir=str(folder)), log=lambda *a, **k: None)
     ck.prepare_memory(trainer)  # what a world does while it waits to start (train/job.py): not timed
-    heap.settle(collect=True)
+    heap.settle()
     seconds, written = timed(lambda: ck.write_memory(trainer))
     persist_s, durable = timed(lambda: ck.persist(written))
     if written.server is not None:
@@ -260,7 +260,7 @@ def ours_memory_load_job(rank, world, model, folder, shm, tokens):
     os.environ[memory.SHM_ENV] = shm
     trainer = our_trainer(model, Layout(world, 1, 1, 4 // world, 1), 128, tokens)  # the saver's global batch
     trainer.warm_up()  # what the next world has done before the state arrives (train/job.py)
-    heap.settle(collect=True)
+    heap.settle()
     ck = Checkpointer(CheckpointConfig(dir=str(folder)), log=lambda *a, **k: None)
 
     def load():

@@ -110,7 +110,8 @@ class Job:
                 return
         found = self.checkpointer.candidates(resume) if self.checkpointer and resume != "never" else []
         in_memory = self.checkpointer.in_memory(live) if self.checkpointer and resume == "auto" else []
-        if self.trainer is None or not (found or in_memory):  # a warmed-up trainer trained a step: build anew
+        rebuilt = self.trainer is not None and not (found or in_memory)  # a warmed-up trainer trained a step
+        if self.trainer is None or rebuilt:
             self.trainer = None
             heap.release()  # the dropped trainer's objects (a warm world settled them) can be freed
             self.trainer = build(initialize=not (found or in_memory))
@@ -124,13 +125,20 @@ class Job:
                                "durable checkpoint; a restart will find the one its writer is saving")
         if self.checkpointer is not None:
             self.checkpointer.prepare_fresh_run(resume if self.trainer.step == 0 else "auto")
-        heap.settle(collect=True)  # collected first: a dropped trainer, a failed load's traceback (train/heap.py)
+        self._settle(rebuilt, bool(in_memory))
         load = dataclasses.asdict(self.loaded) if self.loaded else None
         if load:
             load.pop("meta")
         self.events.emit("state_loaded", step=self.trainer.step, layout=layout.to_dict(), load=load)
         if live is not None and dist.get_rank() == 0:
             handover.loaded(self.trainer.step)  # the stopping world may release its copy
+
+    def _settle(self, rebuilt: bool, tried_memory: bool) -> None:
+        """The world's objects out of the garbage collector's walks (train/heap.py), after a full collection only
+        where big garbage may be left in reference cycles: a dropped trainer, a failed read from memory (its
+        traceback). A full collection costs a rank 0.1-0.25 s on the 2-core machine, on the way to its first step."""
+        from_memory = self.loaded is not None and str(self.loaded.path).startswith("memory:")
+        heap.settle(collect=rebuilt or (tried_memory and not from_memory))
 
     def _wait_for_state(self, stop: StopRequest | None) -> dict | None:
         """A warm world, built (unless it builds late): warm up, say it is ready, plan its own hand-over's write
@@ -146,7 +154,7 @@ class Job:
             self.handover.ready()
         if self.trainer is not None and self.checkpointer is not None:
             self.checkpointer.prepare_memory(self.trainer)  # this world's own hand-over (checkpoint/planned.py)
-        heap.settle(collect=True)
+        heap.settle()  # no collection: little is left in reference cycles, and the old world needs the cores
         state = self.handover.wait_state(lambda: stop is not None and stop.local())
         if state is None:
             self.cancelled, self.stop_reason = True, (stop.reason if stop else None) or "cancelled"

@@ -17,10 +17,11 @@ never read each other's memory. The lowest rank of each host serves its host's f
 The next world reads the state resharded into its own layout: DCP's load plan names the byte range of every
 stored piece a rank needs; pieces on the rank's own host are read in place, the others are fetched from
 their host's server into a private folder on the rank's host (`load`). Each rank reads with its own plan,
-without DCP's collectives (its global load plan changes nothing); a failure on any rank fails every rank. A state in memory is a checkpoint like
-the durable ones: any start (a restart after a failure, a resumed job) takes it when it is complete and at
-least as new as the newest durable checkpoint, and every durable commit removes the states it covers. The
-durable checkpoint made from a state in memory is in DCP's own format (`raw.to_durable`).
+without DCP's collectives (its global load plan changes nothing); a failure on any rank fails every rank. A
+state in memory is a checkpoint like the durable ones: any start (a restart after a failure, a resumed job)
+takes it when it is complete and at least as new as the newest durable checkpoint, and every durable commit
+removes the states it covers. The durable checkpoint made from a state in memory is in DCP's own format
+(`raw.to_durable`).
 """
 
 from __future__ import annotations

@@ -34,7 +34,6 @@ from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _Storag
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
-from torch.futures import Future
 
 from elastic_trainer.checkpoint import raw
 from elastic_trainer.config import CheckpointError
@@ -133,16 +132,14 @@ class _Dry(raw.Writer):
     def storage_meta(self):
         return None  # set when written (`metadata`)
 
-    def write_data(self, plan, planner) -> Future:
+    def write_data(self, plan, planner):
         self.plan, self.keys = plan, frozenset(planner.state_dict)
         files = raw.files_of(plan, self.thread_count)
         places = raw.tensor_places(files)
         results = [WriteResult(index=item.index, size_in_bytes=0,
                                storage_data=places.get(item.index, _StorageInfo(name, -1, -1)))
                    for name, items in files for item in items]
-        future: Future = Future()
-        future.set_result(results)
-        return future
+        return raw.done_future(results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.version = CURRENT_DCP_VERSION  # what DCP's FileSystemWriter.finish records

@@ -108,6 +108,13 @@ def tensor_places(files: list[tuple[str, list]]) -> dict[MetadataIndex, _Storage
     return out
 
 
+def done_future(value) -> Future:
+    """A Future already holding `value`: what DCP's storage interface returns for work done on the spot."""
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
 def _aligned(offset: int) -> int:
     return -(-offset // ALIGN) * ALIGN
 
@@ -132,9 +139,7 @@ class Writer(FileSystemWriter):
             for index, piece in pieces:
                 self.pieces[index] = piece
                 results.append(WriteResult(index=index, size_in_bytes=piece.info.length, storage_data=piece.info))
-        future: Future = Future()
-        future.set_result(results)
-        return future
+        return done_future(results)
 
     def _write_file(self, name: str, items: list, serialized: "_Serialized") -> list[tuple[MetadataIndex, Piece]]:
         out, offset = [], 0
@@ -214,9 +219,7 @@ class Reader(storage.SafeReader):
                     self._read_one(req, planner, mapped)
             finally:
                 _close(mapped)
-        future: Future = Future()
-        future.set_result(None)
-        return future
+        return done_future(None)
 
     def _read_one(self, req, planner, mapped) -> None:
         info = self.storage_data[req.storage_index]

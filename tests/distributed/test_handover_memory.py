@@ -350,7 +350,8 @@ def test_a_read_from_memory_failing_on_one_rank_falls_back_to_the_durable_checkp
     hosts = [HOST_A, HOST_B]
     run_ranks(write_state, 2, Layout(2, 1, 1, 4, 1), ckpt, hosts, tokens, 3, durable_step=2)
     second = run_ranks(read_failing, 2, Layout(1, 1, 2, 4, 2), ckpt, hosts, tokens, 5, counts, timeout=120)
-    assert all(loaded and not loaded.startswith("memory:") and "step-00000002" in loaded for loaded, _ in second), second
+    assert all(loaded and not loaded.startswith("memory:") and "step-00000002" in loaded
+               for loaded, _ in second), second
     assert close(second[0][1], reference(tokens, 5)[2:])
 
 

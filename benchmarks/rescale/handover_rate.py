@@ -111,6 +111,7 @@ def old_world(rank, world, model, ckpt, shm, hosts, tokens):
     prints = fingerprints(trainer)
     ck = Checkpointer(CheckpointConfig(dir=ckpt), log=lambda *a, **k: None)
     ck.prepare_memory(trainer)  # as a world does while it waits to start (train/job.py): not timed
+    ck.allocate_memory(wait=True)  # once the next world is started (train/job.py): not timed
     heap.settle()
     seconds, written = timed(lambda: ck.write_memory(trainer))
     if written.server is not None:

@@ -16,7 +16,8 @@ Ranks are gloo processes forked from this one; each system runs its own document
   on 2 ranks (checksum verification and DCP's resharding load). Ours through memory (the planned
   reconfiguration's path): `Checkpointer.write_memory` on the 4 ranks (DCP's plan, made beforehand with
   `prepare_memory` as a warm world does while it waits, each piece as its bytes, into shared memory, a fresh
-  folder under /dev/shm) -> `Checkpointer.in_memory` + `load_memory` on 2 ranks
+  folder under /dev/shm, into files allocated with `allocate_memory` as a stopping world does once the next
+  world is started; the allocation is untimed and reported) -> `Checkpointer.in_memory` + `load_memory` on 2 ranks
   (DCP's resharding plan, read from there), by ranks that took their warm-up step first, as the next world of
   a planned reconfiguration does while the old one still trains;
   the durable checkpoint of that state (`Checkpointer.persist`) is written by the stopping ranks after the
@@ -244,6 +245,7 @@ def ours_memory_write_job(rank, world, model, folder, shm, tokens):
     prints = fingerprints(trainer)
     ck = Checkpointer(CheckpointConfig(dir=str(folder)), log=lambda *a, **k: None)
     ck.prepare_memory(trainer)  # what a world does while it waits to start (train/job.py): not timed
+    ck.allocate_memory(wait=True)  # once the next world is started (train/job.py): not timed
     heap.settle()
     seconds, written = timed(lambda: ck.write_memory(trainer))
     persist_s, durable = timed(lambda: ck.persist(written))
@@ -251,6 +253,7 @@ def ours_memory_write_job(rank, world, model, folder, shm, tokens):
         written.server.stop()
     ck.close()
     return {"write_s": seconds, "persist_s": persist_s, "durable": durable.path, "bytes": written.bytes,
+            "allocate_s": (written.ahead or {}).get("allocate_s") or 0.0,
             "fingerprints": prints}
 
 
@@ -317,6 +320,7 @@ def ours_memory_reconfig(model: str, folder: Path, save_world: int, load_world: 
         shutil.rmtree(shm, ignore_errors=True)
     durable = sum(f.stat().st_size for f in Path(saved[0]["durable"]).iterdir())
     return {"write_s": saved[0]["write_s"], "load_s": loaded[0]["load_s"], "persist_s": saved[0]["persist_s"],
+            "allocate_s": max(x["allocate_s"] for x in saved),
             "bytes": saved[0]["bytes"], "durable_bytes": durable, "bytes_fetched": loaded[0]["bytes_fetched"],
             "saved": merged(saved), "loaded": merged(loaded)}
 
@@ -358,7 +362,7 @@ def reconfiguration(model: str, scratch: Path, save_world: int, load_world: int,
     same_init = max_rel_diff(o["saved"], d["saved"], [k for k in o["saved"] if k.startswith("param/")])
     phases = ("save_s", "load_s")
     ds_phases = ("save_s", "convert_s", "convert_with_startup_s", "startup_s", "load_s")
-    m_phases = ("write_s", "load_s", "persist_s")
+    m_phases = ("write_s", "load_s", "persist_s", "allocate_s")
     ours_s, memory_s, ds_s = statistics.median(o_tot), statistics.median(m_tot), statistics.median(d_tot)
     return {"model": model, "save_ranks": save_world, "load_ranks": load_world, "rounds": rounds,
             "ours_bytes": o["bytes"], "deepspeed_bytes": d["bytes"],
@@ -510,7 +514,8 @@ def report(results: dict) -> None:
         if m:
             print(f"  ours mem   write {m['write_s']:5.1f} s                          load {m['load_s']:6.1f} s"
                   f"   total {r['ours_memory_s']:6.1f} s {_runs(m)}  reloaded max rel diff "
-                  f"{m['reloaded_max_rel_diff']:.1e}   (then persist {m['persist_s']:.1f} s, off the critical path)")
+                  f"{m['reloaded_max_rel_diff']:.1e}   (off the critical path: files allocated ahead "
+                  f"{m['allocate_s']:.1f} s, persist {m['persist_s']:.1f} s)")
         print(f"  DeepSpeed  save {d['save_s']:6.1f} s  ds_to_universal {d['convert_s']:6.1f} s "
               f"(+{d['startup_s']:.1f} s start)  load {d['load_s']:6.1f} s   total {r['deepspeed_s']:6.1f} s {_runs(d)}  "
               f"reloaded max rel diff {d['reloaded_max_rel_diff']:.1e}")

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from elastic_trainer.checkpoint import memory, raw
+from elastic_trainer.checkpoint import memory, planned, raw, spare
 from elastic_trainer.checkpoint import state as ckpt_state
 from elastic_trainer.checkpoint import hashing, storage
 from elastic_trainer.checkpoint.storage import first_failure as _first_failure
@@ -80,6 +80,7 @@ class Checkpointer:
         self._metadata = None  # (folder, its DCP metadata) as the last verify read it
         self.last_saved_step: int | None = None
         self._prepared = None  # the hand-over's write, planned ahead (prepare_memory)
+        self._spares: spare.Spares | None = None  # its files, allocated ahead (allocate_memory)
         self._last_save_time = time.monotonic()
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -159,11 +160,36 @@ class Checkpointer:
             self.log(f"[checkpoint] planning the hand-over's write failed ({why}); DCP will plan it then",
                      flush=True)
 
+    def allocate_memory(self, wait: bool = False) -> bool:
+        """Start allocating the planned hand-over's files in this host's memory (a thread; checkpoint/spare.py),
+        once the next world is on its way (`wait`: until done). False: nothing planned, or already started."""
+        if self._prepared is None or self._spares is not None:
+            return False
+        try:
+            root = memory.host_root(self.cfg.dir, create=True)
+        except OSError as e:
+            self.log(f"[checkpoint] no shared memory for the hand-over's files ({e}); they are made when written")
+            return False
+        self._spares = spare.Spares(root, planned.sizes(self._prepared)).start()
+        if wait:
+            self._spares.wait()
+        return True
+
     def write_memory(self, trainer) -> memory.Written:
         """The state of `trainer` into each host's memory, for the next world (checkpoint.memory)."""
         self.wait()
         prepared, self._prepared = self._prepared, None
-        return memory.write(self.pg, trainer, self.cfg.dir, self.run_id, prepared, say=self.log)
+        spares, self._spares = self._spares, None
+        files, waited = spares.take() if spares is not None else ({}, 0.0)
+        try:
+            written = memory.write(self.pg, trainer, self.cfg.dir, self.run_id, prepared, say=self.log,
+                                   spares=files)
+        finally:
+            if spares is not None:
+                spares.remove()  # what the write did not take (a plan gone stale, a failure)
+        if files:
+            written.ahead = {"bytes": spares.bytes, "allocate_s": spares.seconds, "waited_s": waited}
+        return written
 
     def persist(self, written: memory.Written, release: bool = False) -> SaveStats:
         """The durable checkpoint of a state in memory: each rank writes the pieces it wrote there into DCP's
@@ -210,6 +236,8 @@ class Checkpointer:
 
     def close(self) -> None:
         self.wait()
+        if self._spares is not None:  # allocated for a hand-over that did not come
+            self._spares.remove()
         if self._executor is not None:
             self._executor.shutdown()
         dist.destroy_process_group(self.pg)

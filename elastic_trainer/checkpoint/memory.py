@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from elastic_trainer.checkpoint import faults, planned, raw, staging, storage
+from elastic_trainer.checkpoint import faults, planned, raw, spare, staging, storage
 from elastic_trainer.checkpoint import state as ckpt_state
 from elastic_trainer.checkpoint.transfer import Server, fetch_file, gather_pieces
 from elastic_trainer.config import CheckpointError
@@ -117,6 +117,8 @@ class Written:
     """This rank's stored pieces (`raw.Writer.pieces`): what the durable copy is made from."""
     planned: bool = False
     """Written as planned ahead (planned.py), not planned by DCP's save on the spot."""
+    ahead: dict = field(default_factory=dict)
+    """This rank's files allocated ahead (spare.py): {"bytes", "allocate_s", "waited_s"}; empty: none."""
 
     @property
     def step(self) -> int:
@@ -124,9 +126,10 @@ class Written:
 
 
 def write(pg, trainer, checkpoint_dir: str, run_id: str, prepared: planned.Prepared | None = None,
-          say=print) -> Written:
+          say=print, spares: dict[str, Path] | None = None) -> Written:
     """Write `trainer`'s state into each rank's host memory (a collective of `pg`); rank 0 records it.
-    `prepared`: the write planned ahead (`prepare`), used when it still fits the state."""
+    `prepared`: the write planned ahead (`prepare`), used when it still fits the state; `spares`: its files,
+    allocated ahead (spare.py)."""
     t0 = time.perf_counter()
     rank, world, host = dist.get_rank(), dist.get_world_size(), host_name()
     name = f"step-{trainer.step:08d}-{run_id}"
@@ -146,7 +149,7 @@ def write(pg, trainer, checkpoint_dir: str, run_id: str, prepared: planned.Prepa
     address = server.start() if server else None
     try:
         state, threads = staging.for_writing(ckpt_state.tensor_state(trainer), hosts.count(host))
-        late, pieces = planned.write_files(pg, state, threads, folder, prepared, say)
+        late, pieces = planned.write_files(pg, state, threads, folder, prepared, say, spares)
     except BaseException:
         if server:
             server.stop()
@@ -382,6 +385,7 @@ def drop(checkpoint_dir: str, up_to_step: int, keep: str | None = None) -> list[
             if m and int(m.group(1)) <= up_to_step and not (keep and folder.name.startswith((keep, LOAD_PREFIX + keep))):
                 shutil.rmtree(folder, ignore_errors=True)
                 removed.append(folder.name)
+        removed += spare.sweep(root)  # a dead process's files allocated for a hand-over
     _remove_empty(root)
     return removed
 

@@ -64,14 +64,26 @@ def prepare(pg, state: dict, threads: int) -> Prepared:
     return Prepared(dry.plan, dry.keys, threads, dry.metadata, dry.late)
 
 
-def write_files(pg, state: dict, threads: int, folder: Path, prepared: Prepared | None, say=print):
+def sizes(prepared: Prepared) -> dict[str, int]:
+    """{file name: bytes} of this rank's planned files, as far as the plan knows (their tensors)."""
+    files = raw.files_of(prepared.plan, prepared.threads)
+    out = {name: 0 for name, _ in files}
+    for info in raw.tensor_places(files).values():
+        if info.length:
+            out[info.relative_path] = max(out[info.relative_path], info.offset + info.length)
+    return out
+
+
+def write_files(pg, state: dict, threads: int, folder: Path, prepared: Prepared | None, say=print,
+                spares: dict[str, Path] | None = None):
     """Each rank's files of `state` in `folder`: as `prepared` says when it fits every rank's state (then the
     places of the non-tensor items, which complete the metadata on rank 0), else through DCP's save (then
-    None: DCP has written the metadata); and this rank's pieces."""
+    None: DCP has written the metadata); and this rank's pieces. `spares`: files allocated for the planned
+    ones ahead (spare.py)."""
     if prepared is not None:
         late, status = None, None
         try:
-            late, pieces = write(prepared, state, folder)
+            late, pieces = write(prepared, state, folder, spares)
         except raw.StalePlan as e:
             status = ("stale", f"{host_name()}: {e}")
         except Exception as e:  # noqa: BLE001  (every rank hears it, none waits in a collective)
@@ -92,7 +104,8 @@ def write_files(pg, state: dict, threads: int, folder: Path, prepared: Prepared 
     return None, writer.pieces
 
 
-def write(prepared: Prepared, state: dict, folder) -> tuple[list[tuple[str, int, int]], dict]:
+def write(prepared: Prepared, state: dict, folder, spares: dict[str, Path] | None = None
+          ) -> tuple[list[tuple[str, int, int]], dict]:
     """This rank's part of `state` into `folder` as `prepared` says: the (file, offset, length) of each of its
     non-tensor items in `prepared.late`'s order, and its pieces (`raw.Writer.pieces`). raw.StalePlan when the
     plan does not fit the state."""
@@ -101,7 +114,7 @@ def write(prepared: Prepared, state: dict, folder) -> tuple[list[tuple[str, int,
     if frozenset(planner.state_dict) != prepared.keys:
         changed = sorted(frozenset(planner.state_dict) ^ prepared.keys)
         raise raw.StalePlan(f"the state's items changed since it was planned ({len(changed)}, e.g. {changed[0]})")
-    writer = raw.Writer(folder, thread_count=prepared.threads)
+    writer = raw.Writer(folder, thread_count=prepared.threads, spares=spares)
     results = writer.write_data(prepared.plan, planner).value()
     late = [(r.storage_data.relative_path, r.storage_data.offset, r.storage_data.length) for r in results
             if writer.pieces[r.index].is_bytes]

@@ -12,7 +12,8 @@ So the hand-over keeps everything of DCP that decides *what* goes where (the sav
 the global metadata, the load plan that reshards into any layout) and changes only how a piece is stored:
 
 - `Writer` (a FileSystemWriter) writes each piece's bytes at a 64-byte aligned offset of the rank's file(s),
-  and keeps, for this rank, what each piece is (dtype and shape), so that the durable copy can be made later;
+  into files allocated ahead where it is given them (spare.py), and keeps, for this rank, what each piece is
+  (dtype and shape), so that the durable copy can be made later;
 - `Reader` maps each file and copies a piece's needed part straight into the target tensor (on the host or a
   GPU), with no intermediate tensor;
 - `to_durable` (each rank's pieces through `to_dcp`, then the metadata) turns the files into DCP's own
@@ -122,9 +123,11 @@ def _aligned(offset: int) -> int:
 class Writer(FileSystemWriter):
     """DCP's writer with each piece stored as its bytes (see the module). `pieces`: this rank's, once written."""
 
-    def __init__(self, path: str | os.PathLike, thread_count: int = 1):
+    def __init__(self, path: str | os.PathLike, thread_count: int = 1, spares: dict[str, Path] | None = None):
         super().__init__(path, sync_files=False, thread_count=thread_count)
         self.pieces: dict[MetadataIndex, Piece] = {}
+        self.spares = dict(spares or {})
+        """{file name: a file allocated for it ahead (spare.py)}: moved into the folder and written into."""
 
     def write_data(self, plan, planner) -> Future:
         files = files_of(plan, self.thread_count)
@@ -142,8 +145,14 @@ class Writer(FileSystemWriter):
         return done_future(results)
 
     def _write_file(self, name: str, items: list, serialized: "_Serialized") -> list[tuple[MetadataIndex, Piece]]:
-        out, offset = [], 0
-        fd = os.open(os.path.join(self.path, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        out, offset, end = [], 0, 0
+        path, spare = os.path.join(self.path, name), self.spares.pop(name, None)
+        try:
+            if spare is not None:
+                os.rename(spare, path)
+        except OSError:  # gone (its process's folder swept): a new file
+            spare = None
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | (0 if spare is not None else os.O_TRUNC), 0o600)
         try:
             for item in items:
                 if item.type == WriteItemType.BYTE_IO:
@@ -158,7 +167,10 @@ class Writer(FileSystemWriter):
                     raw, dtype, shape = _host_bytes(data), data.dtype, tuple(data.shape)
                 _write_all(fd, raw, offset)
                 out.append((item.index, Piece(_StorageInfo(name, offset, len(raw)), dtype, shape)))
+                end = offset + len(raw) if len(raw) else end  # an empty piece writes nothing
                 offset = _aligned(offset + len(raw))
+            if spare is not None:
+                os.ftruncate(fd, end)  # the size a new file would have
         finally:
             os.close(fd)
         return out

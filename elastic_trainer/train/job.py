@@ -180,7 +180,7 @@ class Job:
             return "stopped"
         trainer, checkpointer = self.trainer, self.checkpointer
         last = trainer.cfg.steps if until is None else min(until, trainer.cfg.steps)
-        reason, asked = None, None
+        reason, asked, allocating = None, None, False
         while trainer.step < last and reason is None:
             self.profiler.before(trainer.step + 1)
             try:
@@ -200,8 +200,10 @@ class Job:
                     print(report_line(compiled, len(trainer.engine.model.layers)), flush=True)
                 if self.handover is not None and dist.get_rank() == 0:
                     self.handover.first_step_done()
-            asked = self.handover.stop_request() if self.handover is not None and dist.get_rank() == 0 else None
-            stop_now, save_due = _agree(stop, checkpointer, trainer.step, asked is not None)
+            asked, coming = self._asked(allocating)
+            stop_now, save_due, coming = _agree(stop, checkpointer, trainer.step, asked is not None, coming)
+            if coming and not allocating:  # the next world is on its way: its hand-over's memory, meanwhile
+                allocating = checkpointer.allocate_memory() or True
             if stop_now:
                 reason = (stop.reason if stop is not None else None) or (asked or {}).get("why") or PEER_REASON
             elif save_due:
@@ -231,6 +233,14 @@ class Job:
             self.events.emit("finished", step=trainer.step)
         self.stop_reason = reason
         return "finished" if reason is None else "stopped"
+
+    def _asked(self, allocating: bool) -> tuple[dict | None, bool]:
+        """Rank 0: (the launcher's stop request, whether a next world has been started since `allocating`
+        was last false); (None, False) elsewhere."""
+        if self.handover is None or dist.get_rank() != 0:
+            return None, False
+        coming = not allocating and self.checkpointer is not None and self.handover.successor() is not None
+        return self.handover.stop_request(), coming
 
     def _successor(self, reason: str | None, asked: dict | None) -> tuple[str | None, bool]:
         """(the warm world waiting for this state, whether a host of this world leaves the job: `asked`, the
@@ -264,7 +274,8 @@ class Job:
         self.events.emit("saved", step=trainer.step, save={"step": trainer.step, "where": "memory",
                                                             "bytes": written.bytes, "stall_s": written.seconds,
                                                             "total_s": written.seconds, "path": str(written.folder),
-                                                            "planned": written.planned})
+                                                            "planned": written.planned,
+                                                            "allocated_ahead": written.ahead or None})
         if rank0:
             self.handover.hand_over(successor, written.record)
         durable = checkpointer.persist(written) if leaving else None
@@ -347,11 +358,12 @@ def evaluation_due(step: int, cfg: TrainConfig, val_batches: int) -> bool:
 
 
 def _agree(stop: StopRequest | None, checkpointer: Checkpointer | None, step: int,
-           phase_end: bool = False) -> tuple[bool, bool]:
-    """One all-reduce: does any rank want to stop; is a periodic save due (rank 0's clock decides)?"""
+           phase_end: bool = False, coming: bool = False) -> tuple[bool, bool, bool]:
+    """One all-reduce: does any rank want to stop; is a periodic save due (rank 0's clock decides); has rank 0
+    seen the next world started?"""
     local_stop = phase_end or (stop is not None and stop.local())
     local_save = checkpointer is not None and checkpointer.due(step) and (
         dist.get_rank() == 0 or not checkpointer.cfg.save_interval_s)
-    flags = torch.tensor([float(local_stop), float(local_save)])
+    flags = torch.tensor([float(local_stop), float(local_save), float(coming)])
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # a CPU tensor: gloo, also beside NCCL
-    return bool(flags[0]), bool(flags[1])
+    return bool(flags[0]), bool(flags[1]), bool(flags[2])

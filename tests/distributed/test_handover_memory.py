@@ -7,7 +7,9 @@ its own ranks' files; a rank reaches another host's files only through that host
   the chain equal one uninterrupted single-process run (1e-5 relative), rank 0 (on b) fetched a's pieces, c
   (no files) fetched every piece it read, and the durable checkpoint was not read;
 - a planned write whose plan does not fit one rank's state is planned by DCP on every rank, and read back onto
-  the trajectory; a planned write failing on one rank (a full /dev/shm) fails on every rank;
+  the trajectory; a planned write failing on one rank (a full /dev/shm) fails on every rank; the files
+  allocated ahead for it (checkpoint/spare.py) are written into, or removed when unused (also when no
+  hand-over comes);
 - a read from memory failing on one rank (the ranks read without DCP's collectives) makes every rank load the
   newest durable checkpoint instead;
 - the same for ZeRO-1 on both sides (2 ranks on a, b -> 4 on a, a, b, c), whose optimizer shards live outside
@@ -80,10 +82,11 @@ def write_state(rank, world, layout, ckpt, hosts, tokens, steps, durable_step=No
                 job.checkpointer.save(job.trainer, blocking=True)
             if job.trainer.step == plan_at:
                 job.checkpointer.prepare_memory(job.trainer)
+                job.checkpointer.allocate_memory()  # as when the next world is started (checkpoint/spare.py)
         written = job.checkpointer.write_memory(job.trainer)
         if written.server:
             written.server.stop()
-    return losses, dict(written.record, planned=written.planned)
+    return losses, dict(written.record, planned=written.planned, ahead=written.ahead)
 
 
 def read_state(rank, world, layout, ckpt, hosts, tokens, until, counts):
@@ -115,6 +118,8 @@ def test_a_state_in_memory_reshards_across_hosts_onto_the_trajectory(tmp_path, s
                       plan_at=plan_at)
     losses, record = first[0]
     assert all(r["planned"] == (plan_at is not None) for _, r in first)
+    assert all((r["ahead"].get("bytes", 0) > 0) == (plan_at is not None) for _, r in first), first
+    assert not list(shm.rglob(".spare-*"))  # every allocated file was written into
     assert {f["host"] for f in record["files"].values()} == {HOST_A, HOST_B}
     assert record["files"][".metadata"]["host"] == HOST_A
     root_b = memory.host_root(ckpt).parent / HOST_B
@@ -270,7 +275,10 @@ def planned_write_failing(rank, world, layout, ckpt, hosts, tokens, how):
             planned.prepare = prepare
         else:
             job.checkpointer.prepare_memory(job.trainer)
+        job.checkpointer.allocate_memory()  # its files, as when the next world is started (checkpoint/spare.py)
         losses.append(job.trainer.train_step()["loss"])
+        if how == "unused":  # no hand-over comes: closing the job removes its files
+            return None
         tensor_state, write_all = ckpt_state.tensor_state, raw._write_all
         if rank == 1 and how == "stale":
             ckpt_state.tensor_state = lambda trainer: dict(tensor_state(trainer), extra=torch.ones(3))
@@ -295,6 +303,7 @@ def test_a_planned_write_that_does_not_fit_one_rank_is_planned_by_dcp_on_every_r
     first = run_ranks(planned_write_failing, 2, Layout(2, 1, 1, 4, 1), str(ckpt), [HOST_A, HOST_B], tokens,
                       how, timeout=120)
     assert all(not record["planned"] for _, record in first), first
+    assert not list(shm.rglob(".spare-*"))  # allocated for a plan that did not fit: removed
     losses, record = first[0]
     second = run_ranks(read_state, 2, Layout(1, 1, 2, 4, 2), ckpt, [HOST_B, HOST_A], tokens, 4, counts)
     assert all(loaded == f"memory:{record['name']}" for loaded, _ in second), second
@@ -307,6 +316,13 @@ def test_a_planned_write_failing_on_one_rank_fails_on_every_rank(tmp_path, shm, 
     errors = run_ranks(planned_write_failing, 2, Layout(2, 1, 1, 4, 1), str(tmp_path / "ckpt"), [HOST_A, HOST_B],
                        tokens, "disk", timeout=120)
     assert all(isinstance(e, str) and "No space left on device" in e for e in errors), errors
+    assert not list(shm.rglob(".spare-*"))
+
+
+def test_files_allocated_for_a_hand_over_that_does_not_come_are_removed(tmp_path, shm, tokens):
+    run_ranks(planned_write_failing, 2, Layout(2, 1, 1, 4, 1), str(tmp_path / "ckpt"), [HOST_A, HOST_B],
+              tokens, "unused", timeout=120)
+    assert shm.exists() and not list(shm.rglob(".spare-*")) and not list(shm.rglob("*.distcp"))
 
 
 def test_the_newest_state_wins_and_commits_remove_what_they_cover(tmp_path, shm, tokens):

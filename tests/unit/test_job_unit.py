@@ -73,6 +73,7 @@ def _on_two_ranks(rank, world, tmp):
     if rank == 1:
         open(stop.stop_file, "w").close()
     out["stop"] = _agree(stop if rank == 1 else None, None, 1)
+    out["coming"] = _agree(None, None, 1, coming=rank == 0)  # rank 0 saw the next world started
     events = EventLog(os.path.join(tmp, f"ev{rank}.jsonl"))
     layout = Layout(2, 1, 1, B // 2, 1)
     result = run_job(MODEL, CFG, layout, CPU, tokens=TOKENS, stop=stop if rank == 1 else None, events=events)
@@ -85,8 +86,9 @@ def test_two_ranks_agree_on_stops_and_saves(tmp_path):
     results = run_ranks(_on_two_ranks, 2, str(tmp_path))
     for r in results:
         assert (r["rank1_clock"], r["rank0_clock"], r["step_based"], r["none"]) == (
-            (False, False), (False, True), (False, True), (False, False))
-        assert r["stop"] == (True, False) and r["job"] == ("stopped", 1)
+            (False, False, False), (False, True, False), (False, True, False), (False, False, False))
+        assert r["stop"] == (True, False, False) and r["job"] == ("stopped", 1)
+        assert r["coming"] == (False, False, True)
     reasons = [[e["reason"] for e in read_jsonl(tmp_path / f"ev{rank}.jsonl") if e["event"] == "stopping"]
                for rank in range(2)]
     assert reasons == [["requested on another rank"], [f"stop file {tmp_path / 'STOP1'}"]]

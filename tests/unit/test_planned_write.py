@@ -6,6 +6,7 @@
 - a plan refuses a state it was not made for: an item more or less, a tensor of another shape or dtype, a
   tensor that became a plain value or the reverse (`raw.StalePlan`, so that `memory.write` falls back to
   DCP's save);
+- files allocated ahead (checkpoint/spare.py) are the ones written into, and end as large as new files;
 - repeated non-tensor values are serialized once, yet 1, 1.0 and True (equal and of equal hash in Python)
   read back as what they were.
 """
@@ -18,7 +19,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from elastic_trainer.checkpoint import planned, raw
+from elastic_trainer.checkpoint import planned, raw, spare
 from tests.unit.test_raw_checkpoint import assert_equal, blank, load, state
 
 
@@ -38,16 +39,23 @@ def later() -> dict:
     return out
 
 
-def write(prepared: planned.Prepared, values: dict, folder) -> tuple[dict, object]:
+def write(prepared: planned.Prepared, values: dict, folder, spares=None) -> tuple[dict, object]:
     folder.mkdir()
-    late, pieces = planned.write(prepared, values, folder)
+    late, pieces = planned.write(prepared, values, folder, spares)
     return pieces, planned.metadata(prepared, [late], None)
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["new-files", "allocated-ahead"])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_a_planned_write_is_the_write_dcp_plans_on_the_spot(tmp_path, threads):
+def test_a_planned_write_is_the_write_dcp_plans_on_the_spot(tmp_path, threads, ahead):
     prepared = prepare(state(), threads)
-    pieces, metadata = write(prepared, later(), tmp_path / "planned")
+    larger = {name: size + 4096 for name, size in planned.sizes(prepared).items()}  # cut to size when written
+    allocated = spare.Spares(tmp_path / "shm", larger).start() if ahead else None
+    files, _ = allocated.take() if ahead else ({}, 0.0)
+    inodes = {name: path.stat().st_ino for name, path in files.items()}
+    assert len(inodes) == (threads if ahead else 0)
+    assert all(path.stat().st_blocks * 512 >= allocated.sizes[name] > 0 for name, path in files.items())
+    pieces, metadata = write(prepared, later(), tmp_path / "planned", files)
     spot = raw.Writer(tmp_path / "dcp", thread_count=threads)  # DCP's save of the same values, planned now
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -60,6 +68,12 @@ def test_a_planned_write_is_the_write_dcp_plans_on_the_spot(tmp_path, threads):
         a = (tmp_path / "planned" / piece.info.relative_path).read_bytes()[piece.info.offset:][:piece.info.length]
         b = (tmp_path / "dcp" / piece.info.relative_path).read_bytes()[piece.info.offset:][:piece.info.length]
         assert piece.is_bytes or a == b
+    for name in {p.info.relative_path for p in pieces.values()}:  # as large as DCP's, written where allocated
+        assert (tmp_path / "planned" / name).stat().st_size == (tmp_path / "dcp" / name).stat().st_size
+        assert (tmp_path / "planned" / name).stat().st_ino == inodes.get(name, (tmp_path / "planned" / name).stat().st_ino)
+    if ahead:
+        allocated.remove()
+        assert not (tmp_path / "shm").exists() or not any((tmp_path / "shm").iterdir())
     got = blank(later())
     load(got, raw.Reader(str(tmp_path / "planned"), metadata=metadata))
     assert_equal(got, later())

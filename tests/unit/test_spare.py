@@ -1,0 +1,60 @@
+"""Files allocated ahead for a hand-over (checkpoint/spare.py): their sizes and pages, a failed allocation
+that leaves the write to new files, what is removed and what is kept, and the sweep of a dead process's
+folder (what `memory.drop` does at every durable commit on a host)."""
+
+from __future__ import annotations
+
+import os
+
+from elastic_trainer.checkpoint import memory, spare
+
+
+def test_files_are_allocated_at_their_sizes_and_removed(tmp_path):
+    sizes = {"__0_0.distcp": 3 << 20, "__0_1.distcp": 4096, "__0_2.distcp": 0}
+    allocated = spare.Spares(tmp_path, sizes).start()
+    files, waited = allocated.take()
+    assert set(files) == set(sizes) and waited >= 0 and allocated.seconds is not None
+    assert allocated.bytes == sum(sizes.values())
+    for name, path in files.items():
+        assert path.parent == tmp_path / f".spare-{os.getpid()}"
+        assert path.stat().st_size == sizes[name]
+        assert path.stat().st_blocks * 512 >= sizes[name]  # the pages are there, not a sparse file
+    allocated.remove()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_allocation_leaves_nothing_and_the_write_makes_new_files(tmp_path):
+    root = tmp_path / "a-file"
+    root.write_text("not a folder")
+    allocated = spare.Spares(root, {"__0_0.distcp": 4096}).start()
+    assert allocated.take()[0] == {}
+    assert allocated.error is not None and "NotADirectoryError" in allocated.error
+    allocated.remove()
+    assert root.read_text() == "not a folder"
+
+
+def test_the_sweep_removes_only_dead_processes_folders(tmp_path):
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)  # reaped: the pid names no process now
+    dead, mine = tmp_path / f".spare-{pid}", tmp_path / f".spare-{os.getpid()}"
+    for folder in (dead, mine):
+        folder.mkdir()
+        (folder / "__3_0.distcp").write_bytes(b"x" * 10)
+    (tmp_path / "step-00000007-abc").mkdir()  # a state: not the sweep's
+    assert spare.sweep(tmp_path) == [dead.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name, "step-00000007-abc"])
+
+
+def test_a_durable_commit_on_the_host_sweeps_dead_processes_files(tmp_path, monkeypatch):
+    monkeypatch.setenv(memory.SHM_ENV, str(tmp_path / "shm"))
+    root = memory.host_root(str(tmp_path / "ckpt"), create=True)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    (root / f".spare-{pid}").mkdir(parents=True)
+    (root / f".spare-{pid}" / "__0_0.distcp").write_bytes(b"x")
+    assert memory.drop(str(tmp_path / "ckpt"), 10) == [f".spare-{pid}"]
+    assert not (tmp_path / "shm").exists() or not any((tmp_path / "shm").rglob("*.distcp"))

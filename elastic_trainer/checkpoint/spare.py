@@ -1,14 +1,15 @@
 """Shared memory for the hand-over's files, allocated while the next world starts.
 
 A file written into fresh tmpfs pages pays for each page as it is written: the kernel allocates it, and on a
-virtual machine the hypervisor backs it first (pages a guest frees are handed back to the host). 1 GiB
-pwritten into /dev/shm on the 2-core machine: 0.56-0.71 s into a new file, 0.30 s into one allocated before
-(`os.posix_fallocate`, 0.39-0.44 s of its own). The allocation does not depend on the values, only on the
-files' sizes, which the planned write (planned.py) knows ahead.
+virtual machine the hypervisor backs it first (pages a guest frees are handed back to the host). The write
+of gpt3-medium's state by 4 ranks at once (4.28 GB, 2-core machine, benchmarks/rescale/allocated_ahead.py):
+2.91 s into new pages, 2.21 s into pages only reserved ahead (`os.posix_fallocate`), 1.33 s into pages
+written once ahead (`fill`, 2.5 s of its own). What is written ahead does not depend on the values, only on
+the files' sizes, which the planned write (planned.py) knows ahead.
 
 So once the launcher has started the next world (which then imports, connects and builds for seconds), each
-rank of the stopping world allocates its hand-over's files in a thread (`Spares`), in a folder of its own
-process on its host; the write (`raw.Writer`) moves each one into the state's folder and writes into it.
+rank of the stopping world allocates and writes its hand-over's files in a thread (`Spares`), in a folder
+of its own process on its host; the write (`raw.Writer`) moves each one into the state's folder and writes into it.
 The memory is the hand-over's copy, held from the next world's start instead of from the write. A file that
 is not ready or not there is written as before; leftovers are removed by the rank (`remove`), and those of a
 process that died by the next durable commit on the host (`sweep`, from `memory.drop`).
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 
 PREFIX = ".spare-"
+CHUNK = 64 << 20
 NAME = re.compile(r"^\.spare-(\d+)$")
 
 
@@ -50,8 +52,7 @@ class Spares:
             for name, size in self.sizes.items():
                 fd = os.open(self.folder / name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
                 try:
-                    if size:
-                        os.posix_fallocate(fd, 0, size)  # the GIL is released meanwhile
+                    fill(fd, size)
                 finally:
                     os.close(fd)
             self.seconds = time.perf_counter() - t0
@@ -75,6 +76,16 @@ class Spares:
         """What the write did not use, and the folder (waits for the allocation to end first)."""
         self.wait()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def fill(fd: int, size: int) -> None:
+    """`size` bytes of zeros into `fd`: every page allocated and written once (`os.posix_fallocate` alone
+    reserves tmpfs pages without writing them, and a virtual machine's host provides a page on its first
+    write: see the module)."""
+    zeros = memoryview(bytes(min(size, CHUNK)))
+    done = 0
+    while done < size:  # the GIL is released in each pwrite
+        done += os.pwrite(fd, zeros[:min(len(zeros), size - done)], done)
 
 
 def sweep(root: Path) -> list[str]:

@@ -167,8 +167,14 @@ class Checkpointer:
             return False
         try:
             root = memory.host_root(self.cfg.dir, create=True)
+            if root is not None:  # this user's folder, as the write makes it (checkpoint/memory.py)
+                root.mkdir(parents=True, exist_ok=True)
+                os.chmod(root.parents[1], 0o700)
+            why = "the job's memory id could not be read"
         except OSError as e:
-            self.log(f"[checkpoint] no shared memory for the hand-over's files ({e}); they are made when written")
+            root, why = None, str(e)
+        if root is None:
+            self.log(f"[checkpoint] no shared memory for the hand-over's files ({why}); they are made when written")
             return False
         self._spares = spare.Spares(root, planned.sizes(self._prepared)).start()
         if wait:
@@ -235,9 +241,11 @@ class Checkpointer:
             pending.result()
 
     def close(self) -> None:
-        self.wait()
-        if self._spares is not None:  # allocated for a hand-over that did not come
-            self._spares.remove()
+        try:
+            self.wait()
+        finally:
+            if self._spares is not None:  # allocated for a hand-over that did not come
+                self._spares.remove()
         if self._executor is not None:
             self._executor.shutdown()
         dist.destroy_process_group(self.pg)

@@ -97,8 +97,8 @@ def write_files(pg, state: dict, threads: int, folder: Path, prepared: Prepared 
             return late, pieces
         say(f"[checkpoint] the planned hand-over does not fit the state "
             f"({next(why for _, why in filter(None, statuses))}); planning it now", flush=True)
-        for stale in folder.glob(f"__{dist.get_rank()}_*{raw.SUFFIX}"):
-            stale.unlink()
+        for stale in [*folder.glob(f"__{dist.get_rank()}_*{raw.SUFFIX}"), *(spares or {}).values()]:
+            stale.unlink(missing_ok=True)  # before DCP writes the state again
     writer = raw.Writer(folder, thread_count=threads)
     dcp.save(state, storage_writer=writer, process_group=pg)
     return None, writer.pieces

@@ -48,15 +48,17 @@ class Spares:
     def _allocate(self) -> None:
         t0 = time.perf_counter()
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(self.folder, ignore_errors=True)  # an earlier process's of this pid
+            self.folder.parent.mkdir(parents=True, exist_ok=True)
+            self.folder.mkdir(mode=0o700)  # new, this user's: nothing in it is followed
             for name, size in self.sizes.items():
-                fd = os.open(self.folder / name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+                fd = os.open(self.folder / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
                 try:
                     fill(fd, size)
                 finally:
                     os.close(fd)
             self.seconds = time.perf_counter() - t0
-        except OSError as e:  # a full /dev/shm: the files are written as before, into new pages
+        except Exception as e:  # noqa: BLE001  (a full /dev/shm: the files are written as before, into new pages)
             self.error = f"{type(e).__name__}: {e}"
             shutil.rmtree(self.folder, ignore_errors=True)
 
@@ -68,7 +70,7 @@ class Spares:
         t0 = time.perf_counter()
         self.wait()
         waited = time.perf_counter() - t0
-        if self.error is not None:
+        if self.error is not None or self.seconds is None:
             return {}, waited
         return {name: self.folder / name for name in self.sizes}, waited
 

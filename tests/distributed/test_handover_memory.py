@@ -275,10 +275,10 @@ def planned_write_failing(rank, world, layout, ckpt, hosts, tokens, how):
             planned.prepare = prepare
         else:
             job.checkpointer.prepare_memory(job.trainer)
-        job.checkpointer.allocate_memory()  # its files, as when the next world is started (checkpoint/spare.py)
+        allocated = job.checkpointer.allocate_memory(wait=how == "unused")  # as when the next world is started
         losses.append(job.trainer.train_step()["loss"])
         if how == "unused":  # no hand-over comes: closing the job removes its files
-            return None
+            return allocated, [p.name for p in Path(os.environ[memory.SHM_ENV]).rglob(".spare-*/*")]
         tensor_state, write_all = ckpt_state.tensor_state, raw._write_all
         if rank == 1 and how == "stale":
             ckpt_state.tensor_state = lambda trainer: dict(tensor_state(trainer), extra=torch.ones(3))
@@ -320,9 +320,10 @@ def test_a_planned_write_failing_on_one_rank_fails_on_every_rank(tmp_path, shm, 
 
 
 def test_files_allocated_for_a_hand_over_that_does_not_come_are_removed(tmp_path, shm, tokens):
-    run_ranks(planned_write_failing, 2, Layout(2, 1, 1, 4, 1), str(tmp_path / "ckpt"), [HOST_A, HOST_B],
-              tokens, "unused", timeout=120)
-    assert shm.exists() and not list(shm.rglob(".spare-*")) and not list(shm.rglob("*.distcp"))
+    made = run_ranks(planned_write_failing, 2, Layout(2, 1, 1, 4, 1), str(tmp_path / "ckpt"), [HOST_A, HOST_B],
+                     tokens, "unused", timeout=120)
+    assert all(allocated and f"__{rank}_0.distcp" in files for rank, (allocated, files) in enumerate(made)), made
+    assert not list(shm.rglob(".spare-*")) and not list(shm.rglob("*.distcp"))
 
 
 def test_the_newest_state_wins_and_commits_remove_what_they_cover(tmp_path, shm, tokens):

@@ -28,7 +28,7 @@ def test_a_failed_allocation_leaves_nothing_and_the_write_makes_new_files(tmp_pa
     root.write_text("not a folder")
     allocated = spare.Spares(root, {"__0_0.distcp": 4096}).start()
     assert allocated.take()[0] == {}
-    assert allocated.error is not None and "NotADirectoryError" in allocated.error
+    assert allocated.error is not None and "a-file" in allocated.error  # the folder could not be made
     allocated.remove()
     assert root.read_text() == "not a folder"
 
@@ -58,3 +58,19 @@ def test_a_durable_commit_on_the_host_sweeps_dead_processes_files(tmp_path, monk
     (root / f".spare-{pid}" / "__0_0.distcp").write_bytes(b"x")
     assert memory.drop(str(tmp_path / "ckpt"), 10) == [f".spare-{pid}"]
     assert not (tmp_path / "shm").exists() or not any((tmp_path / "shm").rglob("*.distcp"))
+
+
+def test_a_link_left_in_the_folder_is_not_followed(tmp_path):
+    """A folder of this pid made earlier (by another process, or someone else) is made anew: nothing in it
+    is written through."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me")
+    old = tmp_path / "root" / f".spare-{os.getpid()}"
+    old.mkdir(parents=True)
+    (old / "__0_0.distcp").symlink_to(victim)
+    allocated = spare.Spares(tmp_path / "root", {"__0_0.distcp": 8192}).start()
+    files, _ = allocated.take()
+    assert not files["__0_0.distcp"].is_symlink() and files["__0_0.distcp"].stat().st_size == 8192
+    assert victim.read_bytes() == b"keep me"
+    assert (old.stat().st_mode & 0o777) == 0o700
+    allocated.remove()

@@ -166,10 +166,7 @@ class Checkpointer:
         if self._prepared is None or self._spares is not None:
             return False
         try:
-            root = memory.host_root(self.cfg.dir, create=True)
-            if root is not None:  # this user's folder, as the write makes it (checkpoint/memory.py)
-                root.mkdir(parents=True, exist_ok=True)
-                os.chmod(root.parents[1], 0o700)
+            root = memory.host_root(self.cfg.dir, create=True)  # made this user's, as the write makes it
             why = "the job's memory id could not be read"
         except OSError as e:
             root, why = None, str(e)

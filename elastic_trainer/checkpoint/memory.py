@@ -89,12 +89,16 @@ def _identity(checkpoint_dir: str, create: bool) -> str | None:
 
 
 def host_root(checkpoint_dir: str | os.PathLike, create: bool = False) -> Path | None:
-    """This host's folder of the job's in-memory states (None when the job never wrote one)."""
+    """This host's folder of the job's in-memory states (None when the job never wrote one; `create`: made)."""
     identity = _identity(str(checkpoint_dir), create)
     if identity is None:
         return None
     key = hashlib.sha256(f"{Path(checkpoint_dir).resolve()}\0{identity}".encode()).hexdigest()[:16]
-    return shm_base() / f"elastic-trainer-{os.getuid()}" / key / host_name()
+    root = shm_base() / f"elastic-trainer-{os.getuid()}" / key / host_name()
+    if create:
+        root.mkdir(parents=True, exist_ok=True)
+        os.chmod(root.parents[1], 0o700)  # elastic-trainer-UID: this user's states only
+    return root
 
 
 def step_of(name: str) -> int:
@@ -117,8 +121,7 @@ class Written:
     """This rank's stored pieces (`raw.Writer.pieces`): what the durable copy is made from."""
     planned: bool = False
     """Written as planned ahead (planned.py), not planned by DCP's save on the spot."""
-    ahead: dict = field(default_factory=dict)
-    """This rank's files allocated ahead (spare.py): {"bytes", "allocate_s", "waited_s"}; empty: none."""
+    ahead: dict = field(default_factory=dict)  # files allocated ahead (spare.py): bytes, allocate_s, waited_s
 
     @property
     def step(self) -> int:
@@ -136,8 +139,7 @@ def write(pg, trainer, checkpoint_dir: str, run_id: str, prepared: planned.Prepa
     error = None
     try:
         folder = host_root(checkpoint_dir, create=True) / name
-        folder.mkdir(parents=True, exist_ok=True)
-        os.chmod(folder.parents[2], 0o700)  # elastic-trainer-UID: this user's states only
+        folder.mkdir(exist_ok=True)
     except OSError as e:
         error = f"{host}: {e}"
     first = [None] * world
@@ -375,8 +377,7 @@ def drop(checkpoint_dir: str, up_to_step: int, keep: str | None = None) -> list[
     """Remove this host's in-memory states of steps <= `up_to_step` (a durable checkpoint holds them) and the
     folders of their loads that never finished, except `keep` (a state the next world may still be reading);
     the names removed."""
-    root = host_root(checkpoint_dir)
-    removed = []
+    root, removed = host_root(checkpoint_dir), []
     if root is None:
         return removed
     if root.is_dir():

@@ -74,3 +74,13 @@ def test_a_link_left_in_the_folder_is_not_followed(tmp_path):
     assert victim.read_bytes() == b"keep me"
     assert (old.stat().st_mode & 0o777) == 0o700
     allocated.remove()
+
+
+def test_the_users_folder_is_made_this_users_only(tmp_path, monkeypatch):
+    """What the write and the files prepared ahead both go through (`memory.host_root(create=True)`)."""
+    monkeypatch.setenv(memory.SHM_ENV, str(tmp_path / "shm"))
+    users = tmp_path / "shm" / f"elastic-trainer-{os.getuid()}"
+    users.mkdir(parents=True, mode=0o755)
+    root = memory.host_root(str(tmp_path / "ckpt"), create=True)
+    assert root.is_dir() and root.parents[1] == users
+    assert (users.stat().st_mode & 0o777) == 0o700

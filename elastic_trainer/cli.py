@@ -159,8 +159,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.explain and not args.json:
         from elastic_trainer.plan.explain import format_terms
 
-        for c in [result.chosen] + ([compare] if compare is not None else []):
-            print(format_terms(result.request, c))
+        for c in [result.chosen] + ([compare] if compare not in (None, result.chosen) else []):
+            print(format_terms(result.request, c, resolve.measured_phases(args, result.request, c.layout)))
     return 0
 
 

@@ -198,6 +198,9 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compare", help="DP,TP,PP: also show the predicted time of these degrees")
     p.add_argument("--explain", action="store_true", help="the chosen layout's (and --compare's) predicted step "
                                                         "time term by term")
+    p.add_argument("--run-dir", help="a job's run folder: plan with the step times it measured on hosts of "
+                                     "--gpus-per-host ranks (its measured.jsonl), and --explain sets them beside "
+                                     "the prediction")
 
 
 def _add_calibrate_parser(sub: argparse._SubParsersAction) -> None:

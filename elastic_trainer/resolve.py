@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+from pathlib import Path
 
 from elastic_trainer.config import (DP_MODES, CheckpointConfig, ConfigError, ModelConfig, TrainConfig, divisors,
                                     fmt_values, load_model_config, load_run_config)
@@ -253,4 +254,29 @@ def plan_table(args: argparse.Namespace):
     model, train, table = job_configs(args)
     spec = JobSpec(model, train, None, layout_settings(args, table), resolve_hardware(args.hardware))
     req = plan_request(spec, spec.hardware, args.gpus, args.gpus_per_host)
+    if getattr(args, "run_dir", None):
+        req = dataclasses.replace(req, measured=measured_times.for_hosts(measured_in(args.run_dir), _request_key(req),
+                                                                         req.topology.sizes))
     return naming_fixed(spec.layout, plan, req)
+
+
+def _request_key(req: Request) -> dict:
+    """The measured records' key of a plan request (the same as `_measured_key` of the job it plans)."""
+    return measured_times.job_key(req.model.name, req.global_batch, req.seq_len, req.dtype, req.hardware.name,
+                                  req.compiled)
+
+
+def measured_in(run_dir: str) -> Path:
+    """A job's record of measured step times in its run folder; a folder without one is an error."""
+    path = Path(run_dir) / measured_times.FILE
+    if not path.is_file():
+        raise ConfigError(f"--run-dir {run_dir}: no {measured_times.FILE} there (a job writes it in its run folder "
+                          f"once a start trained {measured_times.MIN_STEPS} steps)")
+    return path
+
+
+def measured_phases(args: argparse.Namespace, req: Request, layout: Layout) -> tuple[dict, int]:
+    """The phases `plan --run-dir`'s job measured in `layout` on these hosts (plan/measured.py)."""
+    if not getattr(args, "run_dir", None):
+        return {}, 0
+    return measured_times.phases_for(measured_in(args.run_dir), _request_key(req), req.topology.sizes, layout)

@@ -1,9 +1,14 @@
-"""`elastic-trainer plan --explain`: the planner's predicted step time of a layout, term by term.
+"""`elastic-trainer plan --explain`: the planner's predicted step time of a layout, term by term, and beside
+it what a job measured when it ran the layout (`--run-dir`).
 
 The rows add up to the step time the planner ranks the layout by (`plan/step_time.py`): the slowest pipeline
 stage's time per micro-batch, split into its parts and counted once per micro-batch, the pipeline's fill and
 drain (the other stages' time in the first and last micro-batch), what sharing a host's cores adds (CPU
 profiles), the data-parallel communication that compute does not hide, and the optimizer step.
+
+A step is timed by its phases (train/loop.py PHASES), not by the model's terms: communication runs inside
+forward and backward. So the terms are summed into the phase they run in (`by_phase`) and each phase's sum is
+set beside rank 0's median time in it over the steps of every start that ran the layout (plan/measured.py).
 """
 
 from __future__ import annotations
@@ -34,7 +39,40 @@ def terms(req: Request, layout: Layout) -> list[tuple[str, float]]:
     return rows
 
 
-def format_terms(req: Request, c: Candidate) -> str:
+PHASE_ROWS = (("forward_backward", "forward + backward of every micro-batch, with their communication"),
+              ("clip", "tied embedding all-reduce, gradient clipping, loss all-reduce"),
+              ("optimizer", "optimizer step"),
+              ("sync", "zero1's all-gather and copy of the updated weights"),
+              ("batch", "reading the batch"))
+
+
+def by_phase(req: Request, layout: Layout) -> dict[str, float]:
+    """The predicted terms summed into the step's phases (train/loop.py PHASES); the model has no term for
+    reading the batch, and counts clipping in its optimizer term."""
+    hw = req.hardware
+    t = step_time(req.model, layout, req.seq_len, req.compute_dtype, hw, req.topology,
+                  block_speedup=hw.compiled_speedup if req.compiled else 1.0)
+    return {"forward_backward": t.pipeline + t.dp_comm - t.tied - t.after_step, "clip": t.tied,
+            "optimizer": t.optimizer, "sync": t.after_step, "batch": 0.0}
+
+
+def format_measured(req: Request, layout: Layout, phases: dict[str, float], starts: int) -> list[str]:
+    """Lines setting each measured phase (rank 0's median) beside the terms predicted for it."""
+    predicted = by_phase(req, layout)
+    lines = [f"  measured by this job ({starts} start(s), rank 0's median step) beside the prediction:",
+             f"    {'phase':66s}  {'measured':>9s}  {'predicted':>9s}  {'ratio':>6s}"]
+    for name, label in PHASE_ROWS:
+        got, want = phases.get(name, 0.0), predicted[name]
+        if got or want:
+            ratio = f"{got / want:6.2f}" if want > 0 else "     -"
+            lines.append(f"    {label:66s}  {got:8.4g}s  {want:8.4g}s  {ratio}")
+    got, want = sum(phases.values()), sum(predicted.values())
+    lines.append(f"    {'the whole step (the sum of the phases)':66s}  {got:8.4g}s  {want:8.4g}s  {got / want:6.2f}")
+    return lines
+
+
+def format_terms(req: Request, c: Candidate, measured: tuple[dict, int] = ({}, 0)) -> str:
+    """The predicted terms of `c`; with `measured` (phases_for's answer), the job's measured phases beside."""
     rows = terms(req, c.layout)
     total = sum(s for _, s in rows)
     width = max(len(name) for name, _ in rows)
@@ -42,6 +80,9 @@ def format_terms(req: Request, c: Candidate) -> str:
              f"{c.dp_mode}{', recompute' if c.recompute else ''}: {total:.4g} s per step predicted "
              f"({req.hardware.name})"]
     lines += [f"  {name:{width}s}  {s:10.4g} s  {100 * s / total:5.1f} %" for name, s in rows if s > 0]
-    lines.append("  (predictions; a job's measured step times are in its metrics.jsonl, and the planner uses them "
-                 "once it has them: plan/measured.py)")
+    if measured[1]:
+        lines += format_measured(req, c.layout, *measured)
+    else:
+        lines.append("  (predictions; `--run-dir` sets what a job measured in this layout beside them: "
+                     "plan/measured.py)")
     return "\n".join(lines)

@@ -59,6 +59,9 @@ def record(path: Path | None, key: dict, layout: Layout, hosts: tuple[int, ...],
     entry = {**key, "layout": layout.to_dict(), "hosts": list(hosts), "step_s": statistics.median(times),
              "steps": len(times), "predicted_s": predicted_s,
              "peak_memory_gib": records[-1].get("max_memory_gib")}
+    split = [r["phases_s"] for r in records[1:] if isinstance(r.get("phases_s"), dict)]
+    if split:  # rank 0's time in each phase of the step (train/loop.py PHASES), the median of each
+        entry["phases_s"] = {name: round(statistics.median(p.get(name, 0.0) for p in split), 6) for name in split[0]}
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:  # one line, one write: a crash leaves whole lines
         f.write(json.dumps(entry) + "\n")
@@ -67,21 +70,39 @@ def record(path: Path | None, key: dict, layout: Layout, hosts: tuple[int, ...],
     return entry
 
 
-def for_hosts(path: Path | None, key: dict, hosts: tuple[int, ...]) -> tuple[tuple[Layout, float], ...]:
-    """(layout, median measured step seconds) for every layout this job ran on hosts of these sizes."""
+def _entries(path: Path | None, key: dict, hosts: tuple[int, ...]) -> list[tuple[Layout, dict]]:
+    """(layout, record) of every start of this job on hosts of these sizes, in the order they ran."""
     try:
         text = path.read_text() if path is not None and path.exists() else ""
     except (OSError, UnicodeDecodeError):
-        return ()  # unreadable: plan as if nothing were measured
-    seen: dict[Layout, list[float]] = {}
+        return []  # unreadable: plan as if nothing were measured
+    out = []
     for line in text.splitlines():
         try:
             entry = json.loads(line)
             if {k: entry.get(k) for k in key} == key and tuple(entry["hosts"]) == tuple(hosts):
-                seen.setdefault(Layout(**entry["layout"]), []).append(float(entry["step_s"]))
+                out.append((Layout(**entry["layout"]), {**entry, "step_s": float(entry["step_s"])}))
         except (ValueError, KeyError, TypeError):
             continue  # a line from another version, or cut short: ignored
+    return out
+
+
+def for_hosts(path: Path | None, key: dict, hosts: tuple[int, ...]) -> tuple[tuple[Layout, float], ...]:
+    """(layout, median measured step seconds) for every layout this job ran on hosts of these sizes."""
+    seen: dict[Layout, list[float]] = {}
+    for layout, entry in _entries(path, key, hosts):
+        seen.setdefault(layout, []).append(entry["step_s"])
     return tuple((layout, statistics.median(times)) for layout, times in seen.items())
+
+
+def phases_for(path: Path | None, key: dict, hosts: tuple[int, ...], layout: Layout) -> tuple[dict, int]:
+    """({phase: median seconds over the starts}, starts) of `layout` on these hosts; ({}, 0) when no start
+    that ran it recorded its phases."""
+    split = [e["phases_s"] for ran, e in _entries(path, key, hosts)
+             if ran == layout and isinstance(e.get("phases_s"), dict)]
+    if not split:
+        return {}, 0
+    return {name: statistics.median(float(p.get(name, 0.0)) for p in split) for name in split[0]}, len(split)
 
 
 def family(layout: Layout) -> tuple:

@@ -50,15 +50,22 @@ def _row(rank: str, c: Candidate, req: Request) -> list[str]:
 
 
 def format_table(plan: Plan, top: int = 10, compare: Candidate | None = None) -> str:
+    """The best `top` candidates; with this job's measurements, a last column says where each step time came
+    from (measured, corrected by its family's measurement, or predicted)."""
     req = plan.request
+    shown = list(plan.candidates[:top]) + ([compare] if compare is not None else [])
     rows = [_row(str(i + 1), c, req) for i, c in enumerate(plan.candidates[:top])]
     if compare is not None:
         rows.append(_row("cmp", compare, req))
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(COLUMNS)]
+    columns = COLUMNS
+    if req.measured:
+        columns = (*COLUMNS, "step s from")
+        rows = [r + [c.source] for r, c in zip(rows, shown)]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(columns)]
     lines = [f"{req.model.name} on {req.world_size} x {req.hardware.name} ({req.topology.describe()}, "
              f"{req.compute_dtype}), global batch {req.global_batch} x {req.seq_len} tokens: "
              f"{len(plan.candidates)} valid layouts, {len(plan.rejected)} rejected"]
-    lines.append("  ".join(h.rjust(w) for h, w in zip(COLUMNS, widths)))
+    lines.append("  ".join(h.rjust(w) for h, w in zip(columns, widths)))
     lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
     if compare is not None:
         ratio = compare.step_time_s / plan.chosen.step_time_s

@@ -151,16 +151,26 @@ def _per_unit(collective, root: int, block: int, n: int, nbytes: int) -> float:
     return (collective(root * nbytes) if root else 0.0) + n * collective(block * nbytes)
 
 
+def zero1_comm(model: ModelConfig, layout: Layout, dtype: str, hw: Hardware, links: Links,
+               stage: int) -> tuple[float, float]:
+    """zero1's per-step seconds on one stage: (the gradient reduce-scatter at the end of backward, the
+    all-gather of the updated weights after the optimizer step with their copy into the parameters): one
+    collective each way over the whole stage, none of it overlapping compute."""
+    root, block, n = stage_elements(model, layout, stage)
+    whole, e = root + block * n, DTYPE_BYTES[dtype]
+    reduce_scatter = links.dp.all_reduce if hw.reduce_scatter_as_all_reduce else links.dp.gather
+    copy = whole * 2 * e / (hw.memory_bandwidth_gbs * 1e9)  # gathered in the compute dtype
+    return reduce_scatter(whole * MASTER_BYTES, layout.dp), links.dp.gather(whole * e, layout.dp) + copy
+
+
 def dp_comm_time(model: ModelConfig, layout: Layout, dtype: str, hw: Hardware, links: Links, stage: int,
                  t_mb: float) -> float:
     """Exposed data-parallel communication of one stage per step; t_mb is its time per micro-batch."""
     root, block, n = stage_elements(model, layout, stage)
     a, dp, e = layout.num_microbatches, layout.dp, DTYPE_BYTES[dtype]
     reduce_scatter = links.dp.all_reduce if hw.reduce_scatter_as_all_reduce else links.dp.gather
-    if layout.dp_mode == "zero1":  # one collective each way over the whole stage per step, and the copy back
-        whole = root + block * n
-        copy = whole * 2 * e / (hw.memory_bandwidth_gbs * 1e9)  # gathered in the compute dtype
-        return reduce_scatter(whole * MASTER_BYTES, dp) + links.dp.gather(whole * e, dp) + copy
+    if layout.dp_mode == "zero1":
+        return sum(zero1_comm(model, layout, dtype, hw, links, stage))
     if dp == 1:
         return 0.0
     if layout.dp_mode == "ddp":
@@ -190,6 +200,10 @@ class StepTime:
     """Each stage's time per micro-batch (what `plan/explain.py` splits the pipeline term by)."""
     shared_cores: float = 0.0
     """Of `pipeline`: what ranks sharing a host's cores add (shared_host profiles)."""
+    tied: float = 0.0
+    """Of `dp_comm`: the tied embedding's gradient all-reduce between the first and last stage."""
+    after_step: float = 0.0
+    """Of `dp_comm`: what runs after the optimizer step (zero1's all-gather and copy of the weights)."""
 
     @property
     def total(self) -> float:
@@ -206,10 +220,11 @@ def step_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw: 
     stages = [stage_time(model, layout, seq_len, dtype, hw, links, s, block_speedup) for s in range(layout.pp)]
     a = layout.num_microbatches
     pipeline = sum(t.total for t in stages) + (a - 1) * max(t.total for t in stages)
-    dp = max(dp_comm_time(model, layout, dtype, hw, links, s, t.total) for s, t in enumerate(stages))
+    dp, slowest = max((dp_comm_time(model, layout, dtype, hw, links, s, t.total), s) for s, t in enumerate(stages))
+    after = zero1_comm(model, layout, dtype, hw, links, slowest)[1] if layout.dp_mode == "zero1" else 0.0
     shard = layout.dp if layout.dp_mode in ("fsdp", "zero1") else 1
-    if layout.pp > 1:
-        dp += links.pp.all_reduce(model.vocab_size * model.d_model * MASTER_BYTES / shard, 2)
+    tied = links.pp.all_reduce(model.vocab_size * model.d_model * MASTER_BYTES / shard, 2) if layout.pp > 1 else 0.0
+    dp += tied
     local = [stage_numel(model, layout, s) / shard for s in range(layout.pp)]
     optimizer = max(local) * hw.optimizer_ns_per_param * 1e-9
     alone = pipeline
@@ -221,4 +236,5 @@ def step_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw: 
         work = a * sum(t.compute for t in stages) * copies
         pipeline = max(pipeline, work / cores + a * max(t.tp_comm + t.p2p for t in stages))
         optimizer = sum(local) * copies * hw.optimizer_ns_per_param * 1e-9 / cores
-    return StepTime(pipeline, dp, optimizer, (layout.pp - 1) / (a + layout.pp - 1), tuple(stages), pipeline - alone)
+    return StepTime(pipeline, dp, optimizer, (layout.pp - 1) / (a + layout.pp - 1), tuple(stages), pipeline - alone,
+                    tied, after)

@@ -27,6 +27,19 @@ from elastic_trainer.plan.layout import Layout
 from elastic_trainer.train.optim import build_optimizer, lr_at, set_lr
 
 
+PHASES = ("batch", "forward_backward", "clip", "optimizer", "sync")
+"""A step's phases as this rank timed them (`phases_s` of its record, what `plan --explain` sets beside its
+terms): reading the batch; forward and backward of every micro-batch, with the tensor-, pipeline- and
+data-parallel communication inside them (zero1's gradient reduce-scatter too); the tied embedding's gradient
+all-reduce, gradient clipping and the loss all-reduce; the optimizer step; zero1's all-gather of the updated
+weights and their copy into the parameters."""
+
+
+def phases(*marks: float) -> dict[str, float]:
+    """{phase: seconds} between consecutive perf_counter marks."""
+    return {name: round(b - a, 6) for name, a, b in zip(PHASES, marks, marks[1:])}
+
+
 class Diverged(ConfigError):
     """A step's loss or gradient norm is not finite: the step is not applied and the run stops without saving.
     Divergence is bad input (a learning rate too high, bad data, an unstable model), reported in one line."""
@@ -112,7 +125,9 @@ class Trainer:
         if self.model_cfg.dropout > 0:  # masks keyed by (seed, global sample position): any split draws them
             keys = sample_keys(cfg.seed, torch.arange(positions.start, positions.stop, dtype=torch.int64))
         self.optimizer.zero_grad(set_to_none=True)
+        t1 = time.perf_counter()
         local_loss = engine.forward_backward(tokens, keys)
+        t2 = time.perf_counter()
         with record_function("clip grad norm"):  # labels for a profiler trace (train/profile.py)
             engine.reduce_tied_grads()
             grad_norm = float(engine.clip_grad_norm_(cfg.grad_clip))  # global: the same on every rank
@@ -122,14 +137,18 @@ class Trainer:
             raise Diverged(self.step + 1, loss, grad_norm)  # on every rank alike, before the update
         lr = lr_at(self.step, cfg)
         set_lr(self.optimizer, lr)
+        t3 = time.perf_counter()
         with record_function("optimizer"):
             self.optimizer.step()
+        t4 = time.perf_counter()
         with record_function("sync params"):
             engine.sync_params()
         self.step += 1
-        dt = time.perf_counter() - t0
+        t5 = time.perf_counter()
+        dt = t5 - t0
         record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                  "step_time_s": dt, "tokens_per_s": cfg.global_batch * cfg.seq_len / dt,
+                  "step_time_s": dt, "phases_s": phases(t0, t1, t2, t3, t4, t5),
+                  "tokens_per_s": cfg.global_batch * cfg.seq_len / dt,
                   "samples": [self.consumed_samples - cfg.global_batch, self.consumed_samples],
                   "world_size": self.layout.world_size, "layout": self.layout.to_dict(),
                   "time": time.time()}

@@ -23,7 +23,7 @@ from elastic_trainer.model.dropout import sample_keys
 from elastic_trainer.model.hf import config_to_hf, state_dict_to_hf
 from elastic_trainer.parallel.mesh import build_mesh
 from elastic_trainer.plan.layout import Layout
-from elastic_trainer.train.loop import Diverged, Trainer
+from elastic_trainer.train.loop import PHASES, Diverged, Trainer
 
 MODEL = ModelConfig(n_layers=1, d_model=16, n_heads=2, vocab_size=64, context_length=16, name="micro")
 B, T = 4, 8
@@ -84,8 +84,11 @@ def test_a_step_records_what_plain_torch_computes(group):
         record = trainer.train_step()
         wall, w1 = time.perf_counter() - t0, time.time()
         assert trainer.last_sample_ids.tolist() == ids.tolist()
-        assert set(record) == {"step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "samples",
-                               "world_size", "layout", "time"}
+        assert set(record) == {"step", "loss", "lr", "grad_norm", "step_time_s", "phases_s", "tokens_per_s",
+                               "samples", "world_size", "layout", "time"}
+        phases = record["phases_s"]  # consecutive spans of the step: they add up to it
+        assert list(phases) == list(PHASES) and min(phases.values()) >= 0
+        assert sum(phases.values()) == pytest.approx(record["step_time_s"], abs=1e-5)
         assert record["step"] == trainer.step == step + 1
         assert record["loss"] == pytest.approx(loss.item(), rel=1e-5)
         assert record["grad_norm"] == pytest.approx(norm, rel=1e-4)

@@ -10,9 +10,11 @@ import pytest
 
 from elastic_trainer import cli
 from elastic_trainer.config import load_model_config
-from elastic_trainer.plan import Request, load_hardware, plan
-from elastic_trainer.plan.explain import terms
+from elastic_trainer.plan import Request, load_hardware, measured, plan
+from elastic_trainer.plan.explain import by_phase, terms
 from elastic_trainer.plan.layout import Layout
+from elastic_trainer.plan.memory import stage_numel
+from elastic_trainer.plan.step_time import Links, dp_comm_time
 
 
 @pytest.mark.parametrize("model, gpus, batch, seq, hardware, compiled", [
@@ -55,3 +57,60 @@ def test_plan_explain_prints_the_chosen_and_the_compared_layout(capsys):
     assert block[0].startswith("explain dp1 tp1 pp4, micro-batch 1 x 8, fsdp: ")
     assert block[1].lstrip().startswith("transformer blocks (forward + backward)")
     assert sum(float(line.split()[-4]) for line in block[1:]) == pytest.approx(total, rel=1e-3)  # 4 digits each
+
+
+def test_the_phases_sum_the_terms_they_run_in():
+    """zero1 on two stages: the tied embedding's all-reduce (fp32, 1/dp of it, 2 ranks over the pp link) is the
+    clip phase's, zero1's all-gather of the stage in the compute dtype plus its copy (2 e bytes per element at
+    memory bandwidth) the sync phase's, by hand; the phases add up to the step."""
+    model, hw = load_model_config("gpt3-small"), load_hardware("h100-80g")
+    req = Request(model, 4, 8, 128, hw, 8, dtype="bf16")
+    layout = Layout(2, 1, 2, 4, 1, "zero1")
+    phases = by_phase(req, layout)
+    link_s = lambda nbytes, n: (n - 1) / n * nbytes / (hw.intra_host_gbs * 1e9) + hw.intra_host_latency_us * 1e-6  # noqa: E731
+    tied = 2 * link_s(model.vocab_size * model.d_model * 4 / 2, 2)  # an all-reduce: twice a gather's terms
+    assert phases["clip"] == pytest.approx(tied, rel=1e-9)
+    stage = [s for s in range(2)
+             if dp_comm_time(model, layout, "bf16", hw, Links.of(layout, hw, req.topology), s, 0.0)
+             == max(dp_comm_time(model, layout, "bf16", hw, Links.of(layout, hw, req.topology), t, 0.0)
+                    for t in range(2))][0]
+    whole = stage_numel(model, layout, stage)
+    assert phases["sync"] == pytest.approx(link_s(whole * 2, 2) + whole * 2 * 2 / (hw.memory_bandwidth_gbs * 1e9),
+                                           rel=1e-9)
+    assert sum(phases.values()) == pytest.approx(plan(dataclasses.replace(
+        req, dp_modes=("zero1",), micro_batch=4, recompute=(False,))).best_for(2, 1, 2).step_time_s, rel=1e-12)
+    assert by_phase(req, Layout(2, 1, 2, 4, 1, "fsdp"))["sync"] == 0.0
+
+
+def _job_record(path, layout: Layout, step_s: float, phases: dict, hosts=(4,)):
+    key = measured.job_key("gpt-tiny", 8, 64, "auto", "cpu", False)
+    records = [{"step_time_s": step_s, "phases_s": phases}] * 4
+    measured.record(path, key, layout, hosts, records, 0.1)
+
+
+def test_plan_run_dir_sets_the_measured_phases_beside_the_prediction(tmp_path, capsys):
+    layout = Layout(1, 1, 4, 8, 1, "fsdp")
+    phases = {"batch": 0.01, "forward_backward": 0.8, "clip": 0.05, "optimizer": 0.1, "sync": 0.0}
+    _job_record(tmp_path / measured.FILE, layout, 0.96, phases)
+    _job_record(tmp_path / measured.FILE, layout, 0.96, {**phases, "forward_backward": 1.2})  # more starts
+    _job_record(tmp_path / measured.FILE, layout, 0.96, {**phases, "forward_backward": 3.0})
+    _job_record(tmp_path / measured.FILE, layout, 9.0, {**phases, "forward_backward": 9.0}, hosts=(2, 2))  # others
+    argv = ["plan", "--model", "gpt-tiny", "--gpus", "4", "--global-batch", "8", "--seq-len", "64", "--hardware",
+            "cpu", "--explain", "--compare", "1,1,4", "--micro-batch", "8", "--dp-mode", "fsdp", "--top", "3", "--run-dir",
+            str(tmp_path)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    block = out[out.index("explain dp1 tp1 pp4"):].splitlines()
+    assert "measured by this job (3 start(s)" in block[-7]
+    rows = {line[:70].strip(): line[70:].split() for line in block[-5:]}
+    assert rows["forward + backward of every micro-batch, with their communication"][0] == "1.2s"  # median of 0.8, 1.2, 3
+    assert rows["optimizer step"][0] == "0.1s" and rows["reading the batch"][0] == "0.01s"
+    assert rows["the whole step (the sum of the phases)"][0] == "1.36s"
+    predicted = by_phase(plan(Request(load_model_config("gpt-tiny"), 4, 8, 64, load_hardware("cpu"), 8, micro_batch=8,
+                                      dp_modes=("fsdp",))).request, layout)
+    assert float(rows["optimizer step"][1][:-1]) == pytest.approx(predicted["optimizer"], rel=1e-3)
+    table = {line.split()[0]: line.split() for line in out.splitlines()[2:9]}
+    assert table["3"][3] == "4" and table["3"][-4:-1] == ["0.960", "533", "75.0%"] and table["3"][-1] == "measured"
+    assert table["1"][-1] == "predicted" and table["cmp"][-1] == "measured"  # the rest: predictions
+    assert cli.main(argv[:-1] + [str(tmp_path / "none")]) == 2
+    assert "no measured.jsonl there" in capsys.readouterr().err

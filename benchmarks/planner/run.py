@@ -49,10 +49,12 @@ def parse_args(argv=None):
     p.add_argument("--ranks", default="4,8", help="rank counts to plan and measure")
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--hardware", default="cpu", help="hardware profile the planner uses")
+    p.add_argument("--hardware", default="cpu", help="hardware profile the planner uses (name or TOML file)")
     p.add_argument("--steps", type=int, default=2, help="measured steps per layout")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured steps per layout")
     p.add_argument("--limit", type=int, default=0, help="measure only the first N layouts per rank count")
+    p.add_argument("--sample", type=int, default=0,
+                   help="screen the predicted top N plus N drawn at random from the rest (0: every layout)")
     p.add_argument("--finalists", type=int, default=4, help="fastest screened layouts measured again")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the finals")
     p.add_argument("--final-steps", type=int, default=3, help="measured steps per finalist and round")
@@ -94,13 +96,45 @@ def spearman(a: list[float], b: list[float]) -> float:
     return float(np.corrcoef(ranks_of(a), ranks_of(b))[0, 1])
 
 
-def screen(world: int, args, model, req, cands, tokens) -> list[dict]:
-    """Every candidate, a few steps each."""
+def screened_ranks(n: int, sample: int, seed: int = 0) -> list[int]:
+    """1-based predicted ranks to screen: all n, or the top `sample` plus `sample` drawn at random from the rest."""
+    if not sample or n <= 2 * sample:
+        return list(range(1, n + 1))
+    rest = np.random.default_rng(seed).choice(np.arange(sample + 1, n + 1), size=sample, replace=False)
+    return list(range(1, sample + 1)) + sorted(int(r) for r in rest)
+
+
+def prediction_errors(rows: list[dict]) -> dict:
+    """Median and largest |predicted - measured| / measured over the screened layouts."""
+    errors = sorted(abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in rows)
+    return {"median_abs_error": round(float(np.median(errors)), 4), "max_abs_error": round(errors[-1], 4)}
+
+
+def mode_orders(rows: list[dict]) -> list[dict]:
+    """At equal degrees and micro-batch, the dp modes ordered by prediction and by measurement (groups of 2+)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["dp"], r["tp"], r["pp"], r["micro_batch"]), []).append(r)
+    out = []
+    for (dp, tp, pp, mb), g in sorted(groups.items()):
+        if len(g) > 1:
+            predicted = [r["dp_mode"] for r in sorted(g, key=lambda r: r["predicted_s"])]
+            measured = [r["dp_mode"] for r in sorted(g, key=lambda r: r["measured_s"])]
+            out.append({"degrees": [dp, tp, pp], "micro_batch": mb, "predicted": predicted, "measured": measured,
+                        "match": predicted == measured,
+                        "measured_s": {r["dp_mode"]: r["measured_s"] for r in g},
+                        "predicted_s": {r["dp_mode"]: r["predicted_s"] for r in g}})
+    return out
+
+
+def screen(world: int, args, model, req, cands, tokens, ranks: list[int] | None = None) -> list[dict]:
+    """The candidates of the given 1-based predicted ranks (all of them by default), a few steps each."""
     cfg = TrainConfig(global_batch=args.global_batch, seq_len=args.seq_len, steps=args.warmup + args.steps,
                       seed=0, dtype="fp32", warmup_steps=1)
     measure(model, cfg, cands[0].layout, tokens, args.warmup)  # unmeasured: the first run of a process is slow
     rows = []
-    for i, c in enumerate(cands):
+    for i in [r - 1 for r in ranks] if ranks else range(len(cands)):
+        c = cands[i]
         t0 = time.perf_counter()
         measured, steps = measure(model, cfg, c.layout, tokens, args.warmup)
         rows.append({"ranks": world, "dp": c.dp, "tp": c.tp, "pp": c.pp, "micro_batch": c.micro_batch,
@@ -134,17 +168,20 @@ def bench_ranks(world: int, args, model, hw, tokens, screened: list[dict] | None
     req = Request(model, world, args.global_batch, args.seq_len, hw, world, dtype="fp32", recompute=(False,))
     result = plan(req)
     cands = result.candidates[:args.limit] if args.limit else result.candidates
-    rows = screened if screened is not None else screen(world, args, model, req, cands, tokens)
+    rows = screened if screened is not None else screen(world, args, model, req, cands, tokens,
+                                                        screened_ranks(len(cands), args.sample))
+    by_rank = {r["predicted_rank"]: r for r in rows}
     fastest = sorted(rows, key=lambda r: r["measured_s"])[:args.finalists]
     picks = sorted({1, *(r["predicted_rank"] for r in fastest)})
     final = finals(world, args, model, req, [(rank, cands[rank - 1]) for rank in picks], tokens)
     medians = {rank: float(np.median(t)) for rank, t in final.items()}
     best = min(medians, key=medians.get)
-    describe = lambda rank: {k: rows[rank - 1][k] for k in FIELDS[1:8]}  # noqa: E731
+    describe = lambda rank: {k: by_rank[rank][k] for k in FIELDS[1:8]}  # noqa: E731
     summary = {"ranks": world, "layouts": len(rows), "chosen": {**describe(1), "median_s": round(medians[1], 4)},
                "best_final": {**describe(best), "median_s": round(medians[best], 4), "predicted_rank": best},
                "chosen_over_best": round(medians[best] / medians[1], 4),
-               "screening_chosen_over_best": round(min(r["measured_s"] for r in rows) / rows[0]["measured_s"], 4),
+               "screening_chosen_over_best": round(min(r["measured_s"] for r in rows) / by_rank[1]["measured_s"], 4),
+               "valid_layouts": len(cands), **prediction_errors(rows), "mode_orders": mode_orders(rows),
                "finals": {str(rank): [round(s, 4) for s in t] for rank, t in final.items()},
                "spearman": round(spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]), 4)}
     return rows, summary
@@ -164,9 +201,12 @@ def main(argv=None) -> dict:
         r, s = bench_ranks(world, args, model, hw, tokens, screened)
         rows += r
         summaries.append(s)
+        orders = s["mode_orders"]
         print(f"[bench] {world} ranks: chosen/best finalist throughput {s['chosen_over_best']:.3f} (target >= 0.95; "
               f"screening alone {s['screening_chosen_over_best']:.3f}), Spearman {s['spearman']:.3f} over "
-              f"{s['layouts']} layouts", flush=True)
+              f"{s['layouts']} of {s['valid_layouts']} layouts, prediction error median {s['median_abs_error']:.1%} "
+              f"(largest {s['max_abs_error']:.1%}), dp modes in the measured order at "
+              f"{sum(o['match'] for o in orders)} of {len(orders)} equal degrees", flush=True)
     result = {"model": model.name, "params": model.num_params(), "global_batch": args.global_batch,
               "seq_len": args.seq_len, "hardware": hw.name, "steps": args.steps, "warmup": args.warmup,
               "finals": {"finalists": args.finalists, "rounds": args.rounds, "steps": args.final_steps},

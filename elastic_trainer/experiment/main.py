@@ -78,17 +78,40 @@ def _real(exp: Experiment, plan: ProfilePlan, opts: Options, say) -> tuple[dict,
     return rows, ideal, walls
 
 
-def measured_ideal(durations: list[float], policy, rows: list[dict]) -> int:
-    """Steps the policy's choices would run with instant reconfiguration at the step times measured for them
-    (the median per layout; the planner's prediction for a layout that never ran)."""
+def measured_step_times(rows: list[dict]) -> dict[str, float]:
+    """Per layout of a real-clock run: the median wall time between consecutive steps in it with no
+    reconfiguration between them."""
     import statistics
 
     times: dict[str, list[float]] = {}
     for a, b in zip(rows, rows[1:]):
         if b["layout"] == a["layout"] and b["downtime_s"] == 0:
             times.setdefault(b["layout"], []).append(b["time_s"] - a["time_s"])
-    measured = {layout: statistics.median(t) for layout, t in times.items()}
+    return {layout: statistics.median(t) for layout, t in times.items()}
+
+
+def measured_ideal(durations: list[float], policy, rows: list[dict]) -> int:
+    """Steps the policy's choices would run with instant reconfiguration at the step times measured for them
+    (the median per layout; the planner's prediction for a layout that never ran)."""
+    measured = measured_step_times(rows)
     return simulate(durations, policy.choices, 1.0, step_time=lambda c: measured.get(choice_text(c), c.step_time_s)).count
+
+
+def step_time_sources(policy, rows: list[dict], clock: str) -> dict[str, dict]:
+    """Per layout the policy chose: the planner's step time for it (`plan_s`, with where the planner had it
+    from), the one measured in this run (real clock; None where the layout ran fewer than two steps in a row)
+    and which of them the ideal and the simulated clock used (`used`)."""
+    measured = measured_step_times(rows) if clock == "real" else {}
+    out = {}
+    for c in policy.choices:
+        if c.candidate is None:
+            continue
+        text = choice_text(c)
+        got = measured.get(text)
+        out[text] = {"plan_s": round(c.step_time_s, 6), "plan_source": c.candidate.source,
+                     "measured_s": None if got is None else round(got, 6),
+                     "used": "measured" if got is not None else "predicted"}
+    return out
 
 
 def run_profile(exp: Experiment, profile: str, opts: Options, say=print) -> dict:
@@ -106,6 +129,10 @@ def run_profile(exp: Experiment, profile: str, opts: Options, say=print) -> dict
     policies = results.summarize(rows, ideal, opts.clock)
     for name, entry in policies.items():
         entry["wall_s"] = round(walls[name], 1)
+        entry["step_times"] = step_time_sources(plan.policies[name], rows[name], opts.clock)
+        used = [v["used"] for v in entry["step_times"].values()]
+        say(f"[experiment] {profile} {name}: step times of {used.count('measured')} layout(s) measured in this run, "
+            f"{used.count('predicted')} predicted by the planner")
         if "static" in rows and name != "static":
             entry["loss_vs_static"] = results.loss_match(rows[name], rows["static"])
     results.plot(opts.out / f"{profile}.png", f"{exp.target.model.name} on {profile} ({opts.clock} clock)", rows,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -79,6 +80,9 @@ def test_summary_arithmetic_matches_the_csvs(experiment):
         assert entry["time_to_common_step_s"] == pytest.approx(r[common - 1]["time_s"], abs=1e-3)
         assert entry["steps"] <= entry["ideal_steps"]
         assert all(row["ranks"] <= row["gpus"] for row in r)
+        ran = {row["layout"] for row in r}  # the simulated clock steps at the planner's times for the target
+        assert ran <= set(entry["step_times"]) and all(
+            v["used"] == "predicted" and v["measured_s"] is None for v in entry["step_times"].values())
 
 
 def test_each_policy_runs_what_it_should(experiment):
@@ -158,6 +162,16 @@ def test_real_clock_runs_wall_time_phases_and_waits(tmp_path, data_cache, sotu_t
         assert 0 < r[-1]["time_s"] < 34 + 60  # wall seconds from the first launch
     assert {row["ranks"] for row in rows["ours"]} == {4, 2}
     assert {row["ranks"] for row in rows["dp-only"]} == {4}
+    r = rows["dp-only"]  # one layout throughout: its step time is the median gap between steps with no restart
+    gaps = sorted(b["time_s"] - a["time_s"] for a, b in zip(r, r[1:]) if not b["downtime_s"])
+    (layout, times), = summary["policies"]["dp-only"]["step_times"].items()
+    assert layout == r[0]["layout"] and times["plan_s"] > 0
+    if gaps:  # under heavy load a phase may train a single step: then nothing was measured in a row
+        assert times["used"] == "measured"
+        assert times["measured_s"] == pytest.approx(statistics.median(gaps), abs=2e-3)
+        assert "dp-only: step times of 1 layout(s) measured in this run, 0 predicted" in proc.stdout
+    else:
+        assert times["used"] == "predicted" and times["measured_s"] is None
     # the restart after the 10 s wait: its downtime leaves the wait out (compared with the wall time between the
     # steps around it, not with a fixed bound: a restart on a loaded machine alone can take 10 s)
     gap = [i for i, row in enumerate(rows["dp-only"]) if row["downtime_s"]]

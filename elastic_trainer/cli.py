@@ -12,6 +12,7 @@ measures this machine for it:
 
     elastic-trainer plan --model gpt3-xl --gpus 16 --gpus-per-host 8 --hardware h100-80g --global-batch 128
     elastic-trainer calibrate --output configs/hardware/cpu.toml
+    elastic-trainer calibrate --base cpu --model gpt3-small --only-optimizer --output cpu-gpt3-small.toml
 
 Bad input (flags, config files, environment, data, output paths, the checkpoint to resume; see preflight.py)
 fails with one line naming the flag or file and what would be valid, exit code 2, before any process group
@@ -21,12 +22,13 @@ forms or any file is written. Divergence (a non-finite loss or gradient norm) is
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
 from elastic_trainer import cli_parser, resolve
 from elastic_trainer.cli_parser import Parser
-from elastic_trainer.config import CheckpointError, ConfigError
+from elastic_trainer.config import CheckpointError, ConfigError, load_model_config
 from elastic_trainer.elastic.exit_codes import EXIT_BAD_INPUT
 from elastic_trainer.elastic.torchrun_env import TorchrunEnv
 from elastic_trainer.plan import Hardware, PlanError, load_hardware
@@ -164,6 +166,18 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def calibrate_modes(hw, model, seq_len: int):
+    """`hw` with each dp mode's optimizer and hooks figures measured at `model`'s shapes."""
+    from elastic_trainer.parallel.calibrate_modes import fitted, measure_modes
+
+    hw = fitted(hw, model, seq_len, measure_modes(model, seq_len))
+    for mode in ("fsdp", "ddp", "zero1"):
+        print(f"[calibrate] {model.name} (seq {seq_len}), {mode}: clipping + AdamW "
+              f"{hw.optimizer_ns(mode):.2f} ns per local parameter; {hw.hooks_ns(mode):.2f} ns per stage parameter "
+              f"and collective beyond the cheapest mode")
+    return hw
+
+
 def run_calibrate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -191,7 +205,17 @@ def run_calibrate(args: argparse.Namespace) -> int:
         problem = compiler_problem(device.type)
         if problem:
             raise ConfigError(problem)
-    hw = calibrate(base, name, ranks, device, compiled=args.compile)
+    if args.only_optimizer and not (args.model and args.base):
+        raise ConfigError("--only-optimizer needs --model (what to measure) and --base (the other fields)")
+    if args.model and device.type != "cpu":
+        raise ConfigError("--model measures the optimizer on CPU ranks; on GPUs it is not implemented")
+    model = load_model_config(args.model) if args.model else None  # a bad name fails before the measuring
+    if model is not None and args.seq_len > model.context_length:
+        raise ConfigError(f"--seq-len {args.seq_len} exceeds {model.name}'s context_length={model.context_length}")
+    hw = dataclasses.replace(base, name=name) if args.only_optimizer else calibrate(base, name, ranks, device,
+                                                                                    compiled=args.compile)
+    if model is not None:
+        hw = calibrate_modes(hw, model, args.seq_len)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text("# Measured by `elastic-trainer calibrate` (elastic_trainer/parallel/calibrate.py).\n"
                                  + hw.to_toml())

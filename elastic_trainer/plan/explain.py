@@ -35,7 +35,8 @@ def terms(req: Request, layout: Layout) -> list[tuple[str, float]]:
             ("ranks sharing the host's cores", t.shared_cores),
             (f"data-parallel communication not hidden ({layout.dp_mode})" + (", tied embedding" if layout.pp > 1
                                                                              else ""), t.dp_comm),
-            ("optimizer step (clipping + AdamW)", t.optimizer)]
+            ("optimizer step (clipping + AdamW)", t.optimizer),
+            (f"{layout.dp_mode}'s measured excess (calibrate --model)", t.hooks)]
     return rows
 
 
@@ -52,7 +53,7 @@ def by_phase(req: Request, layout: Layout) -> dict[str, float]:
     hw = req.hardware
     t = step_time(req.model, layout, req.seq_len, req.compute_dtype, hw, req.topology,
                   block_speedup=hw.compiled_speedup if req.compiled else 1.0)
-    return {"forward_backward": t.pipeline + t.dp_comm - t.tied - t.after_step, "clip": t.tied,
+    return {"forward_backward": t.pipeline + t.dp_comm - t.tied - t.after_step + t.hooks, "clip": t.tied,
             "optimizer": t.optimizer, "sync": t.after_step, "batch": 0.0}
 
 

@@ -52,6 +52,22 @@ class Hardware:
     """Time of softmax cross-entropy forward + backward per logit (ns), beyond the head's GEMM."""
     optimizer_ns_per_param: float = 0.05
     """Gradient clipping + AdamW step per local parameter (ns)."""
+    fsdp_optimizer_ns_per_param: float = 0.0
+    """The same under fsdp, measured by `calibrate --model` at a job's shapes (0: `optimizer_ns_per_param`)."""
+    ddp_optimizer_ns_per_param: float = 0.0
+    """The same under ddp (0: `optimizer_ns_per_param`)."""
+    zero1_optimizer_ns_per_param: float = 0.0
+    """The same under zero1 (0: `optimizer_ns_per_param`)."""
+    fsdp_hooks_ns_per_param: float = 0.0
+    """What fsdp's step takes beyond the compute and collectives the model charges, per parameter of the stage
+    and per gather (FSDP2's copies into and out of its per-unit buffers): the measured excess over the
+    cheapest mode at a job's shapes (`calibrate --model`; 0: none charged)."""
+    ddp_hooks_ns_per_param: float = 0.0
+    """The same for ddp, per parameter of the stage and step."""
+    zero1_hooks_ns_per_param: float = 0.0
+    """The same for zero1, per parameter of the stage and step."""
+    optimizer_shapes: str = ""
+    """The model whose shapes the per-mode figures were measured at (empty: none measured)."""
     intra_host_gbs: float = 300.0
     """Bus bandwidth of collectives within a host (GB/s)."""
     inter_host_gbs: float = 40.0
@@ -114,6 +130,14 @@ class Hardware:
             raise ConfigError(f"hardware {self.name}: restart_s={self.restart_s} must not be negative")
         if self.shared_host and self.compute_units < 1:
             raise ConfigError(f"hardware {self.name}: shared_host needs compute_units >= 1, got {self.compute_units}")
+
+    def optimizer_ns(self, dp_mode: str) -> float:
+        """Clipping + AdamW per local parameter under `dp_mode` (ns): measured for the mode, else the common figure."""
+        return getattr(self, f"{dp_mode}_optimizer_ns_per_param", 0.0) or self.optimizer_ns_per_param
+
+    def hooks_ns(self, dp_mode: str) -> float:
+        """The mode's measured excess per stage parameter (ns), 0 where none was measured."""
+        return getattr(self, f"{dp_mode}_hooks_ns_per_param", 0.0)
 
     @property
     def usable_bytes(self) -> float:

@@ -24,7 +24,7 @@ def candidate_dict(c: Candidate, req: Request) -> dict:
                    breakdown={"state_gb": round(c.memory.state.total / GIB, 3),
                               "activations_gb": round(c.memory.activations / GIB, 3),
                               "pipeline_s": round(c.time.pipeline, 6), "dp_comm_s": round(c.time.dp_comm, 6),
-                              "optimizer_s": round(c.time.optimizer, 6)})
+                              "optimizer_s": round(c.time.optimizer, 6), "hooks_s": round(c.time.hooks, 6)})
     if c.reason is not None:
         out["reason"] = c.reason
     return out

@@ -21,8 +21,13 @@
   compute. Bandwidth is intra-host when each dp group fits within a host. Communication hides behind `overlap` of the compute it
   can run under; the rest adds to the step. The tied embedding's gradient is all-reduced between the first
   and last stage (1/dp of it under fsdp and zero1).
-- **Optimizer**: `optimizer_ns_per_param` per local parameter (clipping + AdamW): 1/dp of the stage under
-  fsdp and zero1.
+- **Optimizer**: `optimizer_ns_per_param` per local parameter (clipping + AdamW), or the mode's own figure
+  where `calibrate --model` measured one at a job's shapes (`Hardware.optimizer_ns`): 1/dp of the stage
+  under fsdp and zero1.
+- **Hooks**: where `calibrate --model` measured a mode's excess over the cheapest one at a job's shapes
+  (`Hardware.hooks_ns`: FSDP2's copies into and out of its per-unit buffers, the allocations they make), it
+  is charged per parameter of the stage and per data-parallel collective (`collectives`), and on shared
+  hosts slowed as the host's ranks share its cores.
 - **Shared hosts** (CPU processes): ranks share `compute_units` cores, so a step also takes at least the
   host's whole compute divided by its cores, and communication (which needs the CPU too) runs
   ranks / compute_units times slower than measured on idle ranks.
@@ -204,10 +209,12 @@ class StepTime:
     """Of `dp_comm`: the tied embedding's gradient all-reduce between the first and last stage."""
     after_step: float = 0.0
     """Of `dp_comm`: what runs after the optimizer step (zero1's all-gather and copy of the weights)."""
+    hooks: float = 0.0
+    """The data-parallel mode's measured excess (Hardware.hooks_ns), in forward and backward."""
 
     @property
     def total(self) -> float:
-        return self.pipeline + self.dp_comm + self.optimizer
+        return self.pipeline + self.dp_comm + self.optimizer + self.hooks
 
 
 def step_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw: Hardware,
@@ -226,7 +233,7 @@ def step_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw: 
     tied = links.pp.all_reduce(model.vocab_size * model.d_model * MASTER_BYTES / shard, 2) if layout.pp > 1 else 0.0
     dp += tied
     local = [stage_numel(model, layout, s) / shard for s in range(layout.pp)]
-    optimizer = max(local) * hw.optimizer_ns_per_param * 1e-9
+    optimizer = max(local) * hw.optimizer_ns(layout.dp_mode) * 1e-9
     alone = pipeline
     if hw.shared_host:
         # ranks of a host share its cores: the host's whole work, spread over its cores, bounds the step
@@ -235,6 +242,26 @@ def step_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw: 
         copies = layout.dp * layout.tp * ranks / layout.world_size  # ranks per stage on this host
         work = a * sum(t.compute for t in stages) * copies
         pipeline = max(pipeline, work / cores + a * max(t.tp_comm + t.p2p for t in stages))
-        optimizer = sum(local) * copies * hw.optimizer_ns_per_param * 1e-9 / cores
+        optimizer = sum(local) * copies * hw.optimizer_ns(layout.dp_mode) * 1e-9 / cores
     return StepTime(pipeline, dp, optimizer, (layout.pp - 1) / (a + layout.pp - 1), tuple(stages), pipeline - alone,
-                    tied, after)
+                    tied, after, hooks_time(model, layout, hw, hosts))
+
+
+def collectives(layout: Layout) -> int:
+    """Data-parallel collectives per unit and step: fsdp gathers every micro-batch in forward and again in
+    backward without a pipeline (once per step with one, which keeps the gathered parameters for backward)
+    and reduce-scatters once (gradient sync only in the last micro-batch); ddp all-reduces once; zero1
+    reduce-scatters and all-gathers once."""
+    if layout.dp_mode == "fsdp":
+        return 2 * layout.num_microbatches + 1 if layout.pp == 1 else 2
+    return 1 if layout.dp_mode == "ddp" else 2
+
+
+def hooks_time(model: ModelConfig, layout: Layout, hw: Hardware, hosts: Topology) -> float:
+    """The mode's measured excess per step: per parameter of the largest stage and per collective."""
+    ns = hw.hooks_ns(layout.dp_mode)
+    if not ns or layout.dp == 1:
+        return 0.0
+    slow = max(1.0, hosts.largest / hw.compute_units) if hw.shared_host else 1.0
+    whole = max(stage_numel(model, layout, s) for s in range(layout.pp))  # tp-local, before dp sharding
+    return ns * 1e-9 * whole * collectives(layout) * slow

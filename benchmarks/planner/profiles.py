@@ -1,0 +1,59 @@
+"""The same measured layouts, predicted by other hardware profiles: Spearman, prediction error, the dp modes'
+order at equal degrees and the layout each profile would choose among those measured, from a results .json
+of run.py (its screening measurements; nothing is run again).
+
+    python benchmarks/planner/profiles.py benchmarks/planner/results-gpt3-small-4.json cpu \\
+        benchmarks/planner/cpu-gpt3-small.toml
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import run as bench  # noqa: E402  (this folder's run.py)
+
+from elastic_trainer.config import load_model_config  # noqa: E402
+from elastic_trainer.plan import Request, load_hardware  # noqa: E402
+from elastic_trainer.plan.candidates import evaluate  # noqa: E402
+from elastic_trainer.plan.layout import Layout  # noqa: E402
+
+
+def repredicted(result: dict, world: int, profile: str) -> list[dict]:
+    """The screened rows of `world` ranks with `profile`'s predictions."""
+    model, hw = load_model_config(result["model"]), load_hardware(profile)
+    req = Request(model, world, result["global_batch"], result["seq_len"], hw, world, dtype="fp32")
+    rows = []
+    for r in result["layouts"]:
+        if r["ranks"] == world:
+            layout = Layout(r["dp"], r["tp"], r["pp"], r["micro_batch"], r["num_microbatches"], dp_mode=r["dp_mode"])
+            rows.append({**r, "predicted_s": evaluate(req, layout).time.total})
+    return rows
+
+
+def main(argv: list[str]) -> None:
+    result = json.loads(Path(argv[0]).read_text())
+    for world in sorted({r["ranks"] for r in result["layouts"]}):
+        for profile in argv[1:]:
+            rows = repredicted(result, world, profile)
+            chosen = min(rows, key=lambda r: r["predicted_s"])
+            best = min(r["measured_s"] for r in rows)
+            errors = bench.prediction_errors(rows)
+            orders = bench.mode_orders(rows)
+            print(f"{world} ranks, {profile}: Spearman {bench.spearman([r['predicted_s'] for r in rows], [r['measured_s'] for r in rows]):.3f}"
+                  f" over {len(rows)} layouts, error median {errors['median_abs_error']:.1%} (largest "
+                  f"{errors['max_abs_error']:.1%}), dp modes in the measured order at {sum(o['match'] for o in orders)}"
+                  f" of {len(orders)}; would choose dp{chosen['dp']} tp{chosen['tp']} pp{chosen['pp']} micro "
+                  f"{chosen['micro_batch']} {chosen['dp_mode']} (screened {chosen['measured_s']:.2f} s; best "
+                  f"screened {best:.2f} s: {best / chosen['measured_s']:.3f})")
+            for o in orders:
+                print(f"    {o['degrees']} micro {o['micro_batch']}: predicted {' < '.join(o['predicted'])}, "
+                      f"measured {' < '.join(o['measured'])}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,98 @@
+"""`calibrate --model M`: what each data-parallel mode costs at the job's shapes, beyond the common figures.
+
+Two things `calibrate`'s small shapes do not show (benchmarks/planner/README.md, gpt3-small on 4 ranks):
+- **The optimizer step.** Clipping and AdamW make temporaries as large as each parameter (gpt3-small's
+  embedding is 154 MB), which cost far more than on `calibrate`'s eight 1 M-element tensors: 9-13 ns per
+  parameter at gpt3-small's shapes against 3.4.
+- **The modes' own work.** FSDP2 copies every unit's parameters into a buffer before its all-gather and out
+  of it after, and its gradients in and out around the reduce-scatter; ddp (FSDP2's replicate) does the
+  same around its all-reduce; zero1 adds each gradient into one flat buffer. The step-time model charges
+  their collectives, not these copies.
+
+So this trains the job's model, cut to `LAYERS` blocks (its width, heads, vocabulary and sequence length
+kept: its embedding is the job's), for `STEPS` steps in every mode on `ranks` forked ranks with dp = ranks
+and one micro-batch, and takes each phase's fastest time over the steps after the first (train/loop.py
+`phases_s`). From them:
+- `{mode}_optimizer_ns_per_param`: clip + optimizer phases per local parameter;
+- `{mode}_hooks_ns_per_param`: the rest of the step (forward + backward, zero1's all-gather) minus what the
+  step-time model predicts for it, less the same residual of the mode with the smallest one, per parameter
+  of the stage and per data-parallel collective of the probe (plan/step_time.py `collectives`: fsdp 3, ddp
+  1, zero1 2). Taking the cheapest mode's residual off leaves out what the model gets wrong alike in every
+  mode (its compute rate): what is charged is only the difference between the modes.
+The ranks run together, as a job's do; with no more ranks than cores each has a core of its own, and the
+step-time model slows both figures as a host's ranks share its cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from elastic_trainer.config import DP_MODES, ModelConfig, TrainConfig
+from elastic_trainer.parallel.local_ranks import run_ranks
+from elastic_trainer.parallel.mesh import build_mesh
+from elastic_trainer.parallel.zero import local_tensor
+from elastic_trainer.plan.hardware import Hardware
+from elastic_trainer.plan.layout import Layout
+
+LAYERS = 2
+STEPS = 6
+"""Steps per mode; the first (which allocates AdamW's state) is left out."""
+
+
+def _phases(rank: int, world: int, model: ModelConfig, mode: str, seq_len: int) -> tuple[dict, int]:
+    """(each phase's fastest seconds over the steps after the first, this rank's trained parameters)."""
+    from elastic_trainer.train.loop import Trainer
+
+    cfg = TrainConfig(global_batch=world, seq_len=seq_len, steps=STEPS, seed=0, dtype="fp32", warmup_steps=1)
+    tokens = np.random.default_rng(0).integers(0, model.vocab_size, 4 * world * (seq_len + 1)).astype(np.int64)
+    layout = probe_layout(world, mode)
+    trainer = Trainer(model, cfg, layout, build_mesh(layout, "cpu"), torch.device("cpu"), tokens=tokens)
+    steps = [trainer.train_step()["phases_s"] for _ in range(STEPS)][1:]
+    local = sum(local_tensor(t).numel() for _, t in trainer.engine.trained_params())
+    return {name: min(p[name] for p in steps) for name in steps[0]}, local
+
+
+def probe_layout(ranks: int, mode: str) -> Layout:
+    return Layout(ranks, 1, 1, 1, 1, dp_mode=mode)
+
+
+def probe_model(model: ModelConfig) -> ModelConfig:
+    return dataclasses.replace(model, n_layers=min(LAYERS, model.n_layers), name=f"{model.name}-probe")
+
+
+def measure_modes(model: ModelConfig, seq_len: int, ranks: int = 2,
+                  modes: tuple[str, ...] = DP_MODES) -> dict[str, tuple[dict, int]]:
+    """{mode: (the slowest rank's fastest phases, its local parameters)} of the probe at `model`'s shapes."""
+    out = {}
+    for mode in modes:
+        per_rank = run_ranks(_phases, ranks, probe_model(model), mode, seq_len, timeout=900)
+        phases = {name: max(p[name] for p, _ in per_rank) for name in per_rank[0][0]}
+        out[mode] = phases, max(local for _, local in per_rank)
+    return out
+
+
+def fitted(hw: Hardware, model: ModelConfig, seq_len: int, measured: dict[str, tuple[dict, int]],
+           ranks: int = 2) -> Hardware:
+    """`hw` with each measured mode's optimizer and hooks figures (see the module's docstring)."""
+    from elastic_trainer.plan.candidates import Request
+    from elastic_trainer.plan.explain import by_phase
+    from elastic_trainer.plan.memory import stage_numel
+    from elastic_trainer.plan.step_time import collectives
+
+    base = dataclasses.replace(hw, **{f"{m}_hooks_ns_per_param": 0.0 for m in DP_MODES})
+    probe = probe_model(model)
+    req = Request(probe, ranks, ranks, seq_len, base, ranks, dtype="fp32")
+    residual, fields = {}, {}
+    for mode, (phases, local) in measured.items():
+        fields[f"{mode}_optimizer_ns_per_param"] = (phases["clip"] + phases["optimizer"]) / local * 1e9
+        predicted = by_phase(req, probe_layout(ranks, mode))
+        residual[mode] = (phases["forward_backward"] + phases["sync"]
+                          - predicted["forward_backward"] - predicted["sync"])
+    whole = stage_numel(probe, probe_layout(ranks, DP_MODES[0]), 0)
+    floor = min(residual.values())
+    for mode, r in residual.items():
+        fields[f"{mode}_hooks_ns_per_param"] = (r - floor) / whole / collectives(probe_layout(ranks, mode)) * 1e9
+    return dataclasses.replace(hw, optimizer_shapes=f"{model.name}, seq_len {seq_len}", **fields)

@@ -1,0 +1,97 @@
+"""`calibrate --model` (parallel/calibrate_modes.py) and the terms its figures feed (plan/step_time.py): each
+dp mode's optimizer step and its excess over the cheapest mode, fitted by hand from phases we choose, charged
+by hand in a step; and one real measurement on gpt-tiny's probe, checked only for what noise cannot change."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from elastic_trainer import cli
+from elastic_trainer.config import load_model_config
+from elastic_trainer.parallel import calibrate_modes
+from elastic_trainer.plan import Request, load_hardware
+from elastic_trainer.plan.explain import by_phase, terms
+from elastic_trainer.plan.layout import Layout
+from elastic_trainer.plan.memory import stage_numel
+from elastic_trainer.plan.step_time import step_time
+
+
+def test_fitted_figures_by_hand():
+    """Phases made of the model's own prediction plus known extras: the optimizer figure is clip + AdamW per
+    local parameter; the hooks figure is a mode's extra less the cheapest mode's, per stage parameter and per
+    collective of the probe (fsdp: gather, gather again in backward, reduce-scatter; ddp: one all-reduce)."""
+    model, hw = load_model_config("gpt3-small"), load_hardware("cpu")
+    probe = calibrate_modes.probe_model(model)
+    assert (probe.n_layers, probe.d_model, probe.vocab_size) == (2, 768, 50257)
+    req = Request(probe, 2, 2, 128, hw, 2, dtype="fp32")
+    whole = stage_numel(probe, Layout(2, 1, 1, 1, 1), 0)
+    extra = {"fsdp": 0.9, "ddp": 0.4, "zero1": 0.1}
+    measured = {}
+    for mode, more in extra.items():
+        p = by_phase(req, calibrate_modes.probe_layout(2, mode))
+        local = whole if mode == "ddp" else whole // 2
+        measured[mode] = ({"batch": 0.001, "forward_backward": p["forward_backward"] + more, "sync": p["sync"],
+                           "clip": 0.05, "optimizer": 0.25}, local)
+    got = calibrate_modes.fitted(hw, model, 128, measured)
+    assert got.optimizer_shapes == "gpt3-small, seq_len 128"
+    assert got.ddp_optimizer_ns_per_param == pytest.approx(0.3 / whole * 1e9, rel=1e-9)
+    assert got.fsdp_optimizer_ns_per_param == pytest.approx(0.3 / (whole // 2) * 1e9, rel=1e-9)
+    assert got.fsdp_hooks_ns_per_param == pytest.approx(0.8 / whole / 3 * 1e9, rel=1e-6)
+    assert got.ddp_hooks_ns_per_param == pytest.approx(0.3 / whole / 1 * 1e9, rel=1e-6)
+    assert got.zero1_hooks_ns_per_param == 0.0
+    assert got.tflops == hw.tflops and got.optimizer_ns_per_param == hw.optimizer_ns_per_param  # the rest kept
+
+
+def test_the_modes_figures_in_a_step_by_hand():
+    """fsdp without a pipeline, 2 micro-batches on 4 ranks of one shared host: its excess is charged for
+    2 x 2 gathers and one reduce-scatter per stage parameter, slowed by 4 ranks on 1.9 units; the optimizer
+    per local parameter (1/dp of the stage); with a pipeline, 2 collectives; nothing at dp 1."""
+    model = load_model_config("gpt3-small")
+    hw = dataclasses.replace(load_hardware("cpu"), fsdp_hooks_ns_per_param=3.0, fsdp_optimizer_ns_per_param=11.0)
+    layout = Layout(4, 1, 1, 1, 2, "fsdp")
+    t = step_time(model, layout, 128, "fp32", hw, 4)
+    whole = stage_numel(model, layout, 0)
+    slow = 4 / hw.compute_units
+    assert t.hooks == pytest.approx(3e-9 * whole * 5 * slow, rel=1e-12)
+    base = step_time(model, layout, 128, "fp32", load_hardware("cpu"), 4)
+    assert t.total - t.hooks - t.optimizer == pytest.approx(base.total - base.optimizer, rel=1e-12)
+    assert t.optimizer == pytest.approx(base.optimizer * 11.0 / 3.38896, rel=1e-4)  # same work, its own rate
+    piped = Layout(2, 1, 2, 1, 4, "fsdp")
+    assert step_time(model, piped, 128, "fp32", hw, 4).hooks == pytest.approx(
+        3e-9 * max(stage_numel(model, piped, s) for s in range(2)) * 2 * slow, rel=1e-12)
+    assert step_time(model, Layout(1, 1, 4, 1, 8, "fsdp"), 128, "fp32", hw, 4).hooks == 0.0
+    assert step_time(model, Layout(4, 1, 1, 1, 2, "ddp"), 128, "fp32", hw, 4).hooks == 0.0  # not measured
+    req = Request(model, 4, 8, 128, hw, 4, dtype="fp32")
+    assert sum(s for _, s in terms(req, layout)) == pytest.approx(t.total, rel=1e-12)
+    assert sum(by_phase(req, layout).values()) == pytest.approx(t.total, rel=1e-12)
+
+
+def test_calibrate_model_measures_every_mode_on_the_probe(tmp_path, capsys):
+    """The real measurement at gpt-tiny's shapes (2 forked ranks): every mode gets positive optimizer
+    figures, the cheapest mode no excess, the rest of the profile is --base's, and the file loads."""
+    out = tmp_path / "tiny.toml"
+    assert cli.main(["calibrate", "--base", "cpu", "--model", "gpt-tiny", "--seq-len", "32", "--only-optimizer",
+                     "--output", str(out)]) == 0
+    hw, base = load_hardware(str(out)), load_hardware("cpu")
+    assert hw.name == "tiny" and hw.optimizer_shapes == "gpt-tiny, seq_len 32"
+    assert all(hw.optimizer_ns(m) > 0 and getattr(hw, f"{m}_optimizer_ns_per_param") > 0
+               for m in ("fsdp", "ddp", "zero1"))
+    hooks = [hw.hooks_ns(m) for m in ("fsdp", "ddp", "zero1")]
+    assert min(hooks) == 0.0 and all(h >= 0 for h in hooks)
+    assert dataclasses.replace(hw, **{f: getattr(base, f) for f in (
+        "name", "optimizer_shapes", *(f"{m}_{k}_ns_per_param" for m in ("fsdp", "ddp", "zero1")
+                                      for k in ("optimizer", "hooks")))}) == base
+    assert capsys.readouterr().out.count("[calibrate] gpt-tiny (seq 32), ") == 3
+
+
+def test_calibrate_model_refuses_bad_requests_before_measuring(tmp_path, capsys):
+    out = str(tmp_path / "x.toml")
+    assert cli.main(["calibrate", "--model", "gpt-tiny", "--only-optimizer", "--output", out]) == 2
+    assert "--only-optimizer needs --model" in capsys.readouterr().err
+    assert cli.main(["calibrate", "--base", "cpu", "--model", "gpt-tiny", "--seq-len", "100000", "--only-optimizer",
+                     "--output", out]) == 2
+    assert "exceeds gpt-tiny's context_length" in capsys.readouterr().err
+    assert cli.main(["calibrate", "--base", "cpu", "--model", "no-such-model", "--only-optimizer",
+                     "--output", out]) == 2

@@ -154,6 +154,10 @@ def run_plan(args: argparse.Namespace) -> int:
         compare = result.best_for(*parse_degrees(args.compare, "--compare")) if args.compare else None
     except PlanError as err:
         raise PlanError(f"--compare {args.compare}: {err}") from None
+    if getattr(args, "run_dir", None) and not result.request.measured:
+        print(f"[plan] --run-dir {args.run_dir}: no step time there was measured for this model, batch, sequence, "
+              f"dtype, profile and compile setting on hosts of {result.request.topology.describe()}; all figures "
+              "are predictions", file=sys.stderr)
     if args.json:
         print(json.dumps(plan_dict(result, compare), indent=1))
     else:

@@ -114,3 +114,6 @@ def test_plan_run_dir_sets_the_measured_phases_beside_the_prediction(tmp_path, c
     assert table["1"][-1] == "predicted" and table["cmp"][-1] == "measured"  # the rest: predictions
     assert cli.main(argv[:-1] + [str(tmp_path / "none")]) == 2
     assert "no measured.jsonl there" in capsys.readouterr().err
+    assert cli.main([a if a != "64" else "32" for a in argv]) == 0  # another sequence length: not this job's
+    out, err = capsys.readouterr()
+    assert "no step time there was measured" in err and "measured by this job" not in out

@@ -211,6 +211,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
             raise ConfigError(problem)
     if args.only_optimizer and not (args.model and args.base):
         raise ConfigError("--only-optimizer needs --model (what to measure) and --base (the other fields)")
+    if args.only_optimizer and (base.device != "cpu" or args.compile):
+        raise ConfigError(f"--only-optimizer measures CPU ranks: --base {args.base} is a {base.device} profile"
+                          if base.device != "cpu" else "--only-optimizer measures nothing compiled: drop --compile")
     if args.model and device.type != "cpu":
         raise ConfigError("--model measures the optimizer on CPU ranks; on GPUs it is not implemented")
     model = load_model_config(args.model) if args.model else None  # a bad name fails before the measuring

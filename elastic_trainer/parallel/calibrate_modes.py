@@ -6,8 +6,8 @@ Two things `calibrate`'s small shapes do not show (benchmarks/planner/README.md,
   parameter at gpt3-small's shapes against 3.4.
 - **The modes' own work.** FSDP2 copies every unit's parameters into a buffer before its all-gather and out
   of it after, and its gradients in and out around the reduce-scatter; ddp (FSDP2's replicate) does the
-  same around its all-reduce; zero1 adds each gradient into one flat buffer. The step-time model charges
-  their collectives, not these copies.
+  same around its all-reduce. The step-time model charges their collectives (and zero1's gradient adds
+  into its flat buffer), not these copies.
 
 So this trains the job's model, cut to `LAYERS` blocks (its width, heads, vocabulary and sequence length
 kept: its embedding is the job's), for `STEPS` steps in every mode on `ranks` forked ranks with dp = ranks
@@ -17,7 +17,8 @@ and one micro-batch, and takes each phase's fastest time over the steps after th
 - `{mode}_hooks_ns_per_param`: the rest of the step (forward + backward, zero1's all-gather) minus what the
   step-time model predicts for it, less the same residual of the mode with the smallest one, per parameter
   of the stage and per data-parallel collective of the probe (plan/step_time.py `collectives`: fsdp 3, ddp
-  1, zero1 2). Taking the cheapest mode's residual off leaves out what the model gets wrong alike in every
+  1, zero1 2). Both are divided by what the step-time model multiplies them by for the probe (its ranks
+  sharing the host's cores), so the model predicts the probe's phases back. Taking the cheapest mode's residual off leaves out what the model gets wrong alike in every
   mode (its compute rate): what is charged is only the difference between the modes.
 The ranks run together, as a job's do; with no more ranks than cores each has a core of its own, and the
 step-time model slows both figures as a host's ranks share its cores.
@@ -65,12 +66,12 @@ def probe_model(model: ModelConfig) -> ModelConfig:
 
 def measure_modes(model: ModelConfig, seq_len: int, ranks: int = 2,
                   modes: tuple[str, ...] = DP_MODES) -> dict[str, tuple[dict, int]]:
-    """{mode: (the slowest rank's fastest phases, its local parameters)} of the probe at `model`'s shapes."""
+    """{mode: (the slowest rank's fastest phases, its local parameters)} of the probe at `model`'s shapes (the
+    rank whose phases add up to the most)."""
     out = {}
     for mode in modes:
         per_rank = run_ranks(_phases, ranks, probe_model(model), mode, seq_len, timeout=900)
-        phases = {name: max(p[name] for p, _ in per_rank) for name in per_rank[0][0]}
-        out[mode] = phases, max(local for _, local in per_rank)
+        out[mode] = max(per_rank, key=lambda r: sum(r[0].values()))  # the slowest rank's phases, together
     return out
 
 
@@ -79,20 +80,20 @@ def fitted(hw: Hardware, model: ModelConfig, seq_len: int, measured: dict[str, t
     """`hw` with each measured mode's optimizer and hooks figures (see the module's docstring)."""
     from elastic_trainer.plan.candidates import Request
     from elastic_trainer.plan.explain import by_phase
-    from elastic_trainer.plan.memory import stage_numel
-    from elastic_trainer.plan.step_time import collectives
+    from elastic_trainer.plan.step_time import step_time
 
     base = dataclasses.replace(hw, **{f"{m}_hooks_ns_per_param": 0.0 for m in DP_MODES})
     probe = probe_model(model)
-    req = Request(probe, ranks, ranks, seq_len, base, ranks, dtype="fp32")
     residual, fields = {}, {}
-    for mode, (phases, local) in measured.items():
-        fields[f"{mode}_optimizer_ns_per_param"] = (phases["clip"] + phases["optimizer"]) / local * 1e9
-        predicted = by_phase(req, probe_layout(ranks, mode))
+    for mode, (phases, _) in measured.items():
+        layout = probe_layout(ranks, mode)
+        one = dataclasses.replace(base, **{f"{mode}_optimizer_ns_per_param": 1.0, f"{mode}_hooks_ns_per_param": 1.0})
+        per_ns = step_time(probe, layout, seq_len, "fp32", one, ranks)  # seconds each term takes per ns
+        fields[f"{mode}_optimizer_ns_per_param"] = (phases["clip"] + phases["optimizer"]) / per_ns.optimizer
+        predicted = by_phase(Request(probe, ranks, ranks, seq_len, base, ranks, dtype="fp32"), layout)
         residual[mode] = (phases["forward_backward"] + phases["sync"]
-                          - predicted["forward_backward"] - predicted["sync"])
-    whole = stage_numel(probe, probe_layout(ranks, DP_MODES[0]), 0)
-    floor = min(residual.values())
-    for mode, r in residual.items():
-        fields[f"{mode}_hooks_ns_per_param"] = (r - floor) / whole / collectives(probe_layout(ranks, mode)) * 1e9
+                          - predicted["forward_backward"] - predicted["sync"]), per_ns.hooks
+    floor = min(r for r, _ in residual.values())
+    for mode, (r, per_ns) in residual.items():
+        fields[f"{mode}_hooks_ns_per_param"] = (r - floor) / per_ns
     return dataclasses.replace(hw, optimizer_shapes=f"{model.name}, seq_len {seq_len}", **fields)

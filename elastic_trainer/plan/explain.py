@@ -40,11 +40,12 @@ def terms(req: Request, layout: Layout) -> list[tuple[str, float]]:
     return rows
 
 
-PHASE_ROWS = (("forward_backward", "forward + backward of every micro-batch, with their communication"),
-              ("clip", "tied embedding all-reduce, gradient clipping, loss all-reduce"),
-              ("optimizer", "optimizer step"),
-              ("sync", "zero1's all-gather and copy of the updated weights"),
-              ("batch", "reading the batch"))
+PHASE_ROWS = ((("forward_backward",), "forward + backward of every micro-batch, with their communication"),
+              (("clip", "optimizer"), "tied embedding all-reduce, clipping, loss all-reduce, AdamW"),
+              (("sync",), "zero1's all-gather and copy of the updated weights"),
+              (("batch",), "reading the batch"))
+"""The rows measured and predicted are compared in: the model counts clipping in its optimizer term, the step
+times it apart from AdamW, so the two phases make one row."""
 
 
 def by_phase(req: Request, layout: Layout) -> dict[str, float]:
@@ -62,8 +63,8 @@ def format_measured(req: Request, layout: Layout, phases: dict[str, float], star
     predicted = by_phase(req, layout)
     lines = [f"  measured by this job ({starts} start(s), rank 0's median step) beside the prediction:",
              f"    {'phase':66s}  {'measured':>9s}  {'predicted':>9s}  {'ratio':>6s}"]
-    for name, label in PHASE_ROWS:
-        got, want = phases.get(name, 0.0), predicted[name]
+    for names, label in PHASE_ROWS:
+        got, want = sum(phases.get(n, 0.0) for n in names), sum(predicted[n] for n in names)
         if got or want:
             ratio = f"{got / want:6.2f}" if want > 0 else "     -"
             lines.append(f"    {label:66s}  {got:8.4g}s  {want:8.4g}s  {ratio}")
@@ -83,6 +84,8 @@ def format_terms(req: Request, c: Candidate, measured: tuple[dict, int] = ({}, 0
     lines += [f"  {name:{width}s}  {s:10.4g} s  {100 * s / total:5.1f} %" for name, s in rows if s > 0]
     if measured[1]:
         lines += format_measured(req, c.layout, *measured)
+    elif req.measured:
+        lines.append("  (predictions; this job recorded no phases of this layout on these hosts)")
     else:
         lines.append("  (predictions; `--run-dir` sets what a job measured in this layout beside them: "
                      "plan/measured.py)")

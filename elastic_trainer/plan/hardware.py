@@ -8,6 +8,7 @@ Units: memory in GiB (2**30 bytes), bandwidth in GB/s (1e9 bytes/s) as a collect
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,12 +61,13 @@ class Hardware:
     """The same under zero1 (0: `optimizer_ns_per_param`)."""
     fsdp_hooks_ns_per_param: float = 0.0
     """What fsdp's step takes beyond the compute and collectives the model charges, per parameter of the stage
-    and per gather (FSDP2's copies into and out of its per-unit buffers): the measured excess over the
-    cheapest mode at a job's shapes (`calibrate --model`; 0: none charged)."""
+    and per data-parallel collective (FSDP2's copies into and out of its per-unit buffers; plan/step_time.py
+    `collectives`): the measured excess over the cheapest mode at a job's shapes (`calibrate --model`; 0: none
+    charged)."""
     ddp_hooks_ns_per_param: float = 0.0
-    """The same for ddp, per parameter of the stage and step."""
+    """The same for ddp."""
     zero1_hooks_ns_per_param: float = 0.0
-    """The same for zero1, per parameter of the stage and step."""
+    """The same for zero1."""
     optimizer_shapes: str = ""
     """The model whose shapes the per-mode figures were measured at (empty: none measured)."""
     intra_host_gbs: float = 300.0
@@ -151,9 +153,9 @@ class Hardware:
             if isinstance(value, bool):
                 text = "true" if value else "false"
             elif isinstance(value, str):
-                text = f'"{value}"'
+                text = json.dumps(value)  # a TOML basic string: quotes and backslashes escaped
             elif isinstance(value, tuple):
-                text = "[" + ", ".join(f'"{v}"' for v in value) + "]"
+                text = "[" + ", ".join(json.dumps(v) for v in value) + "]"
             elif isinstance(value, float):
                 text = repr(float(f"{value:.6g}"))  # always has a '.' or an exponent: a TOML float
             else:

@@ -98,11 +98,16 @@ def for_hosts(path: Path | None, key: dict, hosts: tuple[int, ...]) -> tuple[tup
 def phases_for(path: Path | None, key: dict, hosts: tuple[int, ...], layout: Layout) -> tuple[dict, int]:
     """({phase: median seconds over the starts}, starts) of `layout` on these hosts; ({}, 0) when no start
     that ran it recorded its phases."""
-    split = [e["phases_s"] for ran, e in _entries(path, key, hosts)
-             if ran == layout and isinstance(e.get("phases_s"), dict)]
+    split = []
+    for ran, entry in _entries(path, key, hosts):
+        try:
+            if ran == layout:
+                split.append({str(k): float(v) for k, v in entry["phases_s"].items()})
+        except (KeyError, TypeError, ValueError, AttributeError):
+            continue  # a start before phases were recorded, or a damaged line
     if not split:
         return {}, 0
-    return {name: statistics.median(float(p.get(name, 0.0)) for p in split) for name in split[0]}, len(split)
+    return {name: statistics.median(p.get(name, 0.0) for p in split) for name in split[0]}, len(split)
 
 
 def family(layout: Layout) -> tuple:

@@ -248,12 +248,12 @@ def step_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw: 
 
 
 def collectives(layout: Layout) -> int:
-    """Data-parallel collectives per unit and step: fsdp gathers every micro-batch in forward and again in
-    backward without a pipeline (once per step with one, which keeps the gathered parameters for backward)
-    and reduce-scatters once (gradient sync only in the last micro-batch); ddp all-reduces once; zero1
-    reduce-scatters and all-gathers once."""
+    """Data-parallel collectives per unit and step: without a pipeline fsdp gathers in forward, again in
+    backward and reduce-scatters, every micro-batch (the engine turns gradient sync off between micro-batches
+    for ddp only); with one it gathers once per step (keeping the gathered parameters for backward) and
+    reduce-scatters once; ddp all-reduces once; zero1 reduce-scatters and all-gathers once."""
     if layout.dp_mode == "fsdp":
-        return 2 * layout.num_microbatches + 1 if layout.pp == 1 else 2
+        return 3 * layout.num_microbatches if layout.pp == 1 else 2
     return 1 if layout.dp_mode == "ddp" else 2
 
 

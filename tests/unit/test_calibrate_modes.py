@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from elastic_trainer import cli
 from elastic_trainer.config import load_model_config
@@ -36,17 +37,25 @@ def test_fitted_figures_by_hand():
                            "clip": 0.05, "optimizer": 0.25}, local)
     got = calibrate_modes.fitted(hw, model, 128, measured)
     assert got.optimizer_shapes == "gpt3-small, seq_len 128"
-    assert got.ddp_optimizer_ns_per_param == pytest.approx(0.3 / whole * 1e9, rel=1e-9)
-    assert got.fsdp_optimizer_ns_per_param == pytest.approx(0.3 / (whole // 2) * 1e9, rel=1e-9)
-    assert got.fsdp_hooks_ns_per_param == pytest.approx(0.8 / whole / 3 * 1e9, rel=1e-6)
-    assert got.ddp_hooks_ns_per_param == pytest.approx(0.3 / whole / 1 * 1e9, rel=1e-6)
+    # the model runs the probe's 2 ranks on 1.9 compute units: optimizer = local x 2 ranks / 1.9, hooks x 2 / 1.9
+    share = 2 / hw.compute_units
+    assert got.ddp_optimizer_ns_per_param == pytest.approx(0.3 / (whole * share) * 1e9, rel=1e-9)
+    assert got.fsdp_optimizer_ns_per_param == pytest.approx(0.3 / (whole / 2 * share) * 1e9, rel=1e-9)
+    assert got.fsdp_hooks_ns_per_param == pytest.approx(0.8 / (whole * 3 * share) * 1e9, rel=1e-6)
+    assert got.ddp_hooks_ns_per_param == pytest.approx(0.3 / (whole * 1 * share) * 1e9, rel=1e-6)
     assert got.zero1_hooks_ns_per_param == 0.0
+    fitted_req = Request(probe, 2, 2, 128, got, 2, dtype="fp32")  # the fitted profile predicts the probe back
+    for mode, (phases, _) in measured.items():
+        p = by_phase(fitted_req, calibrate_modes.probe_layout(2, mode))
+        assert p["clip"] + p["optimizer"] == pytest.approx(phases["clip"] + phases["optimizer"], rel=1e-9)
+        assert p["forward_backward"] + p["sync"] == pytest.approx(
+            phases["forward_backward"] + phases["sync"] - extra["zero1"], rel=1e-9)  # less the cheapest's excess
     assert got.tflops == hw.tflops and got.optimizer_ns_per_param == hw.optimizer_ns_per_param  # the rest kept
 
 
 def test_the_modes_figures_in_a_step_by_hand():
     """fsdp without a pipeline, 2 micro-batches on 4 ranks of one shared host: its excess is charged for
-    2 x 2 gathers and one reduce-scatter per stage parameter, slowed by 4 ranks on 1.9 units; the optimizer
+    2 x (2 gathers and a reduce-scatter) per stage parameter, slowed by 4 ranks on 1.9 units; the optimizer
     per local parameter (1/dp of the stage); with a pipeline, 2 collectives; nothing at dp 1."""
     model = load_model_config("gpt3-small")
     hw = dataclasses.replace(load_hardware("cpu"), fsdp_hooks_ns_per_param=3.0, fsdp_optimizer_ns_per_param=11.0)
@@ -54,7 +63,7 @@ def test_the_modes_figures_in_a_step_by_hand():
     t = step_time(model, layout, 128, "fp32", hw, 4)
     whole = stage_numel(model, layout, 0)
     slow = 4 / hw.compute_units
-    assert t.hooks == pytest.approx(3e-9 * whole * 5 * slow, rel=1e-12)
+    assert t.hooks == pytest.approx(3e-9 * whole * 6 * slow, rel=1e-12)
     base = step_time(model, layout, 128, "fp32", load_hardware("cpu"), 4)
     assert t.total - t.hooks - t.optimizer == pytest.approx(base.total - base.optimizer, rel=1e-12)
     assert t.optimizer == pytest.approx(base.optimizer * 11.0 / 3.38896, rel=1e-4)  # same work, its own rate
@@ -68,6 +77,7 @@ def test_the_modes_figures_in_a_step_by_hand():
     assert sum(by_phase(req, layout).values()) == pytest.approx(t.total, rel=1e-12)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="calibrate measures the machine's GPU there")
 def test_calibrate_model_measures_every_mode_on_the_probe(tmp_path, capsys):
     """The real measurement at gpt-tiny's shapes (2 forked ranks): every mode gets positive optimizer
     figures, the cheapest mode no excess, the rest of the profile is --base's, and the file loads."""
@@ -86,6 +96,7 @@ def test_calibrate_model_measures_every_mode_on_the_probe(tmp_path, capsys):
     assert capsys.readouterr().out.count("[calibrate] gpt-tiny (seq 32), ") == 3
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="calibrate measures the machine's GPU there")
 def test_calibrate_model_refuses_bad_requests_before_measuring(tmp_path, capsys):
     out = str(tmp_path / "x.toml")
     assert cli.main(["calibrate", "--model", "gpt-tiny", "--only-optimizer", "--output", out]) == 2
@@ -95,3 +106,5 @@ def test_calibrate_model_refuses_bad_requests_before_measuring(tmp_path, capsys)
     assert "exceeds gpt-tiny's context_length" in capsys.readouterr().err
     assert cli.main(["calibrate", "--base", "cpu", "--model", "no-such-model", "--only-optimizer",
                      "--output", out]) == 2
+    assert cli.main(["calibrate", "--base", "h100-80g", "--model", "gpt-tiny", "--only-optimizer", "--output", out]) == 2
+    assert "is a cuda profile" in capsys.readouterr().err

@@ -101,14 +101,16 @@ def test_plan_run_dir_sets_the_measured_phases_beside_the_prediction(tmp_path, c
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     block = out[out.index("explain dp1 tp1 pp4"):].splitlines()
-    assert "measured by this job (3 start(s)" in block[-7]
-    rows = {line[:70].strip(): line[70:].split() for line in block[-5:]}
+    assert "measured by this job (3 start(s)" in block[-6]
+    rows = {line[:70].strip(): line[70:].split() for line in block[-4:]}
     assert rows["forward + backward of every micro-batch, with their communication"][0] == "1.2s"  # median of 0.8, 1.2, 3
-    assert rows["optimizer step"][0] == "0.1s" and rows["reading the batch"][0] == "0.01s"
+    assert rows["tied embedding all-reduce, clipping, loss all-reduce, AdamW"][0] == "0.15s"  # clip + optimizer
+    assert rows["reading the batch"][0] == "0.01s"
     assert rows["the whole step (the sum of the phases)"][0] == "1.36s"
     predicted = by_phase(plan(Request(load_model_config("gpt-tiny"), 4, 8, 64, load_hardware("cpu"), 8, micro_batch=8,
                                       dp_modes=("fsdp",))).request, layout)
-    assert float(rows["optimizer step"][1][:-1]) == pytest.approx(predicted["optimizer"], rel=1e-3)
+    assert float(rows["tied embedding all-reduce, clipping, loss all-reduce, AdamW"][1][:-1]) == pytest.approx(
+        predicted["clip"] + predicted["optimizer"], rel=1e-3)
     table = {line.split()[0]: line.split() for line in out.splitlines()[2:9]}
     assert table["3"][3] == "4" and table["3"][-4:-1] == ["0.960", "533", "75.0%"] and table["3"][-1] == "measured"
     assert table["1"][-1] == "predicted" and table["cmp"][-1] == "measured"  # the rest: predictions

@@ -13,16 +13,13 @@ set beside rank 0's median time in it over the steps of every start that ran the
 
 from __future__ import annotations
 
-from elastic_trainer.plan.candidates import Candidate, Request
+from elastic_trainer.plan.candidates import Candidate, Request, evaluate
 from elastic_trainer.plan.layout import Layout
-from elastic_trainer.plan.step_time import step_time
 
 
 def terms(req: Request, layout: Layout) -> list[tuple[str, float]]:
     """[(term, seconds per step)] of `layout` under `req`; they sum to its predicted step time."""
-    hw = req.hardware
-    t = step_time(req.model, layout, req.seq_len, req.compute_dtype, hw, req.topology,
-                  block_speedup=hw.compiled_speedup if req.compiled else 1.0)
+    t = evaluate(req, layout).time  # the planner's own figure for the layout
     a = layout.num_microbatches
     slowest = max(t.stages, key=lambda s: s.total)
     passes = "forward + backward" + (" + recomputed forward" if layout.recompute else "")
@@ -51,9 +48,7 @@ times it apart from AdamW, so the two phases make one row."""
 def by_phase(req: Request, layout: Layout) -> dict[str, float]:
     """The predicted terms summed into the step's phases (train/loop.py PHASES); the model has no term for
     reading the batch, and counts clipping in its optimizer term."""
-    hw = req.hardware
-    t = step_time(req.model, layout, req.seq_len, req.compute_dtype, hw, req.topology,
-                  block_speedup=hw.compiled_speedup if req.compiled else 1.0)
+    t = evaluate(req, layout).time
     return {"forward_backward": t.pipeline + t.dp_comm - t.tied - t.after_step + t.hooks, "clip": t.tied,
             "optimizer": t.optimizer, "sync": t.after_step, "batch": 0.0}
 

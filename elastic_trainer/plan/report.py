@@ -53,14 +53,9 @@ def format_table(plan: Plan, top: int = 10, compare: Candidate | None = None) ->
     """The best `top` candidates; with this job's measurements, a last column says where each step time came
     from (measured, corrected by its family's measurement, or predicted)."""
     req = plan.request
-    shown = list(plan.candidates[:top]) + ([compare] if compare is not None else [])
-    rows = [_row(str(i + 1), c, req) for i, c in enumerate(plan.candidates[:top])]
-    if compare is not None:
-        rows.append(_row("cmp", compare, req))
-    columns = COLUMNS
-    if req.measured:
-        columns = (*COLUMNS, "step s from")
-        rows = [r + [c.source] for r, c in zip(rows, shown)]
+    shown = [(str(i + 1), c) for i, c in enumerate(plan.candidates[:top])] + ([("cmp", compare)] if compare is not None else [])
+    rows = [_row(rank, c, req) + ([c.source] if req.measured else []) for rank, c in shown]
+    columns = (*COLUMNS, "step s from") if req.measured else COLUMNS
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(columns)]
     lines = [f"{req.model.name} on {req.world_size} x {req.hardware.name} ({req.topology.describe()}, "
              f"{req.compute_dtype}), global batch {req.global_batch} x {req.seq_len} tokens: "

@@ -53,7 +53,8 @@ def format_table(plan: Plan, top: int = 10, compare: Candidate | None = None) ->
     """The best `top` candidates; with this job's measurements, a last column says where each step time came
     from (measured, corrected by its family's measurement, or predicted)."""
     req = plan.request
-    shown = [(str(i + 1), c) for i, c in enumerate(plan.candidates[:top])] + ([("cmp", compare)] if compare is not None else [])
+    shown = [(str(i + 1), c) for i, c in enumerate(plan.candidates[:top])]
+    shown += [("cmp", compare)] if compare is not None else []
     rows = [_row(rank, c, req) + ([c.source] if req.measured else []) for rank, c in shown]
     columns = (*COLUMNS, "step s from") if req.measured else COLUMNS
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(columns)]

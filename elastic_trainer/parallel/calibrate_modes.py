@@ -15,11 +15,12 @@ and one micro-batch, and takes each phase's fastest time over the steps after th
 `phases_s`). From them:
 - `{mode}_optimizer_ns_per_param`: clip + optimizer phases per local parameter;
 - `{mode}_hooks_ns_per_param`: the rest of the step (forward + backward, zero1's all-gather) minus what the
-  step-time model predicts for it, less the same residual of the mode with the smallest one, per parameter
-  of the stage and per data-parallel collective of the probe (plan/step_time.py `collectives`: fsdp 3, ddp
-  1, zero1 2). Both are divided by what the step-time model multiplies them by for the probe (its ranks
-  sharing the host's cores), so the model predicts the probe's phases back. Taking the cheapest mode's residual off leaves out what the model gets wrong alike in every
-  mode (its compute rate): what is charged is only the difference between the modes.
+  step-time model predicts for it, less the same residual of the mode with the smallest one, per parameter of
+  the stage and per data-parallel collective of the probe (plan/step_time.py `collectives`: fsdp 3, ddp 1,
+  zero1 2). Both are divided by what the step-time model multiplies them by for the probe (its ranks sharing
+  the host's cores), so the model predicts the probe's phases back. Taking the cheapest mode's residual off
+  leaves out what the model gets wrong alike in every mode (its compute rate): what is charged is only the
+  difference between the modes.
 The ranks run together, as a job's do; with no more ranks than cores each has a core of its own, and the
 step-time model slows both figures as a host's ranks share its cores.
 """

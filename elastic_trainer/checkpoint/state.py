@@ -11,6 +11,7 @@ DCP's resharding at load time. Everything else is JSON in meta.json:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import platform
@@ -49,6 +50,17 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                 state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
+@contextlib.contextmanager
+def keep_implementation(optimizer: torch.optim.Optimizer):
+    """Loading a state dict inside this context may replace the groups' settings; the implementation the
+    optimizer was built with (fused, foreach) is put back afterwards, so a checkpoint written by another
+    implementation or another torch does not choose the one the resumed run uses."""
+    kept = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in optimizer.param_groups]
+    yield
+    for group, settings in zip(optimizer.param_groups, kept):
+        group.update(settings)
+
+
 def tensor_state(trainer) -> dict:
     """{"model": ..., "optim": ...} of DTensors/tensors, keyed by global names."""
     init_optimizer_state(trainer.optimizer)
@@ -64,8 +76,9 @@ def apply_tensor_state(trainer, state: dict) -> None:
         # and the other group settings come from the config, checked at resume
         trainer.engine.sync_params()
         return
-    set_state_dict(trainer.engine.model, trainer.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"], options=OPTIONS)
+    with keep_implementation(trainer.optimizer):
+        set_state_dict(trainer.engine.model, trainer.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"], options=OPTIONS)
 
 
 def train_dict(cfg: TrainConfig) -> dict:

@@ -30,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 from elastic_trainer.checkpoint import state as ckpt_state
 from elastic_trainer.checkpoint import hashing, storage
 from elastic_trainer.config import ConfigError, ModelConfig, TrainConfig
+from elastic_trainer.train.optim import implementation
 
 
 @dataclass
@@ -142,8 +143,9 @@ def adamw_groups(cfg: TrainConfig, specs: dict) -> list[tuple[dict, list[str]]]:
 
 
 def _adamw_settings(cfg: TrainConfig, weight_decay: float) -> dict:
-    probe = torch.optim.AdamW([{"params": [torch.zeros(())], "weight_decay": weight_decay}], lr=cfg.lr,
-                              betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    zero = torch.zeros(())
+    probe = torch.optim.AdamW([{"params": [zero], "weight_decay": weight_decay}], lr=cfg.lr,
+                              betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **implementation([zero]))
     return {k: v for k, v in probe.param_groups[0].items() if k != "params"}
 
 

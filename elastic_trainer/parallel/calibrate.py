@@ -37,6 +37,7 @@ from elastic_trainer.model.gpt import Block
 from elastic_trainer.parallel.local_ranks import run_ranks
 from elastic_trainer.plan.hardware import GIB, Hardware
 from elastic_trainer.plan.step_time import block_flops
+from elastic_trainer.train.optim import implementation
 
 CPU_SHAPES = [(256, 128), (256, 512), (512, 128), (512, 512)]  # (d_model, tokens per micro-batch)
 GPU_SHAPES = [(1024, 1024), (2048, 1024), (2048, 4096), (4096, 2048)]
@@ -140,11 +141,11 @@ def measure_memory_bandwidth(device: torch.device, numel: int = 32 * 2**20, repe
 
 
 def measure_optimizer(device: torch.device, numel: int = 8 * 2**20, repeat: int = 3) -> float:
-    """ns per parameter of gradient clipping + one AdamW step (the trainer's, foreach)."""
+    """ns per parameter of gradient clipping + one AdamW step (the trainer's: train.optim.implementation)."""
     params = [torch.nn.Parameter(torch.randn(numel // 8, device=device)) for _ in range(8)]
     for p in params:
         p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-4)
+    opt = torch.optim.AdamW(params, lr=1e-4, **implementation(params))
 
     def step():
         norm = torch.stack([p.grad.square().sum() for p in params]).sum().sqrt()

@@ -1,9 +1,10 @@
 """`calibrate --model M`: what each data-parallel mode costs at the job's shapes, beyond the common figures.
 
 Two things `calibrate`'s small shapes do not show (benchmarks/planner/README.md, gpt3-small on 4 ranks):
-- **The optimizer step.** Clipping and AdamW make temporaries as large as each parameter (gpt3-small's
-  embedding is 154 MB), which cost far more than on `calibrate`'s eight 1 M-element tensors: 9-13 ns per
-  parameter at gpt3-small's shapes against 3.4.
+- **The optimizer step.** Clipping squares each gradient into a temporary of its size (gpt3-small's
+  embedding is 154 MB), new pages every step for large tensors, and the modes clip and update different
+  shares of the stage. (Before the trainer used torch's fused AdamW, its single-tensor AdamW made two more
+  such temporaries: 9-13 ns per parameter at gpt3-small's shapes against `calibrate`'s 3.4.)
 - **The modes' own work.** FSDP2 copies every unit's parameters into a buffer before its all-gather and out
   of it after, and its gradients in and out around the reduce-scatter; ddp (FSDP2's replicate) does the
   same around its all-reduce. The step-time model charges their collectives (and zero1's gradient adds

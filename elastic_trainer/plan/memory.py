@@ -36,14 +36,11 @@ Pure arithmetic that mirrors what the engine allocates (parallel/engine.py):
   themselves). A stage holds that for every micro-batch in flight: 1 without a
   pipeline, pp - stage under 1F1B, all of them under GPipe (num_microbatches < pp).
 - **Optimizer step** (measured on forked ranks in tests/distributed/test_memory_peak.py): after backward has
-  freed the activations and working buffers, AdamW allocates temporaries: torch's foreach implementation (the
-  default on GPUs) takes the square root of a whole parameter group's exp_avg_sq at once, 4 bytes per local
-  parameter; its single-tensor implementation (CPUs) one parameter at a time, two temporaries of its size
-  (the square root, then its division by the bias correction). The model takes the larger of the two, over
-  the rank's real rows under fsdp and zero1 (whose AdamW updates the master shard). The peak is the state
-  plus the largest of the backward's (working + activations + transient), zero1's end of backward and
-  this: on a first pipeline stage, whose activations are small next to its embedding, the optimizer step
-  is the peak.
+  freed the activations and working buffers, the clipping squares one gradient at a time (a temporary of
+  its size, 4 bytes per element) and torch's fused AdamW (train/optim.py, on CPUs and GPUs) updates in
+  place: the step's peak is the state plus the rank's largest local parameter in fp32, over its real rows
+  under fsdp and zero1 (whose AdamW updates the master shard). The peak is the state plus the largest of
+  the backward's (working + activations + transient), zero1's end of backward and this.
 """
 
 from __future__ import annotations
@@ -180,11 +177,11 @@ def working_bytes(model: ModelConfig, layout: Layout, stage: int, dtype: str) ->
 
 
 def optimizer_step_bytes(model: ModelConfig, layout: Layout, stage: int, dp_rank: int = 0) -> int:
-    """Peak temporaries of the AdamW step on one rank: 4 bytes per local parameter (foreach) or two copies of
-    the largest local parameter (single-tensor), whichever is larger (see the module docstring)."""
+    """Peak temporaries of the clipping + AdamW step on one rank: the square of the largest local gradient
+    (fused AdamW allocates none; see the module docstring)."""
     shards, rank = (layout.dp, dp_rank) if layout.dp_mode in ("fsdp", "zero1") else (1, 0)
 
-    def local(shape: Shape) -> int:  # the rank's real slice, as exp_avg_sq holds it
+    def local(shape: Shape) -> int:  # the rank's real slice, as the master shard holds it
         rows, rest = shape[0], math.prod(shape[1:])
         chunk = -(-rows // shards)
         return max(0, min(chunk, rows - rank * chunk)) * rest
@@ -192,9 +189,7 @@ def optimizer_step_bytes(model: ModelConfig, layout: Layout, stage: int, dp_rank
     root = [local(s) for _, s in root_shapes(model, stage == 0, stage == layout.pp - 1)]
     n = len(stage_layers(model.n_layers, layout.pp)[stage])
     block = [local(s) for _, s in block_shapes(model, 0, layout.tp)] if n else []
-    total = sum(root) + n * sum(block)
-    largest = max(root + block, default=0)
-    return MASTER_BYTES * max(total, 2 * largest)
+    return MASTER_BYTES * max(root + block, default=0)
 
 
 def end_of_backward_bytes(model: ModelConfig, layout: Layout, dtype: str) -> int:

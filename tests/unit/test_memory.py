@@ -134,14 +134,15 @@ SMALL = ModelConfig(n_layers=1, d_model=4, n_heads=1, vocab_size=5, context_leng
 
 
 def test_optimizer_step_temporaries_by_hand():
+    """The clipping's square of the largest local gradient (fused AdamW allocates none)."""
     assert SMALL.num_params() == 284
-    # replicated: one 4-byte temporary per parameter (foreach) beats two copies of the largest (16x4 = 64)
-    assert optimizer_step_bytes(SMALL, Layout(8, 1, 1, 1, 1, dp_mode="ddp"), 0) == 4 * 284
-    # FSDP over 8, rank 0: one row of every tensor (two of qkv's 12 and fc's 16 rows): 56 elements
-    assert optimizer_step_bytes(SMALL, Layout(8, 1, 1, 1, 1), 0, dp_rank=0) == 4 * 56
-    # rank 7: only fc's weight (2 rows x 4) and bias (2) reach it; every other slice is empty. Then two
-    # copies of the 8-element weight slice (64 bytes) beat 10 elements (40 bytes)
-    assert optimizer_step_bytes(SMALL, Layout(8, 1, 1, 1, 1), 0, dp_rank=7) == 2 * 4 * 8
+    # replicated: the largest tensors are fc's and fc2's weights, 16 x 4 elements
+    assert optimizer_step_bytes(SMALL, Layout(8, 1, 1, 1, 1, dp_mode="ddp"), 0) == 4 * 64
+    # FSDP over 8, rank 0: one row of every tensor (two of qkv's 12 and fc's 16 rows); the largest slice is
+    # fc2's row of 16
+    assert optimizer_step_bytes(SMALL, Layout(8, 1, 1, 1, 1), 0, dp_rank=0) == 4 * 16
+    # rank 7: only fc's weight (2 rows x 4) and bias (2) reach it; every other slice is empty
+    assert optimizer_step_bytes(SMALL, Layout(8, 1, 1, 1, 1), 0, dp_rank=7) == 4 * 8
 
 
 def test_working_buffers_by_hand():
@@ -188,7 +189,7 @@ def test_zero1_working_memory_end_of_backward_and_optimizer_step_by_hand():
             for s in range(2)] == [0, 0]  # a pipeline splits the two uses: each is a single gradient
     assert stage_memory(SMALL, Layout(2, 1, 1, 1, 1), 3, "bf16", 0).end_of_backward == 0  # fsdp
     # AdamW runs on the rank's real rows, as under FSDP (rank 7 of 8: only fc's weight and bias reach it)
-    assert optimizer_step_bytes(SMALL, Layout(8, 1, 1, 1, 1, dp_mode="zero1"), 0, dp_rank=7) == 2 * 4 * 8
+    assert optimizer_step_bytes(SMALL, Layout(8, 1, 1, 1, 1, dp_mode="zero1"), 0, dp_rank=7) == 4 * 8
 
 
 def test_two_stage_pipeline_keeps_two_micro_batches_on_its_first_stage():

@@ -32,8 +32,19 @@ from elastic_trainer.parallel.pipeline import build_schedule, split_stage, tied_
 from elastic_trainer.parallel.tensor import apply_tensor_parallel
 from elastic_trainer.parallel.zero import Zero1, local_tensor
 from elastic_trainer.plan.layout import Layout
+from elastic_trainer.plan.memory import CLIP_CHUNK
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def sum_of_squares(t: torch.Tensor, chunk: int = CLIP_CHUNK) -> torch.Tensor:
+    """fp32 sum of the squares of `t`, a chunk at a time: squaring a large gradient whole would allocate a
+    temporary of its size, new pages every step on a CPU (gpt3-small's 154 MB embedding gradient), and the
+    memory model's optimizer step would have to hold it."""
+    flat = t.reshape(-1)
+    if flat.numel() <= chunk:
+        return flat.float().square().sum()
+    return torch.stack([part.float().square().sum() for part in flat.split(chunk)]).sum()
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -238,7 +249,7 @@ class Engine:
         # error on a 3M-element embedding gradient), which would make the norm depend on the sharding.
         sq = torch.zeros((), device=self.device, dtype=torch.float32)
         for replicas, params in self._norm_groups().items():
-            squares = [local_tensor(p.grad).float().square().sum() for p in params if p.grad is not None]
+            squares = [sum_of_squares(local_tensor(p.grad)) for p in params if p.grad is not None]
             if squares:
                 sq += torch.stack(squares).sum() / replicas
         dist.all_reduce(sq)

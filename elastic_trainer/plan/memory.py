@@ -36,10 +36,10 @@ Pure arithmetic that mirrors what the engine allocates (parallel/engine.py):
   themselves). A stage holds that for every micro-batch in flight: 1 without a
   pipeline, pp - stage under 1F1B, all of them under GPipe (num_microbatches < pp).
 - **Optimizer step** (measured on forked ranks in tests/distributed/test_memory_peak.py): after backward has
-  freed the activations and working buffers, the clipping squares one gradient at a time (a temporary of
-  its size, 4 bytes per element) and torch's fused AdamW (train/optim.py, on CPUs and GPUs) updates in
-  place: the step's peak is the state plus the rank's largest local parameter in fp32, over its real rows
-  under fsdp and zero1 (whose AdamW updates the master shard). The peak is the state plus the largest of
+  freed the activations and working buffers, the clipping squares one gradient, or `CLIP_CHUNK` elements
+  of it, at a time (a temporary of 4 bytes per element) and torch's fused AdamW (train/optim.py, on CPUs and
+  GPUs) updates in place: the step's peak is the state plus the square of the rank's largest local
+  parameter or chunk, over its real rows under fsdp and zero1 (whose AdamW updates the master shard). The peak is the state plus the largest of
   the backward's (working + activations + transient), zero1's end of backward and this.
 """
 
@@ -54,6 +54,8 @@ from elastic_trainer.plan.layout import Layout, stage_layers
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 MASTER_BYTES = 4  # parameters, gradients and AdamW state stay fp32 under mixed precision
 INDEX_BYTES = 8  # int64 token ids and targets
+CLIP_CHUNK = 1 << 20
+"""Elements the gradient clipping squares at once (parallel/engine.py `sum_of_squares`)."""
 
 Shape = tuple[int, ...]
 
@@ -177,8 +179,8 @@ def working_bytes(model: ModelConfig, layout: Layout, stage: int, dtype: str) ->
 
 
 def optimizer_step_bytes(model: ModelConfig, layout: Layout, stage: int, dp_rank: int = 0) -> int:
-    """Peak temporaries of the clipping + AdamW step on one rank: the square of the largest local gradient
-    (fused AdamW allocates none; see the module docstring)."""
+    """Peak temporaries of the clipping + AdamW step on one rank: the square of the largest local gradient, or
+    of a chunk of it (fused AdamW allocates none; see the module docstring)."""
     shards, rank = (layout.dp, dp_rank) if layout.dp_mode in ("fsdp", "zero1") else (1, 0)
 
     def local(shape: Shape) -> int:  # the rank's real slice, as the master shard holds it
@@ -189,7 +191,7 @@ def optimizer_step_bytes(model: ModelConfig, layout: Layout, stage: int, dp_rank
     root = [local(s) for _, s in root_shapes(model, stage == 0, stage == layout.pp - 1)]
     n = len(stage_layers(model.n_layers, layout.pp)[stage])
     block = [local(s) for _, s in block_shapes(model, 0, layout.tp)] if n else []
-    return MASTER_BYTES * max(root + block, default=0)
+    return MASTER_BYTES * min(CLIP_CHUNK, max(root + block, default=0))
 
 
 def end_of_backward_bytes(model: ModelConfig, layout: Layout, dtype: str) -> int:

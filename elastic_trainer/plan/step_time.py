@@ -28,9 +28,11 @@
   (`Hardware.hooks_ns`: FSDP2's copies into and out of its per-unit buffers, the allocations they make), it
   is charged per parameter of the stage and per data-parallel collective (`collectives`), and on shared
   hosts slowed as the host's ranks share its cores.
-- **Shared hosts** (CPU processes): ranks share `compute_units` cores, so a step also takes at least the
-  host's whole compute divided by its cores, and communication (which needs the CPU too) runs
-  ranks / compute_units times slower than measured on idle ranks.
+- **Shared hosts** (CPU processes): ranks share `compute_units` cores. The pipeline's compute is then the
+  schedule run with the cores shared among the ranks working at each moment (plan/shared_cores.py; without
+  a pipeline, the host's whole compute divided by its cores), plus each micro-batch's tp all-reduces and
+  sends; communication (which needs the CPU too) runs ranks / compute_units times slower than measured on
+  idle ranks.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from elastic_trainer.config import ModelConfig
 from elastic_trainer.plan.hardware import Hardware
 from elastic_trainer.plan.layout import Layout, stage_layers
 from elastic_trainer.plan.memory import DTYPE_BYTES, MASTER_BYTES, stage_elements, stage_numel
+from elastic_trainer.plan.shared_cores import makespan
 from elastic_trainer.plan.topology import Topology
 
 
@@ -240,8 +243,9 @@ def step_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw: 
         ranks = hosts.largest
         cores = min(hw.compute_units, ranks)
         copies = layout.dp * layout.tp * ranks / layout.world_size  # ranks per stage on this host
-        work = a * sum(t.compute for t in stages) * copies
-        pipeline = max(pipeline, work / cores + a * max(t.tp_comm + t.p2p for t in stages))
+        passes = 4 if layout.recompute else 3
+        shared = makespan(tuple(t.compute for t in stages), a, copies, cores, 1 / passes)
+        pipeline = max(pipeline, shared + a * max(t.tp_comm + t.p2p for t in stages))
         optimizer = sum(local) * copies * hw.optimizer_ns(layout.dp_mode) * 1e-9 / cores
     return StepTime(pipeline, dp, optimizer, (layout.pp - 1) / (a + layout.pp - 1), tuple(stages), pipeline - alone,
                     tied, after, hooks_time(model, layout, hw, hosts))

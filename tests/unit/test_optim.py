@@ -156,3 +156,29 @@ def test_checkpoint_state_init_leaves_a_stepped_or_other_optimizer_alone():
     sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1, momentum=0.9)
     init_optimizer_state(sgd)
     assert not sgd.state
+
+
+def test_the_optimizer_is_fused_and_a_loaded_state_does_not_change_that():
+    from elastic_trainer.checkpoint.state import keep_implementation
+
+    model = torch.nn.Linear(3, 2)
+    opt = build_optimizer(model, TrainConfig())
+    assert [g["fused"] for g in opt.param_groups] == [True, True]
+    other = torch.optim.AdamW([{"params": [model.weight]}, {"params": [model.bias]}], lr=1.0)  # torch's default
+    saved = other.state_dict()
+    with keep_implementation(opt):
+        opt.load_state_dict(saved)
+    assert [g["fused"] for g in opt.param_groups] == [True, True] and opt.param_groups[0]["lr"] == 1.0
+    opt.load_state_dict(saved)  # what the context undoes
+    assert [g["fused"] for g in opt.param_groups] == [None, None]
+
+
+def test_the_clipping_s_sum_of_squares_in_chunks_is_the_whole_sum():
+    from elastic_trainer.parallel.engine import sum_of_squares
+
+    t = torch.randn(25, 100, generator=torch.Generator().manual_seed(0))
+    exact = float(t.double().square().sum())
+    assert float(sum_of_squares(t, chunk=1000)) == pytest.approx(exact, rel=1e-6)  # 3 chunks, the last of 500
+    assert float(sum_of_squares(t)) == pytest.approx(exact, rel=1e-6)  # one
+    assert float(sum_of_squares(t.bfloat16(), chunk=300)) == pytest.approx(float(t.bfloat16().double().square().sum()),
+                                                                         rel=1e-6)  # squared in fp32

@@ -48,13 +48,13 @@ def test_the_blocks_term_by_hand():
 
 def test_plan_explain_prints_the_chosen_and_the_compared_layout(capsys):
     code = cli.main(["plan", "--model", "gpt3-small", "--gpus", "4", "--global-batch", "8", "--seq-len", "128",
-                     "--hardware", "cpu", "--explain", "--compare", "2,1,2"])
+                     "--hardware", "cpu", "--explain", "--compare", "1,1,4"])
     out = capsys.readouterr().out
     assert code == 0 and out.count("\nexplain dp") == 2
     block = out[out.index("explain dp"):].splitlines()
     block = block[:next(i for i, line in enumerate(block) if line.startswith("  (predictions"))]
     total = float(block[0].split(": ")[1].split(" s per step")[0])
-    assert block[0].startswith("explain dp1 tp1 pp4, micro-batch 1 x 8, fsdp: ")
+    assert block[0].startswith("explain dp2 tp1 pp2, micro-batch 4 x 1, ddp: ")
     assert block[1].lstrip().startswith("transformer blocks (forward + backward)")
     assert sum(float(line.split()[-4]) for line in block[1:]) == pytest.approx(total, rel=1e-3)  # 4 digits each
 

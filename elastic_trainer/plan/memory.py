@@ -33,14 +33,16 @@ Pure arithmetic that mirrors what the engine allocates (parallel/engine.py):
   recompute only its input. With dropout the attention probabilities are materialized (fp32 softmax
   output, keep mask, dropped copy) instead of the log-sum-exp, and both residual branches keep a mask.
   The last stage keeps the fp32 log-softmax of b*s*vocab logits (and, in a pipeline, the logits
-  themselves). A stage holds that for every micro-batch in flight: 1 without a
+  themselves); a first stage without the head makes the embedding's dense gradient (vocab x d) at the end
+  of its backward, a transient. A stage holds that for every micro-batch in flight: 1 without a
   pipeline, pp - stage under 1F1B, all of them under GPipe (num_microbatches < pp).
 - **Optimizer step** (measured on forked ranks in tests/distributed/test_memory_peak.py): after backward has
   freed the activations and working buffers, the clipping squares one gradient, or `CLIP_CHUNK` elements
   of it, at a time (a temporary of 4 bytes per element) and torch's fused AdamW (train/optim.py, on CPUs and
-  GPUs) updates in place: the step's peak is the state plus the square of the rank's largest local
-  parameter or chunk, over its real rows under fsdp and zero1 (whose AdamW updates the master shard). The peak is the state plus the largest of
-  the backward's (working + activations + transient), zero1's end of backward and this.
+  GPUs) updates in place: the step's temporaries are the square of the rank's largest local parameter or
+  chunk, over its real rows under fsdp and zero1 (whose AdamW updates the master shard). The peak is the
+  state plus the largest of the backward's (working + activations + transient), zero1's end of backward
+  and this.
 """
 
 from __future__ import annotations
@@ -279,6 +281,8 @@ def stage_memory(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, s
         transient += 5 * 8 * (model.n_heads // layout.tp) * seq_len * seq_len
     if last:
         transient += b * seq_len * model.vocab_size * (8 + e)  # fp32 loss gradients and the cast back
+    if first and not last:  # the embedding's backward makes a dense gradient of the whole table, after the
+        transient = max(transient, model.vocab_size * model.d_model * e)  # blocks' temporaries are freed
     if layout.pp > 1:
         transient += 2 * hidden  # receive buffers for activations and their gradients
     return StageMemory(stage, state_bytes(model, layout, stage, dtype=dtype),

@@ -31,18 +31,19 @@ measurements):
   gradients and their sum (autograd's, before the hook moves them into the fp32 buffer) are 41% of the peak.
 
 CPU and gpt-tiny specifics (the model targets GPUs): on the first stage of a pipeline the peak is the
-embedding's backward (its dense gradient beside the state); the optimizer step, which memory.py models as
-`optimizer_step` (the clipping's square of the largest gradient; the fused AdamW allocates nothing), stays
-below it. Under torch's single-tensor AdamW, the CPU default before train/optim.py chose the fused one, the
-step was the peak there: two temporaries of the embedding's size (78.32 MB measured). On one rank without a
-pipeline the measured peak is the tied embedding's gradient accumulation at the end of backward (the head's
-and the embedding's gradients and their sum: two embeddings beyond the state), which the model does not
-count: at 32 tokens per micro-batch its loss terms cover it (1% over), at 16 they would not (16% under). gpt-tiny's 50257 x 64
-embedding is 94% of its parameters; GPT-3 XL's loss terms exceed two copies of its embedding many times.
+embedding's backward, its dense gradient of the whole table beside the state, which memory.py counts in that
+stage's transient. (Before, the optimizer step covered it by chance: torch's single-tensor AdamW, the CPU
+default until train/optim.py chose the fused one, made two temporaries of the embedding's size there, 78.32
+MB measured; with the fused AdamW and the clipping in chunks, leaving the embedding's gradient out put the
+prediction below LOW.) On one rank without a pipeline the measured peak is the tied embedding's gradient
+accumulation at the end of backward (the head's and the embedding's gradients and their sum: two embeddings
+beyond the state), which the model does not count: at 32 tokens per micro-batch its loss terms cover it (1%
+over), at 16 they would not (16% under). gpt-tiny's 50257 x 64 embedding is 94% of its parameters; GPT-3
+XL's loss terms exceed two copies of its embedding many times.
 Attention on CPU saves what flash attention does (test_memory.py checks the saved tensors).
 
 Measured peaks (MB, predicted / measured): 1 rank 81.34 / 80.66; FSDP 2 ranks 80.66 / 72.79 each; ddp 2 ranks
-95.59 / 93.79 each; 4 stages 65.39 / 66.05, 1.94 / 1.87, 1.66 / 1.63, 117.19 / 104.09; zero1 2 ranks
+95.59 / 93.79 each; 4 stages 66.55 / 66.05, 1.94 / 1.87, 1.66 / 1.63, 117.19 / 104.09; zero1 2 ranks
 93.52 / 93.52 each.
 """
 

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from elastic_trainer.config import ModelConfig
 from elastic_trainer.model.gpt import Block
+from elastic_trainer.parallel.engine import sum_of_squares
 from elastic_trainer.parallel.local_ranks import run_ranks
 from elastic_trainer.plan.hardware import GIB, Hardware
 from elastic_trainer.plan.step_time import block_flops
@@ -148,7 +149,7 @@ def measure_optimizer(device: torch.device, numel: int = 8 * 2**20, repeat: int 
     opt = torch.optim.AdamW(params, lr=1e-4, **implementation(params))
 
     def step():
-        norm = torch.stack([p.grad.square().sum() for p in params]).sum().sqrt()
+        norm = torch.stack([sum_of_squares(p.grad) for p in params]).sum().sqrt()
         torch._foreach_mul_([p.grad for p in params], torch.clamp(1.0 / (norm + 1e-6), max=1.0))
         opt.step()
 

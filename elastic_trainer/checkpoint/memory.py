@@ -128,6 +128,20 @@ class Written:
         return self.record["step"]
 
 
+def _state_folder(checkpoint_dir: str, name: str) -> Path:
+    """This host's new folder `name` for a state in memory."""
+    tries = 3
+    while True:
+        folder = host_root(checkpoint_dir, create=True) / name
+        try:
+            folder.mkdir(exist_ok=True)
+            return folder
+        except FileNotFoundError:  # another world of this host removed the emptied folders as they were made
+            tries -= 1
+            if not tries:
+                raise
+
+
 def write(pg, trainer, checkpoint_dir: str, run_id: str, prepared: planned.Prepared | None = None,
           say=print, spares: dict[str, Path] | None = None) -> Written:
     """Write `trainer`'s state into each rank's host memory (a collective of `pg`); rank 0 records it.
@@ -138,8 +152,7 @@ def write(pg, trainer, checkpoint_dir: str, run_id: str, prepared: planned.Prepa
     name = f"step-{trainer.step:08d}-{run_id}"
     error = None
     try:
-        folder = host_root(checkpoint_dir, create=True) / name
-        folder.mkdir(exist_ok=True)
+        folder = _state_folder(checkpoint_dir, name)
     except OSError as e:
         error = f"{host}: {e}"
     first = [None] * world
@@ -219,17 +232,18 @@ class Found:
 
 def _listing(root: Path) -> dict:
     out = {}
-    if not root.is_dir():
-        return out
-    for folder in root.iterdir():
+    for folder in spare.entries(root):
         if not NAME.match(folder.name) or not folder.is_dir():
             continue
         try:
             record = json.loads((folder / STATE_FILE).read_text())
         except (OSError, ValueError):
             record = None
-        out[folder.name] = {"files": {p.name: p.stat().st_size for p in folder.iterdir() if p.is_file()},
-                            "record": record}
+        try:
+            files = {p.name: p.stat().st_size for p in spare.entries(folder) if p.is_file()}
+        except FileNotFoundError:  # dropped meanwhile by the world that wrote it
+            continue
+        out[folder.name] = {"files": files, "record": record}
     return out
 
 
@@ -380,13 +394,12 @@ def drop(checkpoint_dir: str, up_to_step: int, keep: str | None = None) -> list[
     root, removed = host_root(checkpoint_dir), []
     if root is None:
         return removed
-    if root.is_dir():
-        for folder in root.iterdir():
-            m = LOAD_NAME.match(folder.name) or NAME.match(folder.name)
-            if m and int(m.group(1)) <= up_to_step and not (keep and folder.name.startswith((keep, LOAD_PREFIX + keep))):
-                shutil.rmtree(folder, ignore_errors=True)
-                removed.append(folder.name)
-        removed += spare.sweep(root)  # a dead process's files allocated for a hand-over
+    for folder in spare.entries(root):  # nothing when the next world has just removed the emptied folder
+        m = LOAD_NAME.match(folder.name) or NAME.match(folder.name)
+        if m and int(m.group(1)) <= up_to_step and not (keep and folder.name.startswith((keep, LOAD_PREFIX + keep))):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder.name)
+    removed += spare.sweep(root)  # a dead process's files allocated for a hand-over
     _remove_empty(root)
     return removed
 

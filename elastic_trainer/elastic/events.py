@@ -12,7 +12,9 @@ one reconfiguration, in order:
 
 and of a failure within a start: host_lost (driver: an agent exited with a failure, with the hosts left) ->
 workers_restarting (each surviving agent, when it saw its workers fail, or a host join) -> rendezvous_done ->
-processes_up -> ... as above. Agents write with writer=agent and their host.
+processes_up -> ... as above. Agents write with writer=agent and their host. A world whose workers fail after
+they handed the state over is restarted by its agents all the same: that start writes processes_up -> planned
+-> already_handed_over (the step it gave the next world) and exits without training.
 
 `elastic.report` turns them, with the metrics, into the phase table and the downtime of each event.
 """

@@ -164,6 +164,20 @@ class Handover:
         """The world waiting for this one's state (None: nobody waits)."""
         return self.control.get(self.world, "next")
 
+    def handed_over(self) -> tuple[bool, int | None]:
+        """Whether this world, asked to stop, has already given the next world its start (the `state` key: a
+        state in memory, of the step returned, or none, the next world then loading the newest checkpoint).
+        A world whose workers fail after that (their agent restarts them) must not train on beside the next
+        one: the restart asks this first."""
+        if self.stop_request() is None:
+            return False, None
+        successor = self.successor()
+        given = self.control.get(successor, "state") if successor else None
+        if not isinstance(given, dict):
+            return False, None
+        record = given.get("record")
+        return True, record.get("step") if isinstance(record, dict) else None
+
     def first_step_done(self) -> None:
         self.control.set(self.world, "first_step")
 

@@ -94,6 +94,9 @@ class Job:
         self.log.info(f"[train] {model_cfg.name} ({model_cfg.num_params() / 1e6:.1f} M parameters) on "
                       f"{layout.world_size} rank(s), {device.type}: {layout.describe()}; global batch "
                       f"{train_cfg.global_batch} x {train_cfg.seq_len} tokens, until step {train_cfg.steps}")
+        self.checkpointer = None
+        if handover is not None and not handover.warm and self._handed_over(handover):
+            return
         mesh = build_mesh(layout, device.type)
         self.profiler = StepProfiler(train_cfg.profile_steps, train_cfg.metrics_file,
                                      dist.get_rank() if dist.is_initialized() else 0, device.type)
@@ -132,6 +135,23 @@ class Job:
         self.events.emit("state_loaded", step=self.trainer.step, layout=layout.to_dict(), load=load)
         if live is not None and dist.get_rank() == 0:
             handover.loaded(self.trainer.step)  # the stopping world may release its copy
+
+    def _handed_over(self, handover: Handover) -> bool:
+        """Whether this world has already handed over to the next one: its workers failed afterwards and their
+        agent restarted them. They train nothing (the next world trains on; a second trainer beside it would
+        write the same steps again) and exit as stopped."""
+        given, step = handover.handed_over() if dist.get_rank() == 0 else (False, None)
+        agreed = torch.tensor([float(given), -1.0 if step is None else float(step)])
+        dist.broadcast(agreed, src=0)  # a CPU tensor: gloo, also beside NCCL
+        if not agreed[0]:
+            return False
+        step = int(agreed[1]) if agreed[1] >= 0 else None
+        self.cancelled = True
+        self.stop_reason = (f"the next world took this world's state of step {step}" if step is not None
+                            else "the next world loads the newest checkpoint")
+        self.events.emit("already_handed_over", step=step)
+        self.log.info(f"[train] nothing to do after this restart: {self.stop_reason}")
+        return True
 
     def _settle(self, rebuilt: bool, tried_memory: bool) -> None:
         """The world's objects out of the garbage collector's walks (train/heap.py), after a full collection only

@@ -457,6 +457,56 @@ def test_a_state_that_cannot_go_to_memory_goes_to_the_checkpoint_folder(tmp_path
     assert Control(store, "job").get(1, "state") == {"none": "writing it to memory failed"}
 
 
+def restarted_world(rank, world, layout, ckpt, port, tokens, events_file, metrics_file):
+    """The stopping world's workers, restarted by their agent after a failure that followed the hand-over."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from elastic_trainer.elastic.events import EventLog
+    from elastic_trainer.elastic.handover import Control, Handover
+    from elastic_trainer.train import MetricsLog
+
+    _as_host([HOST_A, HOST_B], rank)
+    store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=30))
+    with Job(MODEL, config(6), layout, torch.device("cpu"), ckpt=CheckpointConfig(dir=ckpt), tokens=tokens,
+             handover=Handover(Control(store, "job"), 0, warm=False),
+             events=EventLog(events_file, enabled=rank == 0),
+             log=MetricsLog(metrics_file, enabled=rank == 0)) as job:
+        status = job.fit()
+    return status, job.stop_reason, [r["step"] for r in job.records]
+
+
+@pytest.mark.parametrize("taken", [True, False])
+def test_a_world_restarted_after_its_hand_over_trains_nothing(tmp_path, shm, tokens, taken):
+    """Its phase is over and it gave the next world its state (the `state` key): a restart of its workers exits
+    as stopped, with no step, beside the world that trains on (CI saw both write steps). When nobody took the
+    state, the restart resumes from the checkpoint, trains its step and stops as asked."""
+    from torch.distributed import TCPStore
+
+    from elastic_trainer.elastic.events import read_jsonl
+    from elastic_trainer.elastic.handover import PHASE_END, Control
+
+    ckpt, events_file, metrics = str(tmp_path / "ckpt"), tmp_path / "events.jsonl", tmp_path / "metrics.jsonl"
+    run_ranks(write_state, 2, Layout(2, 1, 1, 4, 1), ckpt, [HOST_A, HOST_B], tokens, 2, 2)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    control = Control(store, "job")
+    control.set(0, "stop", {"why": PHASE_END})
+    if taken:
+        control.set(0, "next", 1)
+        control.set(1, "state", {"record": {"step": 2, "name": "step-00000002-x"}})
+    status, reason, steps = run_ranks(restarted_world, 2, Layout(2, 1, 1, 4, 1), ckpt, store.port, tokens,
+                                      str(events_file), str(metrics))[0]
+    events = [e["event"] for e in read_jsonl(events_file)]
+    assert status == "stopped"
+    if taken:
+        assert steps == [] and not metrics.exists() and "step 2" in reason
+        assert events == ["already_handed_over"]
+    else:
+        assert steps == [3] and reason == PHASE_END
+        assert "already_handed_over" not in events and "state_loaded" in events
+
+
 def test_adjacent_pieces_are_one_request():
     """A rank's pieces of one file, stored one after the other, are fetched in one request (gpt3-small: 2,664
     pieces, 2,364 of them under 64 KB; the rate with and without is in benchmarks/rescale/handover_rate.py)."""

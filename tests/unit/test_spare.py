@@ -84,3 +84,24 @@ def test_the_users_folder_is_made_this_users_only(tmp_path, monkeypatch):
     root = memory.host_root(str(tmp_path / "ckpt"), create=True)
     assert root.is_dir() and root.parents[1] == users
     assert (users.stat().st_mode & 0o777) == 0o700
+
+
+def test_a_commit_while_another_world_removes_the_emptied_host_folder(tmp_path, monkeypatch):
+    """The stopping world commits its durable copy (`memory.drop`) just as the world that took its state
+    removes the host's emptied folder: the folder is gone between its check and its listing (CI saw this
+    kill the stopping world's rank 0, whose agent then restarted it beside the next world)."""
+    from pathlib import Path
+    import shutil
+
+    monkeypatch.setenv(memory.SHM_ENV, str(tmp_path / "shm"))
+    root = memory.host_root(str(tmp_path / "ckpt"), create=True)
+    listing = Path.iterdir
+
+    def removed_first(self):
+        if self == root:
+            shutil.rmtree(root)  # the other world's _remove_empty, at the worst moment
+        return listing(self)
+
+    monkeypatch.setattr(Path, "iterdir", removed_first)
+    assert memory.drop(str(tmp_path / "ckpt"), 10) == []
+    assert memory._listing(root) == {}

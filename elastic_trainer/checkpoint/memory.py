@@ -26,9 +26,7 @@ removes the states it covers. The durable checkpoint made from a state in memory
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import pickle
 import re
 import secrets
@@ -42,15 +40,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from elastic_trainer.checkpoint import faults, planned, raw, spare, staging, storage
+from elastic_trainer.checkpoint import faults, host_folders, planned, raw, spare, staging, storage
 from elastic_trainer.checkpoint import state as ckpt_state
 from elastic_trainer.checkpoint.transfer import Server, fetch_file, gather_pieces
 from elastic_trainer.config import CheckpointError
+from elastic_trainer.checkpoint.host_folders import SHM_ENV, host_root  # noqa: F401 (SHM_ENV: for callers of memory)
 from elastic_trainer.elastic.handover import host_name
 
-SHM_ENV = "ELASTIC_TRAINER_SHM_DIR"
 STATE_FILE = "state.json"
-ID_FILE = ".memory-id"
 FORMAT = 2
 """state.json's format: 2, each piece stored as its bytes (`raw`); 1 (before), DCP's torch.save framing."""
 READERS = {1: storage.SafeReader, FORMAT: raw.Reader}
@@ -58,47 +55,6 @@ READERS = {1: storage.SafeReader, FORMAT: raw.Reader}
 NAME = re.compile(r"^step-(\d{8})-([0-9a-z]+)$")
 LOAD_PREFIX = ".load-"
 LOAD_NAME = re.compile(r"^\.load-step-(\d{8})-[0-9a-z]+-[0-9a-z]+$")
-
-
-def shm_base() -> Path:
-    """Where in-memory states live: $ELASTIC_TRAINER_SHM_DIR, else /dev/shm (host memory)."""
-    return Path(os.environ.get(SHM_ENV) or "/dev/shm")
-
-
-def _identity(checkpoint_dir: str, create: bool) -> str | None:
-    """The checkpoint folder's random id (ID_FILE), written by the first save to memory: a folder deleted and
-    made again never finds the states in memory of the job that used it before. None: never written."""
-    path = Path(checkpoint_dir) / ID_FILE
-    if create:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_hex(8) + "\n")
-        except FileExistsError:
-            pass
-    for _ in range(50):  # another rank may have created it a moment ago and be writing it
-        try:
-            identity = path.read_text().strip()
-        except FileNotFoundError:
-            return None
-        if identity:
-            return identity
-        time.sleep(0.01)
-    return None
-
-
-def host_root(checkpoint_dir: str | os.PathLike, create: bool = False) -> Path | None:
-    """This host's folder of the job's in-memory states (None when the job never wrote one; `create`: made)."""
-    identity = _identity(str(checkpoint_dir), create)
-    if identity is None:
-        return None
-    key = hashlib.sha256(f"{Path(checkpoint_dir).resolve()}\0{identity}".encode()).hexdigest()[:16]
-    root = shm_base() / f"elastic-trainer-{os.getuid()}" / key / host_name()
-    if create:
-        root.mkdir(parents=True, exist_ok=True)
-        os.chmod(root.parents[1], 0o700)  # elastic-trainer-UID: this user's states only
-    return root
 
 
 def step_of(name: str) -> int:
@@ -128,20 +84,6 @@ class Written:
         return self.record["step"]
 
 
-def _state_folder(checkpoint_dir: str, name: str) -> Path:
-    """This host's new folder `name` for a state in memory."""
-    tries = 3
-    while True:
-        folder = host_root(checkpoint_dir, create=True) / name
-        try:
-            folder.mkdir(exist_ok=True)
-            return folder
-        except FileNotFoundError:  # another world of this host removed the emptied folders as they were made
-            tries -= 1
-            if not tries:
-                raise
-
-
 def write(pg, trainer, checkpoint_dir: str, run_id: str, prepared: planned.Prepared | None = None,
           say=print, spares: dict[str, Path] | None = None) -> Written:
     """Write `trainer`'s state into each rank's host memory (a collective of `pg`); rank 0 records it.
@@ -152,7 +94,7 @@ def write(pg, trainer, checkpoint_dir: str, run_id: str, prepared: planned.Prepa
     name = f"step-{trainer.step:08d}-{run_id}"
     error = None
     try:
-        folder = _state_folder(checkpoint_dir, name)
+        folder = host_folders.state_folder(checkpoint_dir, name)
     except OSError as e:
         error = f"{host}: {e}"
     first = [None] * world
@@ -232,7 +174,7 @@ class Found:
 
 def _listing(root: Path) -> dict:
     out = {}
-    for folder in spare.entries(root):
+    for folder in host_folders.entries(root):
         if not NAME.match(folder.name) or not folder.is_dir():
             continue
         try:
@@ -240,7 +182,7 @@ def _listing(root: Path) -> dict:
         except (OSError, ValueError):
             record = None
         try:
-            files = {p.name: p.stat().st_size for p in spare.entries(folder) if p.is_file()}
+            files = {p.name: p.stat().st_size for p in host_folders.entries(folder) if p.is_file()}
         except FileNotFoundError:  # dropped meanwhile by the world that wrote it
             continue
         out[folder.name] = {"files": files, "record": record}
@@ -394,20 +336,11 @@ def drop(checkpoint_dir: str, up_to_step: int, keep: str | None = None) -> list[
     root, removed = host_root(checkpoint_dir), []
     if root is None:
         return removed
-    for folder in spare.entries(root):  # nothing when the next world has just removed the emptied folder
+    for folder in host_folders.entries(root):  # nothing when the next world has just removed the emptied folder
         m = LOAD_NAME.match(folder.name) or NAME.match(folder.name)
         if m and int(m.group(1)) <= up_to_step and not (keep and folder.name.startswith((keep, LOAD_PREFIX + keep))):
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder.name)
     removed += spare.sweep(root)  # a dead process's files allocated for a hand-over
-    _remove_empty(root)
+    host_folders.remove_empty(root)
     return removed
-
-
-def _remove_empty(root: Path) -> None:
-    """The host's, the job's and the user's folders once nothing is left in them."""
-    for folder in (root, root.parent, root.parent.parent):
-        try:
-            folder.rmdir()
-        except OSError:
-            return

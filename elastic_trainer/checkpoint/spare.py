@@ -24,6 +24,8 @@ import threading
 import time
 from pathlib import Path
 
+from elastic_trainer.checkpoint import host_folders
+
 PREFIX = ".spare-"
 CHUNK = 64 << 20
 NAME = re.compile(r"^\.spare-(\d+)$")
@@ -93,21 +95,12 @@ def fill(fd: int, size: int) -> None:
 def sweep(root: Path) -> list[str]:
     """Remove the spare folders in `root` (one host's) of processes that no longer run; their names."""
     removed = []
-    for folder in entries(root):
+    for folder in host_folders.entries(root):
         m = NAME.match(folder.name)
         if m and not _alive(int(m.group(1))):
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder.name)
     return removed
-
-
-def entries(folder: Path) -> list[Path]:
-    """What `folder` holds, or nothing when it is not there: the worlds of one host (a stopping one and the one
-    that took its state) remove each other's folders once empty, and either may list one as it goes."""
-    try:
-        return list(folder.iterdir())
-    except (FileNotFoundError, NotADirectoryError):
-        return []
 
 
 def _alive(pid: int) -> bool:

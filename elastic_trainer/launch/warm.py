@@ -65,7 +65,7 @@ def world_bytes(model: ModelConfig, layout: Layout | None, ranks: int, seq_len: 
 
 def available_bytes() -> tuple[int, int]:
     """(memory this machine can still give (MemAvailable), free space of the shared-memory folder)."""
-    from elastic_trainer.checkpoint.memory import shm_base
+    from elastic_trainer.checkpoint.host_folders import shm_base
 
     try:
         with open("/proc/meminfo") as f:

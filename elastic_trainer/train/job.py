@@ -80,22 +80,19 @@ class Job:
         the launcher's channel for a planned reconfiguration (a warm world waits on it for its state after it is
         built, before it loads; `stop` ends that wait). `on_stop(records)`: called with this start's step
         records when it stops training, before its save or hand-over."""
-        self.on_stop = on_stop
         self.log = log or MetricsLog(None, enabled=False)
         self.events = events or EventLog(None, enabled=False)
-        self.handover, self.layout = handover, layout
+        self.handover, self.layout, self.on_stop = handover, layout, on_stop
         self.stop_reason: str | None = None
         """Why the last fit stopped (None: it finished, or has not run)."""
         self.records: list[dict] = []
-        self.loaded = None
-        self.trainer: Trainer | None = None
+        self.loaded, self.checkpointer, self.trainer = None, None, None
         self.cancelled = False
-        """A warm world asked to stop before it got a state: it trains nothing."""
+        """A warm world asked to stop before it got a state, or a restart after the hand-over: it trains nothing."""
         self.log.info(f"[train] {model_cfg.name} ({model_cfg.num_params() / 1e6:.1f} M parameters) on "
                       f"{layout.world_size} rank(s), {device.type}: {layout.describe()}; global batch "
                       f"{train_cfg.global_batch} x {train_cfg.seq_len} tokens, until step {train_cfg.steps}")
-        self.checkpointer = None
-        if handover is not None and not handover.warm and self._handed_over(handover):
+        if self._handed_over(handover):
             return
         mesh = build_mesh(layout, device.type)
         self.profiler = StepProfiler(train_cfg.profile_steps, train_cfg.metrics_file,
@@ -136,10 +133,12 @@ class Job:
         if live is not None and dist.get_rank() == 0:
             handover.loaded(self.trainer.step)  # the stopping world may release its copy
 
-    def _handed_over(self, handover: Handover) -> bool:
+    def _handed_over(self, handover: Handover | None) -> bool:
         """Whether this world has already handed over to the next one: its workers failed afterwards and their
         agent restarted them. They train nothing (the next world trains on; a second trainer beside it would
         write the same steps again) and exit as stopped."""
+        if handover is None or handover.warm:
+            return False
         given, step = handover.handed_over() if dist.get_rank() == 0 else (False, None)
         agreed = torch.tensor([float(given), -1.0 if step is None else float(step)])
         dist.broadcast(agreed, src=0)  # a CPU tensor: gloo, also beside NCCL

@@ -287,6 +287,10 @@ def run_prepare_data(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and sys.argv[1:2] in (["train"], ["torchrun"], ["calibrate"]):  # commands that train here
+        from elastic_trainer.launch.allocator import restart_keeping_freed_memory
+
+        restart_keeping_freed_memory()
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         if argv[:1] == ["torchrun"] and not {"-h", "--help"} & set(argv[1:2]):

@@ -322,4 +322,7 @@ def main(argv: list[str] | None = None, *, started: float | None = None, forked:
 
 
 if __name__ == "__main__":
+    from elastic_trainer.launch.allocator import restart_keeping_freed_memory
+
+    restart_keeping_freed_memory()  # a worker torchrun started as a process of its own
     sys.exit(main())

@@ -28,6 +28,7 @@ import time
 from elastic_trainer.elastic.exit_codes import ERROR_MARK, EXIT_BAD_INPUT, FINAL_CODES, error_line
 from elastic_trainer.elastic.handover import CONTROL_ENV
 from elastic_trainer.elastic.lifetime import die_with_parent
+from elastic_trainer.launch.allocator import restart_keeping_freed_memory
 from elastic_trainer.launch.forked import (NVML_CHECK_ENV, START_ENV, refuse_poisoned_cuda,  # noqa: F401
                                           signals_as_after_exec)
 
@@ -345,6 +346,8 @@ def unpark() -> list[str] | None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    if argv is None:  # this process's entry point: its workers inherit the allocator (launch/allocator.py)
+        restart_keeping_freed_memory()
     # SIGTERM, not SIGKILL: TorchElastic turns it into stopping the workers (which save if they can).
     die_with_parent(signal.SIGTERM)
     from elastic_trainer.config import ConfigError

@@ -9,9 +9,9 @@ That screening ranks all layouts (Spearman correlation of predicted and measured
 over dozens of noisy 2-step measurements is biased low (the winner's curse): the top layouts lie within
 ~10 % of each other and a single step varies by about as much. So the finalists -- the planner's choice and
 the `--finalists` fastest screened layouts -- are measured again in `--rounds` interleaved rounds of
-`--final-steps` steps each, and compared by their median step time. Reported per rank count: measured
-throughput of the planner's choice / best finalist's (target >= 0.95), from the finals, and the screening's
-Spearman correlation.
+`--final-steps` steps each (after `--final-warmup` unmeasured ones), and compared by their median step
+time. Reported per rank count: measured throughput of the planner's choice / best finalist's (target >= 0.95),
+from the finals, and the screening's Spearman correlation.
 
     python benchmarks/planner/run.py                       # 4 and 8 ranks, about 25 minutes on 2 cores
     python benchmarks/planner/run.py --screening benchmarks/planner/results.json   # finals only
@@ -63,6 +63,8 @@ def parse_args(argv=None):
     p.add_argument("--finalists", type=int, default=4, help="fastest screened layouts measured again")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the finals")
     p.add_argument("--final-steps", type=int, default=3, help="measured steps per finalist and round")
+    p.add_argument("--final-warmup", type=int, default=2,
+                   help="unmeasured steps per finalist and round (a CPU rank's heap grows over its first 3 steps)")
     p.add_argument("--screening", help="reuse the screened layouts of this results .json (finals only)")
     p.add_argument("--out", default=str(HERE / "results"), help="prefix of the .json and .csv written")
     return p.parse_args(argv)
@@ -156,13 +158,13 @@ def screen(world: int, args, model, req, cands, tokens, ranks: list[int] | None 
 
 def finals(world: int, args, model, req, finalists: list, tokens) -> dict[int, list[float]]:
     """Median-ready step times of each finalist (by predicted rank), measured in interleaved rounds."""
-    cfg = TrainConfig(global_batch=args.global_batch, seq_len=args.seq_len, steps=args.warmup + args.final_steps,
-                      seed=0, dtype="fp32", warmup_steps=1)
+    cfg = TrainConfig(global_batch=args.global_batch, seq_len=args.seq_len,
+                      steps=args.final_warmup + args.final_steps, seed=0, dtype="fp32", warmup_steps=1)
     times: dict[int, list[float]] = {rank: [] for rank, _ in finalists}
     for round_ in range(args.rounds):
         shift = round_ % len(finalists)
         for rank, cand in finalists[shift:] + finalists[:shift]:  # a different order every round
-            _, steps = measure(model, cfg, cand.layout, tokens, args.warmup)
+            _, steps = measure(model, cfg, cand.layout, tokens, args.final_warmup)
             times[rank] += steps
             print(f"[final] {world} ranks, round {round_ + 1}/{args.rounds}, predicted #{rank} "
                   f"{cand.layout.describe()}: {', '.join(f'{s:.3f}' for s in steps)} s", flush=True)
@@ -214,7 +216,8 @@ def main(argv=None) -> dict:
               f"{sum(o['match'] for o in orders)} of {len(orders)} equal degrees", flush=True)
     result = {"model": model.name, "params": model.num_params(), "global_batch": args.global_batch,
               "seq_len": args.seq_len, "hardware": hw.name, "steps": args.steps, "warmup": args.warmup,
-              "finals": {"finalists": args.finalists, "rounds": args.rounds, "steps": args.final_steps},
+              "finals": {"finalists": args.finalists, "rounds": args.rounds, "steps": args.final_steps,
+                         "warmup": args.final_warmup},
               "screening_from": args.screening,
               "torch": torch.__version__, "wall_s": round(time.perf_counter() - t0, 1), "summary": summaries,
               "layouts": rows}

@@ -287,10 +287,12 @@ def run_prepare_data(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None and sys.argv[1:2] in (["train"], ["torchrun"], ["calibrate"]):  # commands that train here
-        from elastic_trainer.launch.allocator import restart_keeping_freed_memory
+    if argv is None:  # this process's entry point: the CPU allocator's switch, and its restart where it trains
+        from elastic_trainer.launch.allocator import check_switch, restart_keeping_freed_memory
 
-        restart_keeping_freed_memory()
+        check_switch()  # also for the commands that start processes that train (launch, experiment)
+        if sys.argv[1:2] in (["train"], ["torchrun"], ["calibrate"]):
+            restart_keeping_freed_memory()
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         if argv[:1] == ["torchrun"] and not {"-h", "--help"} & set(argv[1:2]):

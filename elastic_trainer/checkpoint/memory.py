@@ -182,7 +182,7 @@ def _listing(root: Path) -> dict:
         except (OSError, ValueError):
             record = None
         try:
-            files = {p.name: p.stat().st_size for p in host_folders.entries(folder) if p.is_file()}
+            files = {p.name: p.stat().st_size for p in folder.iterdir() if p.is_file()}
         except FileNotFoundError:  # dropped meanwhile by the world that wrote it
             continue
         out[folder.name] = {"files": files, "record": record}

@@ -27,7 +27,8 @@ import sys
 
 KEEP_FREED = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "4000000000"}
 SWITCH_ENV = "ELASTIC_TRAINER_CPU_ALLOCATOR"
-"""`system`: glibc's defaults (no restart)."""
+SWITCH_VALUES = ("keep", "system")
+"""`keep` (the default): freed memory kept on CPU hosts; `system`: glibc's defaults (no restart)."""
 GPU_DEVICES = ("/dev/nvidiactl", "/dev/kfd")
 """A host with any of these has a GPU driver (NVIDIA, AMD): its ranks train on the GPU."""
 
@@ -41,9 +42,21 @@ def additions(environ: dict[str, str] | os._Environ, gpu_devices: tuple[str, ...
     return dict(KEEP_FREED)
 
 
+def check_switch() -> None:
+    """A SWITCH_ENV this version does not know: one line and the bad-input exit code."""
+    switch = os.environ.get(SWITCH_ENV)
+    if switch and switch not in SWITCH_VALUES:
+        from elastic_trainer.elastic.exit_codes import ERROR_MARK, EXIT_BAD_INPUT
+
+        print(f"{ERROR_MARK}{SWITCH_ENV}={switch!r} is not valid (valid: {', '.join(SWITCH_VALUES)})",
+              file=sys.stderr, flush=True)
+        sys.exit(EXIT_BAD_INPUT)
+
+
 def restart_keeping_freed_memory() -> None:
     """Start this process again with KEEP_FREED where `additions` says so (it never returns then). Only for a
     process's own entry point (`python -m ...` or a console script), before torch is imported."""
+    check_switch()
     add = additions(os.environ)
     if not add or "torch" in sys.modules:
         return

@@ -61,3 +61,17 @@ def test_a_process_that_imported_torch_is_not_restarted(monkeypatch):
     import torch  # noqa: F401  (this test process has it already)
 
     allocator.restart_keeping_freed_memory()
+
+
+@pytest.mark.parametrize("command", [["train", "--model", "gpt-tiny", "--metrics-file", "m.jsonl"],
+                                     ["launch", "--hosts", "hosts.txt", "--run-dir", "run"]])
+def test_a_bad_switch_is_one_line_and_exit_code_2(tmp_path, command):
+    """Checked where the command starts (the launcher too, before its agents), before anything is written."""
+    (tmp_path / "hosts.txt").write_text("localhost slots=2\n")
+    env = {**os.environ, allocator.SWITCH_ENV: "System"}
+    proc = subprocess.run([sys.executable, "-m", "elastic_trainer.cli", *command], env=env, capture_output=True,
+                          text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        f"elastic-trainer: error: {allocator.SWITCH_ENV}='System' is not valid (valid: keep, system)"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hosts.txt"]

@@ -24,6 +24,8 @@ one collective); the planner weighs the trade (plan/memory.py, plan/step_time.py
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -111,9 +113,14 @@ class Zero1:
         self._take_master()
         if param_dtype != torch.float32:  # the compute copy (nn.Module.to swaps DTensor parameters' contents)
             model.to(param_dtype)
+        # The hooks reach this object through a weak reference: autograd keeps a parameter's hooks in C++, where
+        # Python's collector cannot see a cycle back to the parameter (param -> hook -> self -> slots -> param),
+        # so a strong one kept every dropped zero1 stage alive with its buffers (GPT-3 XL: 16-18 GB of GPU
+        # memory per trainer built and dropped in one process, benchmarks/gpu/results/NVIDIA-H200/).
+        me = weakref.ref(self)
         for i, (slot, (_, p)) in enumerate(zip(self.slots, model.named_parameters())):
             slot.param = p
-            p.register_post_accumulate_grad_hook(lambda p, i=i: self._accumulate(i, p))
+            p.register_post_accumulate_grad_hook(lambda p, i=i: me()._accumulate(i, p))
 
     def _mine(self, flat: torch.Tensor, slot: _Slot) -> torch.Tensor:
         return flat[slot.offset:slot.offset + slot.mine * slot.row_numel].view(slot.mine, *slot.rest)

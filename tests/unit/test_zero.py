@@ -244,3 +244,19 @@ def test_buffers_are_fp32_on_the_parameters_device_whatever_torch_s_defaults(gro
         torch.set_default_dtype(default)
     for t in (zero.buffer, zero.master, zero.grad_shard):
         assert (t.device.type, t.dtype) == ("cpu", torch.float32)
+
+
+def test_a_dropped_stage_is_freed_with_its_buffers(group):
+    """A zero1 stage built and dropped in one process (a trainer rebuilt, a calibration, a sweep) leaves nothing
+    alive: its hooks must not hold it through autograd, which Python's collector cannot see into (seen on a GPU:
+    every dropped GPT-3 XL stage kept 16-18 GB)."""
+    import weakref
+
+    model = _TwoLinears()
+    zero = Zero1(model, build_mesh(Layout(1, 1, 1, 1, 1), "cpu"), torch.float32)
+    model(torch.randn(3, 4), True).sum().backward()  # the hooks have run
+    zero.reduce()
+    alive = [weakref.ref(t) for t in (zero.buffer, zero.master, model.a.weight)] + [weakref.ref(zero)]
+    del model, zero
+    gc.collect()
+    assert [r() is None for r in alive] == [True] * len(alive)

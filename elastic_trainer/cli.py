@@ -182,6 +182,17 @@ def calibrate_modes(hw, model, seq_len: int):
     return hw
 
 
+def calibrate_host(hw, model, device):
+    """`hw` with the host's time per block and micro-batch in each dp mode, measured on this GPU at `model`."""
+    from elastic_trainer.parallel.calibrate_modes import measure_host
+
+    host = measure_host(model, device)
+    for mode, ms in host.items():
+        print(f"[calibrate] {model.name}, {mode}: the host issues a block's forward and backward in {ms:.2f} ms "
+              f"per micro-batch")
+    return dataclasses.replace(hw, optimizer_shapes=model.name, **{f"{m}_host_block_ms": v for m, v in host.items()})
+
+
 def run_calibrate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -214,14 +225,14 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if args.only_optimizer and (base.device != "cpu" or args.compile):
         raise ConfigError(f"--only-optimizer measures CPU ranks: --base {args.base} is a {base.device} profile"
                           if base.device != "cpu" else "--only-optimizer measures nothing compiled: drop --compile")
-    if args.model and device.type != "cpu":
-        raise ConfigError("--model measures the optimizer on CPU ranks; on GPUs it is not implemented")
     model = load_model_config(args.model) if args.model else None  # a bad name fails before the measuring
     if model is not None and args.seq_len > model.context_length:
         raise ConfigError(f"--seq-len {args.seq_len} exceeds {model.name}'s context_length={model.context_length}")
     hw = dataclasses.replace(base, name=name) if args.only_optimizer else calibrate(base, name, ranks, device,
                                                                                     compiled=args.compile)
-    if model is not None:
+    if model is not None and device.type == "cuda":
+        hw = calibrate_host(hw, model, device)
+    elif model is not None:
         hw = calibrate_modes(hw, model, args.seq_len)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text("# Measured by `elastic-trainer calibrate` (elastic_trainer/parallel/calibrate.py).\n"

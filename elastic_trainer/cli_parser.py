@@ -211,8 +211,8 @@ def _add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ranks", default="2,4,8", help="local rank counts for the collective measurements")
     p.add_argument("--compile", action="store_true", help="also measure a block under torch.compile: the planner's "
                                                           "compiled_speedup for jobs run with --compile")
-    p.add_argument("--model", help="also measure each dp mode's optimizer step at this model's shapes (a preset "
-                                   "or TOML file; CPU only)")
+    p.add_argument("--model", help="also measure each dp mode at this model's shapes (a preset or TOML file): on "
+                                   "CPU ranks its optimizer step and excess, on a GPU the host's time per block")
     p.add_argument("--seq-len", type=POSITIVE, default=128, help="sequence length of the --model measurement")
     p.add_argument("--only-optimizer", action="store_true", help="with --model: measure only that, and keep every "
                                                                  "other field from --base")

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,11 +28,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from elastic_trainer.config import TrainConfig, load_model_config  # noqa: E402
-from elastic_trainer.parallel import build_mesh, init_process_group  # noqa: E402
+from elastic_trainer.config import load_model_config  # noqa: E402
+from elastic_trainer.parallel import init_process_group  # noqa: E402
+from elastic_trainer.parallel.calibrate_modes import timed_steps  # noqa: E402
 from elastic_trainer.plan.layout import Layout  # noqa: E402
 
 
@@ -50,42 +49,14 @@ def case_list(models, modes, micro_batches, global_batch, seq_len, probe_seq) ->
 
 
 def run_case(case: dict, global_batch: int, steps: int, warmup: int, device: torch.device, dtype: str) -> dict:
-    from elastic_trainer.train.loop import Trainer
-
-    model = load_model_config(case["model"])
-    seq = case["seq_len"]
     layout = Layout(1, 1, 1, case["micro_batch"], global_batch // case["micro_batch"], dp_mode=case["mode"])
-    cfg = TrainConfig(global_batch=global_batch, seq_len=seq, steps=warmup + steps, seed=0, dtype=dtype,
-                      warmup_steps=1)
-    tokens = np.random.default_rng(0).integers(0, model.vocab_size, 4 * global_batch * (seq + 1)).astype(np.int64)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    trainer = Trainer(model, cfg, layout, build_mesh(layout, device.type), device, tokens=tokens)
-    sync()
-    build_s = time.perf_counter() - t0
-    times, phases = [], []
-    for i in range(warmup + steps):
-        sync()
-        t0 = time.perf_counter()
-        record = trainer.train_step()
-        sync()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-            phases.append(record["phases_s"])
+    r = timed_steps(load_model_config(case["model"]), layout, case["seq_len"], device, dtype, steps, warmup)
     out = dict(case, global_batch=global_batch, num_microbatches=layout.num_microbatches, dtype=dtype,
-               parameters=sum(p.numel() for p in trainer.engine.model.parameters()),
-               build_s=round(build_s, 3), step_s=round(statistics.median(times), 6),
-               steps_s=[round(t, 6) for t in times],
-               phases_s={k: round(statistics.median(p[k] for p in phases), 6) for k in phases[0]},
-               loss=record["loss"])
-    if device.type == "cuda":
-        out["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
-    del trainer, record
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+               parameters=r["parameters"], build_s=round(r["build_s"], 3), step_s=round(r["step_s"], 6),
+               steps_s=[round(t, 6) for t in r["steps_s"]], phases_s={k: round(v, 6) for k, v in r["phases_s"].items()},
+               loss=r["loss"])
+    if "max_memory_gib" in r:
+        out["max_memory_gib"] = round(r["max_memory_gib"], 3)
     return out
 
 
@@ -93,7 +64,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="gpt3-xl,gpt3-medium,gpt3-small")
     p.add_argument("--modes", default="fsdp,ddp,zero1")
-    p.add_argument("--micro-batches", default="1,2,4,8")
+    p.add_argument("--micro-batches", default="1,2,4,8", help="'' for the host probes alone")
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--probe-seq", type=int, default=64)
@@ -110,7 +81,7 @@ def main(argv=None) -> int:
         args.models, args.seq_len, args.probe_seq, args.steps, args.warmup = "gpt-tiny", 32, 8, 2, 1
     init_process_group(device, distributed=False)
     cases = case_list(args.models.split(","), args.modes.split(","),
-                      [int(m) for m in args.micro_batches.split(",")], args.global_batch, args.seq_len,
+                      [int(m) for m in args.micro_batches.split(",") if m], args.global_batch, args.seq_len,
                       args.probe_seq)
     header = dict(device=torch.cuda.get_device_name(0) if gpu else "cpu", torch=torch.__version__,
                   cuda=torch.version.cuda, gpu=gpu, date=time.strftime("%Y-%m-%d"), cases=[])

@@ -134,25 +134,38 @@ def mode_orders(rows: list[dict]) -> list[dict]:
     return out
 
 
+SCREEN_FAILURES: list[dict] = []
+"""Screened layouts whose run failed (a rank killed by the kernel for the host's memory), kept in the results."""
+
+
 def screen(world: int, args, model, req, cands, tokens, ranks: list[int] | None = None) -> list[dict]:
     """The candidates of the given 1-based predicted ranks (all of them by default), a few steps each."""
     cfg = TrainConfig(global_batch=args.global_batch, seq_len=args.seq_len, steps=args.warmup + args.steps,
                       seed=0, dtype="fp32", warmup_steps=1)
     measure(model, cfg, cands[0].layout, tokens, args.warmup)  # unmeasured: the first run of a process is slow
-    rows = []
+    rows, failed = [], []
     for i in [r - 1 for r in ranks] if ranks else range(len(cands)):
         c = cands[i]
         t0 = time.perf_counter()
-        measured, steps = measure(model, cfg, c.layout, tokens, args.warmup)
-        rows.append({"ranks": world, "dp": c.dp, "tp": c.tp, "pp": c.pp, "micro_batch": c.micro_batch,
-                     "num_microbatches": c.num_microbatches, "dp_mode": c.dp_mode,
-                     "predicted_s": round(c.step_time_s, 4), "measured_s": round(measured, 4),
-                     "measured_tokens_per_s": round(req.tokens / measured, 1), "predicted_rank": i + 1,
+        row = {"ranks": world, "dp": c.dp, "tp": c.tp, "pp": c.pp, "micro_batch": c.micro_batch,
+               "num_microbatches": c.num_microbatches, "dp_mode": c.dp_mode,
+               "predicted_s": round(c.step_time_s, 4), "predicted_rank": i + 1}
+        try:
+            measured, steps = measure(model, cfg, c.layout, tokens, args.warmup)
+        except RuntimeError as e:  # a rank killed (out of the host's memory): a finding, the screen goes on
+            failed.append({**row, "error": str(e).splitlines()[0]})
+            print(f"[bench] {world} ranks {i + 1}/{len(cands)} {c.layout.describe()}: FAILED {failed[-1]['error']} "
+                  f"({time.perf_counter() - t0:.0f} s wall)", flush=True)
+            Path(args.out + "-screening.json").write_text(json.dumps({"layouts": rows, "failed": failed}, indent=1))
+            continue
+        rows.append({**row, "measured_s": round(measured, 4), "measured_tokens_per_s": round(req.tokens / measured, 1),
                      "step_s": [round(s, 4) for s in steps]})
+        Path(args.out + "-screening.json").write_text(json.dumps({"layouts": rows, "failed": failed}, indent=1))
         print(f"[bench] {world} ranks {i + 1}/{len(cands)} {c.layout.describe()}: predicted {c.step_time_s:.3f} s, "
               f"measured {measured:.3f} s ({time.perf_counter() - t0:.0f} s wall)", flush=True)
     for r, rank in zip(rows, ranks_of([r["measured_s"] for r in rows])):
         r["measured_rank"] = rank
+    SCREEN_FAILURES.extend(failed)
     return rows
 
 
@@ -218,7 +231,7 @@ def main(argv=None) -> dict:
               "seq_len": args.seq_len, "hardware": hw.name, "steps": args.steps, "warmup": args.warmup,
               "finals": {"finalists": args.finalists, "rounds": args.rounds, "steps": args.final_steps,
                          "warmup": args.final_warmup},
-              "screening_from": args.screening,
+              "screening_from": args.screening, "failed": SCREEN_FAILURES,
               "torch": torch.__version__, "wall_s": round(time.perf_counter() - t0, 1), "summary": summaries,
               "layouts": rows}
     Path(args.out + ".json").write_text(json.dumps(result, indent=1) + "\n")

@@ -41,8 +41,13 @@ from elastic_trainer.plan.step_time import block_flops
 from elastic_trainer.train.optim import implementation
 
 CPU_SHAPES = [(256, 128), (256, 512), (512, 128), (512, 512)]  # (d_model, tokens per micro-batch)
-GPU_SHAPES = [(1024, 1024), (2048, 1024), (2048, 4096), (4096, 2048)]
+GPU_SHAPES = [(1024, 8192), (1024, 16384), (2048, 4096), (2048, 16384), (4096, 4096), (4096, 8192)]
+"""Sequences of GPU_SEQ_LEN, large enough that the device, not the host issuing its kernels, sets the time
+(an H200 on 2026-11-27: the former 1024-4096-token shapes at sequence 128 took 1.6-4 ms, launch-bound, and the
+fit gave 1133 TFLOP/s, above the chip's peak); three widths, so that the block's memory-bound work per token and
+unit of width (`activation_ns`) is told apart from its GEMMs."""
 SEQ_LEN = 128
+GPU_SEQ_LEN = 2048
 LINK_SIZES = [2**14, 2**18, 2**20, 2**22, 2**23]  # bytes per all-reduce
 
 
@@ -81,20 +86,31 @@ def _sync(device: torch.device) -> Callable[[], None]:
 
 
 def measure_blocks(device: torch.device, dtype: torch.dtype, shapes, repeat: int = 3,
-                   compiled: bool = False) -> list[tuple[float, int, float]]:
-    """[(forward+backward FLOPs, tokens, seconds)] of one block per (d_model, tokens) shape; `compiled`: under
-    torch.compile (its first call, which compiles, is not timed)."""
+                   compiled: bool = False, seq_len: int = SEQ_LEN) -> list[tuple[float, int, float]]:
+    """[(forward+backward FLOPs, tokens, seconds)] of one block per (d_model, tokens) shape, in sequences of
+    `seq_len`; `compiled`: under torch.compile (its first call, which compiles, is not timed)."""
     out = []
     for d, tokens in shapes:
-        cfg = ModelConfig(n_layers=1, d_model=d, n_heads=max(1, d // 64), context_length=SEQ_LEN)
+        cfg = ModelConfig(n_layers=1, d_model=d, n_heads=max(1, d // 64), context_length=seq_len)
         block = Block(cfg).to(device, dtype)
         if compiled:
             block.compile()
-        x = torch.randn(tokens // SEQ_LEN, SEQ_LEN, d, device=device, dtype=dtype, requires_grad=True)
+        x = torch.randn(tokens // seq_len, seq_len, d, device=device, dtype=dtype, requires_grad=True)
         grad = torch.randn_like(x)
         seconds = timed(lambda: block(x).backward(grad), repeat, _sync(device))
-        out.append((3 * block_flops(cfg, tokens, SEQ_LEN, 1), tokens, seconds))
+        out.append((3 * block_flops(cfg, tokens, seq_len, 1), tokens, seconds))
+        del block, x, grad
     return out
+
+
+def fit_device(shapes, points: list[tuple[float, int, float]]) -> tuple[float, float, float, float]:
+    """(TFLOP/s, half-rate tokens, activation ns, overhead ms) from GPU block timings at several widths: a
+    non-negative fit of t = F / R + (F / tokens) * h / R + tokens * d * a + c."""
+    rows = [[f, f / n, n * d, 1.0] for (d, _), (f, n, _) in zip(shapes, points)]
+    inv_rate, size, activation, overhead = fit_nonneg(rows, [t for _, _, t in points])
+    if inv_rate <= 0:
+        raise RuntimeError(f"block timings do not grow with FLOPs: {points}")
+    return 1e-12 / inv_rate, size / inv_rate, activation * 1e9, overhead * 1e3
 
 
 def measure_compiled_speedup(device: torch.device, dtype: torch.dtype, shape: tuple[int, int]) -> tuple[float, float]:
@@ -192,14 +208,21 @@ def calibrate(base: Hardware, name: str, worlds: list[int], device: torch.device
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     hw = dataclasses.replace(base, name=name, device=device.type, compute_dtype="bf16" if device.type == "cuda" else "fp32")
     if device.type == "cuda":  # clocks up and cuBLAS's choices made before anything is timed: on an H100 the
-        measure_blocks(device, dtype, GPU_SHAPES[-1:], repeat=20)  # first, smallest shape took longer than the next
-    points = measure_blocks(device, dtype, GPU_SHAPES if device.type == "cuda" else CPU_SHAPES,
-                            repeat=10 if device.type == "cuda" else 3)
+        # first, smallest shape took longer than the next
+        measure_blocks(device, dtype, GPU_SHAPES[-1:], repeat=20, seq_len=GPU_SEQ_LEN)
+        points = measure_blocks(device, dtype, GPU_SHAPES, repeat=10, seq_len=GPU_SEQ_LEN)
+    else:
+        points = measure_blocks(device, dtype, CPU_SHAPES, repeat=3)
     for f, n, t in points:
         say(f"[calibrate] block fwd+bwd {f / 1e9:8.2f} GFLOP, {n:5d} tokens: {t * 1e3:8.2f} ms "
             f"({f / t / 1e9:.1f} GFLOP/s)")
-    tflops, half, overhead = fit_compute(points)
-    hw = dataclasses.replace(hw, tflops=tflops, half_rate_tokens=half, layer_overhead_ms=overhead)
+    if device.type == "cuda":
+        tflops, half, activation, overhead = fit_device(GPU_SHAPES, points)
+        hw = dataclasses.replace(hw, tflops=tflops, half_rate_tokens=half, activation_ns=activation,
+                                 layer_overhead_ms=overhead)
+    else:
+        tflops, half, overhead = fit_compute(points)
+        hw = dataclasses.replace(hw, tflops=tflops, half_rate_tokens=half, layer_overhead_ms=overhead)
     if compiled:
         shape = (GPU_SHAPES if device.type == "cuda" else CPU_SHAPES)[-1]
         speedup, seconds = measure_compiled_speedup(device, dtype, shape)
@@ -213,11 +236,15 @@ def calibrate(base: Hardware, name: str, worlds: list[int], device: torch.device
     if device.type == "cpu":
         hw = _cpu_host(hw, worlds)
     say(f"[calibrate] {hw.tflops * 1e3:.1f} GFLOP/s per rank (half rate at {hw.half_rate_tokens:.0f} tokens, "
-        f"{hw.layer_overhead_ms:.2f} ms per block), {hw.memory_bandwidth_gbs:.1f} GB/s memory, "
+        f"{hw.layer_overhead_ms:.2f} ms per block{_activation(hw)}), {hw.memory_bandwidth_gbs:.1f} GB/s memory, "
         f"{hw.optimizer_ns_per_param:.2f} ns/param optimizer, head {hw.head_tflops * 1e3:.1f} GFLOP/s + "
         f"{hw.logit_ns:.3f} ns/logit, "
         f"links {hw.intra_host_gbs:.2f} GB/s + {hw.intra_host_latency_us:.0f} us")
     return hw
+
+
+def _activation(hw: Hardware) -> str:
+    return f", {hw.activation_ns:.4f} ns per token and width" if hw.activation_ns else ""
 
 
 def _block_seconds(rank: int, world: int) -> float:

@@ -77,6 +77,88 @@ def measure_modes(model: ModelConfig, seq_len: int, ranks: int = 2,
     return out
 
 
+HOST_PROBE_SEQ = 64
+"""Sequence length of the host probe: the device has almost nothing to do, so a step takes what the host
+needs to issue it."""
+HOST_PROBE_MICROBATCHES = 8
+
+
+def timed_steps(model: ModelConfig, layout: Layout, seq_len: int, device: torch.device, dtype: str,
+                steps: int = 3, warmup: int = 2) -> dict:
+    """The trainer's own steps of `model` under `layout` in this process (a process group of one, made here
+    if there is none): {"step_s": median seconds, each step ended by a device synchronization, "phases_s":
+    the median of each phase as the host timed it, "build_s", "parameters", "loss", and on a GPU
+    "max_memory_gib"}. The trainer is dropped (and the device's cache emptied) before it returns."""
+    import gc
+    import statistics
+    import time
+
+    from elastic_trainer.parallel.mesh import init_process_group
+    from elastic_trainer.train.loop import Trainer
+
+    init_process_group(device, distributed=False)
+    cfg = TrainConfig(global_batch=layout.global_batch, seq_len=seq_len, steps=warmup + steps, seed=0, dtype=dtype,
+                      warmup_steps=1)
+    tokens = np.random.default_rng(0).integers(0, model.vocab_size, 4 * cfg.global_batch * (seq_len + 1))
+    gpu = device.type == "cuda"
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    trainer = Trainer(model, cfg, layout, build_mesh(layout, device.type), device, tokens=tokens.astype(np.int64))
+    sync()
+    out = {"build_s": time.perf_counter() - t0,
+           "parameters": sum(local_tensor(t).numel() for _, t in trainer.engine.trained_params())}
+    times, phases = [], []
+    for i in range(warmup + steps):
+        sync()
+        t0 = time.perf_counter()
+        record = trainer.train_step()
+        sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+            phases.append(record["phases_s"])
+    out.update(step_s=statistics.median(times), steps_s=times, loss=record["loss"],
+               phases_s={k: statistics.median(p[k] for p in phases) for k in phases[0]})
+    if gpu:
+        out["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    del trainer, record
+    gc.collect()
+    if gpu:
+        torch.cuda.empty_cache()
+    return out
+
+
+def host_probe_model(model: ModelConfig, free_bytes: float | None) -> ModelConfig:
+    """`model` with as many of its blocks as fit in half of `free_bytes` with their fp32 weights, gradients
+    and AdamW moments (all of them when `free_bytes` is None), at least one."""
+    if free_bytes is None:
+        return model
+    per_block = 12 * model.d_model ** 2 * 18  # weights, fp32 gradient and moments, bf16 copy
+    head = model.vocab_size * model.d_model * 18
+    fits = int(max(0.0, free_bytes / 2 - head) // per_block)
+    layers = max(1, min(model.n_layers, fits))
+    return model if layers == model.n_layers else dataclasses.replace(model, n_layers=layers,
+                                                                      name=f"{model.name}-host-probe")
+
+
+def measure_host(model: ModelConfig, device: torch.device, modes: tuple[str, ...] = DP_MODES,
+                 steps: int = 3, warmup: int = 2) -> dict[str, float]:
+    """{mode: milliseconds the host takes to issue one block's forward and backward for one micro-batch}: the
+    job's model (cut to what fits the device) trained in this process at sequence HOST_PROBE_SEQ, micro-batch 1
+    x HOST_PROBE_MICROBATCHES, in each mode on a group of one; the host's forward-and-backward phase per
+    micro-batch and block (the embedding's, head's and loss's share included, as a job of this model pays it)."""
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    probe = host_probe_model(model, free)
+    dtype = "bf16" if device.type == "cuda" else "fp32"
+    out = {}
+    for mode in modes:
+        layout = Layout(1, 1, 1, 1, HOST_PROBE_MICROBATCHES, dp_mode=mode)
+        phases = timed_steps(probe, layout, HOST_PROBE_SEQ, device, dtype, steps, warmup)["phases_s"]
+        out[mode] = phases["forward_backward"] / HOST_PROBE_MICROBATCHES / probe.n_layers * 1e3
+    return out
+
+
 def fitted(hw: Hardware, model: ModelConfig, seq_len: int, measured: dict[str, tuple[dict, int]],
            ranks: int = 2) -> Hardware:
     """`hw` with each measured mode's optimizer and hooks figures (see the module's docstring)."""

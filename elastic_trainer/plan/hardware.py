@@ -44,6 +44,10 @@ class Hardware:
     """Tokens per micro-batch at which a block's GEMMs run at half of `tflops` (0: no size effect)."""
     layer_overhead_ms: float = 0.0
     """Fixed time of one block's forward + backward (kernel launches, framework overhead)."""
+    activation_ns: float = 0.0
+    """A block's memory-bound work beside its GEMMs (norms, activation functions, residual adds, the
+    attention's layout changes), forward + backward, per token and per unit of width on one tp rank (ns):
+    what makes narrow models run their FLOPs slower than wide ones at the same tokens (0: not charged)."""
     compiled_speedup: float = 1.0
     """How many times faster a block's forward + backward runs under torch.compile (--compile) than eager:
     measured by `calibrate --compile`; 1.0 (no gain assumed) where it was not measured."""
@@ -68,6 +72,15 @@ class Hardware:
     """The same for ddp."""
     zero1_hooks_ns_per_param: float = 0.0
     """The same for zero1."""
+    fsdp_host_block_ms: float = 0.0
+    """On a GPU: the host's time to issue one block's forward and backward for one micro-batch under fsdp
+    (Python, the modules' and FSDP2's hooks, kernel launches), measured at a job's model (`calibrate --model`
+    on the GPU). The device runs behind the host, so a micro-batch takes the longer of the two (0: not
+    measured; `layer_overhead_ms` is added to the device's time instead)."""
+    ddp_host_block_ms: float = 0.0
+    """The same under ddp."""
+    zero1_host_block_ms: float = 0.0
+    """The same under zero1."""
     optimizer_shapes: str = ""
     """The model whose shapes the per-mode figures were measured at (empty: none measured)."""
     intra_host_gbs: float = 300.0
@@ -140,6 +153,18 @@ class Hardware:
     def hooks_ns(self, dp_mode: str) -> float:
         """The mode's measured excess per stage parameter (ns), 0 where none was measured."""
         return getattr(self, f"{dp_mode}_hooks_ns_per_param", 0.0)
+
+    def host_block_ms(self, dp_mode: str) -> float:
+        """The host's time per block and micro-batch under `dp_mode` on an asynchronous device (ms), 0 where
+        none was measured (and always on `shared_host` CPU ranks, which compute as they issue)."""
+        return 0.0 if self.shared_host else getattr(self, f"{dp_mode}_host_block_ms", 0.0)
+
+    @property
+    def host_measured(self) -> bool:
+        """A GPU profile whose host times were measured (`calibrate --model` on the GPU): the step-time model
+        then also charges FSDP2's copies in device memory (plan/step_time.py `wrapper_bytes`), as the figures it
+        was checked with did. A data-sheet profile's `tflops` lumps such work into its sustained rate."""
+        return not self.shared_host and any(self.host_block_ms(m) for m in ("fsdp", "ddp", "zero1"))
 
     @property
     def usable_bytes(self) -> float:

@@ -132,7 +132,10 @@ def stage_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw:
     head_rate = (hw.head_tflops or hw.tflops) * 1e12
     n_blocks = len(stage_layers(model.n_layers, layout.pp)[stage])
     passes = 4 if layout.recompute else 3  # forward, backward (2x), recomputed forward
-    block = passes * block_flops(model, tokens, seq_len, layout.tp) / rate + hw.layer_overhead_ms * 1e-3
+    host = hw.host_block_ms(layout.dp_mode) * 1e-3 * passes / 3  # issuing a block (0: not measured)
+    block = (passes * block_flops(model, tokens, seq_len, layout.tp) / rate
+             + passes / 3 * tokens * model.d_model / layout.tp * hw.activation_ns * 1e-9
+             + (0.0 if host else hw.layer_overhead_ms * 1e-3))
     compute = n_blocks * block / block_speedup
     emb_grad = 2 * model.vocab_size * model.d_model * MASTER_BYTES / (hw.memory_bandwidth_gbs * 1e9)
     if stage == 0:
@@ -140,14 +143,39 @@ def stage_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw:
     if layout.dp_mode == "zero1":  # the hooks add every gradient into the fp32 buffer
         grads = stage_numel(model, layout, stage) * (DTYPE_BYTES[dtype] + 2 * MASTER_BYTES)
         compute += grads / (hw.memory_bandwidth_gbs * 1e9)
+    elif hw.host_measured:  # FSDP2's casts and copies around its collectives (CPU profiles: hooks_ns)
+        per_microbatch, _ = wrapper_bytes(layout, dtype)
+        compute += stage_numel(model, layout, stage) * per_microbatch / (hw.memory_bandwidth_gbs * 1e9)
     if stage == layout.pp - 1:
         logits = tokens * model.vocab_size
         compute += 3 * head_flops(model, tokens) / head_rate + logits * hw.logit_ns * 1e-9 + emb_grad
+    if host:  # the device runs behind the host: a micro-batch takes the longer of the two
+        compute = max(compute, n_blocks * host)
     hidden = tokens * model.d_model * DTYPE_BYTES[dtype]
     per_block = (6 if layout.recompute else 4) * links.tp.all_reduce(hidden, layout.tp)
     sends = (stage > 0) + (stage < layout.pp - 1)  # activation forward, its gradient backward
     p2p = sends * links.pp.send(hidden)
     return StageTime(compute, n_blocks * per_block, p2p, n_blocks * block / block_speedup)
+
+
+def wrapper_bytes(layout: Layout, dtype: str) -> tuple[float, float]:
+    """(per micro-batch, per step) bytes that fsdp and ddp (FSDP2, mixed precision) move in device memory per
+    parameter of the stage around their collectives, on the device (zero1's are charged apart): an unshard
+    casts the fp32 shard into the all-gather's input (read 4, write e per shard element), gathers it (the
+    collective writes e) and copies it out into the parameters (read e, write e); a gradient reduction casts the
+    gradient to fp32 into the reduce-scatter's input (read e, write 4), which writes the fp32 shard, added into
+    the sharded gradient (read 4 + 4, write 4). fsdp without a pipeline unshards in forward and again in
+    backward and reduces every micro-batch, with one it does each once per step; ddp unshards every
+    micro-batch and reduces once per step. Byte counts from FSDP2's path, not measured one by one; the sum was
+    checked against one GPU (benchmarks/gpu/README.md)."""
+    e, dp = DTYPE_BYTES[dtype], layout.dp
+    unshard = (MASTER_BYTES + e) / dp + 4 * e
+    reduce = e + MASTER_BYTES + 4 * MASTER_BYTES / dp
+    if layout.dp_mode == "fsdp":
+        return (2 * unshard + reduce, 0.0) if layout.pp == 1 else (0.0, unshard + reduce)
+    if layout.dp_mode == "ddp":
+        return unshard, reduce
+    return 0.0, 0.0
 
 
 def _exposed(comm: float, window: float, overlap: float) -> float:
@@ -248,7 +276,7 @@ def step_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw: 
         pipeline = max(pipeline, shared + a * max(t.tp_comm + t.p2p for t in stages))
         optimizer = sum(local) * copies * hw.optimizer_ns(layout.dp_mode) * 1e-9 / cores
     return StepTime(pipeline, dp, optimizer, (layout.pp - 1) / (a + layout.pp - 1), tuple(stages), pipeline - alone,
-                    tied, after, hooks_time(model, layout, hw, hosts))
+                    tied, after, hooks_time(model, layout, hw, hosts, dtype))
 
 
 def collectives(layout: Layout) -> int:
@@ -261,8 +289,13 @@ def collectives(layout: Layout) -> int:
     return 1 if layout.dp_mode == "ddp" else 2
 
 
-def hooks_time(model: ModelConfig, layout: Layout, hw: Hardware, hosts: Topology) -> float:
-    """The mode's measured excess per step: per parameter of the largest stage and per collective."""
+def hooks_time(model: ModelConfig, layout: Layout, hw: Hardware, hosts: Topology, dtype: str = "bf16") -> float:
+    """The mode's own work per step beyond its collectives: on CPU ranks its measured excess per parameter of
+    the largest stage and per collective; on a GPU whose host was measured the per-step part of
+    `wrapper_bytes`."""
+    if hw.host_measured:
+        whole = max(stage_numel(model, layout, s) for s in range(layout.pp))
+        return whole * wrapper_bytes(layout, dtype)[1] / (hw.memory_bandwidth_gbs * 1e9)
     ns = hw.hooks_ns(layout.dp_mode)
     if not ns or layout.dp == 1:
         return 0.0

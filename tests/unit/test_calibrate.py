@@ -154,6 +154,17 @@ def test_fit_compute_refuses_block_timings_that_do_not_grow_with_flops():
     assert str(err.value) == f"block timings do not grow with FLOPs: {points}"
 
 
+def test_fit_device_tells_the_width_term_from_the_gemms():
+    # t = f / 5e14 + (f / n) * 300 / 5e14 + n * d * 2e-11 + 1e-4 at three widths: 500 TFLOP/s, half rate at 300
+    # tokens, 0.02 ns per token and unit of width, 0.1 ms
+    shapes = calibrate.GPU_SHAPES
+    points = []
+    for d, n in shapes:
+        f = 3 * (24 * n * d * d + 2 * n * 2048 * d)
+        points.append((f, n, f / 5e14 + f / n * 300 / 5e14 + n * d * 2e-11 + 1e-4))
+    assert calibrate.fit_device(shapes, points) == pytest.approx((500.0, 300.0, 0.02, 0.1), rel=1e-6)
+
+
 def test_fit_compute_converts_units():
     # t = f / 1e11 + (f / n) * 64 / 1e11 + 0.001: 0.1 TFLOP/s, half rate at 64 tokens, 1 ms overhead
     points = [(f, n, f / 1e11 + f / n * 64 / 1e11 + 0.001) for f, n in [(1e9, 128), (4e9, 512), (4e9, 128),
@@ -519,14 +530,18 @@ def measured(monkeypatch, threads):
     seed0 = torch.Generator().manual_seed(0)
     seen["seed0"] = torch.randn(4, generator=seed0)
 
-    def blocks(device, dtype, shapes, repeat=3):
-        seen.setdefault("block_calls", []).append((shapes, repeat))
+    def blocks(device, dtype, shapes, repeat=3, seq_len=calibrate.SEQ_LEN):
+        seen.setdefault("block_calls", []).append((shapes, repeat, seq_len))
         seen.update(blocks=(device, dtype, shapes), threads=torch.get_num_threads(), draw=torch.randn(4))
         return POINTS
 
     def fit(points):
         seen["fit"] = points
         return 0.1234, 40.4, 2.3456
+
+    def fit_device(shapes, points):
+        seen["fit"], seen["fit_shapes"] = points, shapes
+        return 0.1234, 40.4, 0.0125, 2.3456
 
     def head(device, dtype):
         seen["head"] = (device, dtype)
@@ -544,7 +559,7 @@ def measured(monkeypatch, threads):
         seen["cpu_host"] = (hw, worlds)
         return dataclasses.replace(hw, intra_host_gbs=1.25, intra_host_latency_us=75.0)
 
-    for name, fn in [("measure_blocks", blocks), ("fit_compute", fit), ("measure_head", head),
+    for name, fn in [("measure_blocks", blocks), ("fit_compute", fit), ("fit_device", fit_device), ("measure_head", head),
                      ("measure_memory_bandwidth", memory), ("measure_optimizer", optimizer), ("_cpu_host", cpu_host)]:
         monkeypatch.setattr(calibrate, name, fn)
     torch.set_num_threads(2)
@@ -559,14 +574,18 @@ def test_calibrate_on_cuda_measures_bf16_on_the_device_and_keeps_the_links(measu
     cuda, lines = torch.device("cuda"), []
     base = dataclasses.replace(BASE, memory_gb=80.0, reserved_gb=3.0)
     hw = calibrate.calibrate(base, "gpu-here", [2, 4], cuda, say=lines.append)
-    assert hw == dataclasses.replace(base, name="gpu-here", device="cuda", compute_dtype="bf16", **MEASURED)
+    assert hw == dataclasses.replace(base, name="gpu-here", device="cuda", compute_dtype="bf16", activation_ns=0.0125,
+                                     **MEASURED)
     assert measured["blocks"] == (cuda, torch.bfloat16, calibrate.GPU_SHAPES)
-    # a warm-up at the largest shape first (clocks, cuBLAS's choices), then every shape, 10 times each
-    assert measured["block_calls"] == [(calibrate.GPU_SHAPES[-1:], 20), (calibrate.GPU_SHAPES, 10)]
+    # a warm-up at the largest shape first (clocks, cuBLAS's choices), then every shape, 10 times each, all in
+    # sequences of GPU_SEQ_LEN
+    assert measured["block_calls"] == [(calibrate.GPU_SHAPES[-1:], 20, 2048), (calibrate.GPU_SHAPES, 10, 2048)]
     assert (measured["head"], measured["memory"], measured["optimizer"]) == ((cuda, torch.bfloat16), cuda, cuda)
-    assert measured["fit"] == POINTS and "cpu_host" not in measured
+    assert measured["fit"] == POINTS and measured["fit_shapes"] == calibrate.GPU_SHAPES
+    assert "cpu_host" not in measured
     assert lines == POINT_LINES + [
-        "[calibrate] 123.4 GFLOP/s per rank (half rate at 40 tokens, 2.35 ms per block), 12.3 GB/s memory, "
+        "[calibrate] 123.4 GFLOP/s per rank (half rate at 40 tokens, 2.35 ms per block, 0.0125 ns per token and "
+        "width), 12.3 GB/s memory, "
         "3.46 ns/param optimizer, head 56.7 GFLOP/s + 1.500 ns/logit, links 7.00 GB/s + 9 us"]
 
 
@@ -576,7 +595,7 @@ def test_calibrate_on_cpu_measures_fp32_with_one_thread_from_seed_0_and_the_host
     assert measured["cpu_host"] == (measured_hw, [2, 3])
     assert hw == dataclasses.replace(measured_hw, intra_host_gbs=1.25, intra_host_latency_us=75.0)
     assert measured["blocks"] == (CPU, torch.float32, calibrate.CPU_SHAPES)
-    assert measured["block_calls"] == [(calibrate.CPU_SHAPES, 3)]
+    assert measured["block_calls"] == [(calibrate.CPU_SHAPES, 3, calibrate.SEQ_LEN)]
     assert (measured["head"], measured["memory"], measured["optimizer"]) == ((CPU, torch.float32), CPU, CPU)
     assert measured["threads"] == 1 and torch.get_num_threads() == 1
     assert torch.equal(measured["draw"], measured["seed0"])

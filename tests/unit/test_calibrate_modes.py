@@ -109,3 +109,42 @@ def test_calibrate_model_refuses_bad_requests_before_measuring(tmp_path, capsys)
                      "--output", out]) == 2
     assert cli.main(["calibrate", "--base", "h100-80g", "--model", "gpt-tiny", "--only-optimizer", "--output", out]) == 2
     assert "is a cuda profile" in capsys.readouterr().err
+
+
+# --- the host probe (calibrate --model on a GPU) ----------------------------------------------------------------
+
+
+def test_the_host_probe_keeps_the_model_where_it_fits_and_cuts_it_where_it_does_not():
+    xl = load_model_config("gpt3-xl")
+    assert calibrate_modes.host_probe_model(xl, None) is xl
+    assert calibrate_modes.host_probe_model(xl, 139e9) is xl  # 24 blocks x 0.91 GB + 1.85 GB < 69.5 GB
+    # by hand: a block holds 12 d^2 = 50.3 M parameters at 18 bytes (0.906 GB), the embedding 1.853 GB; half of
+    # 10 GB leaves room for 3 blocks, half of 1 GB for none (one is kept)
+    assert calibrate_modes.host_probe_model(xl, 10e9).n_layers == 3
+    assert calibrate_modes.host_probe_model(xl, 1e9).n_layers == 1
+    assert calibrate_modes.host_probe_model(xl, 10e9).d_model == xl.d_model
+
+
+def test_the_host_probe_divides_the_host_s_forward_and_backward_by_micro_batches_and_blocks(monkeypatch):
+    asked = []
+
+    def steps(model, layout, seq_len, device, dtype, steps, warmup):
+        asked.append((model.n_layers, layout, seq_len, dtype))
+        return {"phases_s": {"forward_backward": {"fsdp": 0.96, "ddp": 0.48, "zero1": 0.24}[layout.dp_mode]}}
+
+    monkeypatch.setattr(calibrate_modes, "timed_steps", steps)
+    tiny = load_model_config("gpt-tiny")
+    got = calibrate_modes.measure_host(tiny, torch.device("cpu"))
+    per = 1e3 / 8 / tiny.n_layers  # ms per second of the phase, 8 micro-batches
+    assert got == pytest.approx({"fsdp": 0.96 * per, "ddp": 0.48 * per, "zero1": 0.24 * per})
+    assert asked == [(tiny.n_layers, Layout(1, 1, 1, 1, 8, dp_mode=m), 64, "fp32") for m in ("fsdp", "ddp", "zero1")]
+
+
+def test_the_host_probe_trains_the_job_s_model_in_each_mode_for_real():
+    """measure_host end to end on one CPU rank (a forked process: it forms its process group of one)."""
+    from elastic_trainer.parallel.local_ranks import run_ranks
+
+    tiny = dataclasses.replace(load_model_config("gpt-tiny"), n_layers=2)
+    got = run_ranks(lambda rank, world: calibrate_modes.measure_host(tiny, torch.device("cpu"), ("zero1", "ddp"),
+                                                                     steps=1, warmup=1), 1)[0]
+    assert set(got) == {"zero1", "ddp"} and all(0 < ms < 1000 for ms in got.values())

@@ -168,3 +168,68 @@ def test_a_compiled_job_runs_its_blocks_compiled_speedup_times_faster():
     request = Request(model, 1, 8, seq, hw, 8, dtype="bf16")
     assert evaluate(request, layout).time.total == pytest.approx(eager)
     assert evaluate(dataclasses.replace(request, compiled=True), layout).time.total == pytest.approx(compiled)
+
+
+# --- a GPU whose host was measured (calibrate --model on the GPU) -----------------------------------------------
+
+STAGE_PARAMS = 4 * BLOCK_PARAMS + ROOT_PARAMS  # the one stage's parameters (tied embedding once)
+
+
+def test_the_host_s_time_per_block_bounds_a_micro_batch_when_it_exceeds_the_device_s():
+    slow_host = dataclasses.replace(HW, zero1_host_block_ms=1.0)  # 4 blocks: 4 ms per micro-batch on the host
+    zero1_adds = STAGE_PARAMS * (4 + 2 * 4) / 512e3  # us: the gradient adds into the fp32 buffer
+    copy = STAGE_PARAMS * 2 * 4 / 512e3              # us: the gathered weights into the parameters
+    device = 4 * BLOCK + HEAD + 2 * EMB + zero1_adds
+    assert device < 4000
+    assert predicted_us(Layout(1, 1, 1, 2, 3, dp_mode="zero1"), slow_host) == pytest.approx(3 * 4000 + copy)
+    fast_host = dataclasses.replace(HW, zero1_host_block_ms=0.001)  # the device's time wins
+    assert predicted_us(Layout(1, 1, 1, 2, 3, dp_mode="zero1"), fast_host) == pytest.approx(3 * device + copy)
+
+
+def test_recompute_makes_the_host_issue_a_third_more():
+    slow_host = dataclasses.replace(HW, fsdp_host_block_ms=1.0)
+    step = step_time(MODEL, Layout(1, 1, 1, 2, 1, recompute=True), SEQ, "fp32", slow_host, 8)
+    assert step.stages[0].compute == pytest.approx(4 * 4 / 3 * 1e-3)
+
+
+def test_layer_overhead_is_not_charged_where_the_host_s_time_is_known():
+    overhead = dataclasses.replace(HW, layer_overhead_ms=0.001)  # 1 us per block
+    assert predicted_us(Layout(1, 1, 1, 2, 1), overhead) - predicted_us(Layout(1, 1, 1, 2, 1)) == pytest.approx(4.0)
+    hosted = dataclasses.replace(overhead, fsdp_host_block_ms=1e-6)
+    plain_hosted = dataclasses.replace(HW, fsdp_host_block_ms=1e-6)
+    assert predicted_us(Layout(1, 1, 1, 2, 1), hosted) == pytest.approx(predicted_us(Layout(1, 1, 1, 2, 1),
+                                                                                     plain_hosted))
+
+
+def test_fsdp2s_copies_are_charged_by_bytes_only_on_a_gpu_whose_host_was_measured():
+    # by hand, bf16 (e = 2) on one rank, bytes per parameter: an unshard reads 4 and writes 2 (the cast into the
+    # all-gather's input), the gather writes 2, the copy-out reads 2 and writes 2: 14 (with the collective's
+    # read of its input, (4 + e) / dp + 4e); a reduction reads 2, writes 4 (the cast), the reduce-scatter writes
+    # 4, the add into the sharded gradient reads 8 and writes 4: e + 4 + 16 / dp = 22
+    hosted = dataclasses.replace(HW, fsdp_host_block_ms=1e-6, ddp_host_block_ms=1e-6, zero1_host_block_ms=1e-6)
+
+    def us(layout, hw):
+        return step_time(MODEL, layout, SEQ, "bf16", hw, 8).total * 1e6
+
+    for mode, per_microbatch, per_step in [("fsdp", 2 * 14 + 22, 0), ("ddp", 14, 22)]:
+        layout = Layout(1, 1, 1, 2, 3, dp_mode=mode)
+        extra = us(layout, hosted) - us(layout, dataclasses.replace(hosted, fsdp_host_block_ms=0.0,
+                                                                     ddp_host_block_ms=0.0, zero1_host_block_ms=0.0))
+        assert extra == pytest.approx(STAGE_PARAMS * (3 * per_microbatch + per_step) / 512e3), mode
+    # with a pipeline fsdp gathers and reduces once per step: 14 + 22 on the larger stage
+    two = Layout(1, 1, 2, 2, 3, dp_mode="fsdp")
+    step, plain = (step_time(MODEL, two, SEQ, "bf16", hw, 8) for hw in (hosted, HW))
+    larger = max(2 * BLOCK_PARAMS + 1000 * 64 + 32 * 64, 2 * BLOCK_PARAMS + 1000 * 64 + 2 * 64)
+    assert step.hooks - plain.hooks == pytest.approx(larger * 36 / 512e9)
+    # a data-sheet profile (no host time measured) lumps such work into its sustained rate: nothing added
+    assert us(Layout(1, 1, 1, 2, 3, dp_mode="ddp"), HW) == pytest.approx(
+        step_time(MODEL, Layout(1, 1, 1, 2, 3, dp_mode="ddp"), SEQ, "bf16", HW, 8).total * 1e6)
+    assert step_time(MODEL, Layout(1, 1, 1, 2, 3, dp_mode="ddp"), SEQ, "bf16", HW, 8).hooks == 0.0
+
+
+def test_the_activation_term_is_per_token_and_unit_of_width_on_each_tp_rank():
+    act = dataclasses.replace(HW, activation_ns=1.0)  # 1 ns per token and unit of width
+    # micro-batch 2: 64 tokens x 64 wide = 4.096 us per block, 4 blocks, 3 micro-batches
+    assert predicted_us(Layout(1, 1, 1, 2, 3), act) - predicted_us(Layout(1, 1, 1, 2, 3)) == pytest.approx(3 * 4 * 4.096)
+    tp2 = Layout(1, 2, 1, 2, 1)
+    assert predicted_us(tp2, act) - predicted_us(tp2) == pytest.approx(4 * 4.096 / 2)

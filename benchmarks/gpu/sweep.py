@@ -13,7 +13,7 @@ host needs to issue it (Python, the modules' and the data-parallel wrappers' hoo
 The cases run in one process (the check-up's starts one job per case: ~10 s each): one CUDA context, one
 process group of one. `--out` is rewritten after every case, so a run stopped at a time limit keeps what it
 measured. The planner's predictions are not made here (the profile they need is what this measures):
-`benchmarks/gpu/fit.py` reads the file.
+`benchmarks/gpu/predict.py` sets the step-time model beside them.
 """
 
 from __future__ import annotations

@@ -15,7 +15,10 @@ work) with one intra-op thread per rank, as the trainer runs its ranks on a CPU:
   the same figures serve intra- and inter-host links; gloo's reduce-scatter costs an all-reduce);
 - the block again on as many forked ranks as there are cores at once: their speed-up over one rank is
   `compute_units`, the parallel compute the host's ranks share.
-On a CUDA device the compute figures are measured on it and the link figures are kept from --base.
+On a CUDA device the compute figures are measured on it and the link figures are kept from --base; its blocks
+run at device-bound shapes of three widths in sequences of 2048 (GPU_SHAPES), fitted with a fourth term per
+token and unit of width (`activation_ns`: norms, activations, residual adds). `calibrate --model M` on a GPU
+adds the host's time per block in each dp mode at M (parallel/calibrate_modes.py `measure_host`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """`calibrate --model M`: what each data-parallel mode costs at the job's shapes, beyond the common figures.
 
+On a GPU (`measure_host`): the host's time to issue a block's forward and backward per micro-batch in each
+mode, from the job's model trained in this process at a sequence so short that the device waits on the host.
+The rest of this docstring is the CPU ranks' measurement.
+
 Two things `calibrate`'s small shapes do not show (benchmarks/planner/README.md, gpt3-small on 4 ranks):
 - **The optimizer step.** Clipping squares each gradient into a temporary of its size (gpt3-small's
   embedding is 154 MB), new pages every step for large tensors, and the modes clip and update different

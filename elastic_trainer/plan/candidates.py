@@ -177,8 +177,13 @@ def candidates_for(req: Request, dp: int, tp: int, pp: int) -> list[Candidate]:
     """Every micro-batch, mode and recompute setting of valid degrees (dp, tp, pp)."""
     share = req.global_batch // dp
     micros = [req.micro_batch] if req.micro_batch is not None else divisors(share)
-    # with dp = 1 fsdp and ddp run alike; zero1 keeps its buffers (worse), so it stands in only when alone
-    modes = req.dp_modes if dp > 1 else [m for m in req.dp_modes if m != "zero1"][:1] or req.dp_modes[:1]
+    # with dp = 1 the model predicts fsdp and ddp alike and zero1 (its buffers) worse, so one stands in for all;
+    # where the profile holds each mode's measured host time (a GPU) they differ: one H200 ran GPT-3 XL
+    # fastest in zero1 at every micro-batch (benchmarks/gpu/README.md), so every mode is a candidate
+    if dp > 1 or req.hardware.host_measured:
+        modes = req.dp_modes
+    else:
+        modes = [m for m in req.dp_modes if m != "zero1"][:1] or req.dp_modes[:1]
     return [evaluate(req, Layout(dp, tp, pp, m, share // m, dp_mode=mode, recompute=rc))
             for m in micros for mode in modes for rc in req.recompute]
 

@@ -25,7 +25,8 @@ def terms(req: Request, layout: Layout) -> list[tuple[str, float]]:
     passes = "forward + backward" + (" + recomputed forward" if layout.recompute else "")
     rest = "output head and embedding gradient" + (", zero1's gradient adds" if layout.dp_mode == "zero1" else "")
     rows = [(f"transformer blocks ({passes}){', compiled' if req.compiled else ''}", a * slowest.blocks),
-            (rest, a * (slowest.compute - slowest.blocks)),
+            (rest, a * (slowest.compute - slowest.blocks - slowest.host_wait)),
+            ("the device waiting on the host issuing its kernels", a * slowest.host_wait),
             ("tensor-parallel all-reduces", a * slowest.tp_comm),
             ("pipeline sends between stages", a * slowest.p2p),
             ("pipeline fill and drain", sum(s.total for s in t.stages) - slowest.total),
@@ -33,7 +34,8 @@ def terms(req: Request, layout: Layout) -> list[tuple[str, float]]:
             (f"data-parallel communication not hidden ({layout.dp_mode})" + (", tied embedding" if layout.pp > 1
                                                                              else ""), t.dp_comm),
             ("optimizer step (clipping + AdamW)", t.optimizer),
-            (f"{layout.dp_mode}'s measured excess (calibrate --model)", t.hooks)]
+            (f"{layout.dp_mode}'s measured excess (calibrate --model)" if req.hardware.shared_host
+             else f"{layout.dp_mode}'s casts and copies around its collectives, per step", t.hooks)]
     return rows
 
 

@@ -6,7 +6,14 @@
   rate is `tflops` scaled by t / (t + half_rate_tokens) (small GEMMs run slower), plus a fixed time per
   block and memory-bound work at `memory_bandwidth_gbs`: softmax cross-entropy per logit, the embedding
   gradient, and in zero1 the hooks moving every gradient into the fp32 buffer (read e bytes, read and
-  write 4; the first micro-batch's copy reads 4 fewer, left out).
+  write 4; the first micro-batch's copy reads 4 fewer, left out). Where the profile says (`activation_ns`),
+  a block's memory-bound work per token and unit of width is added.
+- **The host** (GPU profiles whose host was measured, `calibrate --model` on the GPU): the device runs
+  behind the host that issues its kernels, so a micro-batch on a stage takes the longer of the device's
+  time and the host's (`{mode}_host_block_ms` per block; FSDP2's hooks make fsdp's 2.5x zero1's on an H200),
+  and the fixed time per block (`layer_overhead_ms`, the launches) is the host's and is not added. Such
+  profiles also charge FSDP2's casts and copies around its collectives by bytes (`wrapper_bytes`), which a
+  data-sheet profile's sustained rate lumps in.
 - **Tensor parallel**: 2 all-reduces of the (micro_batch, seq, d_model) activation per block in forward,
   2 in backward (2 more when recomputing), at intra-host bandwidth, not overlapped.
 - **Pipeline**: stage i takes t_i per micro-batch (compute, tp all-reduces, point-to-point sends);
@@ -117,6 +124,9 @@ class StageTime:
     p2p: float
     blocks: float = 0.0
     """The transformer blocks' part of `compute` (the rest: output head, embedding gradient, zero1's adds)."""
+    host_wait: float = 0.0
+    """The part of `compute` the device waits on the host issuing its kernels (GPU profiles whose host was
+    measured: what the host's time per micro-batch exceeds the device's by)."""
 
     @property
     def total(self) -> float:
@@ -149,13 +159,13 @@ def stage_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw:
     if stage == layout.pp - 1:
         logits = tokens * model.vocab_size
         compute += 3 * head_flops(model, tokens) / head_rate + logits * hw.logit_ns * 1e-9 + emb_grad
-    if host:  # the device runs behind the host: a micro-batch takes the longer of the two
-        compute = max(compute, n_blocks * host)
+    host_wait = max(0.0, n_blocks * host - compute)  # the device runs behind the host: the longer of the two
+    compute += host_wait
     hidden = tokens * model.d_model * DTYPE_BYTES[dtype]
     per_block = (6 if layout.recompute else 4) * links.tp.all_reduce(hidden, layout.tp)
     sends = (stage > 0) + (stage < layout.pp - 1)  # activation forward, its gradient backward
     p2p = sends * links.pp.send(hidden)
-    return StageTime(compute, n_blocks * per_block, p2p, n_blocks * block / block_speedup)
+    return StageTime(compute, n_blocks * per_block, p2p, n_blocks * block / block_speedup, host_wait)
 
 
 def wrapper_bytes(layout: Layout, dtype: str) -> tuple[float, float]:

@@ -559,7 +559,8 @@ def measured(monkeypatch, threads):
         seen["cpu_host"] = (hw, worlds)
         return dataclasses.replace(hw, intra_host_gbs=1.25, intra_host_latency_us=75.0)
 
-    for name, fn in [("measure_blocks", blocks), ("fit_compute", fit), ("fit_device", fit_device), ("measure_head", head),
+    for name, fn in [("measure_blocks", blocks), ("fit_compute", fit), ("fit_device", fit_device),
+                     ("measure_head", head),
                      ("measure_memory_bandwidth", memory), ("measure_optimizer", optimizer), ("_cpu_host", cpu_host)]:
         monkeypatch.setattr(calibrate, name, fn)
     torch.set_num_threads(2)

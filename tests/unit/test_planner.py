@@ -262,3 +262,17 @@ def test_json_has_chosen_and_ranked_candidates():
     assert out["chosen"] == candidate_dict(result.chosen, result.request) == out["candidates"][0]
     assert out["compare"]["step_time_s"] >= out["chosen"]["step_time_s"]
     assert all("reason" in r for r in out["rejected"])
+
+
+def test_one_gpu_considers_every_dp_mode_only_where_the_host_was_measured():
+    """At dp = 1 a data-sheet profile predicts fsdp and ddp alike and zero1 worse, so fsdp stands in for all; a
+    profile with each mode's measured host time (h200) tells them apart, and zero1 was measured fastest there."""
+    xl = load_model_config("gpt3-xl")
+
+    def modes(hw):
+        return {c.dp_mode for c in enumerate_candidates(Request(xl, 1, 8, 2048, load_hardware(hw), 1))}
+
+    assert modes("h100-80g") == {"fsdp"}
+    assert modes("h200") == {"fsdp", "ddp", "zero1"}
+    best = plan(Request(xl, 1, 8, 2048, load_hardware("h200"), 1)).candidates[0]
+    assert (best.dp_mode, best.micro_batch, best.recompute) == ("zero1", 8, False)  # the fastest measured

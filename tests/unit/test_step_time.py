@@ -230,6 +230,7 @@ def test_fsdp2s_copies_are_charged_by_bytes_only_on_a_gpu_whose_host_was_measure
 def test_the_activation_term_is_per_token_and_unit_of_width_on_each_tp_rank():
     act = dataclasses.replace(HW, activation_ns=1.0)  # 1 ns per token and unit of width
     # micro-batch 2: 64 tokens x 64 wide = 4.096 us per block, 4 blocks, 3 micro-batches
-    assert predicted_us(Layout(1, 1, 1, 2, 3), act) - predicted_us(Layout(1, 1, 1, 2, 3)) == pytest.approx(3 * 4 * 4.096)
+    one = Layout(1, 1, 1, 2, 3)
+    assert predicted_us(one, act) - predicted_us(one) == pytest.approx(3 * 4 * 4.096)
     tp2 = Layout(1, 2, 1, 2, 1)
     assert predicted_us(tp2, act) - predicted_us(tp2) == pytest.approx(4 * 4.096 / 2)

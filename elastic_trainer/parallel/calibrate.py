@@ -132,8 +132,11 @@ def fit_compute(points: list[tuple[float, int, float]]) -> tuple[float, float, f
 
 
 HEAD_SHAPES = [(256, 8192), (512, 8192), (256, 32768), (512, 32768)]  # (d_model, vocab), 256 tokens
-GPU_HEAD_SHAPES = [(1024, 16384), (2048, 16384), (1024, 50304), (2048, 50304)]  # 4096 tokens: on an H100 the
-# CPU shapes take 0.3-0.5 ms, launch-bound, and their times did not grow with FLOPs (a lease on 2026-11-26)
+GPU_HEAD_SHAPES = [(768, 50257), (1024, 50257), (2048, 50257), (4096, 50257)]
+"""4096 tokens (on an H100 the CPU shapes took 0.3-0.5 ms, launch-bound, and their times did not grow with
+FLOPs: a lease on 2026-11-26) at the presets' vocabulary, GPT-2's 50257: not a multiple of 8, so cuBLAS runs
+the head's GEMMs with alignment-1 kernels. On an H200 they ran at ~120 TFLOP/s in a GPT-3 step against the
+~800 this fit gave at 50304 (benchmarks/gpu/profile_step.py, 2026-11-27)."""
 
 
 def measure_head(device: torch.device, dtype: torch.dtype, tokens: int | None = None,

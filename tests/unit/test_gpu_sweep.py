@@ -31,7 +31,7 @@ def test_the_measured_h200_profile_picks_the_fastest_case_and_orders_the_dp_mode
         assert s["chosen_over_best"] == 1.0, model
         assert sum(m == p for _, m, p in s["orders"]) >= 3, (model, s["orders"])
     assert got["gpt3-xl"]["median_error"] <= 0.10  # the model calibrate measured at
-    assert all(s["median_error"] <= 0.25 for s in got.values())
+    assert all(s["median_error"] <= 0.15 for s in got.values())  # issue 35's goal, across sizes
 
 
 def test_the_data_sheet_profile_inverts_the_dp_modes_on_the_same_steps(sweep):

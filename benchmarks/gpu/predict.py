@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from elastic_trainer.config import DP_MODES, load_model_config  # noqa: E402
-from elastic_trainer.parallel.calibrate_modes import HOST_PROBE_MICROBATCHES  # noqa: E402
+from elastic_trainer.parallel.calibrate_modes import host_block_ms  # noqa: E402
 from elastic_trainer.plan import load_hardware  # noqa: E402
 from elastic_trainer.plan.layout import Layout  # noqa: E402
 from elastic_trainer.plan.step_time import step_time  # noqa: E402
@@ -42,8 +42,7 @@ def predictions(sweep: dict, hw, own_host: bool = False) -> list[dict]:
         profile = hw
         if own_host:
             profile = dataclasses.replace(hw, **{
-                f"{m}_host_block_ms": probes[(c["model"], m)]["phases_s"]["forward_backward"]
-                / HOST_PROBE_MICROBATCHES / model.n_layers * 1e3 for m in DP_MODES})
+                f"{m}_host_block_ms": host_block_ms(probes[(c["model"], m)]["phases_s"], model) for m in DP_MODES})
         layout = Layout(1, 1, 1, c["micro_batch"], c["num_microbatches"], dp_mode=c["mode"])
         out.append({**c, "predicted_s": step_time(model, layout, c["seq_len"], c["dtype"], profile, 1).total})
     return out

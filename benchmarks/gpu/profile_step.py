@@ -15,11 +15,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from elastic_trainer.config import TrainConfig, load_model_config  # noqa: E402
-from elastic_trainer.parallel import build_mesh, init_process_group  # noqa: E402
+from elastic_trainer.config import load_model_config  # noqa: E402
+from elastic_trainer.parallel import init_process_group  # noqa: E402
+from elastic_trainer.parallel.calibrate_modes import probe_trainer  # noqa: E402
 from elastic_trainer.plan.layout import Layout  # noqa: E402
 
 
@@ -34,17 +34,11 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     from torch.profiler import ProfilerActivity, profile
 
-    from elastic_trainer.train.loop import Trainer
-
     gpu = torch.cuda.is_available()
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
     init_process_group(device, distributed=False)
-    model = load_model_config(args.model)
     layout = Layout(1, 1, 1, args.micro_batch, args.global_batch // args.micro_batch, dp_mode=args.mode)
-    cfg = TrainConfig(global_batch=args.global_batch, seq_len=args.seq_len, steps=4, seed=0,
-                      dtype="bf16" if gpu else "fp32", warmup_steps=1)
-    tokens = np.random.default_rng(0).integers(0, model.vocab_size, 4 * args.global_batch * (args.seq_len + 1))
-    trainer = Trainer(model, cfg, layout, build_mesh(layout, device.type), device, tokens=tokens.astype(np.int64))
+    trainer = probe_trainer(load_model_config(args.model), layout, args.seq_len, device, "bf16" if gpu else "fp32", 3)
     for _ in range(2):
         trainer.train_step()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])

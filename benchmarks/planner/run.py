@@ -134,12 +134,11 @@ def mode_orders(rows: list[dict]) -> list[dict]:
     return out
 
 
-SCREEN_FAILURES: list[dict] = []
-"""Screened layouts whose run failed (a rank killed by the kernel for the host's memory), kept in the results."""
-
-
-def screen(world: int, args, model, req, cands, tokens, ranks: list[int] | None = None) -> list[dict]:
-    """The candidates of the given 1-based predicted ranks (all of them by default), a few steps each."""
+def screen(world: int, args, model, req, cands, tokens,
+           ranks: list[int] | None = None) -> tuple[list[dict], list[dict]]:
+    """The candidates of the given 1-based predicted ranks (all of them by default), a few steps each: (the
+    measured rows, the layouts whose run failed: a rank killed by the kernel for the host's memory, a finding
+    the screen goes on after). Both are written to OUT-screening.json after every layout."""
     cfg = TrainConfig(global_batch=args.global_batch, seq_len=args.seq_len, steps=args.warmup + args.steps,
                       seed=0, dtype="fp32", warmup_steps=1)
     measure(model, cfg, cands[0].layout, tokens, args.warmup)  # unmeasured: the first run of a process is slow
@@ -152,21 +151,19 @@ def screen(world: int, args, model, req, cands, tokens, ranks: list[int] | None 
                "predicted_s": round(c.step_time_s, 4), "predicted_rank": i + 1}
         try:
             measured, steps = measure(model, cfg, c.layout, tokens, args.warmup)
-        except RuntimeError as e:  # a rank killed (out of the host's memory): a finding, the screen goes on
+            rows.append({**row, "measured_s": round(measured, 4),
+                         "measured_tokens_per_s": round(req.tokens / measured, 1),
+                         "step_s": [round(s, 4) for s in steps]})
+            result = f"predicted {c.step_time_s:.3f} s, measured {measured:.3f} s"
+        except RuntimeError as e:
             failed.append({**row, "error": str(e).splitlines()[0]})
-            print(f"[bench] {world} ranks {i + 1}/{len(cands)} {c.layout.describe()}: FAILED {failed[-1]['error']} "
-                  f"({time.perf_counter() - t0:.0f} s wall)", flush=True)
-            Path(args.out + "-screening.json").write_text(json.dumps({"layouts": rows, "failed": failed}, indent=1))
-            continue
-        rows.append({**row, "measured_s": round(measured, 4), "measured_tokens_per_s": round(req.tokens / measured, 1),
-                     "step_s": [round(s, 4) for s in steps]})
+            result = f"FAILED {failed[-1]['error']}"
         Path(args.out + "-screening.json").write_text(json.dumps({"layouts": rows, "failed": failed}, indent=1))
-        print(f"[bench] {world} ranks {i + 1}/{len(cands)} {c.layout.describe()}: predicted {c.step_time_s:.3f} s, "
-              f"measured {measured:.3f} s ({time.perf_counter() - t0:.0f} s wall)", flush=True)
+        print(f"[bench] {world} ranks {i + 1}/{len(cands)} {c.layout.describe()}: {result} "
+              f"({time.perf_counter() - t0:.0f} s wall)", flush=True)
     for r, rank in zip(rows, ranks_of([r["measured_s"] for r in rows])):
         r["measured_rank"] = rank
-    SCREEN_FAILURES.extend(failed)
-    return rows
+    return rows, failed
 
 
 def finals(world: int, args, model, req, finalists: list, tokens) -> dict[int, list[float]]:
@@ -188,8 +185,8 @@ def bench_ranks(world: int, args, model, hw, tokens, screened: list[dict] | None
     req = Request(model, world, args.global_batch, args.seq_len, hw, world, dtype="fp32", recompute=(False,))
     result = plan(req)
     cands = result.candidates[:args.limit] if args.limit else result.candidates
-    rows = screened if screened is not None else screen(world, args, model, req, cands, tokens,
-                                                        screened_ranks(len(cands), args.sample))
+    rows, failed = (screened, []) if screened is not None else screen(world, args, model, req, cands, tokens,
+                                                                       screened_ranks(len(cands), args.sample))
     by_rank = {r["predicted_rank"]: r for r in rows}
     fastest = sorted(rows, key=lambda r: r["measured_s"])[:args.finalists]
     picks = sorted({1, *(r["predicted_rank"] for r in fastest)})
@@ -201,7 +198,8 @@ def bench_ranks(world: int, args, model, hw, tokens, screened: list[dict] | None
                "best_final": {**describe(best), "median_s": round(medians[best], 4), "predicted_rank": best},
                "chosen_over_best": round(medians[best] / medians[1], 4),
                "screening_chosen_over_best": round(min(r["measured_s"] for r in rows) / by_rank[1]["measured_s"], 4),
-               "valid_layouts": len(cands), **prediction_errors(rows), "mode_orders": mode_orders(rows),
+               "valid_layouts": len(cands), "failed": failed, **prediction_errors(rows),
+               "mode_orders": mode_orders(rows),
                "finals": {str(rank): [round(s, 4) for s in t] for rank, t in final.items()},
                "spearman": round(spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]), 4)}
     return rows, summary
@@ -231,7 +229,8 @@ def main(argv=None) -> dict:
               "seq_len": args.seq_len, "hardware": hw.name, "steps": args.steps, "warmup": args.warmup,
               "finals": {"finalists": args.finalists, "rounds": args.rounds, "steps": args.final_steps,
                          "warmup": args.final_warmup},
-              "screening_from": args.screening, "failed": SCREEN_FAILURES,
+              "screening_from": args.screening,
+              "failed": [f for s in summaries for f in s["failed"]],
               "torch": torch.__version__, "wall_s": round(time.perf_counter() - t0, 1), "summary": summaries,
               "layouts": rows}
     Path(args.out + ".json").write_text(json.dumps(result, indent=1) + "\n")

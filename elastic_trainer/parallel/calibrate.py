@@ -213,16 +213,16 @@ def calibrate(base: Hardware, name: str, worlds: list[int], device: torch.device
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     hw = dataclasses.replace(base, name=name, device=device.type, compute_dtype="bf16" if device.type == "cuda" else "fp32")
-    if device.type == "cuda":  # clocks up and cuBLAS's choices made before anything is timed: on an H100 the
-        # first, smallest shape took longer than the next
-        measure_blocks(device, dtype, GPU_SHAPES[-1:], repeat=20, seq_len=GPU_SEQ_LEN)
+    gpu = device.type == "cuda"
+    if gpu:  # clocks up and cuBLAS's choices made before anything is timed: on an H100 the first, smallest
+        measure_blocks(device, dtype, GPU_SHAPES[-1:], repeat=20, seq_len=GPU_SEQ_LEN)  # shape took longer
         points = measure_blocks(device, dtype, GPU_SHAPES, repeat=10, seq_len=GPU_SEQ_LEN)
     else:
         points = measure_blocks(device, dtype, CPU_SHAPES, repeat=3)
     for f, n, t in points:
         say(f"[calibrate] block fwd+bwd {f / 1e9:8.2f} GFLOP, {n:5d} tokens: {t * 1e3:8.2f} ms "
             f"({f / t / 1e9:.1f} GFLOP/s)")
-    if device.type == "cuda":
+    if gpu:
         tflops, half, activation, overhead = fit_device(GPU_SHAPES, points)
         hw = dataclasses.replace(hw, tflops=tflops, half_rate_tokens=half, activation_ns=activation,
                                  layer_overhead_ms=overhead)

@@ -49,14 +49,20 @@ STEPS = 6
 """Steps per mode; the first (which allocates AdamW's state) is left out."""
 
 
-def _phases(rank: int, world: int, model: ModelConfig, mode: str, seq_len: int) -> tuple[dict, int]:
-    """(each phase's fastest seconds over the steps after the first, this rank's trained parameters)."""
+def probe_trainer(model: ModelConfig, layout: Layout, seq_len: int, device: torch.device, dtype: str, steps: int):
+    """A `Trainer` of `model` under `layout` on random tokens (seed 0), for `steps` steps: what the probes here,
+    benchmarks/gpu/sweep.py and profile_step.py time. This rank must be in a process group of the layout's size."""
     from elastic_trainer.train.loop import Trainer
 
-    cfg = TrainConfig(global_batch=world, seq_len=seq_len, steps=STEPS, seed=0, dtype="fp32", warmup_steps=1)
-    tokens = np.random.default_rng(0).integers(0, model.vocab_size, 4 * world * (seq_len + 1)).astype(np.int64)
-    layout = probe_layout(world, mode)
-    trainer = Trainer(model, cfg, layout, build_mesh(layout, "cpu"), torch.device("cpu"), tokens=tokens)
+    cfg = TrainConfig(global_batch=layout.global_batch, seq_len=seq_len, steps=steps, seed=0, dtype=dtype,
+                      warmup_steps=1)
+    tokens = np.random.default_rng(0).integers(0, model.vocab_size, 4 * cfg.global_batch * (seq_len + 1))
+    return Trainer(model, cfg, layout, build_mesh(layout, device.type), device, tokens=tokens.astype(np.int64))
+
+
+def _phases(rank: int, world: int, model: ModelConfig, mode: str, seq_len: int) -> tuple[dict, int]:
+    """(each phase's fastest seconds over the steps after the first, this rank's trained parameters)."""
+    trainer = probe_trainer(model, probe_layout(world, mode), seq_len, torch.device("cpu"), "fp32", STEPS)
     steps = [trainer.train_step()["phases_s"] for _ in range(STEPS)][1:]
     local = sum(local_tensor(t).numel() for _, t in trainer.engine.trained_params())
     return {name: min(p[name] for p in steps) for name in steps[0]}, local
@@ -98,25 +104,20 @@ def timed_steps(model: ModelConfig, layout: Layout, seq_len: int, device: torch.
     import time
 
     from elastic_trainer.parallel.mesh import init_process_group
-    from elastic_trainer.train.loop import Trainer
 
     init_process_group(device, distributed=False)
-    cfg = TrainConfig(global_batch=layout.global_batch, seq_len=seq_len, steps=warmup + steps, seed=0, dtype=dtype,
-                      warmup_steps=1)
-    tokens = np.random.default_rng(0).integers(0, model.vocab_size, 4 * cfg.global_batch * (seq_len + 1))
     gpu = device.type == "cuda"
     sync = torch.cuda.synchronize if gpu else (lambda: None)
     if gpu:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    trainer = Trainer(model, cfg, layout, build_mesh(layout, device.type), device, tokens=tokens.astype(np.int64))
+    trainer = probe_trainer(model, layout, seq_len, device, dtype, warmup + steps)
     sync()
     out = {"build_s": time.perf_counter() - t0,
            "parameters": sum(local_tensor(t).numel() for _, t in trainer.engine.trained_params())}
     times, phases = [], []
     for i in range(warmup + steps):
-        sync()
-        t0 = time.perf_counter()
+        t0 = time.perf_counter()  # the device is idle: synchronized after the build and after every step
         record = trainer.train_step()
         sync()
         if i >= warmup:
@@ -159,8 +160,13 @@ def measure_host(model: ModelConfig, device: torch.device, modes: tuple[str, ...
     for mode in modes:
         layout = Layout(1, 1, 1, 1, HOST_PROBE_MICROBATCHES, dp_mode=mode)
         phases = timed_steps(probe, layout, HOST_PROBE_SEQ, device, dtype, steps, warmup)["phases_s"]
-        out[mode] = phases["forward_backward"] / HOST_PROBE_MICROBATCHES / probe.n_layers * 1e3
+        out[mode] = host_block_ms(phases, probe)
     return out
+
+
+def host_block_ms(phases: dict[str, float], probe: ModelConfig) -> float:
+    """The host's milliseconds per block and micro-batch from a host probe's phases (train/loop.py PHASES)."""
+    return phases["forward_backward"] / HOST_PROBE_MICROBATCHES / probe.n_layers * 1e3
 
 
 def fitted(hw: Hardware, model: ModelConfig, seq_len: int, measured: dict[str, tuple[dict, int]],

@@ -13,7 +13,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from elastic_trainer.config import ConfigError, check_field_types, configs_dir, from_dict, positive_int, read_toml
+from elastic_trainer.config import (DP_MODES, ConfigError, check_field_types, configs_dir, from_dict, positive_int,
+                                    read_toml)
 
 GIB = 2**30
 
@@ -164,7 +165,7 @@ class Hardware:
         """A GPU profile whose host times were measured (`calibrate --model` on the GPU): the step-time model
         then also charges FSDP2's copies in device memory (plan/step_time.py `wrapper_bytes`), as the figures it
         was checked with did. A data-sheet profile's `tflops` lumps such work into its sustained rate."""
-        return not self.shared_host and any(self.host_block_ms(m) for m in ("fsdp", "ddp", "zero1"))
+        return not self.shared_host and any(self.host_block_ms(m) for m in DP_MODES)
 
     @property
     def usable_bytes(self) -> float:

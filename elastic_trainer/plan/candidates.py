@@ -162,9 +162,11 @@ def evaluate(req: Request, layout: Layout) -> Candidate:
     time = step_time(req.model, layout, req.seq_len, dtype, hw, req.topology,
                      block_speedup=hw.compiled_speedup if req.compiled else 1.0)
     reason = None
-    if hw.shared_host:  # the host's ranks share its memory: every stage's dp * tp ranks, on one host or spread
-        ranks = req.topology.largest
-        host = sum(m.total for m in stages) * layout.dp * layout.tp * ranks / layout.world_size
+    if hw.shared_host:  # the host's ranks share its memory: every stage's dp * tp ranks, on one host or spread,
+        ranks = req.topology.largest  # each holding its base and the heap it keeps
+        unpipelined = layout.dp > 1 and layout.pp == 1
+        per_stage = sum(hw.rank_bytes(m.total, unpipelined) for m in stages)
+        host = per_stage * layout.dp * layout.tp * ranks / layout.world_size
         if host > hw.usable_bytes:
             reason = f"needs {host / GIB:.1f} GiB per host > {hw.usable_bytes / GIB:.1f} GiB usable"
     elif memory.total > hw.usable_bytes:

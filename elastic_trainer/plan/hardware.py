@@ -35,6 +35,16 @@ class Hardware:
     """Memory per device in GiB; with `shared_host`, the host's memory shared by all its ranks."""
     reserved_gb: float = 3.0
     """Memory the planner never fills: runtime context, communication buffers, allocator slack."""
+    kept_heap: float = 1.0
+    """With `shared_host`: the memory a rank keeps over the live peak the memory model counts (plan/memory.py). CPU
+    ranks keep what they free (launch/allocator.py), so a rank's heap grows to its live peak plus the allocator's
+    fragmentation and gloo's buffers, and stays there (measured by benchmarks/planner/heap.py)."""
+    kept_heap_unpipelined: float = 0.0
+    """`kept_heap` of a rank that shares data parallelism without a pipeline (dp > 1, pp = 1): FSDP2 gathers and
+    frees every unit's parameters each micro-batch and zero1 gathers whole parameters each step, which leaves
+    more of the heap behind; 0: `kept_heap`."""
+    rank_base_gb: float = 0.0
+    """With `shared_host`: the memory each rank holds before its model (the interpreter, torch), GiB."""
     gpus_per_host: int = 8
     """Devices per host (the default of --gpus-per-host)."""
     tflops: float = 400.0
@@ -144,6 +154,10 @@ class Hardware:
             raise ConfigError(f"hardware {self.name}: overlap={self.overlap} must be in [0, 1]")
         if self.restart_s < 0:
             raise ConfigError(f"hardware {self.name}: restart_s={self.restart_s} must not be negative")
+        for key in ("kept_heap", "kept_heap_unpipelined"):
+            if 0 < getattr(self, key) < 1 or (key == "kept_heap" and self.kept_heap < 1):
+                raise ConfigError(f"hardware {self.name}: {key}={getattr(self, key)} must be at least 1 (a rank "
+                                  "keeps at least its live peak)")
         if self.shared_host and self.compute_units < 1:
             raise ConfigError(f"hardware {self.name}: shared_host needs compute_units >= 1, got {self.compute_units}")
 
@@ -166,6 +180,15 @@ class Hardware:
         then also charges FSDP2's copies in device memory (plan/step_time.py `wrapper_bytes`), as the figures it
         was checked with did. A data-sheet profile's `tflops` lumps such work into its sustained rate."""
         return not self.shared_host and any(self.host_block_ms(m) for m in DP_MODES)
+
+    def rank_bytes(self, live: float, unpipelined: bool = False) -> float:
+        """The memory one rank takes from its host when the memory model counts `live` bytes at its peak: on
+        `shared_host` CPU ranks, its base and the heap it keeps (`unpipelined`: dp > 1 and pp = 1); on a GPU,
+        `live`."""
+        if not self.shared_host:
+            return live
+        kept = (unpipelined and self.kept_heap_unpipelined) or self.kept_heap
+        return self.rank_base_gb * GIB + kept * live
 
     @property
     def usable_bytes(self) -> float:

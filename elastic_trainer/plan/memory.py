@@ -36,6 +36,8 @@ Pure arithmetic that mirrors what the engine allocates (parallel/engine.py):
   themselves); a first stage without the head makes the embedding's dense gradient (vocab x d) at the end
   of its backward, a transient. A stage holds that for every micro-batch in flight: 1 without a
   pipeline, pp - stage under 1F1B, all of them under GPipe (num_microbatches < pp).
+- **Accumulation** (measured in tests/distributed/test_memory_peak.py): ddp over several micro-batches sums a
+  parameter's new gradient into the kept one out of place: the largest parameter's sum, fp32, in the transient.
 - **Optimizer step** (measured on forked ranks in tests/distributed/test_memory_peak.py): after backward has
   freed the activations and working buffers, the clipping squares one gradient, or `CLIP_CHUNK` elements
   of it, at a time (a temporary of 4 bytes per element) and torch's fused AdamW (train/optim.py, on CPUs and
@@ -196,6 +198,15 @@ def optimizer_step_bytes(model: ModelConfig, layout: Layout, stage: int, dp_rank
     return MASTER_BYTES * min(CLIP_CHUNK, max(root + block, default=0))
 
 
+def accumulation_bytes(model: ModelConfig, layout: Layout, stage: int) -> int:
+    """ddp accumulating over micro-batches: autograd adds a parameter's new gradient to the one kept from the
+    earlier micro-batches out of place, so the sum of the largest parameter is live beside both (fp32; measured
+    in tests/distributed/test_memory_peak.py). FSDP2's sharded accumulation and zero1's buffer add in place."""
+    if layout.dp_mode != "ddp" or layout.num_microbatches == 1:
+        return 0
+    return MASTER_BYTES * max(math.prod(shape) for _, shape in stage_shapes(model, layout, stage))
+
+
 def end_of_backward_bytes(model: ModelConfig, layout: Layout, dtype: str) -> int:
     """zero1 without a pipeline: the tied embedding's head and embedding gradients and their sum (compute
     dtype), live together at the end of backward until the hook moves the sum into the buffer."""
@@ -251,7 +262,8 @@ class StageMemory:
     activations: int
     """Saved activations of all micro-batches in flight."""
     transient: int
-    """Short-lived peaks: one block's backward (and recomputation), the loss gradient, pipeline buffers."""
+    """Short-lived peaks: one block's backward (and recomputation), the loss gradient, pipeline buffers, ddp's
+    accumulation."""
     optimizer_step: int = 0
     """AdamW's temporaries, allocated after backward freed the working buffers and activations."""
     end_of_backward: int = 0
@@ -285,6 +297,7 @@ def stage_memory(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, s
         transient = max(transient, model.vocab_size * model.d_model * e)  # blocks' temporaries are freed
     if layout.pp > 1:
         transient += 2 * hidden  # receive buffers for activations and their gradients
+    transient += accumulation_bytes(model, layout, stage)
     return StageMemory(stage, state_bytes(model, layout, stage, dtype=dtype),
                        working_bytes(model, layout, stage, dtype), in_flight(layout, stage) * per_mb, transient,
                        optimizer_step_bytes(model, layout, stage), end_of_backward_bytes(model, layout, dtype))

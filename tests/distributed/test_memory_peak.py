@@ -29,6 +29,9 @@ measurements):
   logits of that many tokens x 50257 on the last stage.)
 - zero1's end of backward: 2 ranks without a pipeline, where the tied embedding's head and embedding
   gradients and their sum (autograd's, before the hook moves them into the fp32 buffer) are 41% of the peak.
+- ddp's accumulation: 2 ranks, 2 micro-batches: the second backward sums the tied embedding's new gradient
+  into the kept one out of place (measured 106.66 MB, 95.59 predicted without the term: 0.896). At 12% of the
+  peak it is below GUARD, but leaving it out still falls below LOW.
 
 CPU and gpt-tiny specifics (the model targets GPUs): on the first stage of a pipeline the peak is the
 embedding's backward, its dense gradient of the whole table beside the state, which memory.py counts in that
@@ -69,6 +72,8 @@ from elastic_trainer.train import Trainer
 MODEL = load_model_config("gpt-tiny")
 LOW, HIGH = 0.95, 1.20
 GUARD = 0.25
+SMALL_GUARDS = {"accumulation": 0.10}
+"""Terms smaller than GUARD of the peak that still take the prediction below LOW when left out."""
 
 
 def _storages(objects):
@@ -169,6 +174,7 @@ GUARDED = {
     "working buffers": lambda m, layout: m.working,
     "micro-batches in flight": in_flight_beyond_one,
     "end of backward": lambda m, layout: m.end_of_backward,
+    "accumulation": lambda m, layout: memory.accumulation_bytes(MODEL, layout, m.stage),
 }
 
 # (dp, tp, pp, dp_mode, micro_batch, num_microbatches, seq_len, the term it guards)
@@ -178,6 +184,7 @@ LAYOUTS = [
     (2, 1, 1, "ddp", 1, 1, 16, "working buffers"),
     (1, 1, 4, "fsdp", 1, 4, 64, "micro-batches in flight"),
     (2, 1, 1, "zero1", 1, 1, 16, "end of backward"),
+    (2, 1, 1, "ddp", 1, 2, 16, "accumulation"),
 ]
 
 
@@ -223,7 +230,7 @@ def test_predicted_peak_is_the_measured_peak_on_every_rank(key, measured):
     guards = key[-1]
     share = max(GUARDED[guards](memory.stage_memory(MODEL, layout, seq_len, "fp32", r["stage"]), layout) / r["peak"]
                 for r in ranks)
-    assert share >= GUARD, f"{guards} is only {share:.0%} of the measured peak"
+    assert share >= SMALL_GUARDS.get(guards, GUARD), f"{guards} is only {share:.0%} of the measured peak"
 
 
 def _without_optimizer_state(monkeypatch):
@@ -242,10 +249,15 @@ def _without_end_of_backward(monkeypatch):
     monkeypatch.setattr(memory, "end_of_backward_bytes", lambda *args: 0)
 
 
+def _without_accumulation(monkeypatch):
+    monkeypatch.setattr(memory, "accumulation_bytes", lambda *args: 0)
+
+
 @pytest.mark.parametrize("guards, mutate", [("optimizer state", _without_optimizer_state),
                                             ("working buffers", _without_working_buffers),
                                             ("micro-batches in flight", _one_micro_batch_in_flight),
-                                            ("end of backward", _without_end_of_backward)])
+                                            ("end of backward", _without_end_of_backward),
+                                            ("accumulation", _without_accumulation)])
 def test_a_model_without_the_term_is_out_of_band(guards, mutate, measured, monkeypatch):
     """The same measurements against memory.py with one term left out: the layouts guarding it fail."""
     keys = [k for k in LAYOUTS if k[-1] == guards]

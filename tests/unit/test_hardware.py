@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elastic_trainer.config import ConfigError
-from elastic_trainer.plan.hardware import Hardware, hardware_for_device, hardware_presets, load_hardware
+from elastic_trainer.plan.hardware import GIB, Hardware, hardware_for_device, hardware_presets, load_hardware
 
 
 def test_presets_load_and_describe_8_gpu_hosts():
@@ -65,3 +65,13 @@ def test_calibration_fit_recovers_rate_size_effect_and_overhead():
     points = [(f, n, f / (rate * n / (n + half)) + overhead) for f, n in [(1e9, 128), (4e9, 512), (4e9, 128),
                                                                           (16e9, 512)]]
     assert fit_compute(points) == pytest.approx((0.05, 40.0, 2.0), rel=1e-6)
+
+
+def test_cpu_ranks_take_their_base_and_the_heap_they_keep():
+    cpu = load_hardware("cpu")  # measured by benchmarks/planner/heap.py (configs/hardware/cpu.toml)
+    assert cpu.kept_heap > 1 and cpu.rank_base_gb > 0
+    assert cpu.rank_bytes(2 * GIB) == pytest.approx((cpu.rank_base_gb + 2 * cpu.kept_heap) * GIB)
+    gpu = load_hardware("h100-80g")  # a GPU's peak is its allocator's: the model's figure
+    assert gpu.rank_bytes(2 * GIB) == 2 * GIB
+    with pytest.raises(ConfigError, match="kept_heap=0.5 must be at least 1"):
+        Hardware(name="x", kept_heap=0.5)

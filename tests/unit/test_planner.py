@@ -13,7 +13,7 @@ import pytest
 
 from elastic_trainer.config import load_model_config
 from elastic_trainer.plan import PlanError, Request, load_hardware, plan
-from elastic_trainer.plan.candidates import enumerate_candidates
+from elastic_trainer.plan.candidates import enumerate_candidates, evaluate
 from elastic_trainer.plan.hardware import GIB
 from elastic_trainer.plan.layout import Layout
 from elastic_trainer.plan.memory import StateBytes, optimizer_step_bytes, stage_memory, state_bytes, working_bytes
@@ -276,3 +276,25 @@ def test_one_gpu_considers_every_dp_mode_only_where_the_host_was_measured():
     assert modes("h200") == {"fsdp", "ddp", "zero1"}
     best = plan(Request(xl, 1, 8, 2048, load_hardware("h200"), 1)).candidates[0]
     assert (best.dp_mode, best.micro_batch, best.recompute) == ("zero1", 8, False)  # the fastest measured
+
+
+def test_cpu_ranks_are_planned_with_the_heap_they_keep():
+    """On a host whose ranks share its memory, each rank takes its base and `kept_heap` times the peak the
+    memory model counts (CPU ranks keep what they free): a host with just that much usable memory admits the
+    layout, one with 0.1 GiB less refuses it, naming the figure; counted on live bytes alone it would fit."""
+    model = load_model_config("gpt3-small")
+    layout = Layout(2, 1, 2, 4, 1, dp_mode="ddp")
+    cpu = dataclasses.replace(load_hardware("cpu"), kept_heap=1.5, rank_base_gb=0.25)
+    live = [stage_memory(model, layout, 128, "fp32", s).total for s in range(2)]
+    need = layout.dp * sum(0.25 * GIB + 1.5 * b for b in live)  # dp ranks of each stage, on the one host
+    assert need > layout.dp * sum(live) + 0.1 * GIB
+
+    def evaluated(memory_gb: float):
+        hw = dataclasses.replace(cpu, memory_gb=memory_gb)
+        return evaluate(Request(model, 4, 8, 128, hw, 4, dtype="fp32", recompute=(False,)), layout)
+
+    assert evaluated(need / GIB + cpu.reserved_gb + 0.05).reason is None
+    assert evaluated(need / GIB + cpu.reserved_gb - 0.1).reason == (
+        f"needs {need / GIB:.1f} GiB per host > {need / GIB - 0.1:.1f} GiB usable")
+    cpu = dataclasses.replace(cpu, kept_heap=1.0, rank_base_gb=0.0)
+    assert evaluated(need / GIB + cpu.reserved_gb - 0.1).reason is None

@@ -32,6 +32,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from elastic_trainer.config import TrainConfig, load_model_config  # noqa: E402
+from elastic_trainer.launch.allocator import kept_bytes  # noqa: E402
 from elastic_trainer.parallel import build_mesh  # noqa: E402
 from elastic_trainer.parallel.local_ranks import run_ranks  # noqa: E402
 from elastic_trainer.plan import Request, load_hardware, plan  # noqa: E402
@@ -42,22 +43,14 @@ from elastic_trainer.train import Trainer  # noqa: E402
 GIB = 2**30
 
 
-def rss_anon() -> int:
-    """This process's anonymous resident bytes (heap, stacks, torch's CPU tensors)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no RssAnon in /proc/self/status")
-
-
 def heap_steps(rank: int, world: int, model, cfg: TrainConfig, layout: Layout, tokens: np.ndarray) -> dict:
-    start = rss_anon()
+    start = kept_bytes()
     trainer = Trainer(model, cfg, layout, build_mesh(layout, "cpu"), torch.device("cpu"), tokens=tokens)
-    built = rss_anon()
+    built = kept_bytes()
     after, times = [], []
     for _ in range(cfg.steps):
         times.append(trainer.train_step()["step_time_s"])
-        after.append(rss_anon())
+        after.append(kept_bytes())
     return {"rank": rank, "stage": trainer.engine.coords.pp, "start": start, "built": built, "after_step": after,
             "step_s": times}
 

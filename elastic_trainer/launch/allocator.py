@@ -63,3 +63,16 @@ def restart_keeping_freed_memory() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, list(sys.orig_argv), {**os.environ, **add})
+
+
+def kept_bytes() -> int | None:
+    """This process's anonymous resident bytes (`RssAnon`): with freed memory kept, its heap at its largest,
+    plus the interpreter's and torch's own; None where /proc does not say (not Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

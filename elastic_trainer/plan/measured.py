@@ -3,7 +3,8 @@
 Every start of a job that trained at least MIN_STEPS steps appends one record to `measured.jsonl` in the run
 folder (beside the metrics file): the layout, the ranks per host it ran on, the steady step time (the median
 of its steps after the first, which pays for warm-up and compiles), the planner's prediction for the same
-layout, and on GPUs the peak memory. Each later plan of the job for the same hosts (the same ranks per host)
+layout, and its peak memory (on GPUs the allocator's peak; on CPU ranks the heap the largest rank keeps,
+`kept_memory_gib`). Each later plan of the job for the same hosts (the same ranks per host)
 reads them back (`for_hosts`) and ranks its candidates (plan/planner.py `learned`) by:
 - **measured**, for a layout this job has run on these hosts: the median of its records, not a prediction;
 - **corrected**, for the other layouts of a family it has run (the same degrees and data-parallel mode,
@@ -51,14 +52,16 @@ def job_key(model: str, global_batch: int, seq_len: int, dtype: str, hardware: s
 
 def record(path: Path | None, key: dict, layout: Layout, hosts: tuple[int, ...], records: list[dict],
            predicted_s: float | None) -> dict | None:
-    """Append this start's steady step time (and peak memory on GPUs) to `path`; None when it trained too few
+    """Append this start's steady step time and peak memory to `path`; None when it trained too few
     steps to say."""
     if path is None or len(records) < MIN_STEPS:
         return None
     times = [r["step_time_s"] for r in records[1:]]
     entry = {**key, "layout": layout.to_dict(), "hosts": list(hosts), "step_s": statistics.median(times),
              "steps": len(times), "predicted_s": predicted_s,
-             "peak_memory_gib": records[-1].get("max_memory_gib")}
+             "peak_memory_gib": records[-1].get("max_memory_gib"),
+             "kept_memory_gib": max((r["kept_memory_gib"] for r in records if r.get("kept_memory_gib") is not None),
+                                    default=None)}
     split = [r["phases_s"] for r in records[1:] if isinstance(r.get("phases_s"), dict)]
     if split:  # rank 0's time in each phase of the step (train/loop.py PHASES), the median of each
         entry["phases_s"] = {name: round(statistics.median(p.get(name, 0.0) for p in split), 6) for name in split[0]}

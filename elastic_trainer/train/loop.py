@@ -19,6 +19,7 @@ from torch.profiler import record_function
 from elastic_trainer.config import ConfigError, ModelConfig, TrainConfig
 from elastic_trainer.data import TokenSamples, samples_for
 from elastic_trainer.data.order import sample_rows
+from elastic_trainer.launch.allocator import kept_bytes
 from elastic_trainer.data.corpus import eval_batch_count, load as load_corpus
 from elastic_trainer.model.dropout import sample_keys
 from elastic_trainer.parallel.compile import compiler_problem, use_cache
@@ -154,6 +155,8 @@ class Trainer:
                   "time": time.time()}
         if self.device.type == "cuda":
             record["max_memory_gib"] = self._peak_memory_gib()
+        elif (kept := self._kept_memory_gib()) is not None:
+            record["kept_memory_gib"] = kept
         return record
 
     def _peak_memory_gib(self) -> float:
@@ -162,6 +165,15 @@ class Trainer:
         peak = torch.tensor([float(torch.cuda.max_memory_allocated(self.device))], device=self.device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         return peak.item() / 2**30
+
+    def _kept_memory_gib(self) -> float | None:
+        """CPU ranks: the largest anonymous resident memory of any rank (GiB), the heap each keeps at its peak
+        (launch/allocator.py) with its base: what the planner's `kept_heap` figures stand for. None off Linux."""
+        mine = kept_bytes()
+        kept = torch.tensor([float(mine if mine is not None else -1)])
+        if dist.is_initialized():
+            dist.all_reduce(kept, op=dist.ReduceOp.MAX)
+        return kept.item() / 2**30 if kept.item() >= 0 else None
 
     @property
     def val_samples(self) -> int:

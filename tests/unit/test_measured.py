@@ -94,3 +94,10 @@ def test_a_start_records_with_gpus_idle_and_not_under_another_device_s_profile(t
     assert entry["hosts"] == [4] and entry["predicted_s"] > 0 and entry["layout"]["dp"] == 3
     assert resolve.record_measured(spec("--hardware", "h100-80g"), three, (4,), steps(5.0, 1.0, 1.0), "cpu") is None
     assert len((tmp_path / "measured.jsonl").read_text().splitlines()) == 1
+
+
+def test_a_start_on_cpu_records_the_largest_heap_its_ranks_kept(tmp_path):
+    path = tmp_path / "measured.jsonl"
+    records = [{"step_time_s": 1.0, "kept_memory_gib": k} for k in (1.5, 2.5, 2.25)]
+    assert measured.record(path, KEY, A, (2,), records, 1.0)["kept_memory_gib"] == 2.5
+    assert measured.record(path, KEY, A, (2,), steps(1.0, 1.0, 1.0), 1.0)["kept_memory_gib"] is None  # a GPU's

@@ -41,18 +41,21 @@ from elastic_trainer.plan.memory import stage_memories  # noqa: E402
 from elastic_trainer.train import Trainer  # noqa: E402
 
 GIB = 2**30
+NOTE = ("benchmarks/planner/heap.py: each rank's RssAnon in GiB before building (start), after building (built) and "
+        "after each step; kept_gib = the largest growth over start; planned_gib = plan/memory.py's live peak")
 
 
 def heap_steps(rank: int, world: int, model, cfg: TrainConfig, layout: Layout, tokens: np.ndarray) -> dict:
-    start = kept_bytes()
+    """One rank's anonymous memory (GiB) before and after building its trainer and after each step."""
+    start = kept_bytes() / GIB
     trainer = Trainer(model, cfg, layout, build_mesh(layout, "cpu"), torch.device("cpu"), tokens=tokens)
-    built = kept_bytes()
+    built = kept_bytes() / GIB
     after, times = [], []
     for _ in range(cfg.steps):
-        times.append(trainer.train_step()["step_time_s"])
-        after.append(kept_bytes())
-    return {"rank": rank, "stage": trainer.engine.coords.pp, "start": start, "built": built, "after_step": after,
-            "step_s": times}
+        times.append(round(trainer.train_step()["step_time_s"], 3))
+        after.append(round(kept_bytes() / GIB, 4))
+    return {"rank": rank, "stage": trainer.engine.coords.pp, "start": round(start, 4), "built": round(built, 4),
+            "after_step": after, "step_s": times}
 
 
 def parse_layout(text: str) -> Layout:
@@ -61,7 +64,7 @@ def parse_layout(text: str) -> Layout:
                   dp_mode=mode)
 
 
-def main(argv=None) -> list[dict]:
+def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gpt3-small")
     p.add_argument("--ranks", type=int, default=4)
@@ -82,7 +85,9 @@ def main(argv=None) -> list[dict]:
     cfg = TrainConfig(global_batch=args.global_batch, seq_len=args.seq_len, steps=args.steps, seed=0, dtype="fp32",
                       warmup_steps=1)
     tokens = np.random.default_rng(0).integers(0, model.vocab_size, 200_000, dtype=np.int64)
-    out = json.loads(Path(args.out).read_text()) if args.out and Path(args.out).exists() else []
+    result = (json.loads(Path(args.out).read_text()) if args.out and Path(args.out).exists()
+              else {"note": NOTE, "layouts": []})
+    out = result["layouts"]
     for layout in layouts:
         planned = [m.total for m in stage_memories(model, layout, args.seq_len, "fp32")]
         t0 = time.perf_counter()
@@ -90,23 +95,23 @@ def main(argv=None) -> list[dict]:
             ranks = run_ranks(heap_steps, layout.world_size, model, cfg, layout, tokens, timeout=1800)
         except RuntimeError as e:
             print(f"{layout.describe()}: FAILED {str(e).splitlines()[0]}", flush=True)
-            out.append({"model": args.model, "layout": layout.to_dict(), "planned_gib": [p / GIB for p in planned],
-                        "failed": str(e).splitlines()[0]})
+            out.append({"model": args.model, "layout": layout.to_dict(), "steps": args.steps,
+                        "planned_gib": [round(p / GIB, 4) for p in planned], "failed": str(e).splitlines()[0]})
             continue
         rows = []
         for r in ranks:
             grown = [a - r["start"] for a in r["after_step"]]
-            rows.append({**r, "planned_gib": planned[r["stage"]] / GIB, "kept_gib": max(grown) / GIB,
-                         "base_gib": r["start"] / GIB})
+            rows.append({**r, "planned_gib": round(planned[r["stage"]] / GIB, 4), "kept_gib": round(max(grown), 4),
+                         "base_gib": r["start"]})
         worst = max(rows, key=lambda r: r["kept_gib"] / r["planned_gib"])
         print(f"{layout.describe()} ({time.perf_counter() - t0:.0f} s): per rank planned / kept GiB "
               + ", ".join(f"s{r['stage']} {r['planned_gib']:.2f}/{r['kept_gib']:.2f}" for r in rows)
               + f"; largest ratio {worst['kept_gib'] / worst['planned_gib']:.2f}; base {rows[0]['base_gib']:.2f}; "
               f"steps {', '.join(f'{s:.1f}' for s in rows[0]['step_s'])} s", flush=True)
-        out.append({"model": args.model, "layout": layout.to_dict(), "ranks": rows})
+        out.append({"model": args.model, "layout": layout.to_dict(), "steps": args.steps, "ranks": rows})
         if args.out:
-            Path(args.out).write_text(json.dumps(out, indent=1))
-    return out
+            Path(args.out).write_text(json.dumps(result, indent=1))
+    return result
 
 
 if __name__ == "__main__":

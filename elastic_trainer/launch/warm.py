@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 from elastic_trainer.config import ModelConfig
+from elastic_trainer.plan.hardware import Hardware, load_hardware
 from elastic_trainer.plan.layout import Layout
 from elastic_trainer.plan.measured import measured_file_exists
 
@@ -49,17 +50,21 @@ class MemoryNeed:
         return self.total <= self.available and self.state <= self.shm_free
 
 
-def world_bytes(model: ModelConfig, layout: Layout | None, ranks: int, seq_len: int, on_cpu: bool) -> int:
+def world_bytes(model: ModelConfig, layout: Layout | None, ranks: int, seq_len: int, on_cpu: bool,
+                hardware: Hardware | None = None) -> int:
     """Host memory of a world's ranks on one host: the processes, and on CPU their model state and
-    activations as the planner's memory model counts them (the largest stage, for every rank)."""
+    activations as the planner's memory model counts them (the largest stage, for every rank) times the heap
+    a CPU rank keeps over that (`hardware`'s `kept_heap` figures; the `cpu` profile's by default)."""
     per_rank = PROCESS_BYTES
     if on_cpu:
+        hw = hardware if hardware is not None and hardware.shared_host else load_hardware("cpu")
         if layout is None:  # planned by rank 0 at start: a full replica per rank bounds it
-            per_rank += model.num_params() * 16
+            per_rank += int(hw.kept_factor(False) * model.num_params() * 16)
         else:
             from elastic_trainer.plan.memory import stage_memories
 
-            per_rank += max(m.total for m in stage_memories(model, layout, seq_len, "fp32"))
+            peak = max(m.total for m in stage_memories(model, layout, seq_len, "fp32"))
+            per_rank += int(hw.kept_factor(layout.dp > 1 and layout.pp == 1) * peak)
     return ranks * per_rank
 
 
@@ -80,11 +85,11 @@ def available_bytes() -> tuple[int, int]:
 
 
 def memory_need(model: ModelConfig, current: tuple[Layout | None, int], following: tuple[Layout | None, int],
-                seq_len: int, on_cpu: bool) -> MemoryNeed:
+                seq_len: int, on_cpu: bool, hardware: Hardware | None = None) -> MemoryNeed:
     """What the busiest host needs while both worlds live: (layout, ranks on that host) of each."""
     state = model.num_params() * STATE_BYTES_PER_PARAM
-    return MemoryNeed(world_bytes(model, current[0], current[1], seq_len, on_cpu),
-                      world_bytes(model, following[0], following[1], seq_len, on_cpu),
+    return MemoryNeed(world_bytes(model, current[0], current[1], seq_len, on_cpu, hardware),
+                      world_bytes(model, following[0], following[1], seq_len, on_cpu, hardware),
                       state, *available_bytes(), staging=0 if on_cpu else state)
 
 
@@ -123,7 +128,7 @@ def warm_refusal(job, current: int, following: int) -> str | None:
 
     (old, old_ranks, host), (new, new_ranks, _) = busiest(current), busiest(following)
     on_cpu = job.spec.hardware is None or job.spec.hardware.device == "cpu"
-    need = memory_need(job.model, (old, old_ranks), (new, new_ranks), job.train.seq_len, on_cpu)
+    need = memory_need(job.model, (old, old_ranks), (new, new_ranks), job.train.seq_len, on_cpu, job.spec.hardware)
     return None if need.fits else refusal(need, following, host)
 
 

@@ -39,7 +39,7 @@ from elastic_trainer.config import ModelConfig
 from elastic_trainer.model.gpt import Block
 from elastic_trainer.parallel.engine import sum_of_squares
 from elastic_trainer.parallel.local_ranks import run_ranks
-from elastic_trainer.plan.hardware import GIB, Hardware
+from elastic_trainer.plan.hardware import CPU_KEPT_HEAP, GIB, Hardware
 from elastic_trainer.plan.step_time import block_flops
 from elastic_trainer.train.optim import implementation
 
@@ -270,6 +270,8 @@ def _cpu_host(hw: Hardware, worlds: list[int]) -> Hardware:
     gbs, latency = measure_links(worlds, LINK_SIZES)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    if not hw.shared_host:  # a base from elsewhere: the heap CPU ranks keep, as measured on the reference machine
+        hw = dataclasses.replace(hw, **CPU_KEPT_HEAP)
     return dataclasses.replace(
         hw, shared_host=True, compute_units=round(measure_parallel_units(cores), 2), memory_gb=round(memory, 1),
         reserved_gb=4.0,

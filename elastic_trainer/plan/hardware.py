@@ -19,6 +19,12 @@ from elastic_trainer.config import (DP_MODES, ConfigError, check_field_types, co
 GIB = 2**30
 
 
+CPU_KEPT_HEAP = {"kept_heap": 1.5, "kept_heap_unpipelined": 2.8, "rank_base_gb": 0.2}
+"""The heap CPU ranks keep over their live peak and their base, measured by benchmarks/planner/heap.py on the
+2-core reference machine (configs/hardware/cpu.toml says how): what `calibrate` gives a CPU profile whose base
+has none."""
+
+
 @dataclass(frozen=True)
 class Hardware:
     """One kind of device and the links between devices, within a host and across hosts."""
@@ -42,7 +48,7 @@ class Hardware:
     kept_heap_unpipelined: float = 0.0
     """`kept_heap` of a rank that shares data parallelism without a pipeline (dp > 1, pp = 1): FSDP2 gathers and
     frees every unit's parameters each micro-batch and zero1 gathers whole parameters each step, which leaves
-    more of the heap behind; 0: `kept_heap`."""
+    more of the heap behind (measured for fsdp and zero1; ddp is charged the same, unmeasured); 0: `kept_heap`."""
     rank_base_gb: float = 0.0
     """With `shared_host`: the memory each rank holds before its model (the interpreter, torch), GiB."""
     gpus_per_host: int = 8
@@ -156,8 +162,9 @@ class Hardware:
             raise ConfigError(f"hardware {self.name}: restart_s={self.restart_s} must not be negative")
         for key in ("kept_heap", "kept_heap_unpipelined"):
             if 0 < getattr(self, key) < 1 or (key == "kept_heap" and self.kept_heap < 1):
-                raise ConfigError(f"hardware {self.name}: {key}={getattr(self, key)} must be at least 1 (a rank "
-                                  "keeps at least its live peak)")
+                zero = " (or 0: kept_heap)" if key == "kept_heap_unpipelined" else ""
+                raise ConfigError(f"hardware {self.name}: {key}={getattr(self, key)} must be at least 1{zero} (a "
+                                  "rank keeps at least its live peak)")
         if self.shared_host and self.compute_units < 1:
             raise ConfigError(f"hardware {self.name}: shared_host needs compute_units >= 1, got {self.compute_units}")
 
@@ -187,8 +194,12 @@ class Hardware:
         `live`."""
         if not self.shared_host:
             return live
-        kept = (unpipelined and self.kept_heap_unpipelined) or self.kept_heap
-        return self.rank_base_gb * GIB + kept * live
+        return self.rank_base_gb * GIB + self.kept_factor(unpipelined) * live
+
+    def kept_factor(self, unpipelined: bool) -> float:
+        """The heap a CPU rank keeps over its live peak: `kept_heap_unpipelined` for dp > 1 without a pipeline
+        where the profile gives one, else `kept_heap`."""
+        return (unpipelined and self.kept_heap_unpipelined) or self.kept_heap
 
     @property
     def usable_bytes(self) -> float:

@@ -19,8 +19,8 @@ from torch.profiler import record_function
 from elastic_trainer.config import ConfigError, ModelConfig, TrainConfig
 from elastic_trainer.data import TokenSamples, samples_for
 from elastic_trainer.data.order import sample_rows
-from elastic_trainer.launch.allocator import kept_bytes
 from elastic_trainer.data.corpus import eval_batch_count, load as load_corpus
+from elastic_trainer.launch.allocator import kept_bytes
 from elastic_trainer.model.dropout import sample_keys
 from elastic_trainer.parallel.compile import compiler_problem, use_cache
 from elastic_trainer.parallel.engine import Engine, resolve_dtype

@@ -493,13 +493,22 @@ def host(monkeypatch):
 
 HOST = dataclasses.replace(BASE, shared_host=True, compute_units=2.35, memory_gb=15.7, reserved_gb=4.0, gpus_per_host=8,
                            overlap=0.0, ring_latency=True, reduce_scatter_as_all_reduce=True, intra_host_gbs=1.25,
-                           inter_host_gbs=1.25, intra_host_latency_us=75.0, inter_host_latency_us=75.0)
+                           inter_host_gbs=1.25, intra_host_latency_us=75.0, inter_host_latency_us=75.0,
+                           kept_heap=1.5, kept_heap_unpipelined=2.8, rank_base_gb=0.2)
 
 
 def test_cpu_host_describes_this_host_and_its_gloo_links(host):
     assert 4110175 * 4096 / GIB == pytest.approx(15.679073, abs=1e-6)
     assert calibrate._cpu_host(BASE, [2, 3]) == HOST
     assert host == {"links": [([2, 3], calibrate.LINK_SIZES)], "units": [6]}
+
+
+def test_cpu_host_keeps_a_cpu_base_s_heap_figures(host):
+    """A GPU or blank base gets the heap CPU ranks keep (plan/hardware.py CPU_KEPT_HEAP); a CPU base keeps its own."""
+    mine = dataclasses.replace(BASE, shared_host=True, compute_units=1.0, kept_heap=1.2, kept_heap_unpipelined=0.0,
+                               rank_base_gb=0.3)
+    out = calibrate._cpu_host(mine, [2, 3])
+    assert (out.kept_heap, out.kept_heap_unpipelined, out.rank_base_gb) == (1.2, 0.0, 0.3)
 
 
 def test_cpu_host_has_room_for_its_largest_world(host):

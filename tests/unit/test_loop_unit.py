@@ -85,7 +85,10 @@ def test_a_step_records_what_plain_torch_computes(group):
         wall, w1 = time.perf_counter() - t0, time.time()
         assert trainer.last_sample_ids.tolist() == ids.tolist()
         assert set(record) == {"step", "loss", "lr", "grad_norm", "step_time_s", "phases_s", "tokens_per_s",
-                               "samples", "world_size", "layout", "time"}
+                               "samples", "world_size", "layout", "time", "kept_memory_gib"}
+        with open("/proc/self/status") as f:  # one rank: its own anonymous memory, read again just after
+            anon = next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+        assert record["kept_memory_gib"] == pytest.approx(anon / 2**30, abs=8 / 1024)
         phases = record["phases_s"]  # consecutive spans of the step: they add up to it
         assert list(phases) == list(PHASES) and min(phases.values()) >= 0
         assert sum(phases.values()) == pytest.approx(record["step_time_s"], abs=1e-5)

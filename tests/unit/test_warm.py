@@ -3,6 +3,7 @@ whether a GPU holds the old and the new model together (else the next world buil
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -28,7 +29,9 @@ def fake_job(model: str, layouts: list[Layout], ranks: list[int], hardware: str 
 
 
 def test_a_small_job_starts_warm(monkeypatch):
-    monkeypatch.setattr(warm, "available_bytes", lambda: (20 * GIB, 10 * GIB))
+    # gpt-tiny at 1024 tokens: 1.6 GiB of logits and loss per rank, which CPU ranks without a pipeline keep 2.8
+    # times over (the cpu profile's kept_heap_unpipelined): about 20 GiB per world
+    monkeypatch.setattr(warm, "available_bytes", lambda: (48 * GIB, 10 * GIB))
     job = fake_job("gpt-tiny", [Layout(4, 1, 1, 2, 1), Layout(8, 1, 1, 1, 1)], [4, 8])
     assert warm.warm_refusal(job, 0, 1) is None
 
@@ -89,3 +92,19 @@ def test_gpu_ranks_need_host_memory_for_the_staged_copy_too(monkeypatch):
     monkeypatch.setattr(warm, "available_bytes", lambda: (40 * GIB, 64 * GIB))
     assert warm.warm_refusal(fake_job("gpt3-xl", layouts, [8, 4], "h100-80g"), 0, 1) is None
 
+
+
+def test_cpu_worlds_are_charged_the_heap_their_ranks_keep():
+    """On CPU a world's ranks hold their heap at its largest (launch/allocator.py): each is charged the profile's
+    kept_heap figure times the live peak, beside its process (the `cpu` profile's figures by default)."""
+    from elastic_trainer.plan.memory import stage_memories
+
+    model = load_model_config("gpt3-small")
+    pipelined, flat = Layout(2, 1, 2, 4, 1, dp_mode="ddp"), Layout(4, 1, 1, 2, 1, dp_mode="fsdp")
+    cpu = load_hardware("cpu")
+    for layout, factor in ((pipelined, cpu.kept_heap), (flat, cpu.kept_heap_unpipelined)):
+        peak = max(m.total for m in stage_memories(model, layout, 128, "fp32"))
+        assert warm.world_bytes(model, layout, 4, 128, True) == 4 * (warm.PROCESS_BYTES + int(factor * peak))
+    mine = dataclasses.replace(cpu, kept_heap=1.0, kept_heap_unpipelined=0.0)
+    peak = max(m.total for m in stage_memories(model, flat, 128, "fp32"))
+    assert warm.world_bytes(model, flat, 4, 128, True, mine) == 4 * (warm.PROCESS_BYTES + peak)

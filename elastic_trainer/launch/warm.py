@@ -59,12 +59,12 @@ def world_bytes(model: ModelConfig, layout: Layout | None, ranks: int, seq_len: 
     if on_cpu:
         hw = hardware if hardware is not None and hardware.shared_host else load_hardware("cpu")
         if layout is None:  # planned by rank 0 at start: a full replica per rank bounds it
-            per_rank += int(hw.kept_factor(False) * model.num_params() * 16)
+            per_rank += int(hw.kept_heap * model.num_params() * 16)
         else:
             from elastic_trainer.plan.memory import stage_memories
 
             peak = max(m.total for m in stage_memories(model, layout, seq_len, "fp32"))
-            per_rank += int(hw.kept_factor(layout.dp > 1 and layout.pp == 1) * peak)
+            per_rank += int(hw.kept_factor(layout) * peak)
     return ranks * per_rank
 
 

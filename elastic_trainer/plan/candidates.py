@@ -164,9 +164,7 @@ def evaluate(req: Request, layout: Layout) -> Candidate:
     reason = None
     if hw.shared_host:  # the host's ranks share its memory: every stage's dp * tp ranks, on one host or spread,
         ranks = req.topology.largest  # each holding its base and the heap it keeps
-        unpipelined = layout.dp > 1 and layout.pp == 1
-        per_stage = sum(hw.rank_bytes(m.total, unpipelined) for m in stages)
-        host = per_stage * layout.dp * layout.tp * ranks / layout.world_size
+        host = sum(hw.rank_bytes(m.total, layout) for m in stages) * layout.dp * layout.tp * ranks / layout.world_size
         if host > hw.usable_bytes:
             reason = f"needs {host / GIB:.1f} GiB per host > {hw.usable_bytes / GIB:.1f} GiB usable"
     elif memory.total > hw.usable_bytes:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from elastic_trainer.config import (DP_MODES, ConfigError, check_field_types, configs_dir, from_dict, positive_int,
                                     read_toml)
+from elastic_trainer.plan.layout import Layout
 
 GIB = 2**30
 
@@ -160,11 +161,12 @@ class Hardware:
             raise ConfigError(f"hardware {self.name}: overlap={self.overlap} must be in [0, 1]")
         if self.restart_s < 0:
             raise ConfigError(f"hardware {self.name}: restart_s={self.restart_s} must not be negative")
-        for key in ("kept_heap", "kept_heap_unpipelined"):
-            if 0 < getattr(self, key) < 1 or (key == "kept_heap" and self.kept_heap < 1):
-                zero = " (or 0: kept_heap)" if key == "kept_heap_unpipelined" else ""
-                raise ConfigError(f"hardware {self.name}: {key}={getattr(self, key)} must be at least 1{zero} (a "
-                                  "rank keeps at least its live peak)")
+        if self.kept_heap < 1:
+            raise ConfigError(f"hardware {self.name}: kept_heap={self.kept_heap} must be at least 1 (a rank keeps "
+                              "at least its live peak)")
+        if 0 < self.kept_heap_unpipelined < 1:
+            raise ConfigError(f"hardware {self.name}: kept_heap_unpipelined={self.kept_heap_unpipelined} must be "
+                              "at least 1 (or 0: kept_heap) (a rank keeps at least its live peak)")
         if self.shared_host and self.compute_units < 1:
             raise ConfigError(f"hardware {self.name}: shared_host needs compute_units >= 1, got {self.compute_units}")
 
@@ -188,18 +190,17 @@ class Hardware:
         was checked with did. A data-sheet profile's `tflops` lumps such work into its sustained rate."""
         return not self.shared_host and any(self.host_block_ms(m) for m in DP_MODES)
 
-    def rank_bytes(self, live: float, unpipelined: bool = False) -> float:
-        """The memory one rank takes from its host when the memory model counts `live` bytes at its peak: on
-        `shared_host` CPU ranks, its base and the heap it keeps (`unpipelined`: dp > 1 and pp = 1); on a GPU,
-        `live`."""
+    def rank_bytes(self, live: float, layout: Layout) -> float:
+        """The memory one rank of `layout` takes from its host when the memory model counts `live` bytes at its
+        peak: on `shared_host` CPU ranks, its base and the heap it keeps; on a GPU, `live`."""
         if not self.shared_host:
             return live
-        return self.rank_base_gb * GIB + self.kept_factor(unpipelined) * live
+        return self.rank_base_gb * GIB + self.kept_factor(layout) * live
 
-    def kept_factor(self, unpipelined: bool) -> float:
-        """The heap a CPU rank keeps over its live peak: `kept_heap_unpipelined` for dp > 1 without a pipeline
-        where the profile gives one, else `kept_heap`."""
-        return (unpipelined and self.kept_heap_unpipelined) or self.kept_heap
+    def kept_factor(self, layout: Layout) -> float:
+        """The heap a CPU rank of `layout` keeps over its live peak: `kept_heap_unpipelined` for dp > 1 without a
+        pipeline where the profile gives one, else `kept_heap`."""
+        return (layout.dp > 1 and layout.pp == 1 and self.kept_heap_unpipelined) or self.kept_heap
 
     @property
     def usable_bytes(self) -> float:

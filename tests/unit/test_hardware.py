@@ -6,6 +6,7 @@ import pytest
 
 from elastic_trainer.config import ConfigError
 from elastic_trainer.plan.hardware import GIB, Hardware, hardware_for_device, hardware_presets, load_hardware
+from elastic_trainer.plan.layout import Layout
 
 
 def test_presets_load_and_describe_8_gpu_hosts():
@@ -70,8 +71,11 @@ def test_calibration_fit_recovers_rate_size_effect_and_overhead():
 def test_cpu_ranks_take_their_base_and_the_heap_they_keep():
     cpu = load_hardware("cpu")  # measured by benchmarks/planner/heap.py (configs/hardware/cpu.toml)
     assert cpu.kept_heap > 1 and cpu.rank_base_gb > 0
-    assert cpu.rank_bytes(2 * GIB) == pytest.approx((cpu.rank_base_gb + 2 * cpu.kept_heap) * GIB)
+    one = Layout(1, 1, 1, 1, 1)
+    assert cpu.rank_bytes(2 * GIB, one) == pytest.approx((cpu.rank_base_gb + 2 * cpu.kept_heap) * GIB)
+    flat = Layout(2, 1, 1, 1, 1)  # dp > 1 without a pipeline
+    assert cpu.rank_bytes(2 * GIB, flat) == pytest.approx((cpu.rank_base_gb + 2 * cpu.kept_heap_unpipelined) * GIB)
     gpu = load_hardware("h100-80g")  # a GPU's peak is its allocator's: the model's figure
-    assert gpu.rank_bytes(2 * GIB) == 2 * GIB
+    assert gpu.rank_bytes(2 * GIB, one) == 2 * GIB
     with pytest.raises(ConfigError, match="kept_heap=0.5 must be at least 1"):
         Hardware(name="x", kept_heap=0.5)

@@ -75,7 +75,8 @@ def kept_after_steps(rank: int, world: int, layout: Layout) -> dict:
     tokens = np.random.default_rng(0).integers(0, MODEL.vocab_size, 4096).astype(np.int64)
     cfg = TrainConfig(global_batch=layout.global_batch, seq_len=8, steps=2, dtype="fp32")
     trainer = Trainer(MODEL, cfg, layout, build_mesh(layout, "cpu"), torch.device("cpu"), tokens=tokens)
-    ballast = torch.ones(rank * 48 * 2**20 // 4)  # rank 1 holds 48 MiB more than rank 0
+    ballast = torch.ones(rank * 256 * 2**20 // 4)  # rank 1 holds 256 MiB more than rank 0 (whose own memory
+    # moves by tens of MiB from run to run: 48 MiB once left rank 1 only 34 MiB ahead)
     ballast.add_(1)  # written: resident
     records = [trainer.train_step() for _ in range(2)]
     with open("/proc/self/status") as f:  # this rank's own reading, right after its last step
@@ -85,10 +86,10 @@ def kept_after_steps(rank: int, world: int, layout: Layout) -> dict:
 
 def test_every_rank_records_the_largest_rank_s_kept_memory():
     """Each CPU step record carries the anonymous memory of the rank holding the most (train/loop.py): the same
-    figure on every rank, the larger rank's own /proc reading (its 48 MiB ballast included), not its own."""
+    figure on every rank, the larger rank's own /proc reading (its 256 MiB ballast included), not its own."""
     ranks = run_ranks(kept_after_steps, 2, Layout(2, 1, 1, 2, 1, dp_mode="ddp"))
     largest = max(r["anon"] for r in ranks) / 2**30
-    assert ranks[1]["anon"] - ranks[0]["anon"] > 40 * 2**20
+    assert ranks[1]["anon"] - ranks[0]["anon"] > 200 * 2**20
     for r in ranks:
         assert r["kept"][-1] == ranks[0]["kept"][-1]
         assert r["kept"][-1] == pytest.approx(largest, abs=8 / 1024)  # within 8 MiB of the reading after it

@@ -11,6 +11,8 @@ the parameters `stage_shapes` lists.
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import pytest
 import torch
@@ -75,13 +77,14 @@ def kept_after_steps(rank: int, world: int, layout: Layout) -> dict:
     tokens = np.random.default_rng(0).integers(0, MODEL.vocab_size, 4096).astype(np.int64)
     cfg = TrainConfig(global_batch=layout.global_batch, seq_len=8, steps=2, dtype="fp32")
     trainer = Trainer(MODEL, cfg, layout, build_mesh(layout, "cpu"), torch.device("cpu"), tokens=tokens)
-    ballast = torch.ones(rank * 256 * 2**20 // 4)  # rank 1 holds 256 MiB more than rank 0 (whose own memory
-    # moves by tens of MiB from run to run: 48 MiB once left rank 1 only 34 MiB ahead)
-    ballast.add_(1)  # written: resident
+    # rank 1 holds 256 MiB more than rank 0, in pages of its own: a tensor could reuse free heap the fork
+    # inherited, already resident (in CI a 48 MiB tensor left rank 1 1.7 MiB ahead)
+    ballast = mmap.mmap(-1, rank * 256 * 2**20 + 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    torch.frombuffer(ballast, dtype=torch.uint8).fill_(1)  # written: resident
     records = [trainer.train_step() for _ in range(2)]
     with open("/proc/self/status") as f:  # this rank's own reading, right after its last step
         anon = next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
-    return {"kept": [r["kept_memory_gib"] for r in records], "anon": anon, "ballast": ballast.numel()}
+    return {"kept": [r["kept_memory_gib"] for r in records], "anon": anon, "ballast": len(ballast)}
 
 
 def test_every_rank_records_the_largest_rank_s_kept_memory():

@@ -75,7 +75,7 @@ def decide(spec: JobSpec, phase: PhaseSpec, topology: Topology, start: str) -> D
                                    f"{layout.describe()}" + (f"; {idle} of the {held} GPUs idle" if idle else ""))
         return Decision(layout, line, "spec", "", start, held, hosts)
     if learned:
-        reason = "with the step times this job measured on these hosts"
+        reason = "with the step times and memory this job measured on these hosts"
     elif spec.hardware is None:
         reason = "the job's hardware is detected on the hosts"
     elif phase.hosts is None:

@@ -49,7 +49,8 @@ class Request:
     compiled: bool = False
     """The blocks run compiled (--compile): their compute is the hardware's measured `compiled_speedup` faster."""
     measured: tuple = ()
-    """(Layout, seconds): steady step times this job measured on these hosts (plan/measured.py)."""
+    """plan/measured.py `Measurement`s (or (Layout, seconds) pairs): the steady step times and peak memory this
+    job measured on these hosts."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -100,6 +101,10 @@ class Candidate:
     """The step time this job measured for this layout on these hosts (plan/measured.py), which ranks it."""
     correction: float = 1.0
     """The measured / predicted ratio of this layout's family that its prediction is multiplied by."""
+    measured_memory_gib: float | None = None
+    """The largest peak memory of a rank this job measured in this layout on these hosts (plan/measured.py)."""
+    memory_correction: float = 1.0
+    """The measured / predicted memory ratio (above 1) of this layout's family that its fit was checked with."""
 
     @property
     def valid(self) -> bool:
@@ -127,6 +132,13 @@ class Candidate:
     def source(self) -> str:
         """Where step_time_s comes from: measured, corrected or predicted."""
         return "measured" if self.measured_s is not None else "corrected" if self.correction != 1.0 else "predicted"
+
+    @property
+    def memory_source(self) -> str:
+        """Where the memory this candidate was admitted or rejected by comes from: measured, corrected or
+        predicted."""
+        return ("measured" if self.measured_memory_gib is not None
+                else "corrected" if self.memory_correction != 1.0 else "predicted")
 
     def rank_key(self) -> tuple:
         """Fastest first; ties go to less memory, then fewer pipeline and tensor-parallel ranks, no recompute,
@@ -161,16 +173,38 @@ def evaluate(req: Request, layout: Layout) -> Candidate:
     memory = max(stages, key=lambda m: m.total)
     time = step_time(req.model, layout, req.seq_len, dtype, hw, req.topology,
                      block_speedup=hw.compiled_speedup if req.compiled else 1.0)
-    reason = None
+    return Candidate(layout.dp, layout.tp, layout.pp, layout.micro_batch, layout.num_microbatches,
+                     layout.dp_mode, layout.recompute, memory, time, memory_reason(req, layout, stages))
+
+
+def memory_reason(req: Request, layout: Layout, stages: list[StageMemory], scale: float = 1.0) -> str | None:
+    """Why `layout` does not fit when its stages take `scale` times the memory model's bytes; None when it fits."""
+    hw = req.hardware
     if hw.shared_host:  # the host's ranks share its memory: every stage's dp * tp ranks, on one host or spread,
         ranks = req.topology.largest  # each holding its base and the heap it keeps
         host = sum(hw.rank_bytes(m.total, layout) for m in stages) * layout.dp * layout.tp * ranks / layout.world_size
-        if host > hw.usable_bytes:
-            reason = f"needs {host / GIB:.1f} GiB per host > {hw.usable_bytes / GIB:.1f} GiB usable"
-    elif memory.total > hw.usable_bytes:
-        reason = f"needs {memory.total / GIB:.1f} GiB per GPU > {hw.usable_bytes / GIB:.1f} GiB usable"
-    return Candidate(layout.dp, layout.tp, layout.pp, layout.micro_batch, layout.num_microbatches,
-                     layout.dp_mode, layout.recompute, memory, time, reason)
+        return _over(scale * host, hw, "host")
+    return _over(scale * max(m.total for m in stages), hw, "GPU")
+
+
+def measured_memory_reason(req: Request, layout: Layout, peak_gib: float) -> str | None:
+    """Why a layout this job ran, its largest rank taking `peak_gib` at its peak, does not fit these hosts (every
+    rank of the largest host counted at that peak); None when it fits."""
+    ranks = req.topology.largest if req.hardware.shared_host else 1
+    return _over(peak_gib * GIB * ranks, req.hardware, "host" if req.hardware.shared_host else "GPU",
+                 " (measured by an earlier start)")
+
+
+def rank_peak_bytes(req: Request, c: Candidate) -> float:
+    """The memory model's bytes for the largest rank of a sized candidate, as a start records its peak (on CPU
+    ranks the heap it keeps, with its base)."""
+    return req.hardware.rank_bytes(c.memory.total, c.layout)
+
+
+def _over(need: float, hw: Hardware, per: str, how: str = "") -> str | None:
+    if need > hw.usable_bytes:
+        return f"needs {need / GIB:.1f} GiB per {per}{how} > {hw.usable_bytes / GIB:.1f} GiB usable"
+    return None
 
 
 def candidates_for(req: Request, dp: int, tp: int, pp: int) -> list[Candidate]:

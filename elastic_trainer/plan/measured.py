@@ -16,6 +16,13 @@ others; if that one measures slower still, the plan after it returns. A job neve
 than another it measured, and tries one it has not run only when its prediction beats every measurement.
 What this cannot do is find a better layout that a wrong profile predicts slow: the job never tries it
 (benchmarks/planner/learning.py simulates both cases). That needs the profile measured at the job's shapes.
+
+Memory is learned the same way, but only towards safety (plan/planner.py `learned`): a layout the job ran on
+these hosts is judged by the largest peak it measured (so one the memory model's envelope rejects is admitted
+once it has run, if that peak fits), and when a layout took more than predicted, the other layouts of its
+family are charged that ratio (the largest of the family's) and rejected if they then do not fit. A peak
+below the prediction admits nothing the job has not run: an out-of-memory kill costs a restart and a re-plan,
+a layout left out costs only its step time.
 """
 
 from __future__ import annotations
@@ -24,12 +31,22 @@ import json
 import os
 import statistics
 from pathlib import Path
+from typing import NamedTuple
 
 from elastic_trainer.plan.layout import Layout
 
 FILE = "measured.jsonl"
 MIN_STEPS = 3
 """Steps a start must train for its step time to be recorded (the first is left out of the median)."""
+
+
+class Measurement(NamedTuple):
+    """What this job measured in one layout on these hosts: the median of its starts' steady step times, and
+    the largest peak memory of a rank any start recorded (None when none did)."""
+
+    layout: Layout
+    step_s: float
+    memory_gib: float | None = None
 
 
 def path_for(metrics_file: str | None) -> Path | None:
@@ -90,12 +107,27 @@ def _entries(path: Path | None, key: dict, hosts: tuple[int, ...]) -> list[tuple
     return out
 
 
-def for_hosts(path: Path | None, key: dict, hosts: tuple[int, ...]) -> tuple[tuple[Layout, float], ...]:
-    """(layout, median measured step seconds) for every layout this job ran on hosts of these sizes."""
-    seen: dict[Layout, list[float]] = {}
+def peak_gib(entry: dict) -> float | None:
+    """A start's peak memory per rank: the device allocator's peak on GPUs, the heap the largest rank keeps on
+    CPU ranks; None when the record has neither (or a damaged one)."""
+    for name in ("peak_memory_gib", "kept_memory_gib"):
+        value = entry.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            return float(value)
+    return None
+
+
+def for_hosts(path: Path | None, key: dict, hosts: tuple[int, ...]) -> tuple[Measurement, ...]:
+    """What this job measured in every layout it ran on hosts of these sizes: the median step time of its
+    starts, the largest peak memory."""
+    seen: dict[Layout, list[dict]] = {}
     for layout, entry in _entries(path, key, hosts):
-        seen.setdefault(layout, []).append(entry["step_s"])
-    return tuple((layout, statistics.median(times)) for layout, times in seen.items())
+        seen.setdefault(layout, []).append(entry)
+    out = []
+    for layout, entries in seen.items():
+        peaks = [p for p in map(peak_gib, entries) if p is not None]
+        out.append(Measurement(layout, statistics.median(e["step_s"] for e in entries), max(peaks, default=None)))
+    return tuple(out)
 
 
 def phases_for(path: Path | None, key: dict, hosts: tuple[int, ...], layout: Layout) -> tuple[dict, int]:

@@ -6,9 +6,12 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, replace
 
-from elastic_trainer.plan.candidates import Candidate, PlanError, Request, degree_reason, enumerate_candidates
+from elastic_trainer.plan.candidates import (Candidate, PlanError, Request, degree_reason, enumerate_candidates,
+                                             measured_memory_reason, memory_reason, rank_peak_bytes)
+from elastic_trainer.plan.hardware import GIB
 from elastic_trainer.plan.layout import divisors, factorizations
-from elastic_trainer.plan.measured import family
+from elastic_trainer.plan.measured import Measurement, family
+from elastic_trainer.plan.memory import stage_memories
 
 
 @dataclass(frozen=True)
@@ -40,28 +43,59 @@ class Plan:
 
 def _ranked(req: Request) -> Plan:
     """Every candidate for `req`: the valid ones ranked (possibly none), the rejected ones."""
-    everything = learned(list(enumerate_candidates(req)), req.measured)
+    everything = learned(req, list(enumerate_candidates(req)))
     valid = sorted((c for c in everything if c.valid), key=Candidate.rank_key)
     return Plan(req, tuple(valid), tuple(c for c in everything if not c.valid))
 
 
-def learned(candidates: list[Candidate], measured: tuple) -> list[Candidate]:
-    """The candidates with what this job measured (plan/measured.py): a layout it ran takes its measured step
-    time; the others of its family (the same degrees and data-parallel mode) their prediction times the
-    family's median ratio of measured to predicted; the rest keep their predictions."""
-    seconds = dict(measured)
+def learned(req: Request, candidates: list[Candidate]) -> list[Candidate]:
+    """The candidates with what this job measured on these hosts (`req.measured`, plan/measured.py): memory
+    first (`learned_memory`), then step times: a layout it ran takes its measured step time; the others of its
+    family (the same degrees and data-parallel mode) their prediction times the family's median ratio of
+    measured to predicted; the rest keep their predictions."""
+    measured = [Measurement(*m) for m in req.measured]  # (layout, seconds) pairs are read as well
+    if not measured:
+        return candidates
+    candidates = learned_memory(req, candidates, {m.layout: m.memory_gib for m in measured
+                                                  if m.memory_gib is not None})
+    seconds = {m.layout: m.step_s for m in measured}
     ratios: dict[tuple, list[float]] = {}
     for c in candidates:
         if c.valid and c.layout in seconds:
             ratios.setdefault(family(c.layout), []).append(seconds[c.layout] / c.time.total)
-    if not ratios:
-        return candidates
     out = []
     for c in candidates:
         if c.valid and c.layout in seconds:
             c = replace(c, measured_s=seconds[c.layout])
         elif c.valid and family(c.layout) in ratios:
             c = replace(c, correction=statistics.median(ratios[family(c.layout)]))
+        out.append(c)
+    return out
+
+
+def learned_memory(req: Request, candidates: list[Candidate], peaks: dict) -> list[Candidate]:
+    """A layout this job ran is judged by the largest peak it measured on these hosts, not by the memory model
+    (admitted if that peak fits, even where the model's envelope rejects it); the other layouts of a family
+    that took more than predicted are charged the family's largest ratio of measured to predicted and
+    rejected if they then do not fit. A peak below its prediction loosens nothing the job has not run."""
+    ratios: dict[tuple, float] = {}
+    for c in candidates:
+        if c.memory is not None and c.layout in peaks:
+            ratio = peaks[c.layout] * GIB / rank_peak_bytes(req, c)
+            ratios[family(c.layout)] = max(ratio, ratios.get(family(c.layout), 0.0))
+    out = []
+    for c in candidates:
+        if c.memory is None:
+            pass  # invalid degrees: nothing to weigh
+        elif c.layout in peaks:
+            c = replace(c, measured_memory_gib=peaks[c.layout],
+                        reason=measured_memory_reason(req, c.layout, peaks[c.layout]))
+        elif ratios.get(family(c.layout), 1.0) > 1.0 and c.valid:
+            ratio = ratios[family(c.layout)]
+            stages = stage_memories(req.model, c.layout, req.seq_len, req.compute_dtype)
+            reason = memory_reason(req, c.layout, stages, ratio)
+            c = replace(c, memory_correction=ratio, reason=reason and
+                        f"{reason} (the model's bytes x{ratio:.2f}, as its family measured)")
         out.append(c)
     return out
 

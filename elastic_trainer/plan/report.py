@@ -25,6 +25,11 @@ def candidate_dict(c: Candidate, req: Request) -> dict:
                               "activations_gb": round(c.memory.activations / GIB, 3),
                               "pipeline_s": round(c.time.pipeline, 6), "dp_comm_s": round(c.time.dp_comm, 6),
                               "optimizer_s": round(c.time.optimizer, 6), "hooks_s": round(c.time.hooks, 6)})
+        out["memory_source"] = c.memory_source
+        if c.measured_memory_gib is not None:
+            out["measured_memory_gib"] = round(c.measured_memory_gib, 3)
+        elif c.memory_correction != 1.0:
+            out["memory_correction"] = round(c.memory_correction, 4)
     if c.reason is not None:
         out["reason"] = c.reason
     return out
@@ -79,12 +84,20 @@ def step_time_words(c: Candidate) -> str:
     return f"predicted {c.step_time_s:.3f} s/step"
 
 
+def memory_words(c: Candidate) -> str:
+    """The memory model's peak per GPU, and the peak an earlier start of this job measured in the layout."""
+    words = f"{c.memory_gb:.1f} GiB/GPU"
+    if c.measured_memory_gib is not None:
+        return words + f" (measured {c.measured_memory_gib:.1f} GiB at the largest rank's peak)"
+    return words
+
+
 def summary(plan: Plan) -> str:
     """One line for logs: the chosen layout and its predictions (or this job's measurement of it)."""
     c, req = plan.chosen, plan.request
     learned = sum(x.source == "measured" for x in plan.candidates)
     return (f"[plan] {req.world_size} x {req.hardware.name} ({req.topology.describe()}): "
-            f"{c.layout.describe()}; {c.memory_gb:.1f} GiB/GPU, {step_time_words(c)}, "
+            f"{c.layout.describe()}; {memory_words(c)}, {step_time_words(c)}, "
             f"{tokens_per_s(c, req):,.0f} tokens/s, bubble {100 * c.time.bubble:.1f}% "
             f"(best of {len(plan.candidates)} valid layouts"
             + (f"; {learned} measured by this job)" if learned else ")"))

@@ -148,7 +148,7 @@ def test_default_job_through_run_sh(tmp_path, data_cache, reference):
     assert seen.count("plan") == 5 and len(starts) == 4
     planned = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "planned"]
     assert [e["source"] for e in planned] == ["spec", "spec", "spec", "planned"]
-    assert planned[3]["reason"] == "with the step times this job measured on these hosts"
+    assert planned[3]["reason"] == "with the step times and memory this job measured on these hosts"
     assert [r["hosts"] for r in read_jsonl(run_dir / "measured.jsonl")] == [[4], [8], [2], [4]]
     assert seen.count("read_spec") == 4 + 8 + 2 + 4  # job.json, once per rank start
     kept = assert_on_trajectory(run_dir, reference, 32)

@@ -28,10 +28,11 @@ def test_a_phase_on_hosts_seen_before_plans_with_what_the_job_measured_there(tmp
     assert all(r["step_s"] > 0 and r["predicted_s"] > 0 and r["model"] == "gpt-tiny" for r in records)
     planned = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "planned"]
     assert [e["source"] for e in planned] == ["spec", "spec", "planned"]  # phase 2's hosts were new to the job
-    assert planned[2]["reason"] == "with the step times this job measured on these hosts"
+    assert planned[2]["reason"] == "with the step times and memory this job measured on these hosts"
     line = next(l for l in proc.stdout.splitlines() if "[plan]" in l and "measured by this job" in l)
     first = Layout(**records[0]["layout"])
     if Layout(**planned[2]["layout"]) == first:  # kept: its figure is phase 1's measurement, not a prediction
         assert f"measured {records[0]['step_s']:.3f} s/step by an earlier start" in line
+        assert f"(measured {records[0]['kept_memory_gib']:.1f} GiB at the largest rank's peak)" in line
     else:  # left for a layout predicted faster than phase 1 measured
         assert records[0]["step_s"] > float(line.split(" s/step")[0].rsplit(" ", 1)[1])

@@ -10,10 +10,12 @@ import json
 import pytest
 
 from elastic_trainer.config import load_model_config
-from elastic_trainer.plan import Request, load_hardware, plan
+from elastic_trainer.plan import PlanError, Request, load_hardware, plan
+from elastic_trainer.plan.hardware import GIB
 from elastic_trainer.plan import measured
 from elastic_trainer.plan.layout import Layout
-from elastic_trainer.plan.report import summary
+from elastic_trainer.plan.planner import _ranked, plan_or_none
+from elastic_trainer.plan.report import plan_dict, summary
 
 KEY = measured.job_key("gpt-tiny", 8, 64, "auto", "cpu", False)
 A = Layout(2, 1, 1, 4, 1, "zero1")
@@ -34,8 +36,8 @@ def test_a_start_records_its_steady_step_time_and_later_plans_read_it_back(tmp_p
     measured.record(path, KEY, A, (1, 1), steps(9.0, 7.0, 7.0), 0.5)  # other hosts
     with open(path, "a") as f:
         f.write('{"model": "gpt-tiny", "cut sh')  # a crash mid-line
-    assert measured.for_hosts(path, KEY, (2,)) == ((A, 3.0),)  # the median of this job's starts on 2 ranks
-    assert measured.for_hosts(path, KEY, (1, 1)) == ((A, 7.0),)
+    assert measured.for_hosts(path, KEY, (2,)) == ((A, 3.0, None),)  # the median of this job's starts on 2 ranks
+    assert measured.for_hosts(path, KEY, (1, 1)) == ((A, 7.0, None),)
     assert measured.for_hosts(tmp_path / "none.jsonl", KEY, (2,)) == ()
     assert all(json.loads(line)["hosts"] for line in path.read_text().splitlines()[:-1])
 
@@ -101,3 +103,86 @@ def test_a_start_on_cpu_records_the_largest_heap_its_ranks_kept(tmp_path):
     records = [{"step_time_s": 1.0, "kept_memory_gib": k} for k in (1.5, 2.5, 2.25)]
     assert measured.record(path, KEY, A, (2,), records, 1.0)["kept_memory_gib"] == 2.5
     assert measured.record(path, KEY, A, (2,), steps(1.0, 1.0, 1.0), 1.0)["kept_memory_gib"] is None  # a GPU's
+
+
+def test_later_plans_read_back_the_largest_peak_a_layout_took(tmp_path):
+    """The largest peak over a layout's starts (GPU: the allocator's; CPU: the kept heap), whichever a start
+    recorded; a start that recorded none leaves the others' figure."""
+    path = tmp_path / "measured.jsonl"
+    measured.record(path, KEY, A, (2,), [{"step_time_s": 1.0, "kept_memory_gib": k} for k in (1.0, 1.5, 1.25)], 1.0)
+    measured.record(path, KEY, A, (2,), [{"step_time_s": 3.0, "kept_memory_gib": k} for k in (1.0, 1.25, 1.0)], 1.0)
+    measured.record(path, KEY, A, (2,), steps(2.0, 2.0, 2.0), 1.0)
+    b = Layout(1, 1, 2, 8, 1, "fsdp")
+    measured.record(path, KEY, b, (2,), [{"step_time_s": 1.0, "max_memory_gib": k} for k in (3.0, 4.0, 4.5)], 1.0)
+    assert measured.for_hosts(path, KEY, (2,)) == ((A, 2.0, 1.5), (b, 1.0, 4.5))
+
+
+def _tiny(request_4, **hardware):
+    return dataclasses.replace(request_4, hardware=dataclasses.replace(request_4.hardware, **hardware))
+
+
+def test_a_layout_the_job_ran_is_judged_by_the_memory_it_measured(request_4):
+    """A CPU profile whose kept-heap envelope is four times too wide rejects layouts that ran: once a start has
+    run one (its peak recorded), the next plan admits it by that peak and names it measured; its family,
+    whose ratio of measured to planned is below 1, is not loosened with it. A peak that would not fit these
+    hosts keeps it out."""
+    truth = plan(request_4)
+    a = truth.chosen
+    per_rank = rank_peak_gib(request_4, a)
+    usable = request_4.hardware.usable_bytes / GIB
+    wide = _tiny(request_4, kept_heap=4 * usable / per_rank, kept_heap_unpipelined=4 * usable / per_rank)
+    with pytest.raises(PlanError, match="fits in memory"):
+        plan(wide)
+    after = plan(dataclasses.replace(wide, measured=(measured.Measurement(a.layout, 1.0, per_rank),)))
+    assert [c.layout for c in after.candidates] == [a.layout]
+    assert after.chosen.memory_source == "measured" and after.chosen.measured_memory_gib == per_rank
+    assert f"measured {per_rank:.1f} GiB at the largest rank's peak" in summary(after)
+    assert "measured" == plan_dict(after)["chosen"]["memory_source"]
+    full = usable / request_4.topology.largest * 1.01  # every rank of the host at this peak: just over
+    over = dataclasses.replace(wide, measured=(measured.Measurement(a.layout, 1.0, full),))
+    assert plan_or_none(over) is None
+    ran = [c for c in _ranked(over).rejected if c.layout == a.layout]
+    assert len(ran) == 1 and ran[0].memory_source == "measured"
+    assert ran[0].reason == f"needs {full * request_4.topology.largest:.1f} GiB per host (measured by an earlier start) > {usable:.1f} GiB usable"
+
+
+def test_a_layout_that_took_twice_its_planned_memory_takes_its_family_out_of_a_host_it_no_longer_fits(request_4):
+    """A profile that plans half the memory a layout takes (its kept heap edited on purpose): after one start
+    records twice the planned peak, every other layout of its family is checked at twice its planned bytes,
+    and those that then exceed the host are rejected, saying why; other families keep their predictions."""
+    a = plan(request_4).chosen
+    fam = [c for c in plan(request_4).candidates if measured.family(c.layout) == measured.family(a.layout)
+           and c.layout != a.layout]
+    assert fam, "the chosen layout's family has other micro-batches"
+    # a host just big enough for the family's largest planned member, and the measured peak twice the plan
+    largest = max(host_gib(request_4, c.layout) for c in fam)
+    base = request_4.hardware.memory_gb - request_4.hardware.usable_bytes / GIB
+    snug = _tiny(request_4, memory_gb=base + 1.2 * largest)
+    before = plan(snug)
+    assert {c.layout for c in fam} <= {c.layout for c in before.candidates}
+    doubled = 2 * rank_peak_gib(snug, a)
+    after = plan(dataclasses.replace(snug, measured=(measured.Measurement(a.layout, 1.0, doubled),)))
+    out = {c.layout: c for c in after.rejected}
+    for c in fam:
+        need = 2 * host_gib(snug, c.layout)  # every rank of the host at twice its plan
+        if need > snug.hardware.usable_bytes / GIB:
+            assert out[c.layout].memory_source == "corrected" and "x2.00, as its family measured" in out[c.layout].reason
+        else:
+            assert c.layout in {x.layout for x in after.candidates}
+    assert any(c.layout in out for c in fam), "the doubled peak takes one of the family out"
+    others = [c for c in after.candidates if measured.family(c.layout) != measured.family(a.layout)]
+    assert others and all(c.memory_source == "predicted" for c in others)
+
+
+def rank_peak_gib(req, c) -> float:
+    from elastic_trainer.plan.candidates import rank_peak_bytes
+
+    return rank_peak_bytes(req, c) / GIB
+
+
+def host_gib(req, layout) -> float:
+    """By hand: the planned bytes of every rank on the one host (each stage's dp x tp ranks)."""
+    from elastic_trainer.plan.memory import stage_memories
+
+    stages = stage_memories(req.model, layout, req.seq_len, req.compute_dtype)
+    return sum(req.hardware.rank_bytes(m.total, layout) for m in stages) * layout.dp * layout.tp / GIB

@@ -23,9 +23,15 @@ from elastic_trainer.plan.candidates import evaluate  # noqa: E402
 from elastic_trainer.plan.layout import Layout  # noqa: E402
 
 
+def model_of(result: dict):
+    """The results' model: a preset, or this folder's benchmark model (bench-model.toml)."""
+    bench_model = load_model_config(str(Path(__file__).resolve().parent / "bench-model.toml"))
+    return bench_model if result["model"] == bench_model.name else load_model_config(result["model"])
+
+
 def repredicted(result: dict, world: int, profile: str) -> list[dict]:
     """The screened rows of `world` ranks with `profile`'s predictions."""
-    model, hw = load_model_config(result["model"]), load_hardware(profile)
+    model, hw = model_of(result), load_hardware(profile)
     req = Request(model, world, result["global_batch"], result["seq_len"], hw, world, dtype="fp32")
     rows = []
     for r in result["layouts"]:

@@ -19,11 +19,19 @@ from elastic_trainer.plan.memory import stage_numel
 from elastic_trainer.plan.step_time import step_time
 
 
+def bare_cpu():
+    """The shipped cpu profile without its per-mode figures: every mode's optimizer the common figure, no
+    mode's excess."""
+    return dataclasses.replace(load_hardware("cpu"), **{f"{m}_{k}_ns_per_param": 0.0 for m in ("fsdp", "ddp", "zero1")
+                                                         for k in ("optimizer", "hooks")})
+
+
 def test_fitted_figures_by_hand():
     """Phases made of the model's own prediction plus known extras: the optimizer figure is clip + AdamW per
     local parameter; the hooks figure is a mode's extra less the cheapest mode's, per stage parameter and per
     collective of the probe (fsdp: gather, gather again in backward, reduce-scatter; ddp: one all-reduce)."""
-    model, hw = load_model_config("gpt3-small"), load_hardware("cpu")
+    model = load_model_config("gpt3-small")  # the phases are the model's prediction without any mode's excess
+    hw = dataclasses.replace(bare_cpu(), optimizer_shapes="")
     probe = calibrate_modes.probe_model(model)
     assert (probe.n_layers, probe.d_model, probe.vocab_size) == (2, 768, 50257)
     req = Request(probe, 2, 2, 128, hw, 2, dtype="fp32")
@@ -37,7 +45,7 @@ def test_fitted_figures_by_hand():
                            "clip": 0.05, "optimizer": 0.25}, local)
     got = calibrate_modes.fitted(hw, model, 128, measured)
     assert got.optimizer_shapes == "gpt3-small, seq_len 128"
-    # the model runs the probe's 2 ranks on 1.9 compute units: optimizer = local x 2 ranks / 1.9, hooks x 2 / 1.9
+    # the model runs the probe's 2 ranks on the host's compute units: optimizer = local x 2 ranks / 1.9, hooks x 2 / 1.9
     share = 2 / hw.compute_units
     assert got.ddp_optimizer_ns_per_param == pytest.approx(0.3 / (whole * share) * 1e9, rel=1e-9)
     assert got.fsdp_optimizer_ns_per_param == pytest.approx(0.3 / (whole / 2 * share) * 1e9, rel=1e-9)
@@ -55,16 +63,16 @@ def test_fitted_figures_by_hand():
 
 def test_the_modes_figures_in_a_step_by_hand():
     """fsdp without a pipeline, 2 micro-batches on 4 ranks of one shared host: its excess is charged for
-    2 x (2 gathers and a reduce-scatter) per stage parameter, slowed by 4 ranks on 1.9 units; the optimizer
+    2 x (2 gathers and a reduce-scatter) per stage parameter, slowed by 4 ranks on the host's units; the optimizer
     per local parameter (1/dp of the stage); with a pipeline, 2 collectives; nothing at dp 1."""
     model = load_model_config("gpt3-small")
-    hw = dataclasses.replace(load_hardware("cpu"), fsdp_hooks_ns_per_param=3.0, fsdp_optimizer_ns_per_param=11.0)
+    hw = dataclasses.replace(bare_cpu(), fsdp_hooks_ns_per_param=3.0, fsdp_optimizer_ns_per_param=11.0)
     layout = Layout(4, 1, 1, 1, 2, "fsdp")
     t = step_time(model, layout, 128, "fp32", hw, 4)
     whole = stage_numel(model, layout, 0)
     slow = 4 / hw.compute_units
     assert t.hooks == pytest.approx(3e-9 * whole * 6 * slow, rel=1e-12)
-    base_hw = load_hardware("cpu")
+    base_hw = bare_cpu()
     base = step_time(model, layout, 128, "fp32", base_hw, 4)
     assert t.total - t.hooks - t.optimizer == pytest.approx(base.total - base.optimizer, rel=1e-12)
     assert t.optimizer == pytest.approx(base.optimizer * 11.0 / base_hw.optimizer_ns_per_param, rel=1e-12)

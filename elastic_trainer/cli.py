@@ -234,6 +234,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
         hw = calibrate_host(hw, model, device)
     elif model is not None:
         hw = calibrate_modes(hw, model, args.seq_len)
+    elif hw.optimizer_shapes:  # not measured here: they stand in for the common optimizer figure, so say so
+        print(f"[calibrate] each dp mode's optimizer and excess figures are kept from the base profile (measured at "
+              f"{hw.optimizer_shapes}); `--model M --only-optimizer` measures them at a job's shapes")
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text("# Measured by `elastic-trainer calibrate` (elastic_trainer/parallel/calibrate.py).\n"
                                  + hw.to_toml())

@@ -177,22 +177,16 @@ def evaluate(req: Request, layout: Layout) -> Candidate:
                      layout.dp_mode, layout.recompute, memory, time, memory_reason(req, layout, stages))
 
 
-def memory_reason(req: Request, layout: Layout, stages: list[StageMemory], scale: float = 1.0) -> str | None:
-    """Why `layout` does not fit when its stages take `scale` times the memory model's bytes; None when it fits."""
+def memory_reason(req: Request, layout: Layout, stages: list[StageMemory], scale: float = 1.0,
+                  how: str = "") -> str | None:
+    """Why `layout` does not fit when its stages take `scale` times the memory model's bytes (`how` says where
+    the scale came from); None when it fits."""
     hw = req.hardware
     if hw.shared_host:  # the host's ranks share its memory: every stage's dp * tp ranks, on one host or spread,
         ranks = req.topology.largest  # each holding its base and the heap it keeps
         host = sum(hw.rank_bytes(m.total, layout) for m in stages) * layout.dp * layout.tp * ranks / layout.world_size
-        return _over(scale * host, hw, "host")
-    return _over(scale * max(m.total for m in stages), hw, "GPU")
-
-
-def measured_memory_reason(req: Request, layout: Layout, peak_gib: float) -> str | None:
-    """Why a layout this job ran, its largest rank taking `peak_gib` at its peak, does not fit these hosts (every
-    rank of the largest host counted at that peak); None when it fits."""
-    ranks = req.topology.largest if req.hardware.shared_host else 1
-    return _over(peak_gib * GIB * ranks, req.hardware, "host" if req.hardware.shared_host else "GPU",
-                 " (measured by an earlier start)")
+        return _over(scale * host, hw, "host", how)
+    return _over(scale * max(m.total for m in stages), hw, "GPU", how)
 
 
 def rank_peak_bytes(req: Request, c: Candidate) -> float:
@@ -201,9 +195,9 @@ def rank_peak_bytes(req: Request, c: Candidate) -> float:
     return req.hardware.rank_bytes(c.memory.total, c.layout)
 
 
-def _over(need: float, hw: Hardware, per: str, how: str = "") -> str | None:
+def _over(need: float, hw: Hardware, per: str, how: str) -> str | None:
     if need > hw.usable_bytes:
-        return f"needs {need / GIB:.1f} GiB per {per}{how} > {hw.usable_bytes / GIB:.1f} GiB usable"
+        return f"needs {need / GIB:.1f} GiB per {per} > {hw.usable_bytes / GIB:.1f} GiB usable{how}"
     return None
 
 

@@ -17,12 +17,12 @@ than another it measured, and tries one it has not run only when its prediction 
 What this cannot do is find a better layout that a wrong profile predicts slow: the job never tries it
 (benchmarks/planner/learning.py simulates both cases). That needs the profile measured at the job's shapes.
 
-Memory is learned the same way, but only towards safety (plan/planner.py `learned`): a layout the job ran on
-these hosts is judged by the largest peak it measured (so one the memory model's envelope rejects is admitted
-once it has run, if that peak fits), and when a layout took more than predicted, the other layouts of its
-family are charged that ratio (the largest of the family's) and rejected if they then do not fit. A peak
-below the prediction admits nothing the job has not run: an out-of-memory kill costs a restart and a re-plan,
-a layout left out costs only its step time.
+Memory is learned the same way, but only towards safety (plan/planner.py `learned_memory`): a layout the job
+ran on these hosts is checked at the memory model's bytes times its own ratio of measured to planned peak (so
+one the model's envelope rejects is admitted once a start of ADMIT_STEPS or more has run it, if it fits that
+way), and when a layout took more than planned, the other layouts of its family are charged that ratio (the
+largest of the family's) and rejected if they then do not fit. A peak below the plan admits nothing the job
+has not run: an out-of-memory kill costs a restart and a re-plan, a layout left out costs only its step time.
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ from elastic_trainer.plan.layout import Layout
 FILE = "measured.jsonl"
 MIN_STEPS = 3
 """Steps a start must train for its step time to be recorded (the first is left out of the median)."""
+ADMIT_STEPS = 10
+"""Steps a start must have recorded for its peak memory to admit a layout the memory model rejects: CPU ranks'
+kept heap still grows over the first steps (gpt3-small dp4 zero1: 1.47x its live peak after 4 steps, 1.74x
+after 12; benchmarks/planner/README.md), so a short start's peak could admit a layout a longer one outgrows."""
 
 
 class Measurement(NamedTuple):
@@ -47,6 +51,8 @@ class Measurement(NamedTuple):
     layout: Layout
     step_s: float
     memory_gib: float | None = None
+    memory_steps: int = 0
+    """The most steps a start that recorded a peak trained for (the first included)."""
 
 
 def path_for(metrics_file: str | None) -> Path | None:
@@ -125,9 +131,17 @@ def for_hosts(path: Path | None, key: dict, hosts: tuple[int, ...]) -> tuple[Mea
         seen.setdefault(layout, []).append(entry)
     out = []
     for layout, entries in seen.items():
-        peaks = [p for p in map(peak_gib, entries) if p is not None]
-        out.append(Measurement(layout, statistics.median(e["step_s"] for e in entries), max(peaks, default=None)))
+        sized = [(peak_gib(e), e) for e in entries if peak_gib(e) is not None]
+        steps = max((_steps(e) for _, e in sized), default=0)
+        out.append(Measurement(layout, statistics.median(e["step_s"] for e in entries),
+                               max((p for p, _ in sized), default=None), steps))
     return tuple(out)
+
+
+def _steps(entry: dict) -> int:
+    """Steps a start trained: the recorded ones after the first, and the first."""
+    steps = entry.get("steps")
+    return steps + 1 if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0 else 0
 
 
 def phases_for(path: Path | None, key: dict, hosts: tuple[int, ...], layout: Layout) -> tuple[dict, int]:

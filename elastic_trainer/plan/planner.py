@@ -7,10 +7,10 @@ import statistics
 from dataclasses import dataclass, replace
 
 from elastic_trainer.plan.candidates import (Candidate, PlanError, Request, degree_reason, enumerate_candidates,
-                                             measured_memory_reason, memory_reason, rank_peak_bytes)
+                                             memory_reason, rank_peak_bytes)
 from elastic_trainer.plan.hardware import GIB
-from elastic_trainer.plan.layout import divisors, factorizations
-from elastic_trainer.plan.measured import Measurement, family
+from elastic_trainer.plan.layout import Layout, divisors, factorizations
+from elastic_trainer.plan.measured import ADMIT_STEPS, Measurement, family
 from elastic_trainer.plan.memory import stage_memories
 
 
@@ -56,8 +56,7 @@ def learned(req: Request, candidates: list[Candidate]) -> list[Candidate]:
     measured = [Measurement(*m) for m in req.measured]  # (layout, seconds) pairs are read as well
     if not measured:
         return candidates
-    candidates = learned_memory(req, candidates, {m.layout: m.memory_gib for m in measured
-                                                  if m.memory_gib is not None})
+    candidates = learned_memory(req, candidates, {m.layout: m for m in measured if m.memory_gib is not None})
     seconds = {m.layout: m.step_s for m in measured}
     ratios: dict[tuple, list[float]] = {}
     for c in candidates:
@@ -73,31 +72,44 @@ def learned(req: Request, candidates: list[Candidate]) -> list[Candidate]:
     return out
 
 
-def learned_memory(req: Request, candidates: list[Candidate], peaks: dict) -> list[Candidate]:
-    """A layout this job ran is judged by the largest peak it measured on these hosts, not by the memory model
-    (admitted if that peak fits, even where the model's envelope rejects it); the other layouts of a family
-    that took more than predicted are charged the family's largest ratio of measured to predicted and
-    rejected if they then do not fit. A peak below its prediction loosens nothing the job has not run."""
+def learned_memory(req: Request, candidates: list[Candidate], peaks: dict[Layout, Measurement]) -> list[Candidate]:
+    """A layout this job ran is checked at the memory model's bytes times its own ratio of the peak it measured
+    on these hosts to the planned peak of its largest rank (admitted where the model's envelope rejects it
+    only after a start of ADMIT_STEPS); the other layouts of a family that took more than planned are charged
+    the family's largest ratio and rejected if they then do not fit. A peak below the plan loosens nothing
+    the job has not run."""
     ratios: dict[tuple, float] = {}
+    own: dict[Layout, float] = {}
     for c in candidates:
         if c.memory is not None and c.layout in peaks:
-            ratio = peaks[c.layout] * GIB / rank_peak_bytes(req, c)
-            ratios[family(c.layout)] = max(ratio, ratios.get(family(c.layout), 0.0))
+            own[c.layout] = peaks[c.layout].memory_gib * GIB / rank_peak_bytes(req, c)
+            ratios[family(c.layout)] = max(own[c.layout], ratios.get(family(c.layout), 0.0))
     out = []
     for c in candidates:
         if c.memory is None:
-            pass  # invalid degrees: nothing to weigh
-        elif c.layout in peaks:
-            c = replace(c, measured_memory_gib=peaks[c.layout],
-                        reason=measured_memory_reason(req, c.layout, peaks[c.layout]))
-        elif ratios.get(family(c.layout), 1.0) > 1.0 and c.valid:
+            pass  # invalid degrees (no layout to weigh)
+        elif c.layout in own:
+            c = _ran(req, c, peaks[c.layout], own[c.layout])
+        elif c.valid and ratios.get(family(c.layout), 1.0) > 1.0:
             ratio = ratios[family(c.layout)]
-            stages = stage_memories(req.model, c.layout, req.seq_len, req.compute_dtype)
-            reason = memory_reason(req, c.layout, stages, ratio)
-            c = replace(c, memory_correction=ratio, reason=reason and
-                        f"{reason} (the model's bytes x{ratio:.2f}, as its family measured)")
+            reason = memory_reason(req, c.layout, _stages(req, c.layout), ratio,
+                                   f" (the model's bytes x{ratio:.2f}, as its family measured)")
+            c = replace(c, memory_correction=ratio, reason=reason)
         out.append(c)
     return out
+
+
+def _ran(req: Request, c: Candidate, ran: Measurement, ratio: float) -> Candidate:
+    """A layout this job ran, checked at its measured peak (see `learned_memory`)."""
+    reason = memory_reason(req, c.layout, _stages(req, c.layout), ratio, " (as an earlier start measured)")
+    if reason is None and not c.valid and ran.memory_steps < ADMIT_STEPS:
+        reason = (f"{c.reason} (an earlier start ran it for {ran.memory_steps} steps: {ADMIT_STEPS} are needed "
+                  "to admit it on its measured peak)")
+    return replace(c, measured_memory_gib=ran.memory_gib, reason=reason)
+
+
+def _stages(req: Request, layout: Layout):
+    return stage_memories(req.model, layout, req.seq_len, req.compute_dtype)
 
 
 def plan(req: Request) -> Plan:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from elastic_trainer.plan.candidates import Candidate, Request
+from elastic_trainer.plan.candidates import Candidate, Request, rank_peak_bytes
 from elastic_trainer.plan.hardware import GIB
 from elastic_trainer.plan.planner import Plan
 
@@ -84,11 +84,13 @@ def step_time_words(c: Candidate) -> str:
     return f"predicted {c.step_time_s:.3f} s/step"
 
 
-def memory_words(c: Candidate) -> str:
-    """The memory model's peak per GPU, and the peak an earlier start of this job measured in the layout."""
+def memory_words(c: Candidate, req: Request) -> str:
+    """The memory model's peak per GPU, and the peak an earlier start of this job measured in the layout beside
+    the plan's figure for the same thing (on CPU ranks the heap the largest keeps, with its base)."""
     words = f"{c.memory_gb:.1f} GiB/GPU"
     if c.measured_memory_gib is not None:
-        return words + f" (measured {c.measured_memory_gib:.1f} GiB at the largest rank's peak)"
+        planned = rank_peak_bytes(req, c) / GIB
+        return words + f" (measured {c.measured_memory_gib:.1f} GiB at the largest rank's peak, planned {planned:.1f})"
     return words
 
 
@@ -97,7 +99,7 @@ def summary(plan: Plan) -> str:
     c, req = plan.chosen, plan.request
     learned = sum(x.source == "measured" for x in plan.candidates)
     return (f"[plan] {req.world_size} x {req.hardware.name} ({req.topology.describe()}): "
-            f"{c.layout.describe()}; {memory_words(c)}, {step_time_words(c)}, "
+            f"{c.layout.describe()}; {memory_words(c, req)}, {step_time_words(c)}, "
             f"{tokens_per_s(c, req):,.0f} tokens/s, bubble {100 * c.time.bubble:.1f}% "
             f"(best of {len(plan.candidates)} valid layouts"
             + (f"; {learned} measured by this job)" if learned else ")"))

@@ -33,6 +33,6 @@ def test_a_phase_on_hosts_seen_before_plans_with_what_the_job_measured_there(tmp
     first = Layout(**records[0]["layout"])
     if Layout(**planned[2]["layout"]) == first:  # kept: its figure is phase 1's measurement, not a prediction
         assert f"measured {records[0]['step_s']:.3f} s/step by an earlier start" in line
-        assert f"(measured {records[0]['kept_memory_gib']:.1f} GiB at the largest rank's peak)" in line
+        assert f"(measured {records[0]['kept_memory_gib']:.1f} GiB at the largest rank's peak, planned " in line
     else:  # left for a layout predicted faster than phase 1 measured
         assert records[0]["step_s"] > float(line.split(" s/step")[0].rsplit(" ", 1)[1])

@@ -45,7 +45,7 @@ def test_fitted_figures_by_hand():
                            "clip": 0.05, "optimizer": 0.25}, local)
     got = calibrate_modes.fitted(hw, model, 128, measured)
     assert got.optimizer_shapes == "gpt3-small, seq_len 128"
-    # the model runs the probe's 2 ranks on the host's compute units: optimizer = local x 2 ranks / 1.9, hooks x 2 / 1.9
+    # the model runs the probe's 2 ranks on the host's compute units: optimizer = local x 2 ranks / units, hooks x 2 / units
     share = 2 / hw.compute_units
     assert got.ddp_optimizer_ns_per_param == pytest.approx(0.3 / (whole * share) * 1e9, rel=1e-9)
     assert got.fsdp_optimizer_ns_per_param == pytest.approx(0.3 / (whole / 2 * share) * 1e9, rel=1e-9)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 
 import pytest
@@ -121,8 +123,10 @@ def test_calibrate_fits_its_timings_and_writes_a_loadable_profile(tmp_path, monk
     finally:
         torch.set_num_threads(threads)  # calibrate measures with one thread per rank, as the trainer runs
     assert all(not left for left in clock.values())
-    assert f"wrote {out}" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"wrote {out}" in printed
     hw = load_hardware(out)
+    assert hw.optimizer_shapes == "" and "kept from the base profile" not in printed  # no base: no mode figures
     assert (hw.name, hw.device, hw.compute_dtype, hw.shared_host) == ("here", "cpu", "fp32", True)
     rel = 1e-5  # the profile keeps 6 significant digits
     assert hw.tflops == pytest.approx(RATE / 1e12, rel=rel)
@@ -171,3 +175,16 @@ def test_calibration_measurements_run_on_this_machine(monkeypatch):
     assert all(math.isfinite(v) and v > 0 for v in measured), measured
     monkeypatch.setattr(calibrate, "CPU_SHAPES", [(64, 128)])  # the block the ranks time together
     assert 1.0 <= calibrate.measure_parallel_units(2) <= 2.0
+
+
+def test_calibrate_says_it_keeps_the_base_s_dp_mode_figures(tmp_path, monkeypatch, capsys):
+    """The shipped cpu profile's dp-mode figures stand in for the common optimizer figure calibrate measures:
+    a calibration from it without --model keeps them and says where they were measured."""
+    from elastic_trainer.parallel import calibrate
+
+    monkeypatch.setattr(calibrate, "calibrate", lambda base, name, *a, **k: dataclasses.replace(base, name=name))
+    out = tmp_path / "again.toml"
+    assert cli.main(["calibrate", "--base", "cpu", "--output", str(out)]) == 0
+    base, hw = load_hardware("cpu"), load_hardware(out)
+    assert (hw.zero1_hooks_ns_per_param, hw.optimizer_shapes) == (base.zero1_hooks_ns_per_param, base.optimizer_shapes)
+    assert f"kept from the base profile (measured at {base.optimizer_shapes})" in capsys.readouterr().out

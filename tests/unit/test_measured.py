@@ -36,8 +36,8 @@ def test_a_start_records_its_steady_step_time_and_later_plans_read_it_back(tmp_p
     measured.record(path, KEY, A, (1, 1), steps(9.0, 7.0, 7.0), 0.5)  # other hosts
     with open(path, "a") as f:
         f.write('{"model": "gpt-tiny", "cut sh')  # a crash mid-line
-    assert measured.for_hosts(path, KEY, (2,)) == ((A, 3.0, None),)  # the median of this job's starts on 2 ranks
-    assert measured.for_hosts(path, KEY, (1, 1)) == ((A, 7.0, None),)
+    assert measured.for_hosts(path, KEY, (2,)) == ((A, 3.0, None, 0),)  # the median of this job's starts on 2 ranks
+    assert measured.for_hosts(path, KEY, (1, 1)) == ((A, 7.0, None, 0),)
     assert measured.for_hosts(tmp_path / "none.jsonl", KEY, (2,)) == ()
     assert all(json.loads(line)["hosts"] for line in path.read_text().splitlines()[:-1])
 
@@ -114,7 +114,7 @@ def test_later_plans_read_back_the_largest_peak_a_layout_took(tmp_path):
     measured.record(path, KEY, A, (2,), steps(2.0, 2.0, 2.0), 1.0)
     b = Layout(1, 1, 2, 8, 1, "fsdp")
     measured.record(path, KEY, b, (2,), [{"step_time_s": 1.0, "max_memory_gib": k} for k in (3.0, 4.0, 4.5)], 1.0)
-    assert measured.for_hosts(path, KEY, (2,)) == ((A, 2.0, 1.5), (b, 1.0, 4.5))
+    assert measured.for_hosts(path, KEY, (2,)) == ((A, 2.0, 1.5, 3), (b, 1.0, 4.5, 3))
 
 
 def _tiny(request_4, **hardware):
@@ -122,28 +122,38 @@ def _tiny(request_4, **hardware):
 
 
 def test_a_layout_the_job_ran_is_judged_by_the_memory_it_measured(request_4):
-    """A CPU profile whose kept-heap envelope is four times too wide rejects layouts that ran: once a start has
-    run one (its peak recorded), the next plan admits it by that peak and names it measured; its family,
-    whose ratio of measured to planned is below 1, is not loosened with it. A peak that would not fit these
-    hosts keeps it out."""
-    truth = plan(request_4)
-    a = truth.chosen
+    """A CPU profile whose kept-heap envelope is far too wide rejects every layout: once a start of 10 steps
+    has run one (its peak recorded), the next plan checks it at the model's bytes times its own measured /
+    planned ratio, admits it and names it measured; its family, whose ratio is below 1, is not loosened with
+    it. A start of 3 steps admits nothing (the kept heap still grows); a peak equal to the plan keeps a
+    pipelined layout (pp = 2, uneven stages) valid; a peak that would not fit these hosts keeps it out."""
+    a = plan(request_4).chosen
+    assert a.pp > 1, "uneven stages: the check must not count every rank at the largest one's peak"
     per_rank = rank_peak_gib(request_4, a)
+    same = plan(dataclasses.replace(request_4, measured=(measured.Measurement(a.layout, a.step_time_s, per_rank, 10),)))
+    assert same.chosen.layout == a.layout and same.chosen.memory_source == "measured"
+    assert f"(measured {per_rank:.1f} GiB at the largest rank's peak, planned {per_rank:.1f})" in summary(same)
     usable = request_4.hardware.usable_bytes / GIB
     wide = _tiny(request_4, kept_heap=4 * usable / per_rank, kept_heap_unpipelined=4 * usable / per_rank)
     with pytest.raises(PlanError, match="fits in memory"):
         plan(wide)
-    after = plan(dataclasses.replace(wide, measured=(measured.Measurement(a.layout, 1.0, per_rank),)))
+    after = plan(dataclasses.replace(wide, measured=(measured.Measurement(a.layout, 1.0, per_rank, 10),)))
     assert [c.layout for c in after.candidates] == [a.layout]
     assert after.chosen.memory_source == "measured" and after.chosen.measured_memory_gib == per_rank
-    assert f"measured {per_rank:.1f} GiB at the largest rank's peak" in summary(after)
     assert "measured" == plan_dict(after)["chosen"]["memory_source"]
-    full = usable / request_4.topology.largest * 1.01  # every rank of the host at this peak: just over
-    over = dataclasses.replace(wide, measured=(measured.Measurement(a.layout, 1.0, full),))
+    short = dataclasses.replace(wide, measured=(measured.Measurement(a.layout, 1.0, per_rank, 3),))
+    assert plan_or_none(short) is None
+    kept_out = next(c for c in _ranked(short).rejected if c.layout == a.layout)
+    assert kept_out.reason.endswith("(an earlier start ran it for 3 steps: 10 are needed to admit it on its "
+                                    "measured peak)")
+    # by hand: the model's host bytes for `a` under `wide`, scaled by the peak over its planned largest rank
+    full = rank_peak_gib(wide, a) * usable / host_gib(wide, a.layout) * 1.01
+    need = host_gib(wide, a.layout) * full / rank_peak_gib(wide, a)
+    over = dataclasses.replace(wide, measured=(measured.Measurement(a.layout, 1.0, full, 10),))
     assert plan_or_none(over) is None
     ran = [c for c in _ranked(over).rejected if c.layout == a.layout]
     assert len(ran) == 1 and ran[0].memory_source == "measured"
-    assert ran[0].reason == f"needs {full * request_4.topology.largest:.1f} GiB per host (measured by an earlier start) > {usable:.1f} GiB usable"
+    assert ran[0].reason == f"needs {need:.1f} GiB per host > {usable:.1f} GiB usable (as an earlier start measured)"
 
 
 def test_a_layout_that_took_twice_its_planned_memory_takes_its_family_out_of_a_host_it_no_longer_fits(request_4):
@@ -161,7 +171,7 @@ def test_a_layout_that_took_twice_its_planned_memory_takes_its_family_out_of_a_h
     before = plan(snug)
     assert {c.layout for c in fam} <= {c.layout for c in before.candidates}
     doubled = 2 * rank_peak_gib(snug, a)
-    after = plan(dataclasses.replace(snug, measured=(measured.Measurement(a.layout, 1.0, doubled),)))
+    after = plan(dataclasses.replace(snug, measured=(measured.Measurement(a.layout, 1.0, doubled, 10),)))
     out = {c.layout: c for c in after.rejected}
     for c in fam:
         need = 2 * host_gib(snug, c.layout)  # every rank of the host at twice its plan

@@ -98,7 +98,7 @@ def test_hand_over_within_a_host_by_hand():
     eight, four = run("A", 1.0, used=8), run("B", 1.0, used=4)
     # 8 ranks write 1.5 GB (0.6 s), nothing crosses hosts, 4 ranks read 3 GB (1 s), 3 s set-up
     assert reconfiguration_s(10**9, H100, eight, four) == pytest.approx(0.6 + 0 + 1.0 + 3)
-    cpu = load_hardware("cpu")  # CPU ranks share the host: 1.9 of its 8 ranks copy at once
+    cpu = load_hardware("cpu")  # CPU ranks share the host: compute_units of its 8 ranks copy at once
     share = cpu.compute_units / 8
     assert reconfiguration_s(10**9, cpu, eight, four) == pytest.approx(
         12 / 8 / (cpu.shm_write_gbs * share) + 12 / 4 / (cpu.shm_read_gbs * cpu.compute_units / 4)

@@ -131,7 +131,7 @@ def for_hosts(path: Path | None, key: dict, hosts: tuple[int, ...]) -> tuple[Mea
         seen.setdefault(layout, []).append(entry)
     out = []
     for layout, entries in seen.items():
-        sized = [(peak_gib(e), e) for e in entries if peak_gib(e) is not None]
+        sized = [(peak, e) for e in entries if (peak := peak_gib(e)) is not None]
         steps = max((_steps(e) for _, e in sized), default=0)
         out.append(Measurement(layout, statistics.median(e["step_s"] for e in entries),
                                max((p for p, _ in sized), default=None), steps))

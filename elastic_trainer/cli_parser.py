@@ -208,7 +208,8 @@ def _add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", default="configs/hardware/cpu.toml", help="profile file to write")
     p.add_argument("--name", help="profile name (default: the output file's stem)")
     p.add_argument("--base", help="profile whose unmeasured fields to keep (default: built-in defaults)")
-    p.add_argument("--ranks", default="2,4,8", help="local rank counts for the collective measurements")
+    p.add_argument("--ranks", default="2,4,8", help="local rank counts for the collective measurements (on "
+                   "a CPU host those up to its cores, or the smallest; the largest sizes its gpus_per_host)")
     p.add_argument("--compile", action="store_true", help="also measure a block under torch.compile: the planner's "
                                                           "compiled_speedup for jobs run with --compile")
     p.add_argument("--model", help="also measure each dp mode at this model's shapes (a preset or TOML file): on "

@@ -16,6 +16,7 @@ from the finals, and the screening's Spearman correlation.
     python benchmarks/planner/run.py                       # 4 and 8 ranks, about 25 minutes on 2 cores
     python benchmarks/planner/run.py --screening benchmarks/planner/results.json   # finals only
     python benchmarks/planner/run.py --ranks 4 --limit 3   # a quick check of the harness
+    python benchmarks/planner/run.py --model gpt3-small --calibrate --out ...   # this machine's profile, now
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,6 +57,9 @@ def parse_args(argv=None):
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--hardware", default="cpu", help="hardware profile the planner uses (name or TOML file)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="first run `elastic-trainer calibrate --base HARDWARE --model MODEL` on this machine (about "
+                        "40 s on 2 cores) and plan with the profile it writes (OUT-profile.toml)")
     p.add_argument("--steps", type=int, default=2, help="measured steps per layout")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured steps per layout")
     p.add_argument("--limit", type=int, default=0, help="measure only the first N layouts per rank count")
@@ -205,9 +210,21 @@ def bench_ranks(world: int, args, model, hw, tokens, screened: list[dict] | None
     return rows, summary
 
 
+def calibrated(args) -> str:
+    """Path of the profile `elastic-trainer calibrate` writes for this run: this machine measured now, each dp
+    mode at the benchmark's model and sequence length, the rest kept from --hardware."""
+    out = args.out + "-profile.toml"
+    cmd = [sys.executable, "-m", "elastic_trainer.cli", "calibrate", "--base", args.hardware, "--model", args.model,
+           "--seq-len", str(args.seq_len), "--output", out]
+    print("[bench] " + " ".join(["elastic-trainer", *cmd[3:]]), flush=True)
+    subprocess.run(cmd, check=True)
+    return out
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    model, hw = load_model_config(args.model), load_hardware(args.hardware)
+    hardware = calibrated(args) if args.calibrate else args.hardware
+    model, hw = load_model_config(args.model), load_hardware(hardware)
     tokens = np.random.default_rng(0).integers(0, model.vocab_size, 200_000).astype(np.int64)
     print(f"[bench] {model.name} ({model.num_params() / 1e6:.1f} M parameters), global batch {args.global_batch} x "
           f"{args.seq_len}, hardware profile {hw.name}, {args.warmup} warm-up + {args.steps} measured steps", flush=True)
@@ -226,7 +243,8 @@ def main(argv=None) -> dict:
               f"(largest {s['max_abs_error']:.1%}), dp modes in the measured order at "
               f"{sum(o['match'] for o in orders)} of {len(orders)} equal degrees", flush=True)
     result = {"model": model.name, "params": model.num_params(), "global_batch": args.global_batch,
-              "seq_len": args.seq_len, "hardware": hw.name, "steps": args.steps, "warmup": args.warmup,
+              "seq_len": args.seq_len, "hardware": hw.name,
+              "calibrated": hardware if args.calibrate else None, "steps": args.steps, "warmup": args.warmup,
               "finals": {"finalists": args.finalists, "rounds": args.rounds, "steps": args.final_steps,
                          "warmup": args.final_warmup},
               "screening_from": args.screening,

@@ -10,9 +10,11 @@ work) with one intra-op thread per rank, as the trainer runs its ranks on a CPU:
 - with `--compile`: the block at the largest shape eager and under torch.compile; the ratio of their times is
   `compiled_speedup`, which the planner applies to jobs run with `--compile`;
 - a large in-place add (`memory_bandwidth_gbs`) and clipping + an AdamW step (`optimizer_ns_per_param`);
-- gloo all-reduces of several sizes on 2..N forked local ranks; a fit of the ring model
-  t = 2 (n - 1) / n * bytes / B + 2 (n - 1) * L gives the bus bandwidth B and step latency L (one host:
-  the same figures serve intra- and inter-host links; gloo's reduce-scatter costs an all-reduce);
+- gloo all-reduces of 16 KB to 128 MB on 2..N forked local ranks, as many as the host has cores (the
+  step-time model slows them as more ranks share the cores); a fit of the ring model
+  t = 2 (n - 1) / n * bytes / B + 2 (n - 1) * L by relative error gives the bus bandwidth B and step
+  latency L (one host: the same figures serve intra- and inter-host links; gloo's reduce-scatter costs an
+  all-reduce);
 - the block again on as many forked ranks as there are cores at once: their speed-up over one rank is
   `compute_units`, the parallel compute the host's ranks share.
 On a CUDA device the compute figures are measured on it and the link figures are kept from --base; its blocks
@@ -51,7 +53,11 @@ fit gave 1133 TFLOP/s, above the chip's peak); three widths, so that the block's
 unit of width (`activation_ns`) is told apart from its GEMMs."""
 SEQ_LEN = 128
 GPU_SEQ_LEN = 2048
-LINK_SIZES = [2**14, 2**18, 2**20, 2**22, 2**23]  # bytes per all-reduce
+LINK_SIZES = [2**14, 2**18, 2**20, 2**22, 2**24, 2**26, 2**27]
+"""Bytes per all-reduce, up to the job's: its data-parallel collectives move whole stages (hundreds of MB) and
+FSDP units (tens). Up to 8 MB only, the fit read the caches' bandwidth: on the 2-core machine of 2026-11-28,
+3.2 GB/s, against 1.8 measured at 128-256 MB on two ranks, and the planner ranked zero1 level with ddp where it
+ran 18 % slower (benchmarks/planner/README.md)."""
 
 
 def timed(fn: Callable[[], object], repeat: int, sync: Callable[[], None] = lambda: None) -> float:
@@ -192,14 +198,16 @@ def _all_reduce_times(rank: int, world: int, sizes: list[int], repeat: int) -> l
 
 
 def measure_links(worlds: list[int], sizes: list[int], repeat: int = 3) -> tuple[float, float]:
-    """(bus GB/s, latency us) of gloo all-reduce on forked local ranks, fitted to the ring model."""
+    """(bus GB/s, latency us) of gloo all-reduce on forked local ranks, fitted to the ring model by relative
+    error."""
     rows, ys = [], []
     for world in worlds:
         per_rank = run_ranks(_all_reduce_times, world, sizes, repeat)
         for i, nbytes in enumerate(sizes):
             rows.append([2 * (world - 1) / world * nbytes, 2 * (world - 1)])
             ys.append(max(r[i] for r in per_rank))
-    inv_bw, latency = fit_nonneg(rows, ys)
+    # relative errors: the microseconds of the small sizes count as much as the large sizes' seconds
+    inv_bw, latency = fit_nonneg([[v / y for v in row] for row, y in zip(rows, ys)], [1.0] * len(ys))
     if inv_bw <= 0:
         raise RuntimeError(f"all-reduce times do not grow with size (try larger sizes): {list(zip(rows, ys))}")
     return 1e-9 / inv_bw, latency * 1e6
@@ -267,8 +275,9 @@ def measure_parallel_units(cores: int) -> float:
 
 def _cpu_host(hw: Hardware, worlds: list[int]) -> Hardware:
     """Cores, memory and gloo links of this host; all ranks are processes sharing it."""
-    gbs, latency = measure_links(worlds, LINK_SIZES)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    # on idle ranks, a core each: the step-time model slows the links itself as a job's ranks share the cores
+    gbs, latency = measure_links([w for w in worlds if w <= cores] or [min(worlds)], LINK_SIZES)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
     if not hw.shared_host:  # a base from elsewhere: the heap CPU ranks keep, as measured on the reference machine
         hw = dataclasses.replace(hw, **CPU_KEPT_HEAP)

@@ -38,8 +38,9 @@
 - **Shared hosts** (CPU processes): ranks share `compute_units` cores. The pipeline's compute is then the
   schedule run with the cores shared among the ranks working at each moment (plan/shared_cores.py; without
   a pipeline, the host's whole compute divided by its cores), plus each micro-batch's tp all-reduces and
-  sends; communication (which needs the CPU too) runs ranks / compute_units times slower than measured on
-  idle ranks.
+  sends; the tp and dp collectives (which need the CPU too) run ranks / compute_units times slower than
+  `calibrate` measured them on idle ranks (tp slowed too since 2026-11-28: gpt3-medium at 4 ranks, its tp4
+  layouts 25-40 % slower than predicted; re-predicted, Spearman 0.84 -> 0.94), the pipeline's sends not.
 """
 
 from __future__ import annotations
@@ -98,10 +99,12 @@ class Links:
         intra = Link(hw.intra_host_gbs, hw.intra_host_latency_us, hw.ring_latency)
         inter = Link(hw.inter_host_gbs, hw.inter_host_latency_us, hw.ring_latency)
         dp = intra if hosts.within(layout.dp * layout.tp) else inter
-        if hw.shared_host:  # big data-parallel transfers need the CPU too, which the host's ranks share
+        tp = intra if hosts.within(layout.tp) else inter
+        if hw.shared_host:  # collectives need the CPU too, which the host's ranks share
             slow = max(1.0, hosts.largest / hw.compute_units)
             dp = Link(dp.gbs / slow, dp.latency_us * slow, dp.ring_latency)
-        return cls(tp=intra if hosts.within(layout.tp) else inter, dp=dp, pp=intra if hosts.single else inter)
+            tp = Link(tp.gbs / slow, tp.latency_us * slow, tp.ring_latency)
+        return cls(tp=tp, dp=dp, pp=intra if hosts.single else inter)
 
 
 def block_flops(model: ModelConfig, tokens: int, seq_len: int, tp: int) -> float:

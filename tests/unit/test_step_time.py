@@ -140,6 +140,21 @@ def test_shared_host_bounds_the_step_by_total_work_over_cores():
     assert predicted_us(Layout(2, 1, 1, 2, 1, dp_mode="ddp"), two) == pytest.approx(compute + all_reduce)
 
 
+def test_shared_host_slows_the_tensor_parallel_links_as_the_data_parallel_ones():
+    """calibrate measures a CPU host's links on idle ranks, a core each; a job's tp and dp collectives run while
+    the host's ranks share its cores, so both links are ranks / compute_units times slower (the pipeline's sends
+    are not: one rank waits on the other)."""
+    from elastic_trainer.plan.step_time import Links
+    from elastic_trainer.plan.topology import Topology
+
+    cpu = dataclasses.replace(HW, shared_host=True, compute_units=2, intra_host_gbs=3.0, intra_host_latency_us=50.0)
+    links = Links.of(Layout(2, 2, 2, 1, 1), cpu, Topology((8,)))
+    assert links.tp == Link(3.0 / 4, 50.0 * 4) and links.dp == Link(3.0 / 4, 50.0 * 4)
+    assert links.pp == Link(3.0, 50.0)
+    idle = Links.of(Layout(2, 2, 2, 1, 1), dataclasses.replace(cpu, shared_host=False), Topology((8,)))
+    assert idle.tp == idle.dp == idle.pp == Link(3.0, 50.0)
+
+
 def test_link_latency_tree_or_ring():
     tree, ring = Link(1.0, 10.0), Link(1.0, 10.0, ring_latency=True)
     assert tree.all_reduce(0, 8) == pytest.approx(2 * 3 * 10e-6)

@@ -85,6 +85,16 @@ class Link:
     def send(self, nbytes: float) -> float:
         return nbytes / (self.gbs * 1e9) + self.latency_us * 1e-6
 
+    def slowed(self, factor: float) -> "Link":
+        """This link `factor` times slower in bandwidth and latency."""
+        return Link(self.gbs / factor, self.latency_us * factor, self.ring_latency)
+
+
+def sharing_slowdown(hw: Hardware, hosts: Topology) -> float:
+    """How much slower than on idle ranks the work that needs the CPU besides compute (collectives, the modes'
+    hooks) runs on a shared host: its ranks / compute_units; 1 elsewhere."""
+    return max(1.0, hosts.largest / hw.compute_units) if hw.shared_host else 1.0
+
 
 @dataclass(frozen=True)
 class Links:
@@ -100,11 +110,8 @@ class Links:
         inter = Link(hw.inter_host_gbs, hw.inter_host_latency_us, hw.ring_latency)
         dp = intra if hosts.within(layout.dp * layout.tp) else inter
         tp = intra if hosts.within(layout.tp) else inter
-        if hw.shared_host:  # collectives need the CPU too, which the host's ranks share
-            slow = max(1.0, hosts.largest / hw.compute_units)
-            dp = Link(dp.gbs / slow, dp.latency_us * slow, dp.ring_latency)
-            tp = Link(tp.gbs / slow, tp.latency_us * slow, tp.ring_latency)
-        return cls(tp=tp, dp=dp, pp=intra if hosts.single else inter)
+        slow = sharing_slowdown(hw, hosts)  # collectives need the CPU too, which a shared host's ranks share
+        return cls(tp=tp.slowed(slow), dp=dp.slowed(slow), pp=intra if hosts.single else inter)
 
 
 def block_flops(model: ModelConfig, tokens: int, seq_len: int, tp: int) -> float:
@@ -312,6 +319,5 @@ def hooks_time(model: ModelConfig, layout: Layout, hw: Hardware, hosts: Topology
     ns = hw.hooks_ns(layout.dp_mode)
     if not ns or layout.dp == 1:
         return 0.0
-    slow = max(1.0, hosts.largest / hw.compute_units) if hw.shared_host else 1.0
     whole = max(stage_numel(model, layout, s) for s in range(layout.pp))  # tp-local, before dp sharding
-    return ns * 1e-9 * whole * collectives(layout) * slow
+    return ns * 1e-9 * whole * collectives(layout) * sharing_slowdown(hw, hosts)

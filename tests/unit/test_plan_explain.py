@@ -111,8 +111,8 @@ def test_plan_run_dir_sets_the_measured_phases_beside_the_prediction(tmp_path, c
                                       dp_modes=("fsdp",))).request, layout)
     assert float(rows["tied embedding all-reduce, clipping, loss all-reduce, AdamW"][1][:-1]) == pytest.approx(
         predicted["clip"] + predicted["optimizer"], rel=1e-3)
-    table = {line.split()[0]: line.split() for line in out.splitlines()[2:]
-             if line.split() and (line.split()[0].isdigit() or line.split()[0] == "cmp")}
+    cells = [line.split() for line in out.splitlines()[2:]]
+    table = {row[0]: row for row in cells if row and (row[0].isdigit() or row[0] == "cmp")}
     ran = [(k, row[3], row[-4:-1]) for k, row in table.items() if row[-1] == "measured" and k != "cmp"]
     assert [r[1:] for r in ran] == [("4", ["0.960", "533", "75.0%"])]  # pp4 at what the job measured
     assert int(ran[0][0]) > 1 and table["1"][-1] == "predicted" and table["cmp"][-1] == "measured"  # the rest: predictions

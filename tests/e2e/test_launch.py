@@ -423,6 +423,24 @@ def test_crash_then_resume(tmp_path, data_cache, reference):
     assert rows[2][3] == f"{resumed_at}-32" and float(rows[2][5]) > 0 and rows[2][7] == str(before - resumed_at + 1)
 
 
+PACE_HOOK = """
+import os
+if os.environ.get("ET_TEST_STEP_AT_LEAST_S"):
+    import time
+    import elastic_trainer.train.loop as loop
+
+    least, step = float(os.environ["ET_TEST_STEP_AT_LEAST_S"]), loop.Trainer.train_step
+
+    def train_step(self):
+        began = time.monotonic()
+        out = step(self)
+        time.sleep(max(0.0, least - (time.monotonic() - began)))
+        return out
+
+    loop.Trainer.train_step = train_step
+"""
+
+
 def test_timed_phases_stop_on_request(tmp_path, data_cache, reference):
     """duration_s phases: the next phase's world starts beside the current one; when the phase's time is up
     the launcher asks the ranks (through its store) to stop after their step, they hand their state over in
@@ -430,8 +448,15 @@ def test_timed_phases_stop_on_request(tmp_path, data_cache, reference):
     run_dir = tmp_path / "timed"
     timed = tmp_path / "timed.json"
     timed.write_text(json.dumps([{"gpus": 2, "duration_s": 7}, {"gpus": 4, "duration_s": 7}]))
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(PACE_HOOK)
+    # paced: at 0.13 s a step the 2-rank phase alone reached the job's last step in its 7 s, leaving the 4-rank
+    # phase nothing to train; at >= 0.3 s the 32 steps outlast the first phase on any machine that starts in 7 s
+    paced = {**env(), "ET_TEST_STEP_AT_LEAST_S": "0.3",
+             "PYTHONPATH": os.pathsep.join([str(hook), env().get("PYTHONPATH", "")])}
     proc = subprocess.run(launch_argv(run_dir, "localhost slots=4\n", "--schedule", str(timed), cache=data_cache),
-                          capture_output=True, text=True, env=env(), timeout=300)
+                          capture_output=True, text=True, env=paced, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     kept = effective(metrics(run_dir))
     steps = kept[-1]["step"]

@@ -70,6 +70,9 @@ def parse_args(argv=None):
     p.add_argument("--final-steps", type=int, default=3, help="measured steps per finalist and round")
     p.add_argument("--final-warmup", type=int, default=2,
                    help="unmeasured steps per finalist and round (a CPU rank's heap grows over its first 3 steps)")
+    p.add_argument("--mode-rounds", type=int, default=0,
+                   help="interleaved rounds (of the finals' steps) measuring again each group of layouts that differ "
+                        "only in dp mode, judged by their medians (0: by the screening)")
     p.add_argument("--screening", help="reuse the screened layouts of this results .json (finals only)")
     p.add_argument("--out", default=str(HERE / "results"), help="prefix of the .json and .csv written")
     return p.parse_args(argv)
@@ -122,21 +125,53 @@ def prediction_errors(rows: list[dict]) -> dict:
     return {"median_abs_error": round(float(np.median(errors)), 4), "max_abs_error": round(errors[-1], 4)}
 
 
-def mode_orders(rows: list[dict]) -> list[dict]:
-    """At equal degrees and micro-batch, the dp modes ordered by prediction and by measurement (groups of 2+)."""
+def mode_groups(rows: list[dict]) -> list[list[dict]]:
+    """The layouts that differ only in dp mode (equal degrees and micro-batch), groups of 2+."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["dp"], r["tp"], r["pp"], r["micro_batch"]), []).append(r)
+    return [g for _, g in sorted(groups.items()) if len(g) > 1]
+
+
+def mode_orders(rows: list[dict], remeasured: dict[int, float] | None = None) -> list[dict]:
+    """At equal degrees and micro-batch, the dp modes ordered by prediction and by measurement: the screening's,
+    or `remeasured` (median seconds by predicted rank) where given."""
     out = []
-    for (dp, tp, pp, mb), g in sorted(groups.items()):
-        if len(g) > 1:
-            predicted = [r["dp_mode"] for r in sorted(g, key=lambda r: r["predicted_s"])]
-            measured = [r["dp_mode"] for r in sorted(g, key=lambda r: r["measured_s"])]
-            out.append({"degrees": [dp, tp, pp], "micro_batch": mb, "predicted": predicted, "measured": measured,
-                        "match": predicted == measured,
-                        "measured_s": {r["dp_mode"]: r["measured_s"] for r in g},
-                        "predicted_s": {r["dp_mode"]: r["predicted_s"] for r in g}})
+    for g in mode_groups(rows):
+        seconds = {r["dp_mode"]: (remeasured or {}).get(r["predicted_rank"], r["measured_s"]) for r in g}
+        predicted = [r["dp_mode"] for r in sorted(g, key=lambda r: r["predicted_s"])]
+        measured = sorted(seconds, key=seconds.get)
+        out.append({"degrees": [g[0]["dp"], g[0]["tp"], g[0]["pp"]], "micro_batch": g[0]["micro_batch"],
+                    "predicted": predicted, "measured": measured, "match": predicted == measured,
+                    "measured_s": {m: round(t, 4) for m, t in seconds.items()},
+                    "measured_by": "mode rounds" if remeasured else "screening",
+                    "predicted_s": {r["dp_mode"]: r["predicted_s"] for r in g}})
     return out
+
+
+def candidate_row(world: int, rank: int, c) -> dict:
+    """A candidate's layout and prediction, as the rows record them (rank: its 1-based place in the plan)."""
+    return {"ranks": world, "dp": c.dp, "tp": c.tp, "pp": c.pp, "micro_batch": c.micro_batch,
+            "num_microbatches": c.num_microbatches, "dp_mode": c.dp_mode,
+            "predicted_s": round(c.step_time_s, 4), "predicted_rank": rank}
+
+
+LAYOUT_KEYS = ("dp", "tp", "pp", "micro_batch", "num_microbatches", "dp_mode")
+
+
+def repredicted(world: int, screened: list[dict], cands) -> list[dict]:
+    """Screened rows (of an earlier run) placed in this plan: each takes its layout's prediction and rank here
+    (the profile or the model may have changed since); a layout this plan no longer lists is left out."""
+    place = {tuple(getattr(c, k) for k in LAYOUT_KEYS): i for i, c in enumerate(cands)}
+    rows = []
+    for r in screened:
+        i = place.get(tuple(r[k] for k in LAYOUT_KEYS))
+        if i is None:
+            print(f"[bench] {world} ranks: screened layout {[r[k] for k in LAYOUT_KEYS]} is not in this plan: "
+                  f"left out", flush=True)
+        else:
+            rows.append({**r, **candidate_row(world, i + 1, cands[i])})
+    return rows
 
 
 def screen(world: int, args, model, req, cands, tokens,
@@ -151,9 +186,7 @@ def screen(world: int, args, model, req, cands, tokens,
     for i in [r - 1 for r in ranks] if ranks else range(len(cands)):
         c = cands[i]
         t0 = time.perf_counter()
-        row = {"ranks": world, "dp": c.dp, "tp": c.tp, "pp": c.pp, "micro_batch": c.micro_batch,
-               "num_microbatches": c.num_microbatches, "dp_mode": c.dp_mode,
-               "predicted_s": round(c.step_time_s, 4), "predicted_rank": i + 1}
+        row = candidate_row(world, i + 1, c)
         try:
             measured, steps = measure(model, cfg, c.layout, tokens, args.warmup)
             rows.append({**row, "measured_s": round(measured, 4),
@@ -171,17 +204,20 @@ def screen(world: int, args, model, req, cands, tokens,
     return rows, failed
 
 
-def finals(world: int, args, model, req, finalists: list, tokens) -> dict[int, list[float]]:
-    """Median-ready step times of each finalist (by predicted rank), measured in interleaved rounds."""
+def finals(world: int, args, model, req, finalists: list, tokens, rounds: int = 0,
+           label: str = "final") -> dict[int, list[float]]:
+    """Median-ready step times of each finalist (by predicted rank), measured in interleaved rounds (`rounds`,
+    or --rounds)."""
+    rounds = rounds or args.rounds
     cfg = TrainConfig(global_batch=args.global_batch, seq_len=args.seq_len,
                       steps=args.final_warmup + args.final_steps, seed=0, dtype="fp32", warmup_steps=1)
     times: dict[int, list[float]] = {rank: [] for rank, _ in finalists}
-    for round_ in range(args.rounds):
+    for round_ in range(rounds):
         shift = round_ % len(finalists)
         for rank, cand in finalists[shift:] + finalists[:shift]:  # a different order every round
             _, steps = measure(model, cfg, cand.layout, tokens, args.final_warmup)
             times[rank] += steps
-            print(f"[final] {world} ranks, round {round_ + 1}/{args.rounds}, predicted #{rank} "
+            print(f"[{label}] {world} ranks, round {round_ + 1}/{rounds}, predicted #{rank} "
                   f"{cand.layout.describe()}: {', '.join(f'{s:.3f}' for s in steps)} s", flush=True)
     return times
 
@@ -190,21 +226,29 @@ def bench_ranks(world: int, args, model, hw, tokens, screened: list[dict] | None
     req = Request(model, world, args.global_batch, args.seq_len, hw, world, dtype="fp32", recompute=(False,))
     result = plan(req)
     cands = result.candidates[:args.limit] if args.limit else result.candidates
-    rows, failed = (screened, []) if screened is not None else screen(world, args, model, req, cands, tokens,
-                                                                       screened_ranks(len(cands), args.sample))
+    rows, failed = ((repredicted(world, screened, cands), []) if screened is not None else
+                    screen(world, args, model, req, cands, tokens, screened_ranks(len(cands), args.sample)))
     by_rank = {r["predicted_rank"]: r for r in rows}
     fastest = sorted(rows, key=lambda r: r["measured_s"])[:args.finalists]
     picks = sorted({1, *(r["predicted_rank"] for r in fastest)})
     final = finals(world, args, model, req, [(rank, cands[rank - 1]) for rank in picks], tokens)
     medians = {rank: float(np.median(t)) for rank, t in final.items()}
     best = min(medians, key=medians.get)
-    describe = lambda rank: {k: by_rank[rank][k] for k in FIELDS[1:8]}  # noqa: E731
+    remeasured = None
+    if args.mode_rounds:  # every group's modes in turn, so drift over the run touches them alike
+        for g in mode_groups(rows):
+            times = finals(world, args, model, req, [(r["predicted_rank"], cands[r["predicted_rank"] - 1]) for r in g],
+                           tokens, args.mode_rounds, "modes")
+            remeasured = {**(remeasured or {}), **{rank: float(np.median(t)) for rank, t in times.items()}}
+    describe = lambda rank: {k: by_rank.get(rank, candidate_row(world, rank, cands[rank - 1]))[k]  # noqa: E731
+                             for k in FIELDS[1:8]}
     summary = {"ranks": world, "layouts": len(rows), "chosen": {**describe(1), "median_s": round(medians[1], 4)},
                "best_final": {**describe(best), "median_s": round(medians[best], 4), "predicted_rank": best},
                "chosen_over_best": round(medians[best] / medians[1], 4),
-               "screening_chosen_over_best": round(min(r["measured_s"] for r in rows) / by_rank[1]["measured_s"], 4),
+               "screening_chosen_over_best": (round(min(r["measured_s"] for r in rows) / by_rank[1]["measured_s"], 4)
+                                              if 1 in by_rank else None),  # an earlier screening, re-predicted
                "valid_layouts": len(cands), "failed": failed, **prediction_errors(rows),
-               "mode_orders": mode_orders(rows),
+               "mode_orders": mode_orders(rows, remeasured),
                "finals": {str(rank): [round(s, 4) for s in t] for rank, t in final.items()},
                "spearman": round(spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]), 4)}
     return rows, summary
@@ -217,7 +261,9 @@ def calibrated(args) -> str:
     cmd = [sys.executable, "-m", "elastic_trainer.cli", "calibrate", "--base", args.hardware, "--model", args.model,
            "--seq-len", str(args.seq_len), "--output", out]
     print("[bench] " + " ".join(["elastic-trainer", *cmd[3:]]), flush=True)
-    subprocess.run(cmd, check=True)
+    code = subprocess.run(cmd).returncode
+    if code:  # calibrate printed its own error above
+        raise SystemExit(f"[bench] calibrate exited {code}: nothing benchmarked (its message is above)")
     return out
 
 
@@ -238,7 +284,7 @@ def main(argv=None) -> dict:
         summaries.append(s)
         orders = s["mode_orders"]
         print(f"[bench] {world} ranks: chosen/best finalist throughput {s['chosen_over_best']:.3f} (target >= 0.95; "
-              f"screening alone {s['screening_chosen_over_best']:.3f}), Spearman {s['spearman']:.3f} over "
+              f"screening alone {s['screening_chosen_over_best'] or float('nan'):.3f}), Spearman {s['spearman']:.3f} over "
               f"{s['layouts']} of {s['valid_layouts']} layouts, prediction error median {s['median_abs_error']:.1%} "
               f"(largest {s['max_abs_error']:.1%}), dp modes in the measured order at "
               f"{sum(o['match'] for o in orders)} of {len(orders)} equal degrees", flush=True)
@@ -246,7 +292,7 @@ def main(argv=None) -> dict:
               "seq_len": args.seq_len, "hardware": hw.name,
               "calibrated": hardware if args.calibrate else None, "steps": args.steps, "warmup": args.warmup,
               "finals": {"finalists": args.finalists, "rounds": args.rounds, "steps": args.final_steps,
-                         "warmup": args.final_warmup},
+                         "warmup": args.final_warmup, "mode_rounds": args.mode_rounds},
               "screening_from": args.screening,
               "failed": [f for s in summaries for f in s["failed"]],
               "torch": torch.__version__, "wall_s": round(time.perf_counter() - t0, 1), "summary": summaries,

@@ -184,16 +184,31 @@ def measure_optimizer(device: torch.device, numel: int = 8 * 2**20, repeat: int 
     return timed(step, repeat, _sync(device)) / numel * 1e9
 
 
+SMALL_CALL_BYTES = 2**22
+"""Sizes below this are timed in more calls (up to MAX_CALLS, this many bytes in all): their microseconds are
+the latency's whole signal, and one call disturbed by the scheduler moved a mean of three by 10x (calibrate's
+latency read 116-1197 us in five runs minutes apart on the 2-core machine of 2026-11-28)."""
+MAX_CALLS = 25
+
+
+def link_calls(nbytes: int, repeat: int) -> int:
+    """Timed all-reduces of a size: `repeat`, more for the small sizes."""
+    return max(repeat, min(MAX_CALLS, SMALL_CALL_BYTES // max(nbytes, 1)))
+
+
 def _all_reduce_times(rank: int, world: int, sizes: list[int], repeat: int) -> list[float]:
+    """Per size, the median of its timed all-reduces (one untimed first, then a barrier)."""
     times = []
     for nbytes in sizes:
         t = torch.ones(nbytes // 4)
         dist.all_reduce(t)
         dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(repeat):
+        calls = []
+        for _ in range(link_calls(nbytes, repeat)):
+            t0 = time.perf_counter()
             dist.all_reduce(t)
-        times.append((time.perf_counter() - t0) / repeat)
+            calls.append(time.perf_counter() - t0)
+        times.append(statistics.median(calls))
     return times
 
 

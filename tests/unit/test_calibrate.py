@@ -386,19 +386,26 @@ def test_optimizer_defaults_to_8_mi_parameters_timed_three_times(timed_once, syn
 # --- links ------------------------------------------------------------------------------------------------
 
 
-def test_all_reduce_times_average_repeat_all_reduces_per_size_after_a_warm_up(monkeypatch, clock):
+def test_all_reduce_times_take_the_median_of_each_size_s_calls_after_a_warm_up(monkeypatch, clock):
+    """Each call timed on its own; one disturbed call (here 40x the others) does not move the figure."""
     log = []
-    fake = clock([0.75, 1.5], starts=[100.0, 200.0])
+    big = calibrate.SMALL_CALL_BYTES  # timed `repeat` times
+    fake = clock([0.25, 10.0, 0.25, 0.5, 0.5, 0.75])
     fake.log = log
     monkeypatch.setattr(calibrate, "dist", types.SimpleNamespace(
         all_reduce=lambda t: log.append(("all_reduce", t.numel(), t.dtype, float(t.sum()))),
         barrier=lambda: log.append("barrier")))
-    assert calibrate._all_reduce_times(0, 2, [64, 1024], 3) == [0.25, 0.5]
+    assert calibrate._all_reduce_times(0, 2, [big, 2 * big], 3) == [0.25, 0.5]
     expected = []
-    for numel in [16, 256]:  # fp32 ones of the size in bytes: a warm-up, a barrier, then 3 timed
+    for numel in [big // 4, big // 2]:  # fp32 ones of the size in bytes: a warm-up, a barrier, then 3 timed
         step = ("all_reduce", numel, torch.float32, float(numel))
-        expected += [step, "barrier", "clock", step, step, step, "clock"]
+        expected += [step, "barrier"] + ["clock", step, "clock"] * 3
     assert log == expected and not fake.readings
+
+
+def test_small_sizes_are_timed_in_more_calls():
+    assert [calibrate.link_calls(n, 3) for n in [2**14, 2**18, 2**20, 2**21, 2**22, 2**27]] == [25, 16, 4, 3, 3, 3]
+    assert calibrate.link_calls(2**27, 7) == 7 and calibrate.link_calls(0, 3) == 25
 
 
 def test_measure_links_fits_the_ring_model_to_the_slowest_rank(monkeypatch):

@@ -49,11 +49,12 @@ def main(argv: list[str]) -> None:
             chosen = min(rows, key=lambda r: r["predicted_s"])
             best = min(r["measured_s"] for r in rows)
             errors = bench.prediction_errors(rows)
-            orders = bench.mode_orders(rows)
+            summary = next((s for s in result.get("summary", []) if s.get("ranks") == world), None)
+            orders = bench.mode_orders(rows, bench.remeasured_in(summary) if summary else None)
             print(f"{world} ranks, {profile}: Spearman {bench.spearman([r['predicted_s'] for r in rows], [r['measured_s'] for r in rows]):.3f}"
                   f" over {len(rows)} layouts, error median {errors['median_abs_error']:.1%} (largest "
-                  f"{errors['max_abs_error']:.1%}), dp modes in the measured order at {sum(o['match'] for o in orders)}"
-                  f" of {len(orders)}; would choose dp{chosen['dp']} tp{chosen['tp']} pp{chosen['pp']} micro "
+                  f"{errors['max_abs_error']:.1%}), dp modes in the measured order at {bench.order_counts(orders)}"
+                  f"; would choose dp{chosen['dp']} tp{chosen['tp']} pp{chosen['pp']} micro "
                   f"{chosen['micro_batch']} {chosen['dp_mode']} (screened {chosen['measured_s']:.2f} s; best "
                   f"screened {best:.2f} s: {best / chosen['measured_s']:.3f})")
             for o in orders:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import subprocess
 import sys
@@ -133,16 +134,49 @@ def mode_groups(rows: list[dict]) -> list[list[dict]]:
     return [g for _, g in sorted(groups.items()) if len(g) > 1]
 
 
-def mode_orders(rows: list[dict], remeasured: dict[int, float] | None = None) -> list[dict]:
+MODE_APART = 0.03
+"""Two modes' measured medians closer than this (relative) are not ordered by one run here: the same layout's
+median moved by about as much between the rounds of the mode runs (benchmarks/planner/README.md)."""
+
+
+def apart_pairs(predicted: list[str], seconds: dict[str, float]) -> list[dict]:
+    """The pairs of modes measured more than MODE_APART apart, faster first, each with whether the prediction
+    orders it so."""
+    out = []
+    for a, b in itertools.combinations(sorted(seconds, key=seconds.get), 2):
+        if seconds[b] > seconds[a] * (1 + MODE_APART):
+            out.append({"faster": a, "slower": b, "predicted": predicted.index(a) < predicted.index(b)})
+    return out
+
+
+def order_counts(orders: list[dict]) -> str:
+    """'X of Y equal degrees (Z of W pairs measured more than 3 % apart)'."""
+    pairs = [p for o in orders for p in o["apart"]]
+    return (f"{sum(o['match'] for o in orders)} of {len(orders)} equal degrees ({sum(p['predicted'] for p in pairs)} "
+            f"of {len(pairs)} pairs measured more than {MODE_APART:.0%} apart)")
+
+
+def mode_key(r: dict) -> tuple:
+    return r["dp"], r["tp"], r["pp"], r["micro_batch"], r["dp_mode"]
+
+
+def remeasured_in(summary: dict) -> dict[tuple, float]:
+    """The mode rounds' medians a run's summary recorded, by mode_key (none if it judged by the screening)."""
+    return {(*o["degrees"], o["micro_batch"], mode): t for o in summary["mode_orders"]
+            if o.get("measured_by") == "mode rounds" for mode, t in o["measured_s"].items()}
+
+
+def mode_orders(rows: list[dict], remeasured: dict[tuple, float] | None = None) -> list[dict]:
     """At equal degrees and micro-batch, the dp modes ordered by prediction and by measurement: the screening's,
-    or `remeasured` (median seconds by predicted rank) where given."""
+    or `remeasured` (median seconds by mode_key) where given."""
     out = []
     for g in mode_groups(rows):
-        seconds = {r["dp_mode"]: (remeasured or {}).get(r["predicted_rank"], r["measured_s"]) for r in g}
+        seconds = {r["dp_mode"]: (remeasured or {}).get(mode_key(r), r["measured_s"]) for r in g}
         predicted = [r["dp_mode"] for r in sorted(g, key=lambda r: r["predicted_s"])]
         measured = sorted(seconds, key=seconds.get)
         out.append({"degrees": [g[0]["dp"], g[0]["tp"], g[0]["pp"]], "micro_batch": g[0]["micro_batch"],
                     "predicted": predicted, "measured": measured, "match": predicted == measured,
+                    "apart": apart_pairs(predicted, seconds),
                     "measured_s": {m: round(t, 4) for m, t in seconds.items()},
                     "measured_by": "mode rounds" if remeasured else "screening",
                     "predicted_s": {r["dp_mode"]: r["predicted_s"] for r in g}})
@@ -239,7 +273,8 @@ def bench_ranks(world: int, args, model, hw, tokens, screened: list[dict] | None
         for g in mode_groups(rows):
             times = finals(world, args, model, req, [(r["predicted_rank"], cands[r["predicted_rank"] - 1]) for r in g],
                            tokens, args.mode_rounds, "modes")
-            remeasured = {**(remeasured or {}), **{rank: float(np.median(t)) for rank, t in times.items()}}
+            remeasured = {**(remeasured or {}), **{mode_key(r): float(np.median(times[r["predicted_rank"]]))
+                                                   for r in g}}
     describe = lambda rank: {k: by_rank.get(rank, candidate_row(world, rank, cands[rank - 1]))[k]  # noqa: E731
                              for k in FIELDS[1:8]}
     summary = {"ranks": world, "layouts": len(rows), "chosen": {**describe(1), "median_s": round(medians[1], 4)},
@@ -287,7 +322,7 @@ def main(argv=None) -> dict:
               f"screening alone {s['screening_chosen_over_best'] or float('nan'):.3f}), Spearman {s['spearman']:.3f} over "
               f"{s['layouts']} of {s['valid_layouts']} layouts, prediction error median {s['median_abs_error']:.1%} "
               f"(largest {s['max_abs_error']:.1%}), dp modes in the measured order at "
-              f"{sum(o['match'] for o in orders)} of {len(orders)} equal degrees", flush=True)
+              f"{order_counts(orders)}", flush=True)
     result = {"model": model.name, "params": model.num_params(), "global_batch": args.global_batch,
               "seq_len": args.seq_len, "hardware": hw.name,
               "calibrated": hardware if args.calibrate else None, "steps": args.steps, "warmup": args.warmup,

@@ -52,9 +52,25 @@ def test_mode_orders_judge_by_the_mode_rounds_medians_where_measured_again():
     (screened,) = bench.mode_orders(rows)
     assert screened["measured"] == ["zero1", "fsdp", "ddp"] and not screened["match"]
     assert screened["measured_by"] == "screening"
-    (again,) = bench.mode_orders(rows, {1: 5.9, 2: 6.0, 3: 6.3})
+    again = {(2, 1, 2, 1, "ddp"): 5.9, (2, 1, 2, 1, "zero1"): 6.0, (2, 1, 2, 1, "fsdp"): 6.3}
+    (again,) = bench.mode_orders(rows, again)
     assert again["measured"] == ["ddp", "zero1", "fsdp"] == again["predicted"] and again["match"]
     assert again["measured_s"] == {"ddp": 5.9, "zero1": 6.0, "fsdp": 6.3} and again["measured_by"] == "mode rounds"
+    # a summary written with mode rounds gives them back by layout (profiles.py re-predicts with other ranks)
+    assert bench.remeasured_in({"mode_orders": [again, screened]}) == {
+        (2, 1, 2, 1, "ddp"): 5.9, (2, 1, 2, 1, "zero1"): 6.0, (2, 1, 2, 1, "fsdp"): 6.3}
+
+
+def test_only_modes_measured_more_than_3_percent_apart_count_as_ordered():
+    """ddp 1.0 s, zero1 1.02 (2 % slower: a tie here), fsdp 1.10; the prediction puts zero1 first: the tie does
+    not count against it, fsdp's place does count."""
+    pairs = bench.apart_pairs(["zero1", "ddp", "fsdp"], {"ddp": 1.0, "zero1": 1.02, "fsdp": 1.10})
+    assert pairs == [{"faster": "ddp", "slower": "fsdp", "predicted": True},
+                     {"faster": "zero1", "slower": "fsdp", "predicted": True}]
+    pairs = bench.apart_pairs(["fsdp", "ddp"], {"ddp": 1.0, "fsdp": 1.10})
+    assert pairs == [{"faster": "ddp", "slower": "fsdp", "predicted": False}]
+    orders = [{"match": False, "apart": pairs}, {"match": True, "apart": []}]
+    assert bench.order_counts(orders) == "1 of 2 equal degrees (0 of 1 pairs measured more than 3% apart)"
 
 
 def test_mode_rounds_is_off_unless_asked():
@@ -76,3 +92,29 @@ def test_an_earlier_screening_is_placed_in_this_plan_by_layout_not_by_its_old_ra
     assert [(r["dp_mode"], r["predicted_rank"], r["predicted_s"], r["measured_s"]) for r in rows] == [
         ("ddp", 3, 6.0, 6.7), ("zero1", 1, 5.0, 6.2)]
     assert "[4, 1, 1, 1, 1, 'ddp'] is not in this plan: left out" in capsys.readouterr().out
+
+
+def test_bench_ranks_with_mode_rounds_keeps_the_finals_medians_for_the_choice(monkeypatch):
+    """A screening reused (no rank runs here: the finals and mode rounds are faked): the finals' medians still
+    decide chosen/best after the mode rounds ran, and the modes are ordered by the rounds."""
+    from elastic_trainer.config import load_model_config
+    from elastic_trainer.plan import load_hardware
+
+    args = bench.parse_args(["--model", "gpt-tiny", "--ranks", "4", "--finalists", "1", "--mode-rounds", "1"])
+    model, hw = load_model_config("gpt-tiny"), load_hardware("cpu")
+    cands = bench.plan(bench.Request(model, 4, 8, 128, hw, 4, dtype="fp32", recompute=(False,))).candidates
+    screened = [{**bench.candidate_row(4, i + 1, c), "measured_s": 1.0 + i / 100, "step_s": [1.0]}
+                for i, c in enumerate(cands)]
+    calls = []
+
+    def finals(world, args, model, req, finalists, tokens, rounds=0, label="final"):
+        calls.append((label, [rank for rank, _ in finalists]))  # later-ranked layouts measured faster
+        return {rank: [2.0 - rank / 100] for rank, _ in finalists}
+
+    monkeypatch.setattr(bench, "finals", finals)
+    rows, summary = bench.bench_ranks(4, args, model, hw, None, screened)
+    assert calls[0] == ("final", [1]) and {label for label, _ in calls[1:]} == {"modes"}
+    assert summary["chosen"]["median_s"] == 1.99 and summary["chosen_over_best"] == 1.0
+    orders = summary["mode_orders"]
+    assert orders and all(o["measured_by"] == "mode rounds" for o in orders)
+    assert all(o["measured"] == o["predicted"][::-1] for o in orders)  # the fake reverses every group

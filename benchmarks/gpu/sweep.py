@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from elastic_trainer.config import load_model_config  # noqa: E402
+from elastic_trainer.model import gpt  # noqa: E402
 from elastic_trainer.parallel import init_process_group  # noqa: E402
 from elastic_trainer.parallel.calibrate_modes import timed_steps  # noqa: E402
 from elastic_trainer.plan.layout import Layout  # noqa: E402
@@ -70,6 +71,8 @@ def main(argv=None) -> int:
     p.add_argument("--probe-seq", type=int, default=64)
     p.add_argument("--steps", type=int, default=4, help="measured steps per case")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps per case")
+    p.add_argument("--vocab-pad", type=int, default=None,
+                   help="pad the head's GEMMs to a multiple of this many rows (model.gpt.VOCAB_PAD_MULTIPLE; 1: off)")
     p.add_argument("--smoke", action="store_true", help="gpt-tiny on the CPU, sequence 32: checks the script")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -79,12 +82,17 @@ def main(argv=None) -> int:
         torch.cuda.set_device(device)
     if args.smoke:
         args.models, args.seq_len, args.probe_seq, args.steps, args.warmup = "gpt-tiny", 32, 8, 2, 1
+    if args.vocab_pad is not None:
+        if args.vocab_pad < 1:
+            p.error("--vocab-pad must be >= 1")
+        gpt.VOCAB_PAD_MULTIPLE["cuda"] = args.vocab_pad
     init_process_group(device, distributed=False)
     cases = case_list(args.models.split(","), args.modes.split(","),
                       [int(m) for m in args.micro_batches.split(",") if m], args.global_batch, args.seq_len,
                       args.probe_seq)
     header = dict(device=torch.cuda.get_device_name(0) if gpu else "cpu", torch=torch.__version__,
-                  cuda=torch.version.cuda, gpu=gpu, date=time.strftime("%Y-%m-%d"), cases=[])
+                  cuda=torch.version.cuda, gpu=gpu, vocab_pad=gpt.VOCAB_PAD_MULTIPLE.get(device.type, 1),
+                  date=time.strftime("%Y-%m-%d"), cases=[])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from elastic_trainer.config import ConfigError
+from elastic_trainer.model.gpt import project_to_vocab
 
 
 def check(prompt_tokens: int, max_new_tokens: int, temperature: float, top_k: int | None,
@@ -48,7 +49,7 @@ def _forward(model, ids: torch.Tensor, start: int, cache: list) -> torch.Tensor:
         y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)
         h = h + attn.o_proj(y.transpose(1, 2).reshape(1, T, -1))
         h = h + block.mlp(block.ln_2(h))
-    return F.linear(model.ln_f(h[:, -1]), model.tok_emb.weight)[0]
+    return project_to_vocab(model.ln_f(h[:, -1]), model.tok_emb.weight)[0]
 
 
 @torch.no_grad()

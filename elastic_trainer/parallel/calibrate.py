@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from elastic_trainer.config import ModelConfig
-from elastic_trainer.model.gpt import Block
+from elastic_trainer.model.gpt import Block, project_to_vocab
 from elastic_trainer.parallel.engine import sum_of_squares
 from elastic_trainer.parallel.local_ranks import run_ranks
 from elastic_trainer.plan.hardware import CPU_KEPT_HEAP, GIB, Hardware
@@ -140,9 +140,10 @@ def fit_compute(points: list[tuple[float, int, float]]) -> tuple[float, float, f
 HEAD_SHAPES = [(256, 8192), (512, 8192), (256, 32768), (512, 32768)]  # (d_model, vocab), 256 tokens
 GPU_HEAD_SHAPES = [(768, 50257), (1024, 50257), (2048, 50257), (4096, 50257)]
 """4096 tokens (on an H100 the CPU shapes took 0.3-0.5 ms, launch-bound, and their times did not grow with
-FLOPs: a lease on 2026-11-26) at the presets' vocabulary, GPT-2's 50257: not a multiple of 8, so cuBLAS runs
-the head's GEMMs with alignment-1 kernels. On an H200 they ran at ~120 TFLOP/s in a GPT-3 step against the
-~800 this fit gave at 50304 (benchmarks/gpu/profile_step.py, 2026-11-27)."""
+FLOPs: a lease on 2026-11-26) at the presets' vocabulary, GPT-2's 50257, through the model's own projection
+(`project_to_vocab`: padded to a multiple of 64 rows on CUDA). Unpadded, 50257 ran the head's GEMMs in
+alignment-1 kernels, ~120 TFLOP/s on an H200 against ~760 at 50304 (benchmarks/gpu/profile_step.py,
+head-vocab.txt, 2026-11-27)."""
 
 
 def measure_head(device: torch.device, dtype: torch.dtype, tokens: int | None = None,
@@ -155,7 +156,8 @@ def measure_head(device: torch.device, dtype: torch.dtype, tokens: int | None = 
         x = torch.randn(tokens, d, device=device, dtype=dtype, requires_grad=True)
         w = (torch.randn(vocab, d, device=device, dtype=dtype) * 0.02).requires_grad_()
         target = torch.randint(0, vocab, (tokens,), device=device)
-        ys.append(timed(lambda: F.cross_entropy(F.linear(x, w).float(), target).backward(), repeat, _sync(device)))
+        ys.append(timed(lambda: F.cross_entropy(project_to_vocab(x, w).float(), target).backward(), repeat,
+                        _sync(device)))
         rows.append([6.0 * tokens * d * vocab, float(tokens * vocab)])
     inv_rate, per_logit = fit_nonneg(rows, ys)
     if inv_rate <= 0:

@@ -21,14 +21,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks" / "planner"))
 
 from elastic_trainer.config import DP_MODES, load_model_config  # noqa: E402
 from elastic_trainer.parallel.calibrate_modes import host_block_ms  # noqa: E402
 from elastic_trainer.plan import load_hardware  # noqa: E402
 from elastic_trainer.plan.layout import Layout  # noqa: E402
 from elastic_trainer.plan.step_time import step_time  # noqa: E402
+from run import MODE_APART, apart_pairs  # noqa: E402  (the planner benchmark's rule for a measured order)
 
-SWEEP = ROOT / "benchmarks/gpu/results/NVIDIA-H200/sweep.json"
+SWEEP = ROOT / "benchmarks/gpu/results/NVIDIA-H200/padded/sweep.json"
+"""The second H200 sweep (2026-11-28, the head padded to 64 rows); the first, unpadded: ../sweep.json."""
 
 
 def predictions(sweep: dict, hw, own_host: bool = False) -> list[dict]:
@@ -50,22 +53,23 @@ def predictions(sweep: dict, hw, own_host: bool = False) -> list[dict]:
 
 def summary(cases: list[dict]) -> dict:
     """{model: {median_error, max_error, chosen, best, chosen_over_best, orders: [(micro_batch, measured,
-    predicted)]}}."""
+    predicted)], apart: [the pairs of modes measured more than MODE_APART apart, each with `predicted`]}}."""
     out = {}
     for model in dict.fromkeys(c["model"] for c in cases):
         mine = [c for c in cases if c["model"] == model]
         errors = [abs(c["predicted_s"] / c["step_s"] - 1) for c in mine]
         chosen = min(mine, key=lambda c: c["predicted_s"])
         best = min(mine, key=lambda c: c["step_s"])
-        orders = []
+        orders, apart = [], []
         for mb in sorted({c["micro_batch"] for c in mine}):
             group = [c for c in mine if c["micro_batch"] == mb]
-            orders.append((mb, [c["mode"] for c in sorted(group, key=lambda c: c["step_s"])],
-                           [c["mode"] for c in sorted(group, key=lambda c: c["predicted_s"])]))
+            predicted = [c["mode"] for c in sorted(group, key=lambda c: c["predicted_s"])]
+            orders.append((mb, [c["mode"] for c in sorted(group, key=lambda c: c["step_s"])], predicted))
+            apart += [dict(pair, micro_batch=mb) for pair in apart_pairs(predicted, {c["mode"]: c["step_s"] for c in group})]
         out[model] = {"median_error": statistics.median(errors), "max_error": max(errors),
                       "chosen": (chosen["mode"], chosen["micro_batch"], chosen["step_s"]),
                       "best": (best["mode"], best["micro_batch"], best["step_s"]),
-                      "chosen_over_best": best["step_s"] / chosen["step_s"], "orders": orders}
+                      "chosen_over_best": best["step_s"] / chosen["step_s"], "orders": orders, "apart": apart}
     return out
 
 
@@ -89,7 +93,8 @@ def main(argv=None) -> dict:
         print(f"{model}: error median {s['median_error']:.1%} (largest {s['max_error']:.1%}); chosen "
               f"{s['chosen'][0]} x {s['chosen'][1]} ({s['chosen'][2]:.3f} s), fastest {s['best'][0]} x {s['best'][1]} "
               f"({s['best'][2]:.3f} s): {s['chosen_over_best']:.3f}; dp modes in the measured order at {matched} of "
-              f"{len(s['orders'])} micro-batch sizes")
+              f"{len(s['orders'])} micro-batch sizes, {sum(p['predicted'] for p in s['apart'])} of the "
+              f"{len(s['apart'])} pairs measured more than {MODE_APART:.0%} apart")
     return result
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from elastic_trainer.config import ModelConfig
-from elastic_trainer.model.gpt import Block
+from elastic_trainer.model.gpt import Block, project_to_vocab
 from elastic_trainer.parallel import calibrate
 from elastic_trainer.plan.hardware import GIB, Hardware
 
@@ -233,18 +233,20 @@ HEAD_SHAPES = [(16, 64), (32, 64), (16, 128), (32, 128)]
 
 @pytest.fixture
 def head_calls(monkeypatch):
-    """Record the head's F.linear(x, w) and F.cross_entropy(logits, target) calls."""
+    """Record the head's projection (the model's project_to_vocab(x, w)) and F.cross_entropy(logits, target)
+    calls."""
     calls = {"linear": [], "cross_entropy": []}
 
     def linear(x, w):
         calls["linear"].append((x, w))
-        return F.linear(x, w)
+        return project_to_vocab(x, w)
 
     def cross_entropy(logits, target):
         calls["cross_entropy"].append((logits.dtype, target))
         return F.cross_entropy(logits, target)
 
-    monkeypatch.setattr(calibrate, "F", types.SimpleNamespace(linear=linear, cross_entropy=cross_entropy))
+    monkeypatch.setattr(calibrate, "project_to_vocab", linear)
+    monkeypatch.setattr(calibrate, "F", types.SimpleNamespace(cross_entropy=cross_entropy))
     monkeypatch.setattr(calibrate, "HEAD_SHAPES", HEAD_SHAPES)
     return calls
 

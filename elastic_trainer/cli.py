@@ -229,7 +229,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if model is not None and args.seq_len > model.context_length:
         raise ConfigError(f"--seq-len {args.seq_len} exceeds {model.name}'s context_length={model.context_length}")
     hw = dataclasses.replace(base, name=name) if args.only_optimizer else calibrate(base, name, ranks, device,
-                                                                                    compiled=args.compile)
+                                                                                    compiled=args.compile, model=model)
     if model is not None and device.type == "cuda":
         hw = calibrate_host(hw, model, device)
     elif model is not None:

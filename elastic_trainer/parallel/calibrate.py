@@ -5,8 +5,9 @@ work) with one intra-op thread per rank, as the trainer runs its ranks on a CPU:
 - one GPT block's forward + backward at several widths and micro-batch sizes; a non-negative least-squares
   fit of t = F / R + (F / tokens) * h / R + c gives the sustained rate R (`tflops`), the size effect h
   (`half_rate_tokens`) and the fixed time per block c (`layer_overhead_ms`);
-- the output head with softmax cross-entropy at two widths and vocabularies: a fit of
-  t = 6 * tokens * d * vocab / H + tokens * vocab * l gives `head_tflops` H and `logit_ns` l;
+- the output head: its softmax cross-entropy alone gives `logit_ns` (per logit), its three GEMMs alone at the
+  job's width and vocabulary (`--model`; else widths 256 and 512 at 50257) `head_tflops` (CPU_HEAD_WIDTHS);
+  on a GPU one fit of t = 6 * tokens * d * vocab / H + tokens * vocab * l over GPU_HEAD_SHAPES gives both;
 - with `--compile`: the block at the largest shape eager and under torch.compile; the ratio of their times is
   `compiled_speedup`, which the planner applies to jobs run with `--compile`;
 - a large in-place add (`memory_bandwidth_gbs`) and clipping + an AdamW step (`optimizer_ns_per_param`);
@@ -137,7 +138,14 @@ def fit_compute(points: list[tuple[float, int, float]]) -> tuple[float, float, f
     return 1e-12 / inv_rate, size / inv_rate, overhead * 1e3
 
 
-HEAD_SHAPES = [(256, 8192), (512, 8192), (256, 32768), (512, 32768)]  # (d_model, vocab), 256 tokens
+CPU_HEAD_WIDTHS = (256, 512)
+CPU_HEAD_VOCAB = 50257
+CPU_HEAD_TOKENS = 256
+"""The CPU head: without `--model`, widths 256 and 512 at the presets' vocabulary; with it, the model's own width
+and vocabulary; 256 tokens. The softmax cross-entropy is timed apart from the GEMMs: in one fit of both (the
+form the GPU keeps) its term was ~7 % of each time, and five calibrations of this 2-core machine put it at
+2.1-7.5 ns per logit where it measures 1.2-1.3 alone at every size from 4 to 98 MiB of logits (2026-11-28,
+glibc keeping freed memory as the ranks do; without that, logits above 32 MiB took 4-6 ns: fresh pages)."""
 GPU_HEAD_SHAPES = [(768, 50257), (1024, 50257), (2048, 50257), (4096, 50257)]
 """4096 tokens (on an H100 the CPU shapes took 0.3-0.5 ms, launch-bound, and their times did not grow with
 FLOPs: a lease on 2026-11-26) at the presets' vocabulary, GPT-2's 50257, through the model's own projection
@@ -146,13 +154,12 @@ alignment-1 kernels, ~120 TFLOP/s on an H200 against ~760 at 50304 (benchmarks/g
 head-vocab.txt, 2026-11-27)."""
 
 
-def measure_head(device: torch.device, dtype: torch.dtype, tokens: int | None = None,
+def measure_head(device: torch.device, dtype: torch.dtype, tokens: int = 4096,
                  repeat: int = 3) -> tuple[float, float]:
-    """(head TFLOP/s, ns per logit) of head GEMM + softmax cross-entropy, forward + backward."""
-    shapes, default_tokens = (GPU_HEAD_SHAPES, 4096) if device.type == "cuda" else (HEAD_SHAPES, 256)
-    tokens = tokens or default_tokens
+    """(head TFLOP/s, ns per logit) of head GEMM + softmax cross-entropy, forward + backward, at GPU_HEAD_SHAPES:
+    a fit of t = 6 * tokens * d * vocab / H + tokens * vocab * l."""
     rows, ys = [], []
-    for d, vocab in shapes:
+    for d, vocab in GPU_HEAD_SHAPES:
         x = torch.randn(tokens, d, device=device, dtype=dtype, requires_grad=True)
         w = (torch.randn(vocab, d, device=device, dtype=dtype) * 0.02).requires_grad_()
         target = torch.randint(0, vocab, (tokens,), device=device)
@@ -161,8 +168,28 @@ def measure_head(device: torch.device, dtype: torch.dtype, tokens: int | None = 
         rows.append([6.0 * tokens * d * vocab, float(tokens * vocab)])
     inv_rate, per_logit = fit_nonneg(rows, ys)
     if inv_rate <= 0:
-        raise RuntimeError(f"head timings do not grow with FLOPs: {list(zip(shapes, ys))}")
+        raise RuntimeError(f"head timings do not grow with FLOPs: {list(zip(GPU_HEAD_SHAPES, ys))}")
     return 1e-12 / inv_rate, per_logit * 1e9
+
+
+def measure_cpu_head(dtype: torch.dtype, widths: tuple[int, ...] | None = None, vocab: int | None = None,
+                     repeat: int = 3) -> tuple[float, float]:
+    """(head TFLOP/s, ns per logit) on the CPU, each timed alone on CPU_HEAD_TOKENS tokens: the softmax
+    cross-entropy of fp32 logits (tokens x vocab) forward + backward, per logit; the head's three GEMMs (the
+    projection forward, its backward into the hidden states and the weight) at each width, their FLOPs over
+    their summed time. Widths and vocabulary: CPU_HEAD_WIDTHS and CPU_HEAD_VOCAB unless given."""
+    widths, vocab, tokens = widths or CPU_HEAD_WIDTHS, vocab or CPU_HEAD_VOCAB, CPU_HEAD_TOKENS
+    logits = torch.randn(tokens, vocab, dtype=torch.float32, requires_grad=True)
+    target = torch.randint(0, vocab, (tokens,))
+    per_logit = timed(lambda: F.cross_entropy(logits, target).backward(), repeat) / (tokens * vocab)
+    flops = seconds = 0.0
+    for d in widths:
+        x = torch.randn(tokens, d, dtype=dtype, requires_grad=True)
+        w = (torch.randn(vocab, d, dtype=dtype) * 0.02).requires_grad_()
+        grad = torch.randn(tokens, vocab, dtype=dtype)
+        seconds += timed(lambda: project_to_vocab(x, w).backward(grad), repeat)
+        flops += 6.0 * tokens * d * vocab
+    return flops / seconds / 1e12, per_logit * 1e9
 
 
 def measure_memory_bandwidth(device: torch.device, numel: int = 32 * 2**20, repeat: int = 5) -> float:
@@ -231,9 +258,10 @@ def measure_links(worlds: list[int], sizes: list[int], repeat: int = 3) -> tuple
 
 
 def calibrate(base: Hardware, name: str, worlds: list[int], device: torch.device,
-              say: Callable[[str], None] = print, compiled: bool = False) -> Hardware:
+              say: Callable[[str], None] = print, compiled: bool = False,
+              model: ModelConfig | None = None) -> Hardware:
     """Measure this machine; the fields not measured come from `base` (`compiled_speedup` too, unless
-    `compiled`)."""
+    `compiled`); `model`: the job's model, whose width and vocabulary the CPU head is timed at."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -260,7 +288,12 @@ def calibrate(base: Hardware, name: str, worlds: list[int], device: torch.device
         say(f"[calibrate] block fwd+bwd compiled, {shape[1]:5d} tokens: {seconds * 1e3:8.2f} ms "
             f"({speedup:.2f}x eager)")
         hw = dataclasses.replace(hw, compiled_speedup=round(speedup, 3))
-    head_tflops, logit_ns = measure_head(device, dtype)
+    if gpu:
+        head_tflops, logit_ns = measure_head(device, dtype)
+    elif model is not None:
+        head_tflops, logit_ns = measure_cpu_head(dtype, (model.d_model,), model.vocab_size)
+    else:
+        head_tflops, logit_ns = measure_cpu_head(dtype)
     hw = dataclasses.replace(hw, head_tflops=head_tflops, logit_ns=logit_ns,
                              memory_bandwidth_gbs=measure_memory_bandwidth(device),
                              optimizer_ns_per_param=measure_optimizer(device))

@@ -247,7 +247,7 @@ def head_calls(monkeypatch):
 
     monkeypatch.setattr(calibrate, "project_to_vocab", linear)
     monkeypatch.setattr(calibrate, "F", types.SimpleNamespace(cross_entropy=cross_entropy))
-    monkeypatch.setattr(calibrate, "HEAD_SHAPES", HEAD_SHAPES)
+    monkeypatch.setattr(calibrate, "GPU_HEAD_SHAPES", HEAD_SHAPES)
     return calls
 
 
@@ -298,6 +298,44 @@ def test_measure_head_refuses_timings_that_do_not_grow_with_flops(head_calls, cl
     with pytest.raises(RuntimeError) as err:
         calibrate.measure_head(CPU, torch.float32, tokens=4)
     assert str(err.value) == f"head timings do not grow with FLOPs: {list(zip(HEAD_SHAPES, ys))}"
+
+
+def test_cpu_head_times_the_softmax_alone_and_the_gemms_alone(monkeypatch, head_calls, clock, syncs):
+    """Per logit: the cross-entropy's own time; the rate: the GEMMs' FLOPs at every width over their summed time
+    (each the fastest of its repeats)."""
+    monkeypatch.setattr(calibrate, "CPU_HEAD_TOKENS", 8)
+    rate, per_logit, widths, vocab = 2e10, 1.5e-9, (16, 32), 64
+    ce = 8 * vocab * per_logit
+    gemms = [6 * 8 * d * vocab / rate for d in widths]
+    gemms = [gemms[0] * 0.5, gemms[1] + gemms[0] * 0.5]  # only their sum counts
+    fake = clock([2 * ce, ce, 1.5 * ce] + [t for g in gemms for t in (g, 1.5 * g, 3 * g)])
+    torch.manual_seed(0)
+    head_tflops, logit_ns = calibrate.measure_cpu_head(torch.float64, widths, vocab)
+    assert not fake.readings and not syncs  # the CPU needs no synchronization
+    assert head_tflops == pytest.approx(0.02, rel=1e-9) and logit_ns == pytest.approx(1.5, rel=1e-9)
+    # What it timed: fp32 logits (tokens x vocab) and random targets; then x (tokens x d) and w (vocab x d) of
+    # the dtype through the model's projection, forward and backward, drawn in this order.
+    torch.manual_seed(0)
+    logits, target = torch.randn(8, vocab), torch.randint(0, vocab, (8,))
+    assert [dt for dt, _ in head_calls["cross_entropy"]] == [torch.float32] * 4
+    assert all(torch.equal(t, target) for _, t in head_calls["cross_entropy"])
+    linear = head_calls["linear"]
+    assert len(linear) == 8
+    for i, d in enumerate(widths):
+        x, w = torch.randn(8, d, dtype=torch.float64), torch.randn(vocab, d, dtype=torch.float64) * 0.02
+        torch.randn(8, vocab, dtype=torch.float64)  # the gradient fed to backward
+        for seen_x, seen_w in linear[4 * i:4 * i + 4]:
+            assert torch.equal(seen_x, x) and torch.equal(seen_w, w) and seen_x.grad is not None
+    del logits
+
+
+def test_cpu_head_defaults_to_the_presets_vocabulary_at_two_widths(monkeypatch):
+    seen = []
+    monkeypatch.setattr(calibrate, "CPU_HEAD_TOKENS", 2)
+    monkeypatch.setattr(calibrate, "timed", lambda fn, repeat, sync=None: seen.append(fn) or 1.0)
+    tflops, logit_ns = calibrate.measure_cpu_head(torch.float32)
+    assert len(seen) == 3  # the softmax, then widths 256 and 512
+    assert tflops == pytest.approx(6 * 2 * (256 + 512) * 50257 / 2 / 1e12) and logit_ns == pytest.approx(1e9 / (2 * 50257))
 
 
 # --- memory bandwidth, optimizer ---------------------------------------------------------------------------
@@ -591,6 +629,10 @@ def measured(monkeypatch, threads):
         seen["head"] = (device, dtype)
         return 0.0567, 1.5
 
+    def cpu_head(dtype, widths=None, vocab=None):
+        seen["head"], seen["cpu_head"] = (CPU, dtype), (widths, vocab)
+        return 0.0567, 1.5
+
     def memory(device):
         seen["memory"] = device
         return 12.34
@@ -604,7 +646,7 @@ def measured(monkeypatch, threads):
         return dataclasses.replace(hw, intra_host_gbs=1.25, intra_host_latency_us=75.0)
 
     for name, fn in [("measure_blocks", blocks), ("fit_compute", fit), ("fit_device", fit_device),
-                     ("measure_head", head),
+                     ("measure_head", head), ("measure_cpu_head", cpu_head),
                      ("measure_memory_bandwidth", memory), ("measure_optimizer", optimizer), ("_cpu_host", cpu_host)]:
         monkeypatch.setattr(calibrate, name, fn)
     torch.set_num_threads(2)
@@ -647,6 +689,14 @@ def test_calibrate_on_cpu_measures_fp32_with_one_thread_from_seed_0_and_the_host
     assert capsys.readouterr().out.splitlines() == POINT_LINES + [
         "[calibrate] 123.4 GFLOP/s per rank (half rate at 40 tokens, 2.35 ms per block), 12.3 GB/s memory, "
         "3.46 ns/param optimizer, head 56.7 GFLOP/s + 1.500 ns/logit, links 1.25 GB/s + 75 us"]
+
+
+def test_calibrate_times_the_cpu_head_at_the_job_s_width_and_vocabulary(measured):
+    calibrate.calibrate(BASE, "here", [2], CPU, say=lambda line: None)
+    assert measured["cpu_head"] == (None, None)  # CPU_HEAD_WIDTHS at CPU_HEAD_VOCAB
+    model = ModelConfig(n_layers=2, d_model=96, n_heads=2, vocab_size=1000, context_length=64)
+    calibrate.calibrate(BASE, "here", [2], CPU, say=lambda line: None, model=model)
+    assert measured["cpu_head"] == ((96,), 1000)
 
 
 def test_calibrate_profile_from_a_cuda_base_on_cpu_is_fp32(measured):

@@ -82,8 +82,9 @@ def synthetic_timings(monkeypatch, calibrate):
             out.append((flops, tokens, flops / (RATE * tokens / (tokens + HALF)) + OVERHEAD))
         return out
 
-    head = [6 * 256 * d * v / HEAD_RATE + 256 * v * LOGIT for d, v in calibrate.HEAD_SHAPES]  # 256 tokens
-    clock = {"measure_head": head, "measure_memory_bandwidth": [3 * 4 * SMALL / BANDWIDTH],
+    tokens, vocab = calibrate.CPU_HEAD_TOKENS, calibrate.CPU_HEAD_VOCAB
+    head = [tokens * vocab * LOGIT] + [6 * tokens * d * vocab / HEAD_RATE for d in calibrate.CPU_HEAD_WIDTHS]
+    clock = {"measure_cpu_head": head, "measure_memory_bandwidth": [3 * 4 * SMALL / BANDWIDTH],
              "measure_optimizer": [SMALL * PER_PARAM]}
 
     def timed(fn, repeat, sync=lambda: None):
@@ -113,7 +114,8 @@ def test_calibrate_fits_its_timings_and_writes_a_loadable_profile(tmp_path, monk
 
     from elastic_trainer.parallel import calibrate
 
-    monkeypatch.setattr(calibrate, "HEAD_SHAPES", [(16, 64), (32, 64), (16, 128), (32, 128)])
+    monkeypatch.setattr(calibrate, "CPU_HEAD_WIDTHS", (16, 32))
+    monkeypatch.setattr(calibrate, "CPU_HEAD_VOCAB", 128)
     clock = synthetic_timings(monkeypatch, calibrate)
     threads = torch.get_num_threads()
     out = tmp_path / "here.toml"
@@ -162,13 +164,15 @@ def test_calibration_measurements_run_on_this_machine(monkeypatch):
         seen.update(rows=rows, ys=ys)
         return [1e-12, 1e-9]
 
-    monkeypatch.setattr(calibrate, "HEAD_SHAPES", [(16, 64), (32, 128)])
+    monkeypatch.setattr(calibrate, "GPU_HEAD_SHAPES", [(16, 64), (32, 128)])
     monkeypatch.setattr(calibrate, "fit_nonneg", record)
     assert calibrate.measure_head(cpu, torch.float32, tokens=32, repeat=1) == pytest.approx((1.0, 1.0))
     assert seen["rows"] == [[6.0 * 32 * 16 * 64, 32.0 * 64], [6.0 * 32 * 32 * 128, 32.0 * 128]]
+    monkeypatch.setattr(calibrate, "CPU_HEAD_TOKENS", 32)
+    cpu_head = calibrate.measure_cpu_head(torch.float32, (16, 32), 128, repeat=1)
     per_rank = run_ranks(calibrate._all_reduce_times, 2, [2**10, 2**14], 1)
     assert len(per_rank) == 2 and all(len(r) == 2 for r in per_rank)
-    measured = [t for _, _, t in points] + seen["ys"] + [t for r in per_rank for t in r] + [
+    measured = [t for _, _, t in points] + seen["ys"] + list(cpu_head) + [t for r in per_rank for t in r] + [
         calibrate.measure_memory_bandwidth(cpu, numel=2**12, repeat=1),  # GB/s
         calibrate.measure_optimizer(cpu, numel=2**10, repeat=1)]  # ns per parameter
     assert all(math.isfinite(v) and v > 0 for v in measured), measured

@@ -143,8 +143,8 @@ CPU_HEAD_VOCAB = 50257
 CPU_HEAD_TOKENS = 256
 """The CPU head: without `--model`, widths 256 and 512 at the presets' vocabulary; with it, the model's own width
 and vocabulary; 256 tokens. The softmax cross-entropy is timed apart from the GEMMs: in one fit of both (the
-form the GPU keeps) its term was ~7 % of each time, and five calibrations of this 2-core machine put it at
-2.1-7.5 ns per logit where it measures 1.2-1.3 alone at every size from 4 to 98 MiB of logits (2026-11-28,
+form the GPU keeps) its term was ~7 % of each time, and seven calibrations of this 2-core machine put it at
+2.1-7.5 ns per logit where it measures 1.0-1.3 alone at every size from 4 to 98 MiB of logits (2026-11-28,
 glibc keeping freed memory as the ranks do; without that, logits above 32 MiB took 4-6 ns: fresh pages)."""
 GPU_HEAD_SHAPES = [(768, 50257), (1024, 50257), (2048, 50257), (4096, 50257)]
 """4096 tokens (on an H100 the CPU shapes took 0.3-0.5 ms, launch-bound, and their times did not grow with

@@ -29,13 +29,9 @@ from elastic_trainer.config import load_model_config  # noqa: E402
 from elastic_trainer.model import gpt  # noqa: E402
 from elastic_trainer.model.gpt import GPT, lm_loss_sum  # noqa: E402
 from elastic_trainer.model.init import init_weights  # noqa: E402
-from elastic_trainer.parallel.calibrate import GPU_HEAD_SHAPES, timed  # noqa: E402
+from elastic_trainer.parallel.calibrate import GPU_HEAD_SHAPES, _sync, timed  # noqa: E402
 
 WIDTHS = [d for d, _ in GPU_HEAD_SHAPES]
-
-
-def _sync(device):
-    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
 def loss_and_grads(model: GPT, tokens: torch.Tensor, multiple: int) -> tuple[float, dict]:
@@ -58,9 +54,8 @@ def parity(model_name: str, device: torch.device, dtype: torch.dtype, batch: int
     init_weights(model, seed=0)
     model.to(device=device, dtype=dtype)
     tokens = torch.randint(0, model.config.vocab_size, (batch, seq + 1), device=device)
-    plain = 1
-    a_loss, a = loss_and_grads(model, tokens, plain)
-    b_loss, b = loss_and_grads(model, tokens, plain)
+    a_loss, a = loss_and_grads(model, tokens, 1)  # unpadded, twice: the kernels' own spread
+    b_loss, b = loss_and_grads(model, tokens, 1)
     c_loss, c = loss_and_grads(model, tokens, force)
 
     def worst(x, y):

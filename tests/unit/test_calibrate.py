@@ -316,7 +316,8 @@ def test_cpu_head_times_the_softmax_alone_and_the_gemms_alone(monkeypatch, head_
     # What it timed: fp32 logits (tokens x vocab) and random targets; then x (tokens x d) and w (vocab x d) of
     # the dtype through the model's projection, forward and backward, drawn in this order.
     torch.manual_seed(0)
-    logits, target = torch.randn(8, vocab), torch.randint(0, vocab, (8,))
+    torch.randn(8, vocab)  # the logits
+    target = torch.randint(0, vocab, (8,))
     assert [dt for dt, _ in head_calls["cross_entropy"]] == [torch.float32] * 4
     assert all(torch.equal(t, target) for _, t in head_calls["cross_entropy"])
     linear = head_calls["linear"]
@@ -326,7 +327,6 @@ def test_cpu_head_times_the_softmax_alone_and_the_gemms_alone(monkeypatch, head_
         torch.randn(8, vocab, dtype=torch.float64)  # the gradient fed to backward
         for seen_x, seen_w in linear[4 * i:4 * i + 4]:
             assert torch.equal(seen_x, x) and torch.equal(seen_w, w) and seen_x.grad is not None
-    del logits
 
 
 def test_cpu_head_defaults_to_the_presets_vocabulary_at_two_widths(monkeypatch):

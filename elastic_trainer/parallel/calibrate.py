@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from elastic_trainer.config import ModelConfig
 from elastic_trainer.model.gpt import Block, project_to_vocab
 from elastic_trainer.parallel.engine import sum_of_squares
+from elastic_trainer.parallel.gloo_comms import all_gather, reduce_scatter
 from elastic_trainer.parallel.local_ranks import run_ranks
 from elastic_trainer.plan.hardware import CPU_KEPT_HEAP, GIB, Hardware
 from elastic_trainer.plan.step_time import block_flops
@@ -241,6 +242,49 @@ def _all_reduce_times(rank: int, world: int, sizes: list[int], repeat: int) -> l
     return times
 
 
+SHARE_SIZES = [2**24, 2**26, 2**27]
+"""Bytes at which the all-gather and reduce-scatter are timed against an all-reduce: the sizes of the
+data-parallel collectives, where bandwidth, not latency, sets the time."""
+
+
+def _share_times(rank: int, world: int, sizes: list[int], repeat: int) -> list[tuple[float, float, float]]:
+    """Per size, the median seconds of (an all-reduce, an all-gather into, a reduce-scatter from) a tensor of
+    that many bytes, the last two as zero1 and fsdp make them on gloo (parallel/gloo_comms.py)."""
+    out = []
+    for nbytes in sizes:
+        whole = torch.ones(nbytes // 4 // world * world)
+        part = torch.ones(whole.numel() // world)
+        calls = {"all_reduce": lambda: dist.all_reduce(whole), "all_gather": lambda: all_gather(whole, part),
+                 "reduce_scatter": lambda: reduce_scatter(part, whole)}
+        medians = []
+        for call in calls.values():
+            call()  # untimed first
+            dist.barrier()
+            times = []
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - t0)
+            medians.append(statistics.median(times))
+        out.append(tuple(medians))
+    return out
+
+
+def measure_collective_shares(worlds: list[int], sizes: list[int] = SHARE_SIZES,
+                              repeat: int = 3) -> tuple[float, float]:
+    """(all-gather, reduce-scatter) seconds as shares of an all-reduce's of the same bytes on the same ranks:
+    the median over `worlds` and `sizes` of the slowest rank's ratios. A ring's are 0.5 each; gloo's measured
+    1.2-1.9 and 1.9-2.0 on two ranks of the 2-core reference machine (2026-11-28, 8-310 MB)."""
+    gathers, scatters = [], []
+    for world in worlds:
+        per_rank = run_ranks(_share_times, world, sizes, repeat)
+        for i in range(len(sizes)):
+            reduce, gather, scatter = (max(r[i][k] for r in per_rank) for k in range(3))
+            gathers.append(gather / reduce)
+            scatters.append(scatter / reduce)
+    return statistics.median(gathers), statistics.median(scatters)
+
+
 def measure_links(worlds: list[int], sizes: list[int], repeat: int = 3) -> tuple[float, float]:
     """(bus GB/s, latency us) of gloo all-reduce on forked local ranks, fitted to the ring model by relative
     error."""
@@ -303,8 +347,13 @@ def calibrate(base: Hardware, name: str, worlds: list[int], device: torch.device
         f"{hw.layer_overhead_ms:.2f} ms per block{_activation(hw)}), {hw.memory_bandwidth_gbs:.1f} GB/s memory, "
         f"{hw.optimizer_ns_per_param:.2f} ns/param optimizer, head {hw.head_tflops * 1e3:.1f} GFLOP/s + "
         f"{hw.logit_ns:.3f} ns/logit, "
-        f"links {hw.intra_host_gbs:.2f} GB/s + {hw.intra_host_latency_us:.0f} us")
+        f"links {hw.intra_host_gbs:.2f} GB/s + {hw.intra_host_latency_us:.0f} us" + _shares(hw))
     return hw
+
+
+def _shares(hw: Hardware) -> str:
+    return (f" (all-gather {hw.all_gather_share:.2f}, reduce-scatter {hw.reduce_scatter_share:.2f} of an "
+            "all-reduce)") if hw.shared_host else ""
 
 
 def _activation(hw: Hardware) -> str:
@@ -327,13 +376,16 @@ def _cpu_host(hw: Hardware, worlds: list[int]) -> Hardware:
     """Cores, memory and gloo links of this host; all ranks are processes sharing it."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     # on idle ranks, a core each: the step-time model slows the links itself as a job's ranks share the cores
-    gbs, latency = measure_links([w for w in worlds if w <= cores] or [min(worlds)], LINK_SIZES)
+    idle = [w for w in worlds if w <= cores] or [min(worlds)]
+    gbs, latency = measure_links(idle, LINK_SIZES)
+    gather_share, scatter_share = measure_collective_shares(idle)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
     if not hw.shared_host:  # a base from elsewhere: the heap CPU ranks keep, as measured on the reference machine
         hw = dataclasses.replace(hw, **CPU_KEPT_HEAP)
     return dataclasses.replace(
         hw, shared_host=True, compute_units=round(measure_parallel_units(cores), 2), memory_gb=round(memory, 1),
         reserved_gb=4.0,
-        gpus_per_host=max(8, max(worlds)), overlap=0.0, ring_latency=True, reduce_scatter_as_all_reduce=True,
+        gpus_per_host=max(8, max(worlds)), overlap=0.0, ring_latency=True,
+        all_gather_share=round(gather_share, 3), reduce_scatter_share=round(scatter_share, 3),
         intra_host_gbs=gbs, inter_host_gbs=gbs,
         intra_host_latency_us=latency, inter_host_latency_us=latency)

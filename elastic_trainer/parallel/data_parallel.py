@@ -15,6 +15,8 @@ from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from elastic_trainer.parallel.gloo_comms import use_in_fsdp
+
 
 def apply_data_parallel(
     model: nn.Module, dp_mesh: DeviceMesh, mode: str, param_dtype: torch.dtype, reshard_after_forward: bool
@@ -35,6 +37,8 @@ def apply_data_parallel(
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+    if mode == "fsdp":  # gloo's reduce-scatter and all-gather copy the whole buffer every call (gloo_comms.py)
+        use_in_fsdp(model, dp_mesh.get_group())
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

@@ -33,14 +33,22 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from elastic_trainer.parallel import gloo_comms
 
-def _reduce_scatter(*args, **kwargs):
+
+def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group) -> None:
+    """The sum over `group` of `input`, this rank's chunk into `output` (`input` is overwritten on gloo)."""
+    if gloo_comms.is_gloo(group):  # gloo's own copies the whole buffer every call
+        return gloo_comms.reduce_scatter(output, input, group)
     # torch 2.13 renamed the flat collectives (the old names warn); torch 2.11 and 2.12 have only the old ones
-    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
+    collective = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    collective(output, input, op=dist.ReduceOp.SUM, group=group)
 
 
-def _all_gather(*args, **kwargs):
-    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
+def _all_gather(output: torch.Tensor, input: torch.Tensor, group) -> None:
+    if gloo_comms.is_gloo(group):
+        return gloo_comms.all_gather(output, input, group)
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(output, input, group=group)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -178,7 +186,7 @@ class Zero1:
                     dst.zero_()
         self._seen = [False] * len(self.slots)
         if self.dp > 1:
-            _reduce_scatter(self.grad_shard, self.buffer, op=dist.ReduceOp.SUM, group=self.group)
+            _reduce_scatter(self.grad_shard, self.buffer, self.group)
         else:
             self.grad_shard.copy_(self.buffer)
         for master, grad in zip(self.masters, self.grads):
@@ -198,7 +206,7 @@ class Zero1:
                 self._whole_compute = [s.pieces(whole, self.dp, self.shard) for s in self.slots]
             pieces = self._whole_compute
         if self.dp > 1:
-            _all_gather(whole, shard, group=self.group)
+            _all_gather(whole, shard, self.group)
         else:
             whole.copy_(shard)
         for slot, parts in zip(self.slots, pieces):

@@ -111,8 +111,12 @@ class Hardware:
     """Latency of one collective step across hosts."""
     ring_latency: bool = False
     """Collective latency grows with n - 1 steps (gloo's ring) rather than log2 n (NCCL's trees)."""
-    reduce_scatter_as_all_reduce: bool = False
-    """A reduce-scatter costs a whole all-reduce (gloo implements it that way)."""
+    all_gather_share: float = 0.5
+    """Seconds of an all-gather into a tensor of B bytes over n ranks, as a share of an all-reduce of B bytes
+    over the same ranks: 0.5 for a ring's (NCCL); gloo's measured by `calibrate` (1.2-1.9 on the 2-core
+    reference machine, against its own all-reduce)."""
+    reduce_scatter_share: float = 0.5
+    """The same for a reduce-scatter from B bytes (gloo: about 2, twice a whole all-reduce)."""
     overlap: float = 0.8
     """Fraction of compute time that can hide data-parallel communication (0: none)."""
     shared_host: bool = False
@@ -153,7 +157,7 @@ class Hardware:
         if self.compute_dtype not in ("bf16", "fp32"):
             raise ConfigError(f"hardware {self.name}: compute_dtype={self.compute_dtype!r} is not one of bf16, fp32")
         for key in ("memory_gb", "tflops", "memory_bandwidth_gbs", "intra_host_gbs", "inter_host_gbs", "storage_gbs",
-                    "shm_write_gbs", "shm_read_gbs"):
+                    "shm_write_gbs", "shm_read_gbs", "all_gather_share", "reduce_scatter_share"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"hardware {self.name}: {key}={getattr(self, key)} must be positive")
         positive_int(f"hardware {self.name}: gpus_per_host", self.gpus_per_host)
@@ -239,6 +243,8 @@ def load_hardware(name_or_path: str | os.PathLike) -> Hardware:
                               f"(valid: {', '.join(hardware_presets()) or 'none found'})")
     table = dict(read_toml(path))
     table.setdefault("name", path.stem)
+    if table.pop("reduce_scatter_as_all_reduce", False) is True:  # profiles written before 2026-11-28's shares
+        table.setdefault("reduce_scatter_share", 1.0)
     if isinstance(table.get("device_names"), list):
         table["device_names"] = tuple(table["device_names"])
     return from_dict(Hardware, table, f"hardware profile {str(path)!r}")

@@ -45,6 +45,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -66,6 +67,10 @@ class Link:
     """Latency of one algorithm step."""
     ring_latency: bool = False
     """Latency steps grow like the ring's n - 1 (gloo) instead of a tree's log2 n (NCCL)."""
+    gather_share: float = 0.5
+    """An all-gather's time as a share of an all-reduce's of the same bytes (Hardware.all_gather_share)."""
+    scatter_share: float = 0.5
+    """A reduce-scatter's (Hardware.reduce_scatter_share)."""
 
     def _steps(self, n: int) -> int:
         return n - 1 if self.ring_latency else math.ceil(math.log2(n))
@@ -77,17 +82,19 @@ class Link:
         return 2 * (n - 1) / n * nbytes / (self.gbs * 1e9) + 2 * self._steps(n) * self.latency_us * 1e-6
 
     def gather(self, nbytes: float, n: int) -> float:
-        """Seconds of an all-gather into (or a reduce-scatter from) an nbytes tensor over n ranks."""
-        if n <= 1:
-            return 0.0
-        return (n - 1) / n * nbytes / (self.gbs * 1e9) + self._steps(n) * self.latency_us * 1e-6
+        """Seconds of an all-gather into an nbytes tensor over n ranks (a ring's: half an all-reduce's)."""
+        return self.gather_share * self.all_reduce(nbytes, n)
+
+    def reduce_scatter(self, nbytes: float, n: int) -> float:
+        """Seconds of a reduce-scatter from an nbytes tensor over n ranks."""
+        return self.scatter_share * self.all_reduce(nbytes, n)
 
     def send(self, nbytes: float) -> float:
         return nbytes / (self.gbs * 1e9) + self.latency_us * 1e-6
 
     def slowed(self, factor: float) -> "Link":
         """This link `factor` times slower in bandwidth and latency."""
-        return Link(self.gbs / factor, self.latency_us * factor, self.ring_latency)
+        return dataclasses.replace(self, gbs=self.gbs / factor, latency_us=self.latency_us * factor)
 
 
 def sharing_slowdown(hw: Hardware, hosts: Topology) -> float:
@@ -106,8 +113,9 @@ class Links:
 
     @classmethod
     def of(cls, layout: Layout, hw: Hardware, hosts: Topology) -> "Links":
-        intra = Link(hw.intra_host_gbs, hw.intra_host_latency_us, hw.ring_latency)
-        inter = Link(hw.inter_host_gbs, hw.inter_host_latency_us, hw.ring_latency)
+        shares = {"gather_share": hw.all_gather_share, "scatter_share": hw.reduce_scatter_share}
+        intra = Link(hw.intra_host_gbs, hw.intra_host_latency_us, hw.ring_latency, **shares)
+        inter = Link(hw.inter_host_gbs, hw.inter_host_latency_us, hw.ring_latency, **shares)
         dp = intra if hosts.within(layout.dp * layout.tp) else inter
         tp = intra if hosts.within(layout.tp) else inter
         slow = sharing_slowdown(hw, hosts)  # collectives need the CPU too, which a shared host's ranks share
@@ -214,9 +222,8 @@ def zero1_comm(model: ModelConfig, layout: Layout, dtype: str, hw: Hardware, lin
     collective each way over the whole stage, none of it overlapping compute."""
     root, block, n = stage_elements(model, layout, stage)
     whole, e = root + block * n, DTYPE_BYTES[dtype]
-    reduce_scatter = links.dp.all_reduce if hw.reduce_scatter_as_all_reduce else links.dp.gather
     copy = whole * 2 * e / (hw.memory_bandwidth_gbs * 1e9)  # gathered in the compute dtype
-    return reduce_scatter(whole * MASTER_BYTES, layout.dp), links.dp.gather(whole * e, layout.dp) + copy
+    return links.dp.reduce_scatter(whole * MASTER_BYTES, layout.dp), links.dp.gather(whole * e, layout.dp) + copy
 
 
 def dp_comm_time(model: ModelConfig, layout: Layout, dtype: str, hw: Hardware, links: Links, stage: int,
@@ -224,7 +231,6 @@ def dp_comm_time(model: ModelConfig, layout: Layout, dtype: str, hw: Hardware, l
     """Exposed data-parallel communication of one stage per step; t_mb is its time per micro-batch."""
     root, block, n = stage_elements(model, layout, stage)
     a, dp, e = layout.num_microbatches, layout.dp, DTYPE_BYTES[dtype]
-    reduce_scatter = links.dp.all_reduce if hw.reduce_scatter_as_all_reduce else links.dp.gather
     if layout.dp_mode == "zero1":
         return sum(zero1_comm(model, layout, dtype, hw, links, stage))
     if dp == 1:
@@ -233,7 +239,7 @@ def dp_comm_time(model: ModelConfig, layout: Layout, dtype: str, hw: Hardware, l
         comm = _per_unit(lambda b: links.dp.all_reduce(b, dp), root, block, n, 4)
         return _exposed(comm, 2 / 3 * t_mb if layout.pp == 1 else 0.0, hw.overlap)
     gather = _per_unit(lambda b: links.dp.gather(b, dp), root, block, n, e)
-    scatter = _per_unit(lambda b: reduce_scatter(b, dp), root, block, n, 4)
+    scatter = _per_unit(lambda b: links.dp.reduce_scatter(b, dp), root, block, n, 4)
     if layout.pp == 1:  # blocks are gathered again for backward; the root stays gathered
         regather = _per_unit(lambda b: links.dp.gather(b, dp), 0, block, n, e)
         return a * _exposed(gather + regather + scatter, t_mb, hw.overlap)

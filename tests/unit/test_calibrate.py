@@ -488,6 +488,28 @@ def test_measure_links_weighs_the_small_sizes_latency_as_much_as_the_large_sizes
     assert absolute[1] * 1e6 == pytest.approx(510, rel=0.01)  # what the weighting is for
 
 
+def test_collective_shares_are_the_median_ratio_of_the_slowest_ranks(monkeypatch):
+    """Per world and size, the slowest rank's all-gather and reduce-scatter over its all-reduce; the median of
+    those ratios (by hand: all-gathers 0.5, 0.6, 0.7, 0.8; reduce-scatters 1.1, 1.0, 0.9, 1.2)."""
+    calls = []
+
+    def ranks(fn, world, sizes, repeat):
+        calls.append((fn, world, sizes, repeat))
+        slowest = [(2.0, 1.0, 2.2), (4.0, 2.4, 4.0)] if world == 2 else [(1.0, 0.7, 0.9), (1.0, 0.8, 1.2)]
+        return [[(r * 0.5, g * 0.5, s * 0.5) for r, g, s in slowest]] + [slowest]
+
+    monkeypatch.setattr(calibrate, "run_ranks", ranks)
+    gather, scatter = calibrate.measure_collective_shares([2, 4], [10, 20], repeat=5)
+    assert calls == [(calibrate._share_times, 2, [10, 20], 5), (calibrate._share_times, 4, [10, 20], 5)]
+    assert (gather, scatter) == pytest.approx((0.65, 1.05), rel=1e-12)
+
+
+def test_collective_shares_measured_on_ranks(monkeypatch):
+    """The real calls on 2 forked gloo ranks: positive shares (their values are this machine's)."""
+    gather, scatter = calibrate.measure_collective_shares([2], [2**16], repeat=1)
+    assert gather > 0 and scatter > 0
+
+
 def test_link_sizes_reach_the_job_s_collectives():
     assert min(calibrate.LINK_SIZES) <= 2**14 and max(calibrate.LINK_SIZES) >= 2**27
 
@@ -538,11 +560,15 @@ BASE = Hardware(name="base", device="cpu", compute_dtype="fp32", memory_gb=999.0
 def host(monkeypatch):
     """A host of 6 cores and 15.679073 GiB whose links measure 1.25 GB/s + 75 us and whose cores deliver
     2.34567 ranks' worth; records the calls."""
-    seen = {"links": [], "units": []}
+    seen = {"links": [], "units": [], "shares": []}
 
     def links(worlds, sizes):
         seen["links"].append((worlds, sizes))
         return 1.25, 75.0
+
+    def shares(worlds):
+        seen["shares"].append(worlds)
+        return 0.4321, 1.0234
 
     def units(cores):
         seen["units"].append(cores)
@@ -550,6 +576,7 @@ def host(monkeypatch):
 
     pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 4110175}  # 15.679073 GiB
     monkeypatch.setattr(calibrate, "measure_links", links)
+    monkeypatch.setattr(calibrate, "measure_collective_shares", shares)
     monkeypatch.setattr(calibrate, "measure_parallel_units", units)
     monkeypatch.setattr(calibrate.os, "sched_getaffinity", lambda pid: {0, 2, 3, 5, 7, 9}, raising=False)
     monkeypatch.setattr(calibrate.os, "sysconf", lambda name: pages[name])
@@ -557,7 +584,7 @@ def host(monkeypatch):
 
 
 HOST = dataclasses.replace(BASE, shared_host=True, compute_units=2.35, memory_gb=15.7, reserved_gb=4.0, gpus_per_host=8,
-                           overlap=0.0, ring_latency=True, reduce_scatter_as_all_reduce=True, intra_host_gbs=1.25,
+                           overlap=0.0, ring_latency=True, all_gather_share=0.432, reduce_scatter_share=1.023, intra_host_gbs=1.25,
                            inter_host_gbs=1.25, intra_host_latency_us=75.0, inter_host_latency_us=75.0,
                            kept_heap=1.5, kept_heap_unpipelined=2.8, rank_base_gb=0.2)
 
@@ -565,7 +592,7 @@ HOST = dataclasses.replace(BASE, shared_host=True, compute_units=2.35, memory_gb
 def test_cpu_host_describes_this_host_and_its_gloo_links(host):
     assert 4110175 * 4096 / GIB == pytest.approx(15.679073, abs=1e-6)
     assert calibrate._cpu_host(BASE, [2, 3]) == HOST
-    assert host == {"links": [([2, 3], calibrate.LINK_SIZES)], "units": [6]}
+    assert host == {"links": [([2, 3], calibrate.LINK_SIZES)], "units": [6], "shares": [[2, 3]]}
 
 
 @pytest.mark.parametrize("worlds, measured", [([2, 4, 8], [2, 4]), ([8, 12], [8]), ([2, 6], [2, 6])])
@@ -573,7 +600,7 @@ def test_cpu_host_measures_links_on_no_more_ranks_than_cores(host, worlds, measu
     """Ranks beyond the host's 6 cores would share them, which the step-time model charges itself (Links.of);
     with none that fit, the smallest count."""
     calibrate._cpu_host(BASE, worlds)
-    assert host["links"] == [(measured, calibrate.LINK_SIZES)]
+    assert host["links"] == [(measured, calibrate.LINK_SIZES)] and host["shares"] == [measured]
 
 
 def test_cpu_host_keeps_a_cpu_base_s_heap_figures(host):

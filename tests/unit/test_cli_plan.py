@@ -65,6 +65,7 @@ RATE, HALF, OVERHEAD = 50e9, 40.0, 2e-3  # block: 50 GFLOP/s, half rate at 40 to
 HEAD_RATE, LOGIT = 20e9, 1.5e-9  # head: 20 GFLOP/s and 1.5 ns per logit
 BANDWIDTH, PER_PARAM = 10e9, 3e-9  # 10 GB/s memory, 3 ns per parameter of clipping + AdamW
 BUS, LATENCY = 2e9, 50e-6  # gloo all-reduce: 2 GB/s bus bandwidth, 50 us per ring step
+GATHER, SCATTER = 0.45, 1.05  # an all-gather and a reduce-scatter, as shares of an all-reduce of the same bytes
 ALONE, TOGETHER, CORES = 0.010, 0.016, 4  # one block alone and on 4 ranks at once: 2.5 ranks' worth
 SMALL = 2**10  # elements of the bandwidth and optimizer measurements
 
@@ -96,6 +97,10 @@ def synthetic_timings(monkeypatch, calibrate):
             sizes, _ = args
             ring = [2 * (world - 1) / world * n / BUS + 2 * (world - 1) * LATENCY for n in sizes]
             return [[t * (1 - 0.1 * r) for t in ring] for r in range(world)]  # the slowest rank counts
+        if fn is calibrate._share_times:
+            sizes, _ = args
+            return [[(t, GATHER * t, SCATTER * t) for t in [n / BUS * (1 + 0.1 * r) for n in sizes]]
+                    for r in range(world)]
         assert fn is calibrate._block_seconds
         return [ALONE] if world == 1 else [TOGETHER] * world
 
@@ -140,7 +145,8 @@ def test_calibrate_fits_its_timings_and_writes_a_loadable_profile(tmp_path, monk
     assert hw.intra_host_gbs == hw.inter_host_gbs == pytest.approx(BUS / 1e9, rel=rel)
     assert hw.intra_host_latency_us == hw.inter_host_latency_us == pytest.approx(LATENCY * 1e6, rel=rel)
     assert hw.compute_units == CORES * ALONE / TOGETHER == 2.5
-    assert hw.ring_latency and hw.reduce_scatter_as_all_reduce and hw.overlap == 0.0 and hw.gpus_per_host == 8
+    assert hw.ring_latency and hw.overlap == 0.0 and hw.gpus_per_host == 8
+    assert (hw.all_gather_share, hw.reduce_scatter_share) == (GATHER, SCATTER)
     assert hw.memory_gb > hw.reserved_gb
 
 

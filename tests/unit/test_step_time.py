@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from elastic_trainer.config import ModelConfig
-from elastic_trainer.plan.hardware import Hardware
+from elastic_trainer.plan.hardware import Hardware, load_hardware
 from elastic_trainer.plan.layout import Layout
 from elastic_trainer.plan.step_time import Link, step_time
 
@@ -68,14 +68,18 @@ def test_fsdp_without_pipeline_gathers_twice_and_reduces_every_micro_batch():
         pytest.approx(2 * compute + all_reduce - 2 / 3 * compute)
 
 
-def test_fsdp_pays_latency_per_unit_and_gloo_reduce_scatter_costs_an_all_reduce():
+def test_fsdp_pays_latency_per_unit_and_each_collective_its_share_of_an_all_reduce():
     layout = Layout(2, 1, 1, 2, 1)
     slow = dataclasses.replace(HW, intra_host_latency_us=10.0)  # one tree step for 2 ranks
     # per micro-batch: gather root + 4 blocks, gather the 4 blocks again for backward, reduce-scatter all 5
     assert predicted_us(layout, slow) - predicted_us(layout) == pytest.approx((5 + 4 + 5) * 10.0)
-    gloo = dataclasses.replace(HW, reduce_scatter_as_all_reduce=True)
-    scatter = 0.5 * (4 * BLOCK_PARAMS + ROOT_PARAMS) * 4 / 1e3  # 2 (n-1)/n = 1 instead of (n-1)/n = 1/2
-    assert predicted_us(layout, gloo) - predicted_us(layout) == pytest.approx(scatter)
+    params = 4 * BLOCK_PARAMS + ROOT_PARAMS
+    all_reduce = 2 * 0.5 * params * 4 / 1e3  # 2 (n-1)/n of the bytes at 1 GB/s (1e3 bytes per us)
+    # a reduce-scatter at 1.0 of an all-reduce instead of a ring's 0.5; the two gathers (the root's once) at 0.3
+    gloo = dataclasses.replace(HW, reduce_scatter_share=1.0, all_gather_share=0.3)
+    gathered = (params + 4 * BLOCK_PARAMS) / params * all_reduce
+    assert predicted_us(layout, gloo) - predicted_us(layout) == pytest.approx(0.5 * all_reduce - 0.2 * gathered)
+    assert load_hardware("cpu").reduce_scatter_share == pytest.approx(1.0, abs=0.3)  # this machine's gloo_comms
 
 
 def test_zero1_reduces_and_gathers_once_per_step_and_copies_at_memory_bandwidth():
@@ -92,14 +96,23 @@ def test_zero1_reduces_and_gathers_once_per_step_and_copies_at_memory_bandwidth(
     bf16 = step_time(MODEL, layout, SEQ, "bf16", HW, 8).total * 1e6
     assert predicted_us(layout) - bf16 == pytest.approx(2 * params * 2 / 512e3 + params * 4 / 512e3
                                                         + 0.5 * params * 2 / 1e3)
-    # one collective each way per step, whatever the micro-batches: two latencies; gloo's reduce-scatter is
-    # an all-reduce
+    # one collective each way per step, whatever the micro-batches: two latencies; each at its share of an
+    # all-reduce (a ring's: 0.5)
     slow = dataclasses.replace(HW, intra_host_latency_us=10.0)
     for accumulation in (1, 4):
         more = Layout(2, 1, 1, 2, accumulation, dp_mode="zero1")
         assert predicted_us(more, slow) - predicted_us(more) == pytest.approx(2 * 10.0)
-    gloo = dataclasses.replace(HW, reduce_scatter_as_all_reduce=True)
-    assert predicted_us(layout, gloo) - predicted_us(layout) == pytest.approx(scatter)
+    gloo = dataclasses.replace(HW, reduce_scatter_share=1.0, all_gather_share=0.25)
+    assert predicted_us(layout, gloo) - predicted_us(layout) == pytest.approx(scatter - gather / 2)
+
+
+def test_an_old_profile_s_reduce_scatter_as_all_reduce_reads_as_a_share_of_one(tmp_path):
+    old = tmp_path / "old.toml"
+    old.write_text(load_hardware("cpu").to_toml().replace("reduce_scatter_share = ", "# ")
+                   + "reduce_scatter_as_all_reduce = true\n")
+    assert load_hardware(old).reduce_scatter_share == 1.0
+    old.write_text(old.read_text().replace("reduce_scatter_as_all_reduce = true", "reduce_scatter_as_all_reduce = false"))
+    assert load_hardware(old).reduce_scatter_share == 0.5
 
 
 def test_zero1_pipeline_stages_communicate_their_own_parameters_and_a_shard_of_the_tied_embedding():

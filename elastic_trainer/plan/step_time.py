@@ -25,7 +25,9 @@
   the end); ddp all-reduces once per step. zero1 reduce-scatters its fp32 gradient buffer (the whole
   stage) once per step and all-gathers the updated master shards back (cast to the compute dtype) after
   the optimizer step, then copies them into the parameters (read e bytes, write e); none of it overlaps
-  compute. Bandwidth is intra-host when each dp group fits within a host. Communication hides behind `overlap` of the compute it
+  compute. An all-gather or reduce-scatter costs its profile's share of an all-reduce of the same bytes (a
+  ring's 0.5; over gloo, parallel/gloo_comms.py's, measured by `calibrate`: about 0.45 and 1.0). Bandwidth is
+  intra-host when each dp group fits within a host. Communication hides behind `overlap` of the compute it
   can run under; the rest adds to the step. The tied embedding's gradient is all-reduced between the first
   and last stage (1/dp of it under fsdp and zero1).
 - **Optimizer**: `optimizer_ns_per_param` per local parameter (clipping + AdamW), or the mode's own figure
@@ -41,6 +43,11 @@
   sends; the tp and dp collectives (which need the CPU too) run ranks / compute_units times slower than
   `calibrate` measured them on idle ranks (tp slowed too since 2026-11-28: gpt3-medium at 4 ranks, its tp4
   layouts 25-40 % slower than predicted; re-predicted, Spearman 0.84 -> 0.94), the pipeline's sends not.
+  With a pipeline, a stage's own data-parallel collectives before the optimizer step (fsdp's all-gather
+  before its first forward, the gradient reductions after its last backward) are work in that schedule at
+  their idle-link time, so that the stages which finish early reduce beside the others' backward
+  (`scheduled_comm`; gpt3-small on 8 ranks, dp2 x pp4, zero1: measured 0.16 s of it left at the end of the
+  step, where the whole reduction charged after the schedule was 0.97 s).
 """
 
 from __future__ import annotations
@@ -112,13 +119,15 @@ class Links:
     pp: Link
 
     @classmethod
-    def of(cls, layout: Layout, hw: Hardware, hosts: Topology) -> "Links":
+    def of(cls, layout: Layout, hw: Hardware, hosts: Topology, idle: bool = False) -> "Links":
+        """`idle`: as `calibrate` measured them, on ranks with a core each (not slowed for a shared host)."""
         shares = {"gather_share": hw.all_gather_share, "scatter_share": hw.reduce_scatter_share}
         intra = Link(hw.intra_host_gbs, hw.intra_host_latency_us, hw.ring_latency, **shares)
         inter = Link(hw.inter_host_gbs, hw.inter_host_latency_us, hw.ring_latency, **shares)
         dp = intra if hosts.within(layout.dp * layout.tp) else inter
         tp = intra if hosts.within(layout.tp) else inter
-        slow = sharing_slowdown(hw, hosts)  # collectives need the CPU too, which a shared host's ranks share
+        slow = 1.0 if idle else sharing_slowdown(hw, hosts)  # collectives need the CPU too, which a shared
+        # host's ranks share
         return cls(tp=tp.slowed(slow), dp=dp.slowed(slow), pp=intra if hosts.single else inter)
 
 
@@ -246,6 +255,24 @@ def dp_comm_time(model: ModelConfig, layout: Layout, dtype: str, hw: Hardware, l
     return _exposed(gather, t_mb / 3, hw.overlap) + scatter
 
 
+def scheduled_comm(model: ModelConfig, layout: Layout, dtype: str, hw: Hardware, idle: Links,
+                   stage: int) -> tuple[float, float]:
+    """On a shared host, a pipelined stage's data-parallel collectives that run within its schedule, in seconds
+    on idle links (`shared_cores.makespan` shares the cores among them and the other stages' compute): (before
+    its first forward: fsdp's all-gather; after its last backward: fsdp's and zero1's reduce-scatter, ddp's
+    all-reduce). zero1's all-gather follows the optimizer step, after every stage's backward: not here."""
+    root, block, n = stage_elements(model, layout, stage)
+    dp, e = layout.dp, DTYPE_BYTES[dtype]
+    if dp == 1:
+        return 0.0, 0.0
+    if layout.dp_mode == "zero1":
+        return 0.0, zero1_comm(model, layout, dtype, hw, idle, stage)[0]
+    if layout.dp_mode == "ddp":
+        return 0.0, _per_unit(lambda b: idle.dp.all_reduce(b, dp), root, block, n, 4)
+    return (_per_unit(lambda b: idle.dp.gather(b, dp), root, block, n, e),
+            _per_unit(lambda b: idle.dp.reduce_scatter(b, dp), root, block, n, 4))
+
+
 @dataclass(frozen=True)
 class StepTime:
     """Predicted seconds of one optimizer step and where they go."""
@@ -298,7 +325,12 @@ def step_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw: 
         cores = min(hw.compute_units, ranks)
         copies = layout.dp * layout.tp * ranks / layout.world_size  # ranks per stage on this host
         passes = 4 if layout.recompute else 3
-        shared = makespan(tuple(t.compute for t in stages), a, copies, cores, 1 / passes)
+        heads = tails = ()
+        if layout.pp > 1 and layout.dp > 1:  # each stage's collectives beside the other stages' compute
+            idle = Links.of(layout, hw, hosts, idle=True)
+            heads, tails = zip(*(scheduled_comm(model, layout, dtype, hw, idle, s) for s in range(layout.pp)))
+            dp = tied + after
+        shared = makespan(tuple(t.compute for t in stages), a, copies, cores, 1 / passes, heads, tails)
         pipeline = max(pipeline, shared + a * max(t.tp_comm + t.p2p for t in stages))
         optimizer = sum(local) * copies * hw.optimizer_ns(layout.dp_mode) * 1e-9 / cores
     return StepTime(pipeline, dp, optimizer, (layout.pp - 1) / (a + layout.pp - 1), tuple(stages), pipeline - alone,

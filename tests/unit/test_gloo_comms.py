@@ -79,3 +79,32 @@ def _fsdp_comms(rank: int, world: int) -> list[str]:
 
 def test_fsdp_units_on_gloo_take_them():
     assert run_ranks(_fsdp_comms, 2) == [["GlooAllGather GlooReduceScatter"]] * 2
+
+
+def test_the_benchmark_compares_both_on_ranks_and_restores_ours(tmp_path):
+    """benchmarks/collectives/run.py at toy sizes: one row per size with both implementations timed, a steps
+    row per mode, and ours in place again afterwards (its A/B switch is this process's, not the product's)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "collectives" / "run.py"
+    spec = importlib.util.spec_from_file_location("collectives_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    model = tmp_path / "tiny.toml"
+    model.write_text('[model]\nname = "tiny"\nvocab_size = 64\ncontext_length = 128\nd_model = 16\nn_layers = 2\n'
+                     'n_heads = 2\n')
+    out = tmp_path / "r.json"
+    result = bench.main(["--ranks", "2:2", "--sizes", "1,2", "--repeat", "1", "--steps-model", str(model),
+                         "--layout", "2,1,1,1", "--steps", "3", "--rounds", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert [(r["ranks"], r["group"], r["mb"]) for r in result["collectives"]] == [(2, 2, 1.0), (2, 2, 2.0)]
+    assert all(r[k] > 0 for r in result["collectives"] for k in ("all-reduce", "gloo reduce-scatter",
+                                                                 "our reduce-scatter", "gloo all-gather",
+                                                                 "our all-gather"))
+    assert [(s["dp_mode"], len(s["gloo_steps"]), len(s["our_steps"])) for s in result["steps"]] == [
+        ("zero1", 1, 1), ("fsdp", 1, 1)]
+    from elastic_trainer.parallel import data_parallel
+
+    assert gloo_comms.is_gloo.__module__ == gloo_comms.__name__ and data_parallel.use_in_fsdp is gloo_comms.use_in_fsdp

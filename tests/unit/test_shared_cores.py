@@ -48,3 +48,14 @@ def test_shared_cores_by_hand():
     uneven = makespan((0.3, 0.3, 0.3, 0.9), 8, 1, 1.9)
     assert makespan((0.3, 0.3, 0.3, 0.9), 8, 1, 4.0) == pytest.approx(1.8 + 7 * 0.9)
     assert 8.1 < uneven < 8 * 1.8 and uneven > 8 * 1.8 / 1.9
+
+
+def test_a_stage_s_own_collectives_share_the_cores_with_the_other_stages_work():
+    # pp=2, a=1, forward half of each 1 s stage; stage 0 first gathers for 0.5 s, stage 1 ends with a 2 s
+    # reduction. On 2 cores: H [0, 0.5], F0 on stage 0 [0.5, 1], on stage 1 [1, 1.5], B0 on stage 1 [1.5, 2];
+    # then stage 1's reduction and stage 0's B0 side by side, a core each: done at 2.5 and 4
+    assert makespan((1.0, 1.0), 1, 1, 2.0, 0.5, (0.5, 0.0), (0.0, 2.0)) == pytest.approx(4.0)
+    # on 1 core they halve each other from 2: B0 at 3, the reduction's last 1.5 s alone: 4.5
+    assert makespan((1.0, 1.0), 1, 1, 1.0, 0.5, (0.5, 0.0), (0.0, 2.0)) == pytest.approx(4.5)
+    # none given: the schedule alone
+    assert makespan((1.0, 1.0), 1, 1, 2.0, 0.5, (0.0, 0.0), (0.0, 0.0)) == makespan((1.0, 1.0), 1, 1, 2.0, 0.5)

@@ -262,3 +262,27 @@ def test_the_activation_term_is_per_token_and_unit_of_width_on_each_tp_rank():
     assert predicted_us(one, act) - predicted_us(one) == pytest.approx(3 * 4 * 4.096)
     tp2 = Layout(1, 2, 1, 2, 1)
     assert predicted_us(tp2, act) - predicted_us(tp2) == pytest.approx(4 * 4.096 / 2)
+
+
+def test_on_a_shared_host_a_pipelined_stage_s_reduction_runs_in_its_schedule():
+    """4 ranks on 2 cores, dp2 x pp2, zero1: each stage's gradient reduce-scatter (at idle link speed, the
+    cores shared by shared_cores.makespan) ends that stage's schedule; only the all-gather after the
+    optimizer step, with every rank in it (slowed 2x), and the tied embedding's all-reduce stay after it."""
+    from elastic_trainer.plan.memory import stage_elements
+    from elastic_trainer.plan.shared_cores import makespan
+
+    cpu = dataclasses.replace(HW, shared_host=True, compute_units=2.0, reduce_scatter_share=1.0,
+                              all_gather_share=0.5, memory_bandwidth_gbs=512.0)
+    layout = Layout(2, 1, 2, 2, 1, dp_mode="zero1")
+    result = step_time(MODEL, layout, SEQ, "fp32", cpu, 4)
+    whole = [sum((r, b * n)) for r, b, n in (stage_elements(MODEL, layout, s) for s in range(2))]
+    reduce = [w * 4 / 1e9 for w in whole]  # an all-reduce over 2 ranks at 1 GB/s: the bytes' time, idle
+    gather = [0.5 * w * 4 / 1e9 * 2 + w * 8 / 512e9 for w in whole]  # slowed 4 ranks / 2 cores; the copy
+    tied = 1000 * 64 * 4 / 2 / 1e9  # this rank's half of the embedding gradient between the stages (not slowed)
+    computes = tuple(t.compute for t in result.stages)
+    stages = makespan(computes, 1, 2, 2.0, 1 / 3, (0.0, 0.0), tuple(reduce))
+    assert result.pipeline == pytest.approx(stages + max(t.tp_comm + t.p2p for t in result.stages))
+    assert result.dp_comm == pytest.approx(max(gather) + tied) and result.tied == pytest.approx(tied)
+    idle = dataclasses.replace(cpu, shared_host=False)  # dedicated devices: the reduction after the schedule
+    assert step_time(MODEL, layout, SEQ, "fp32", idle, 4).dp_comm == pytest.approx(
+        max(r + 0.5 * w * 4 / 1e9 + w * 8 / 512e9 for r, w in zip(reduce, whole)) + tied)

@@ -79,3 +79,14 @@ def test_cpu_ranks_take_their_base_and_the_heap_they_keep():
     assert gpu.rank_bytes(2 * GIB, one) == 2 * GIB
     with pytest.raises(ConfigError, match="kept_heap=0.5 must be at least 1"):
         Hardware(name="x", kept_heap=0.5)
+
+
+def test_collective_shares_are_positive_and_gpu_presets_keep_a_ring_s():
+    with pytest.raises(ConfigError, match="all_gather_share=0.0 must be positive"):
+        Hardware(name="x", all_gather_share=0.0)
+    with pytest.raises(ConfigError, match="reduce_scatter_share=0.0 must be positive"):
+        Hardware(name="x", reduce_scatter_share=0.0)
+    for name in hardware_presets():
+        hw = load_hardware(name)
+        if hw.device == "cuda":  # NCCL's ring: half an all-reduce each, the formula before the shares
+            assert (hw.all_gather_share, hw.reduce_scatter_share) == (0.5, 0.5), name

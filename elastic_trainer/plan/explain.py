@@ -23,6 +23,7 @@ def terms(req: Request, layout: Layout) -> list[tuple[str, float]]:
     a = layout.num_microbatches
     slowest = max(t.stages, key=lambda s: s.total)
     passes = "forward + backward" + (" + recomputed forward" if layout.recompute else "")
+    scheduled = req.hardware.shared_host and layout.pp > 1 and layout.dp > 1  # step_time.scheduled_comm
     rest = "output head and embedding gradient" + (", zero1's gradient adds" if layout.dp_mode == "zero1" else "")
     rows = [(f"transformer blocks ({passes}){', compiled' if req.compiled else ''}", a * slowest.blocks),
             (rest, a * (slowest.compute - slowest.blocks - slowest.host_wait)),
@@ -30,7 +31,8 @@ def terms(req: Request, layout: Layout) -> list[tuple[str, float]]:
             ("tensor-parallel all-reduces", a * slowest.tp_comm),
             ("pipeline sends between stages", a * slowest.p2p),
             ("pipeline fill and drain", sum(s.total for s in t.stages) - slowest.total),
-            ("ranks sharing the host's cores", t.shared_cores),
+            ("ranks sharing the host's cores" + (", each stage's reductions among them" if scheduled else ""),
+             t.shared_cores),
             (f"data-parallel communication not hidden ({layout.dp_mode})" + (", tied embedding" if layout.pp > 1
                                                                              else ""), t.dp_comm),
             ("optimizer step (clipping + AdamW)", t.optimizer),

@@ -54,7 +54,7 @@ def test_plan_explain_prints_the_chosen_and_the_compared_layout(capsys):
     block = out[out.index("explain dp"):].splitlines()
     block = block[:next(i for i, line in enumerate(block) if line.startswith("  (predictions"))]
     total = float(block[0].split(": ")[1].split(" s per step")[0])
-    assert block[0].startswith("explain dp2 tp1 pp2, micro-batch 4 x 1, ddp: ")
+    assert block[0].startswith("explain dp2 tp1 pp2, micro-batch 4 x 1, zero1: ")
     assert block[1].lstrip().startswith("transformer blocks (forward + backward)")
     assert sum(float(line.split()[-4]) for line in block[1:]) == pytest.approx(total, rel=1e-3)  # 4 digits each
 

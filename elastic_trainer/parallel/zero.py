@@ -10,6 +10,9 @@ micro-batch the step communicates twice, each one collective over all parameters
 2. after AdamW updated this rank's fp32 master shard, an all-gather of the shards (in the compute dtype)
    back into the buffer, copied into the parameters.
 
+Over gloo both are parallel/gloo_comms.py's (an all-reduce in place, a broadcast per rank): gloo's own copy the
+whole buffer into a fresh temporary every call.
+
 The buffer is laid out rank-major: rank r's part is, parameter after parameter, rows [r*c, (r+1)*c) of
 each parameter with c = ceil(rows / dp) (torch.chunk's split along dim 0, zero-padded to c rows). That is
 FSDP2's sharding, so the master weights and AdamW moments go to the checkpoint as DTensors sharded over dp

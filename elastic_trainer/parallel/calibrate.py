@@ -226,19 +226,24 @@ def link_calls(nbytes: int, repeat: int) -> int:
     return max(repeat, min(MAX_CALLS, SMALL_CALL_BYTES // max(nbytes, 1)))
 
 
+def _median_seconds(call: Callable[[], object], calls: int) -> float:
+    """The median of `calls` timed calls of a collective, after one untimed call and a barrier."""
+    call()
+    dist.barrier()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def _all_reduce_times(rank: int, world: int, sizes: list[int], repeat: int) -> list[float]:
     """Per size, the median of its timed all-reduces (one untimed first, then a barrier)."""
     times = []
     for nbytes in sizes:
         t = torch.ones(nbytes // 4)
-        dist.all_reduce(t)
-        dist.barrier()
-        calls = []
-        for _ in range(link_calls(nbytes, repeat)):
-            t0 = time.perf_counter()
-            dist.all_reduce(t)
-            calls.append(time.perf_counter() - t0)
-        times.append(statistics.median(calls))
+        times.append(_median_seconds(lambda: dist.all_reduce(t), link_calls(nbytes, repeat)))
     return times
 
 
@@ -254,27 +259,17 @@ def _share_times(rank: int, world: int, sizes: list[int], repeat: int) -> list[t
     for nbytes in sizes:
         whole = torch.ones(nbytes // 4 // world * world)
         part = torch.ones(whole.numel() // world)
-        calls = {"all_reduce": lambda: dist.all_reduce(whole), "all_gather": lambda: all_gather(whole, part),
-                 "reduce_scatter": lambda: reduce_scatter(part, whole)}
-        medians = []
-        for call in calls.values():
-            call()  # untimed first
-            dist.barrier()
-            times = []
-            for _ in range(repeat):
-                t0 = time.perf_counter()
-                call()
-                times.append(time.perf_counter() - t0)
-            medians.append(statistics.median(times))
-        out.append(tuple(medians))
+        calls = (lambda: dist.all_reduce(whole), lambda: all_gather(whole, part), lambda: reduce_scatter(part, whole))
+        out.append(tuple(_median_seconds(call, repeat) for call in calls))
     return out
 
 
 def measure_collective_shares(worlds: list[int], sizes: list[int] = SHARE_SIZES,
                               repeat: int = 3) -> tuple[float, float]:
     """(all-gather, reduce-scatter) seconds as shares of an all-reduce's of the same bytes on the same ranks:
-    the median over `worlds` and `sizes` of the slowest rank's ratios. A ring's are 0.5 each; gloo's measured
-    1.2-1.9 and 1.9-2.0 on two ranks of the 2-core reference machine (2026-11-28, 8-310 MB)."""
+    the median over `worlds` and `sizes` of the slowest rank's ratios. A ring's are 0.5 each; gloo_comms'
+    measured 0.44-0.46 and 0.97-1.02 on two ranks of the 2-core reference machine (2026-11-28; gloo's own
+    collectives there: 1.2-1.9 and 1.9-2.0)."""
     gathers, scatters = [], []
     for world in worlds:
         per_rank = run_ranks(_share_times, world, sizes, repeat)

@@ -1,8 +1,9 @@
 """Reduce-scatter and all-gather for gloo (CPU ranks), built from the collectives gloo runs in place.
 
 gloo's own, as torch 2.13 calls them, copy the whole buffer into a fresh temporary on every call: one minor
-page fault per 4 KiB of it (32,768 for 128 MB, whatever the allocator keeps), as many again under glibc's
-memalign, which never reuses a freed chunk of exactly the size it asks for again. Measured on the 2-core
+page fault per 4 KiB of it (32,768 for 128 MB), which keeping freed memory (launch/allocator.py) does not
+save: torch allocates with posix_memalign, and glibc's memalign does not reuse a freed chunk of exactly the
+size it asks for again. Measured on the 2-core
 reference machine (2026-11-28, 310 MB buffers, seconds of the slowest rank, median of 3 calls):
 
 | ranks on the host, group size | all-reduce | reduce-scatter: gloo's / here | all-gather: gloo's / here |

@@ -113,10 +113,10 @@ class Hardware:
     """Collective latency grows with n - 1 steps (gloo's ring) rather than log2 n (NCCL's trees)."""
     all_gather_share: float = 0.5
     """Seconds of an all-gather into a tensor of B bytes over n ranks, as a share of an all-reduce of B bytes
-    over the same ranks: 0.5 for a ring's (NCCL); gloo's measured by `calibrate` (1.2-1.9 on the 2-core
-    reference machine, against its own all-reduce)."""
+    over the same ranks: 0.5 for a ring's (NCCL); on CPU ranks parallel/gloo_comms.py's, measured by
+    `calibrate` (about 0.45 on the 2-core reference machine; gloo's own took 1.2-1.9)."""
     reduce_scatter_share: float = 0.5
-    """The same for a reduce-scatter from B bytes (gloo: about 2, twice a whole all-reduce)."""
+    """The same for a reduce-scatter from B bytes (gloo_comms': about 1.0, an all-reduce; gloo's own about 2)."""
     overlap: float = 0.8
     """Fraction of compute time that can hide data-parallel communication (0: none)."""
     shared_host: bool = False
@@ -243,7 +243,11 @@ def load_hardware(name_or_path: str | os.PathLike) -> Hardware:
                               f"(valid: {', '.join(hardware_presets()) or 'none found'})")
     table = dict(read_toml(path))
     table.setdefault("name", path.stem)
-    if table.pop("reduce_scatter_as_all_reduce", False) is True:  # profiles written before 2026-11-28's shares
+    legacy = table.pop("reduce_scatter_as_all_reduce", False)  # profiles written before 2026-11-28's shares
+    if not isinstance(legacy, bool):
+        raise ConfigError(f"hardware profile {str(path)!r}: reduce_scatter_as_all_reduce={legacy!r} must be true or "
+                          "false (or give reduce_scatter_share)")
+    if legacy:
         table.setdefault("reduce_scatter_share", 1.0)
     if isinstance(table.get("device_names"), list):
         table["device_names"] = tuple(table["device_names"])

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from elastic_trainer.config import ModelConfig
+from elastic_trainer.config import ConfigError, ModelConfig
 from elastic_trainer.plan.hardware import Hardware, load_hardware
 from elastic_trainer.plan.layout import Layout
 from elastic_trainer.plan.step_time import Link, step_time
@@ -113,6 +113,9 @@ def test_an_old_profile_s_reduce_scatter_as_all_reduce_reads_as_a_share_of_one(t
     assert load_hardware(old).reduce_scatter_share == 1.0
     old.write_text(old.read_text().replace("reduce_scatter_as_all_reduce = true", "reduce_scatter_as_all_reduce = false"))
     assert load_hardware(old).reduce_scatter_share == 0.5
+    old.write_text(old.read_text().replace("reduce_scatter_as_all_reduce = false", 'reduce_scatter_as_all_reduce = "yes"'))
+    with pytest.raises(ConfigError, match="reduce_scatter_as_all_reduce='yes' must be true or false"):
+        load_hardware(old)
 
 
 def test_zero1_pipeline_stages_communicate_their_own_parameters_and_a_shard_of_the_tied_embedding():

@@ -5,9 +5,11 @@ work) with one intra-op thread per rank, as the trainer runs its ranks on a CPU:
 - one GPT block's forward + backward at several widths and micro-batch sizes; a non-negative least-squares
   fit of t = F / R + (F / tokens) * h / R + c gives the sustained rate R (`tflops`), the size effect h
   (`half_rate_tokens`) and the fixed time per block c (`layer_overhead_ms`);
-- the output head: its softmax cross-entropy alone gives `logit_ns` (per logit), its three GEMMs alone at the
-  job's width and vocabulary (`--model`; else widths 256 and 512 at 50257) `head_tflops` (CPU_HEAD_WIDTHS);
-  on a GPU one fit of t = 6 * tokens * d * vocab / H + tokens * vocab * l over GPU_HEAD_SHAPES gives both;
+- the output head: its softmax cross-entropy alone gives `logit_ns` (per logit); its three GEMMs alone at the
+  job's width and vocabulary (`--model`; else widths 256 and 512 at 50257: CPU_HEAD_WIDTHS) and two
+  micro-batch sizes (CPU_HEAD_TOKENS), fitted as t = F / H + (F / tokens) * h / H, give `head_tflops` H and
+  `head_half_rate_tokens` h; on a GPU one fit of t = 6 * tokens * d * vocab / H + tokens * vocab * l over
+  GPU_HEAD_SHAPES gives H and `logit_ns`;
 - with `--compile`: the block at the largest shape eager and under torch.compile; the ratio of their times is
   `compiled_speedup`, which the planner applies to jobs run with `--compile`;
 - a large in-place add (`memory_bandwidth_gbs`) and clipping + an AdamW step (`optimizer_ns_per_param`);
@@ -141,9 +143,16 @@ def fit_compute(points: list[tuple[float, int, float]]) -> tuple[float, float, f
 
 CPU_HEAD_WIDTHS = (256, 512)
 CPU_HEAD_VOCAB = 50257
-CPU_HEAD_TOKENS = 256
+CPU_HEAD_TOKENS = (128, 512)
+"""Tokens per micro-batch the CPU head's GEMMs are timed at: their rate grows with them, 95 GFLOP/s at 128 tokens
+against 103 at 512 at gpt3-small's width (one thread, 2026-11-28; 101 at 256, 102 at 1024), which a fixed time
+per call of 6 * d * vocab * h / H fits (h = 14 tokens: the projection's weight streamed once per GEMM). A
+pipeline's last stage runs one such call per micro-batch: at 8 micro-batches of 128 tokens it measured 3.21 CPU
+seconds a step against 2.91 at 2 of 512 (benchmarks/planner/stage_cpu.py, gpt3-small pp8), where one rate
+measured at 256 tokens had charged both the same."""
+CPU_LOGIT_TOKENS = 256
 """The CPU head: without `--model`, widths 256 and 512 at the presets' vocabulary; with it, the model's own width
-and vocabulary; 256 tokens. The softmax cross-entropy is timed apart from the GEMMs: in one fit of both (the
+and vocabulary; the softmax on 256 tokens. The softmax cross-entropy is timed apart from the GEMMs: in one fit of both (the
 form the GPU keeps) its term was ~7 % of each time, and seven calibrations of this 2-core machine put it at
 2.1-7.5 ns per logit where it measures 1.0-1.3 alone at every size from 4 to 98 MiB of logits (2026-11-28,
 glibc keeping freed memory as the ranks do; without that, logits above 32 MiB took 4-6 ns: fresh pages)."""
@@ -174,23 +183,29 @@ def measure_head(device: torch.device, dtype: torch.dtype, tokens: int = 4096,
 
 
 def measure_cpu_head(dtype: torch.dtype, widths: tuple[int, ...] | None = None, vocab: int | None = None,
-                     repeat: int = 3) -> tuple[float, float]:
-    """(head TFLOP/s, ns per logit) on the CPU, each timed alone on CPU_HEAD_TOKENS tokens: the softmax
-    cross-entropy of fp32 logits (tokens x vocab) forward + backward, per logit; the head's three GEMMs (the
-    projection forward, its backward into the hidden states and the weight) at each width, their FLOPs over
-    their summed time. Widths and vocabulary: CPU_HEAD_WIDTHS and CPU_HEAD_VOCAB unless given."""
-    widths, vocab, tokens = widths or CPU_HEAD_WIDTHS, vocab or CPU_HEAD_VOCAB, CPU_HEAD_TOKENS
-    logits = torch.randn(tokens, vocab, dtype=torch.float32, requires_grad=True)
-    target = torch.randint(0, vocab, (tokens,))
-    per_logit = timed(lambda: F.cross_entropy(logits, target).backward(), repeat) / (tokens * vocab)
-    flops = seconds = 0.0
-    for d in widths:
+                     repeat: int = 3) -> tuple[float, float, float]:
+    """(head TFLOP/s, half-rate tokens, ns per logit) on the CPU, each part timed alone: the softmax
+    cross-entropy of fp32 logits (CPU_LOGIT_TOKENS x vocab) forward + backward, per logit; the head's three
+    GEMMs (the projection forward, its backward into the hidden states and the weight) at each width and each
+    of CPU_HEAD_TOKENS, a non-negative fit of t = F / H + (F / tokens) * h / H. Widths and vocabulary:
+    CPU_HEAD_WIDTHS and CPU_HEAD_VOCAB unless given."""
+    widths, vocab = widths or CPU_HEAD_WIDTHS, vocab or CPU_HEAD_VOCAB
+    logits = torch.randn(CPU_LOGIT_TOKENS, vocab, dtype=torch.float32, requires_grad=True)
+    target = torch.randint(0, vocab, (CPU_LOGIT_TOKENS,))
+    per_logit = timed(lambda: F.cross_entropy(logits, target).backward(), repeat) / (CPU_LOGIT_TOKENS * vocab)
+    rows, ys = [], []
+    for d, tokens in itertools.product(widths, CPU_HEAD_TOKENS):
         x = torch.randn(tokens, d, dtype=dtype, requires_grad=True)
         w = (torch.randn(vocab, d, dtype=dtype) * 0.02).requires_grad_()
         grad = torch.randn(tokens, vocab, dtype=dtype)
-        seconds += timed(lambda: project_to_vocab(x, w).backward(grad), repeat)
-        flops += 6.0 * tokens * d * vocab
-    return flops / seconds / 1e12, per_logit * 1e9
+        ys.append(timed(lambda: project_to_vocab(x, w).backward(grad), repeat))
+        flops = 6.0 * tokens * d * vocab
+        rows.append([flops, flops / tokens])
+    inv_rate, size = fit_nonneg(rows, ys)
+    if inv_rate <= 0:
+        shapes = list(itertools.product(widths, CPU_HEAD_TOKENS))
+        raise RuntimeError(f"head timings do not grow with tokens: {list(zip(shapes, ys))}")
+    return 1e-12 / inv_rate, size / inv_rate, per_logit * 1e9
 
 
 def measure_memory_bandwidth(device: torch.device, numel: int = 32 * 2**20, repeat: int = 5) -> float:
@@ -327,20 +342,21 @@ def calibrate(base: Hardware, name: str, worlds: list[int], device: torch.device
         say(f"[calibrate] block fwd+bwd compiled, {shape[1]:5d} tokens: {seconds * 1e3:8.2f} ms "
             f"({speedup:.2f}x eager)")
         hw = dataclasses.replace(hw, compiled_speedup=round(speedup, 3))
+    head_half = 0.0
     if gpu:
         head_tflops, logit_ns = measure_head(device, dtype)
     elif model is not None:
-        head_tflops, logit_ns = measure_cpu_head(dtype, (model.d_model,), model.vocab_size)
+        head_tflops, head_half, logit_ns = measure_cpu_head(dtype, (model.d_model,), model.vocab_size)
     else:
-        head_tflops, logit_ns = measure_cpu_head(dtype)
-    hw = dataclasses.replace(hw, head_tflops=head_tflops, logit_ns=logit_ns,
+        head_tflops, head_half, logit_ns = measure_cpu_head(dtype)
+    hw = dataclasses.replace(hw, head_tflops=head_tflops, head_half_rate_tokens=head_half, logit_ns=logit_ns,
                              memory_bandwidth_gbs=measure_memory_bandwidth(device),
                              optimizer_ns_per_param=measure_optimizer(device))
     if device.type == "cpu":
         hw = _cpu_host(hw, worlds)
     say(f"[calibrate] {hw.tflops * 1e3:.1f} GFLOP/s per rank (half rate at {hw.half_rate_tokens:.0f} tokens, "
         f"{hw.layer_overhead_ms:.2f} ms per block{_activation(hw)}), {hw.memory_bandwidth_gbs:.1f} GB/s memory, "
-        f"{hw.optimizer_ns_per_param:.2f} ns/param optimizer, head {hw.head_tflops * 1e3:.1f} GFLOP/s + "
+        f"{hw.optimizer_ns_per_param:.2f} ns/param optimizer, head {hw.head_tflops * 1e3:.1f} GFLOP/s{_head_half(hw)} + "
         f"{hw.logit_ns:.3f} ns/logit, "
         f"links {hw.intra_host_gbs:.2f} GB/s + {hw.intra_host_latency_us:.0f} us" + _shares(hw))
     return hw
@@ -349,6 +365,10 @@ def calibrate(base: Hardware, name: str, worlds: list[int], device: torch.device
 def _shares(hw: Hardware) -> str:
     return (f" (all-gather {hw.all_gather_share:.2f}, reduce-scatter {hw.reduce_scatter_share:.2f} of an "
             "all-reduce)") if hw.shared_host else ""
+
+
+def _head_half(hw: Hardware) -> str:
+    return f" (half rate at {hw.head_half_rate_tokens:.0f} tokens)" if hw.head_half_rate_tokens else ""
 
 
 def _activation(hw: Hardware) -> str:

@@ -60,6 +60,8 @@ class Hardware:
     """Throughput of the output head's GEMMs (narrow d_model x vocab); 0: the same as `tflops`."""
     half_rate_tokens: float = 0.0
     """Tokens per micro-batch at which a block's GEMMs run at half of `tflops` (0: no size effect)."""
+    head_half_rate_tokens: float = 0.0
+    """The same for the output head's GEMMs and `head_tflops` (0: no size effect)."""
     layer_overhead_ms: float = 0.0
     """Fixed time of one block's forward + backward (kernel launches, framework overhead)."""
     activation_ns: float = 0.0

@@ -3,8 +3,9 @@
 - **Compute**: a block's forward costs 24*t*d^2 + 2*t*s*d FLOPs for t tokens (its GEMMs, and causal
   attention), split over tp ranks; backward costs twice that, recomputation once more. The output head
   (2*t*d*vocab forward) runs on the last stage and is replicated across tp ranks, as in the engine. The
-  rate is `tflops` scaled by t / (t + half_rate_tokens) (small GEMMs run slower), plus a fixed time per
-  block and memory-bound work at `memory_bandwidth_gbs`: softmax cross-entropy per logit, the embedding
+  rate is `tflops` scaled by t / (t + half_rate_tokens) (small GEMMs run slower; the head's `head_tflops`
+  by t / (t + head_half_rate_tokens)), plus a fixed time per block and memory-bound work at
+  `memory_bandwidth_gbs`: softmax cross-entropy per logit, the embedding
   gradient, and in zero1 the hooks moving every gradient into the fp32 buffer (read e bytes, read and
   write 4; the first micro-batch's copy reads 4 fewer, left out). Where the profile says (`activation_ns`),
   a block's memory-bound work per token and unit of width is added.
@@ -166,7 +167,7 @@ def stage_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw:
     (compiled)."""
     tokens = layout.micro_batch * seq_len
     rate = hw.tflops * 1e12 * tokens / (tokens + hw.half_rate_tokens)
-    head_rate = (hw.head_tflops or hw.tflops) * 1e12
+    head_rate = (hw.head_tflops or hw.tflops) * 1e12 * tokens / (tokens + hw.head_half_rate_tokens)
     n_blocks = len(stage_layers(model.n_layers, layout.pp)[stage])
     passes = 4 if layout.recompute else 3  # forward, backward (2x), recomputed forward
     host = hw.host_block_ms(layout.dp_mode) * 1e-3 * passes / 3  # issuing a block (0: not measured)

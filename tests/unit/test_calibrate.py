@@ -300,42 +300,59 @@ def test_measure_head_refuses_timings_that_do_not_grow_with_flops(head_calls, cl
     assert str(err.value) == f"head timings do not grow with FLOPs: {list(zip(HEAD_SHAPES, ys))}"
 
 
-def test_cpu_head_times_the_softmax_alone_and_the_gemms_alone(monkeypatch, head_calls, clock, syncs):
-    """Per logit: the cross-entropy's own time; the rate: the GEMMs' FLOPs at every width over their summed time
-    (each the fastest of its repeats)."""
-    monkeypatch.setattr(calibrate, "CPU_HEAD_TOKENS", 8)
-    rate, per_logit, widths, vocab = 2e10, 1.5e-9, (16, 32), 64
+def test_cpu_head_times_the_softmax_alone_and_fits_the_gemms_over_two_micro_batch_sizes(monkeypatch, head_calls,
+                                                                                       clock, syncs):
+    """Per logit: the cross-entropy's own time; the rate and its size effect: a fit of the GEMMs' times at every
+    width and number of tokens to t = F / H + (F / tokens) * h / H (each time the fastest of its repeats)."""
+    monkeypatch.setattr(calibrate, "CPU_HEAD_TOKENS", (4, 16))
+    monkeypatch.setattr(calibrate, "CPU_LOGIT_TOKENS", 8)
+    rate, half, per_logit, widths, vocab = 2e10, 3.0, 1.5e-9, (16, 32), 64
     ce = 8 * vocab * per_logit
-    gemms = [6 * 8 * d * vocab / rate for d in widths]
-    gemms = [gemms[0] * 0.5, gemms[1] + gemms[0] * 0.5]  # only their sum counts
+    gemms = [6 * n * d * vocab * (n + half) / n / rate for d in widths for n in (4, 16)]  # by hand: F (n + h) / (n H)
     fake = clock([2 * ce, ce, 1.5 * ce] + [t for g in gemms for t in (g, 1.5 * g, 3 * g)])
     torch.manual_seed(0)
-    head_tflops, logit_ns = calibrate.measure_cpu_head(torch.float64, widths, vocab)
+    head_tflops, head_half, logit_ns = calibrate.measure_cpu_head(torch.float64, widths, vocab)
     assert not fake.readings and not syncs  # the CPU needs no synchronization
-    assert head_tflops == pytest.approx(0.02, rel=1e-9) and logit_ns == pytest.approx(1.5, rel=1e-9)
-    # What it timed: fp32 logits (tokens x vocab) and random targets; then x (tokens x d) and w (vocab x d) of
-    # the dtype through the model's projection, forward and backward, drawn in this order.
+    assert head_tflops == pytest.approx(0.02, rel=1e-6) and head_half == pytest.approx(3.0, rel=1e-6)
+    assert logit_ns == pytest.approx(1.5, rel=1e-9)
+    # What it timed: fp32 logits (CPU_LOGIT_TOKENS x vocab) and random targets; then x (tokens x d) and w
+    # (vocab x d) of the dtype through the model's projection, forward and backward, width by width and each
+    # width at every number of tokens, drawn in this order.
     torch.manual_seed(0)
     torch.randn(8, vocab)  # the logits
     target = torch.randint(0, vocab, (8,))
     assert [dt for dt, _ in head_calls["cross_entropy"]] == [torch.float32] * 4
     assert all(torch.equal(t, target) for _, t in head_calls["cross_entropy"])
     linear = head_calls["linear"]
-    assert len(linear) == 8
-    for i, d in enumerate(widths):
-        x, w = torch.randn(8, d, dtype=torch.float64), torch.randn(vocab, d, dtype=torch.float64) * 0.02
-        torch.randn(8, vocab, dtype=torch.float64)  # the gradient fed to backward
+    assert len(linear) == 16
+    for i, (d, n) in enumerate((d, n) for d in widths for n in (4, 16)):
+        x, w = torch.randn(n, d, dtype=torch.float64), torch.randn(vocab, d, dtype=torch.float64) * 0.02
+        torch.randn(n, vocab, dtype=torch.float64)  # the gradient fed to backward
         for seen_x, seen_w in linear[4 * i:4 * i + 4]:
             assert torch.equal(seen_x, x) and torch.equal(seen_w, w) and seen_x.grad is not None
 
 
-def test_cpu_head_defaults_to_the_presets_vocabulary_at_two_widths(monkeypatch):
+def test_cpu_head_without_a_size_effect_reads_none(monkeypatch):
+    """Times proportional to the FLOPs: the fit's rate is theirs and the half-rate tokens 0."""
+    monkeypatch.setattr(calibrate, "CPU_HEAD_TOKENS", (2, 4))
+    monkeypatch.setattr(calibrate, "CPU_LOGIT_TOKENS", 2)
+    times = iter([1.0] + [6 * n * d * 50257 / 1e11 for d in (256, 512) for n in (2, 4)])
     seen = []
-    monkeypatch.setattr(calibrate, "CPU_HEAD_TOKENS", 2)
-    monkeypatch.setattr(calibrate, "timed", lambda fn, repeat, sync=None: seen.append(fn) or 1.0)
-    tflops, logit_ns = calibrate.measure_cpu_head(torch.float32)
-    assert len(seen) == 3  # the softmax, then widths 256 and 512
-    assert tflops == pytest.approx(6 * 2 * (256 + 512) * 50257 / 2 / 1e12) and logit_ns == pytest.approx(1e9 / (2 * 50257))
+    monkeypatch.setattr(calibrate, "timed", lambda fn, repeat, sync=None: seen.append(fn) or next(times))
+    tflops, half, logit_ns = calibrate.measure_cpu_head(torch.float32)
+    assert len(seen) == 5  # the softmax, then widths 256 and 512 (the presets' vocabulary) at 2 and 4 tokens
+    assert tflops == pytest.approx(0.1, rel=1e-6) and half == pytest.approx(0.0, abs=1e-6)
+    assert logit_ns == pytest.approx(1e9 / (2 * 50257))
+
+
+def test_cpu_head_refuses_timings_that_do_not_grow_with_tokens(monkeypatch):
+    monkeypatch.setattr(calibrate, "CPU_HEAD_TOKENS", (2, 4))
+    monkeypatch.setattr(calibrate, "CPU_LOGIT_TOKENS", 2)
+    times = iter([1.0, 2.0, 1.0, 2.0, 1.0])  # the softmax; each width twice as fast at 4 tokens as at 2
+    monkeypatch.setattr(calibrate, "timed", lambda fn, repeat, sync=None: next(times))
+    with pytest.raises(RuntimeError, match="head timings do not grow with tokens: "
+                                           r"\[\(\(256, 2\), 2.0\), \(\(256, 4\), 1.0\)"):
+        calibrate.measure_cpu_head(torch.float32)
 
 
 # --- memory bandwidth, optimizer ---------------------------------------------------------------------------
@@ -658,7 +675,7 @@ def measured(monkeypatch, threads):
 
     def cpu_head(dtype, widths=None, vocab=None):
         seen["head"], seen["cpu_head"] = (CPU, dtype), (widths, vocab)
-        return 0.0567, 1.5
+        return 0.0567, 14.2, 1.5
 
     def memory(device):
         seen["memory"] = device
@@ -705,7 +722,8 @@ def test_calibrate_on_cuda_measures_bf16_on_the_device_and_keeps_the_links(measu
 
 def test_calibrate_on_cpu_measures_fp32_with_one_thread_from_seed_0_and_the_host(measured, capsys):
     hw = calibrate.calibrate(BASE, "here", [2, 3], CPU)  # progress to stdout by default
-    measured_hw = dataclasses.replace(BASE, name="here", device="cpu", compute_dtype="fp32", **MEASURED)
+    measured_hw = dataclasses.replace(BASE, name="here", device="cpu", compute_dtype="fp32", head_half_rate_tokens=14.2,
+                                      **MEASURED)
     assert measured["cpu_host"] == (measured_hw, [2, 3])
     assert hw == dataclasses.replace(measured_hw, intra_host_gbs=1.25, intra_host_latency_us=75.0)
     assert measured["blocks"] == (CPU, torch.float32, calibrate.CPU_SHAPES)
@@ -715,7 +733,8 @@ def test_calibrate_on_cpu_measures_fp32_with_one_thread_from_seed_0_and_the_host
     assert torch.equal(measured["draw"], measured["seed0"])
     assert capsys.readouterr().out.splitlines() == POINT_LINES + [
         "[calibrate] 123.4 GFLOP/s per rank (half rate at 40 tokens, 2.35 ms per block), 12.3 GB/s memory, "
-        "3.46 ns/param optimizer, head 56.7 GFLOP/s + 1.500 ns/logit, links 1.25 GB/s + 75 us"]
+        "3.46 ns/param optimizer, head 56.7 GFLOP/s (half rate at 14 tokens) + 1.500 ns/logit, links 1.25 GB/s + "
+        "75 us"]
 
 
 def test_calibrate_times_the_cpu_head_at_the_job_s_width_and_vocabulary(measured):

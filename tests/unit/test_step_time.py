@@ -35,6 +35,17 @@ def test_single_device_is_flops_over_rate():
     assert predicted_us(Layout(1, 1, 1, 2, 3)) == pytest.approx(3 * per_micro_batch)
 
 
+def test_the_head_runs_at_its_own_rate_slowed_for_small_micro_batches():
+    """head_tflops 2, head_half_rate_tokens 64: at micro-batch 2 (64 tokens) the head runs at half of 2 TFLOP/s,
+    at 8 (256 tokens) at 4/5 of it."""
+    hw = dataclasses.replace(HW, head_tflops=2.0, head_half_rate_tokens=64.0)
+    assert predicted_us(Layout(1, 1, 1, 2, 1), hw) == pytest.approx(4 * BLOCK + HEAD + 2 * EMB)
+    big = Layout(1, 1, 1, 8, 1)
+    blocks = 4 * 3 * (24 * 256 * 64**2 + 2 * 256 * 32 * 64) / 1e6
+    head = 3 * 2 * 256 * 64 * 1000 / 1e6 / (2.0 * 256 / (256 + 64))
+    assert predicted_us(big, hw) == pytest.approx(blocks + head + 2 * EMB)
+
+
 def test_recompute_adds_a_forward():
     plain = predicted_us(Layout(1, 1, 1, 2, 1))
     assert predicted_us(Layout(1, 1, 1, 2, 1, recompute=True)) - plain == pytest.approx(4 * BLOCK / 3)

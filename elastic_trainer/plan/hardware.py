@@ -64,6 +64,10 @@ class Hardware:
     """The same for the output head's GEMMs and `head_tflops` (0: no size effect)."""
     layer_overhead_ms: float = 0.0
     """Fixed time of one block's forward + backward (kernel launches, framework overhead)."""
+    microbatch_ns_per_param: float = 0.0
+    """Work per micro-batch and parameter of a rank's stage beyond its blocks' and head's compute (ns): what a
+    job's ranks spend per micro-batch in proportion to the weights they hold, which the blocks timed alone do
+    not show (0: not charged)."""
     activation_ns: float = 0.0
     """A block's memory-bound work beside its GEMMs (norms, activation functions, residual adds, the
     attention's layout changes), forward + backward, per token and per unit of width on one tp rank (ns):

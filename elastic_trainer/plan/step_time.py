@@ -8,7 +8,10 @@
   `memory_bandwidth_gbs`: softmax cross-entropy per logit, the embedding
   gradient, and in zero1 the hooks moving every gradient into the fp32 buffer (read e bytes, read and
   write 4; the first micro-batch's copy reads 4 fewer, left out). Where the profile says (`activation_ns`),
-  a block's memory-bound work per token and unit of width is added.
+  a block's memory-bound work per token and unit of width is added, and where it says
+  (`microbatch_ns_per_param`), work per micro-batch and parameter of the stage: on the shared CPU host a
+  job's pipeline stages spent 0.55-0.70 ns of CPU per parameter and micro-batch beyond what their blocks
+  timed alone take (gpt3-small at 8 ranks, benchmarks/planner/stage_cpu.py).
 - **The host** (GPU profiles whose host was measured, `calibrate --model` on the GPU): the device runs
   behind the host that issues its kernels, so a micro-batch on a stage takes the longer of the device's
   time and the host's (`{mode}_host_block_ms` per block; FSDP2's hooks make fsdp's 2.5x zero1's on an H200),
@@ -174,7 +177,8 @@ def stage_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw:
     block = (passes * block_flops(model, tokens, seq_len, layout.tp) / rate
              + passes / 3 * tokens * model.d_model / layout.tp * hw.activation_ns * 1e-9
              + (0.0 if host else hw.layer_overhead_ms * 1e-3))
-    compute = n_blocks * block / block_speedup
+    compute = (n_blocks * block / block_speedup
+               + stage_numel(model, layout, stage) * hw.microbatch_ns_per_param * 1e-9)  # work per held weight
     emb_grad = 2 * model.vocab_size * model.d_model * MASTER_BYTES / (hw.memory_bandwidth_gbs * 1e9)
     if stage == 0:
         compute += emb_grad

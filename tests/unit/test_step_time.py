@@ -46,6 +46,18 @@ def test_the_head_runs_at_its_own_rate_slowed_for_small_micro_batches():
     assert predicted_us(big, hw) == pytest.approx(blocks + head + 2 * EMB)
 
 
+def test_work_per_micro_batch_and_parameter_is_charged_on_every_stage():
+    """microbatch_ns_per_param 1000: 1 us per parameter of the stage, every micro-batch."""
+    hw = dataclasses.replace(HW, microbatch_ns_per_param=1000.0)
+    single = 4 * BLOCK + HEAD + 2 * EMB + 4 * BLOCK_PARAMS + ROOT_PARAMS
+    assert predicted_us(Layout(1, 1, 1, 2, 3), hw) == pytest.approx(3 * single)
+    plain = step_time(MODEL, Layout(1, 1, 2, 2, 3), SEQ, "fp32", HW, 8).stages
+    charged = step_time(MODEL, Layout(1, 1, 2, 2, 3), SEQ, "fp32", hw, 8).stages
+    assert [(c.compute - p.compute) * 1e6 for c, p in zip(charged, plain)] == pytest.approx(
+        [2 * BLOCK_PARAMS + 1000 * 64 + 32 * 64,  # the first stage: its blocks and the embeddings
+         2 * BLOCK_PARAMS + 1000 * 64 + 2 * 64])  # the last: its blocks, the tied head and the final norm
+
+
 def test_recompute_adds_a_forward():
     plain = predicted_us(Layout(1, 1, 1, 2, 1))
     assert predicted_us(Layout(1, 1, 1, 2, 1, recompute=True)) - plain == pytest.approx(4 * BLOCK / 3)

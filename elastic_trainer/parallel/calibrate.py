@@ -152,10 +152,11 @@ seconds a step against 2.91 at 2 of 512 (benchmarks/planner/stage_cpu.py, gpt3-s
 measured at 256 tokens had charged both the same."""
 CPU_LOGIT_TOKENS = 256
 """The CPU head: without `--model`, widths 256 and 512 at the presets' vocabulary; with it, the model's own width
-and vocabulary; the softmax on 256 tokens. The softmax cross-entropy is timed apart from the GEMMs: in one fit of both (the
-form the GPU keeps) its term was ~7 % of each time, and seven calibrations of this 2-core machine put it at
-2.1-7.5 ns per logit where it measures 1.0-1.3 alone at every size from 4 to 98 MiB of logits (2026-11-28,
-glibc keeping freed memory as the ranks do; without that, logits above 32 MiB took 4-6 ns: fresh pages)."""
+and vocabulary; the softmax on 256 tokens. The softmax cross-entropy is timed apart from the GEMMs: in one fit
+of both (the form the GPU keeps) its term was ~7 % of each time, and seven calibrations of this 2-core machine
+put it at 2.1-7.5 ns per logit where it measures 1.0-1.3 alone at every size from 4 to 98 MiB of logits
+(2026-11-28, glibc keeping freed memory as the ranks do; without that, logits above 32 MiB took 4-6 ns: fresh
+pages)."""
 GPU_HEAD_SHAPES = [(768, 50257), (1024, 50257), (2048, 50257), (4096, 50257)]
 """4096 tokens (on an H100 the CPU shapes took 0.3-0.5 ms, launch-bound, and their times did not grow with
 FLOPs: a lease on 2026-11-26) at the presets' vocabulary, GPT-2's 50257, through the model's own projection
@@ -356,7 +357,8 @@ def calibrate(base: Hardware, name: str, worlds: list[int], device: torch.device
         hw = _cpu_host(hw, worlds)
     say(f"[calibrate] {hw.tflops * 1e3:.1f} GFLOP/s per rank (half rate at {hw.half_rate_tokens:.0f} tokens, "
         f"{hw.layer_overhead_ms:.2f} ms per block{_activation(hw)}), {hw.memory_bandwidth_gbs:.1f} GB/s memory, "
-        f"{hw.optimizer_ns_per_param:.2f} ns/param optimizer, head {hw.head_tflops * 1e3:.1f} GFLOP/s{_head_half(hw)} + "
+        f"{hw.optimizer_ns_per_param:.2f} ns/param optimizer, head {hw.head_tflops * 1e3:.1f} GFLOP/s"
+        f"{_head_half(hw)} + "
         f"{hw.logit_ns:.3f} ns/logit, "
         f"links {hw.intra_host_gbs:.2f} GB/s + {hw.intra_host_latency_us:.0f} us" + _shares(hw))
     return hw

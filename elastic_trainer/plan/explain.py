@@ -26,7 +26,8 @@ def terms(req: Request, layout: Layout) -> list[tuple[str, float]]:
     scheduled = req.hardware.shared_host and layout.pp > 1 and layout.dp > 1  # step_time.scheduled_comm
     rest = "output head and embedding gradient" + (", zero1's gradient adds" if layout.dp_mode == "zero1" else "")
     rows = [(f"transformer blocks ({passes}){', compiled' if req.compiled else ''}", a * slowest.blocks),
-            (rest, a * (slowest.compute - slowest.blocks - slowest.host_wait)),
+            (rest, a * (slowest.compute - slowest.blocks - slowest.host_wait - slowest.weights)),
+            ("work per micro-batch and parameter of the stage", a * slowest.weights),
             ("the device waiting on the host issuing its kernels", a * slowest.host_wait),
             ("tensor-parallel all-reduces", a * slowest.tp_comm),
             ("pipeline sends between stages", a * slowest.p2p),

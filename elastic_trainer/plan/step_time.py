@@ -158,6 +158,8 @@ class StageTime:
     host_wait: float = 0.0
     """The part of `compute` the device waits on the host issuing its kernels (GPU profiles whose host was
     measured: what the host's time per micro-batch exceeds the device's by)."""
+    weights: float = 0.0
+    """The part of `compute` charged per parameter of the stage (Hardware.microbatch_ns_per_param)."""
 
     @property
     def total(self) -> float:
@@ -177,8 +179,8 @@ def stage_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw:
     block = (passes * block_flops(model, tokens, seq_len, layout.tp) / rate
              + passes / 3 * tokens * model.d_model / layout.tp * hw.activation_ns * 1e-9
              + (0.0 if host else hw.layer_overhead_ms * 1e-3))
-    compute = (n_blocks * block / block_speedup
-               + stage_numel(model, layout, stage) * hw.microbatch_ns_per_param * 1e-9)  # work per held weight
+    weights = stage_numel(model, layout, stage) * hw.microbatch_ns_per_param * 1e-9
+    compute = n_blocks * block / block_speedup + weights
     emb_grad = 2 * model.vocab_size * model.d_model * MASTER_BYTES / (hw.memory_bandwidth_gbs * 1e9)
     if stage == 0:
         compute += emb_grad
@@ -197,7 +199,7 @@ def stage_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw:
     per_block = (6 if layout.recompute else 4) * links.tp.all_reduce(hidden, layout.tp)
     sends = (stage > 0) + (stage < layout.pp - 1)  # activation forward, its gradient backward
     p2p = sends * links.pp.send(hidden)
-    return StageTime(compute, n_blocks * per_block, p2p, n_blocks * block / block_speedup, host_wait)
+    return StageTime(compute, n_blocks * per_block, p2p, n_blocks * block / block_speedup, host_wait, weights)
 
 
 def wrapper_bytes(layout: Layout, dtype: str) -> tuple[float, float]:

@@ -46,6 +46,22 @@ def test_the_blocks_term_by_hand():
     assert rows["data-parallel communication not hidden (fsdp)"] == 0.0  # one rank
 
 
+def test_the_work_per_parameter_term_by_hand():
+    """gpt3-small on the cpu profile, dp1 pp4, 8 micro-batches: the slowest stage's parameters times
+    microbatch_ns_per_param, once per micro-batch, in its own row and not in the head's."""
+    model = load_model_config("gpt3-small")
+    hw = load_hardware("cpu")
+    layout = Layout(1, 1, 4, 1, 8, "fsdp")
+    with_term = dict(terms(Request(model, 4, 8, 128, hw, 4), layout))
+    without = dict(terms(Request(model, 4, 8, 128, dataclasses.replace(hw, microbatch_ns_per_param=0.0), 4), layout))
+    slowest = stage_numel(model, layout, 3)  # the last stage, with the output head, is the slowest
+    assert with_term["work per micro-batch and parameter of the stage"] == pytest.approx(
+        8 * slowest * hw.microbatch_ns_per_param * 1e-9, rel=1e-12)
+    assert without["work per micro-batch and parameter of the stage"] == 0.0
+    head = "output head and embedding gradient"
+    assert with_term[head] == pytest.approx(without[head])
+
+
 def test_plan_explain_prints_the_chosen_and_the_compared_layout(capsys):
     code = cli.main(["plan", "--model", "gpt3-small", "--gpus", "4", "--global-batch", "8", "--seq-len", "128",
                      "--hardware", "cpu", "--explain", "--compare", "1,1,4"])

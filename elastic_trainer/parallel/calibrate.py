@@ -144,19 +144,14 @@ def fit_compute(points: list[tuple[float, int, float]]) -> tuple[float, float, f
 CPU_HEAD_WIDTHS = (256, 512)
 CPU_HEAD_VOCAB = 50257
 CPU_HEAD_TOKENS = (128, 512)
-"""Tokens per micro-batch the CPU head's GEMMs are timed at: their rate grows with them, 95 GFLOP/s at 128 tokens
-against 103 at 512 at gpt3-small's width (one thread, 2026-11-28; 101 at 256, 102 at 1024), which a fixed time
-per call of 6 * d * vocab * h / H fits (h = 14 tokens: the projection's weight streamed once per GEMM). A
-pipeline's last stage runs one such call per micro-batch: at 8 micro-batches of 128 tokens it measured 3.21 CPU
-seconds a step against 2.91 at 2 of 512 (benchmarks/planner/stage_cpu.py, gpt3-small pp8), where one rate
-measured at 256 tokens had charged both the same."""
+"""Tokens per micro-batch the CPU head's GEMMs are timed at: gpt3-small's ran 95, 101, 103 and 102 GFLOP/s at
+128, 256, 512 and 1024 tokens (one thread, 2026-11-28), a fixed time per call of 6 d vocab h / H (h = 14 tokens);
+its pp8 last stage took 3.21 CPU s a step in 8 micro-batches of 128 tokens, 2.91 in 2 of 512 (stage_cpu.py)."""
 CPU_LOGIT_TOKENS = 256
-"""The CPU head: without `--model`, widths 256 and 512 at the presets' vocabulary; with it, the model's own width
-and vocabulary; the softmax on 256 tokens. The softmax cross-entropy is timed apart from the GEMMs: in one fit
-of both (the form the GPU keeps) its term was ~7 % of each time, and seven calibrations of this 2-core machine
-put it at 2.1-7.5 ns per logit where it measures 1.0-1.3 alone at every size from 4 to 98 MiB of logits
-(2026-11-28, glibc keeping freed memory as the ranks do; without that, logits above 32 MiB took 4-6 ns: fresh
-pages)."""
+"""The softmax's tokens. It is timed apart from the head's GEMMs (widths 256 and 512 at the presets' vocabulary,
+or `--model`'s): in one fit of both (the GPU's form) it was ~7 % of each time, and seven calibrations here read
+2.1-7.5 ns per logit where it takes 1.0-1.3 alone from 4 to 98 MiB of logits (2026-11-28, freed memory kept as
+the ranks keep it; without that, 4-6 ns above 32 MiB: fresh pages)."""
 GPU_HEAD_SHAPES = [(768, 50257), (1024, 50257), (2048, 50257), (4096, 50257)]
 """4096 tokens (on an H100 the CPU shapes took 0.3-0.5 ms, launch-bound, and their times did not grow with
 FLOPs: a lease on 2026-11-26) at the presets' vocabulary, GPT-2's 50257, through the model's own projection
@@ -358,7 +353,7 @@ def calibrate(base: Hardware, name: str, worlds: list[int], device: torch.device
     say(f"[calibrate] {hw.tflops * 1e3:.1f} GFLOP/s per rank (half rate at {hw.half_rate_tokens:.0f} tokens, "
         f"{hw.layer_overhead_ms:.2f} ms per block{_activation(hw)}), {hw.memory_bandwidth_gbs:.1f} GB/s memory, "
         f"{hw.optimizer_ns_per_param:.2f} ns/param optimizer, head {hw.head_tflops * 1e3:.1f} GFLOP/s"
-        f"{_head_half(hw)} + "
+        f"{f' (half rate at {hw.head_half_rate_tokens:.0f} tokens)' if hw.head_half_rate_tokens else ''} + "
         f"{hw.logit_ns:.3f} ns/logit, "
         f"links {hw.intra_host_gbs:.2f} GB/s + {hw.intra_host_latency_us:.0f} us" + _shares(hw))
     return hw
@@ -367,10 +362,6 @@ def calibrate(base: Hardware, name: str, worlds: list[int], device: torch.device
 def _shares(hw: Hardware) -> str:
     return (f" (all-gather {hw.all_gather_share:.2f}, reduce-scatter {hw.reduce_scatter_share:.2f} of an "
             "all-reduce)") if hw.shared_host else ""
-
-
-def _head_half(hw: Hardware) -> str:
-    return f" (half rate at {hw.head_half_rate_tokens:.0f} tokens)" if hw.head_half_rate_tokens else ""
 
 
 def _activation(hw: Hardware) -> str:

@@ -189,8 +189,8 @@ def measure_cpu_head(dtype: torch.dtype, widths: tuple[int, ...] | None = None, 
     logits = torch.randn(CPU_LOGIT_TOKENS, vocab, dtype=torch.float32, requires_grad=True)
     target = torch.randint(0, vocab, (CPU_LOGIT_TOKENS,))
     per_logit = timed(lambda: F.cross_entropy(logits, target).backward(), repeat) / (CPU_LOGIT_TOKENS * vocab)
-    rows, ys = [], []
-    for d, tokens in itertools.product(widths, CPU_HEAD_TOKENS):
+    rows, ys, shapes = [], [], list(itertools.product(widths, CPU_HEAD_TOKENS))
+    for d, tokens in shapes:
         x = torch.randn(tokens, d, dtype=dtype, requires_grad=True)
         w = (torch.randn(vocab, d, dtype=dtype) * 0.02).requires_grad_()
         grad = torch.randn(tokens, vocab, dtype=dtype)
@@ -199,7 +199,6 @@ def measure_cpu_head(dtype: torch.dtype, widths: tuple[int, ...] | None = None, 
         rows.append([flops, flops / tokens])
     inv_rate, size = fit_nonneg(rows, ys)
     if inv_rate <= 0:
-        shapes = list(itertools.product(widths, CPU_HEAD_TOKENS))
         raise RuntimeError(f"head timings do not grow with tokens: {list(zip(shapes, ys))}")
     return 1e-12 / inv_rate, size / inv_rate, per_logit * 1e9
 

@@ -179,17 +179,18 @@ def stage_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw:
     block = (passes * block_flops(model, tokens, seq_len, layout.tp) / rate
              + passes / 3 * tokens * model.d_model / layout.tp * hw.activation_ns * 1e-9
              + (0.0 if host else hw.layer_overhead_ms * 1e-3))
-    weights = stage_numel(model, layout, stage) * hw.microbatch_ns_per_param * 1e-9
+    params = stage_numel(model, layout, stage)
+    weights = params * hw.microbatch_ns_per_param * 1e-9
     compute = n_blocks * block / block_speedup + weights
     emb_grad = 2 * model.vocab_size * model.d_model * MASTER_BYTES / (hw.memory_bandwidth_gbs * 1e9)
     if stage == 0:
         compute += emb_grad
     if layout.dp_mode == "zero1":  # the hooks add every gradient into the fp32 buffer
-        grads = stage_numel(model, layout, stage) * (DTYPE_BYTES[dtype] + 2 * MASTER_BYTES)
+        grads = params * (DTYPE_BYTES[dtype] + 2 * MASTER_BYTES)
         compute += grads / (hw.memory_bandwidth_gbs * 1e9)
     elif hw.host_measured:  # FSDP2's casts and copies around its collectives (CPU profiles: hooks_ns)
         per_microbatch, _ = wrapper_bytes(layout, dtype)
-        compute += stage_numel(model, layout, stage) * per_microbatch / (hw.memory_bandwidth_gbs * 1e9)
+        compute += params * per_microbatch / (hw.memory_bandwidth_gbs * 1e9)
     if stage == layout.pp - 1:
         logits = tokens * model.vocab_size
         compute += 3 * head_flops(model, tokens) / head_rate + logits * hw.logit_ns * 1e-9 + emb_grad

@@ -12,7 +12,8 @@ work) with one intra-op thread per rank, as the trainer runs its ranks on a CPU:
   GPU_HEAD_SHAPES gives H and `logit_ns`;
 - with `--compile`: the block at the largest shape eager and under torch.compile; the ratio of their times is
   `compiled_speedup`, which the planner applies to jobs run with `--compile`;
-- a large in-place add (`memory_bandwidth_gbs`) and clipping + an AdamW step (`optimizer_ns_per_param`);
+- on the CPU, the token embedding's backward at the same table (`embedding_grad_ns`); a large in-place add
+  (`memory_bandwidth_gbs`) and clipping + an AdamW step (`optimizer_ns_per_param`);
 - gloo all-reduces of 16 KB to 128 MB on 2..N forked local ranks, as many as the host has cores (the
   step-time model slows them as more ranks share the cores); a fit of the ring model
   t = 2 (n - 1) / n * bytes / B + 2 (n - 1) * L by relative error gives the bus bandwidth B and step
@@ -51,17 +52,15 @@ from elastic_trainer.train.optim import implementation
 
 CPU_SHAPES = [(256, 128), (256, 512), (512, 128), (512, 512)]  # (d_model, tokens per micro-batch)
 GPU_SHAPES = [(1024, 8192), (1024, 16384), (2048, 4096), (2048, 16384), (4096, 4096), (4096, 8192)]
-"""Sequences of GPU_SEQ_LEN, large enough that the device, not the host issuing its kernels, sets the time
-(an H200 on 2026-11-27: the former 1024-4096-token shapes at sequence 128 took 1.6-4 ms, launch-bound, and the
-fit gave 1133 TFLOP/s, above the chip's peak); three widths, so that the block's memory-bound work per token and
-unit of width (`activation_ns`) is told apart from its GEMMs."""
+"""Sequences of GPU_SEQ_LEN, large enough that the device, not the host, sets the time (an H200, 2026-11-27: at
+sequence 128, 1.6-4 ms, launch-bound, and 1133 TFLOP/s fitted, above its peak); three widths, so that the
+memory-bound work per token and unit of width (`activation_ns`) is told apart from the GEMMs."""
 SEQ_LEN = 128
 GPU_SEQ_LEN = 2048
 LINK_SIZES = [2**14, 2**18, 2**20, 2**22, 2**24, 2**26, 2**27]
-"""Bytes per all-reduce, up to the job's: its data-parallel collectives move whole stages (hundreds of MB) and
-FSDP units (tens). Up to 8 MB only, the fit read the caches' bandwidth: on the 2-core machine of 2026-11-28,
-3.2 GB/s, against 1.8 measured at 128-256 MB on two ranks, and the planner ranked zero1 level with ddp where it
-ran 18 % slower (benchmarks/planner/README.md)."""
+"""Bytes per all-reduce, up to the job's (whole stages, hundreds of MB; FSDP units, tens). Up to 8 MB only, the
+fit read the caches' bandwidth (2026-11-28: 3.2 GB/s, against 1.8 at 128-256 MB on two ranks), and the planner
+ranked zero1 level with ddp where it ran 18 % slower (benchmarks/planner/README.md)."""
 
 
 def timed(fn: Callable[[], object], repeat: int, sync: Callable[[], None] = lambda: None) -> float:
@@ -141,23 +140,20 @@ def fit_compute(points: list[tuple[float, int, float]]) -> tuple[float, float, f
     return 1e-12 / inv_rate, size / inv_rate, overhead * 1e3
 
 
-CPU_HEAD_WIDTHS = (256, 512)
-CPU_HEAD_VOCAB = 50257
+CPU_HEAD_WIDTHS, CPU_HEAD_VOCAB = (256, 512), 50257
 CPU_HEAD_TOKENS = (128, 512)
 """Tokens per micro-batch the CPU head's GEMMs are timed at: gpt3-small's ran 95, 101, 103 and 102 GFLOP/s at
 128, 256, 512 and 1024 tokens (one thread, 2026-11-28), a fixed time per call of 6 d vocab h / H (h = 14 tokens);
 its pp8 last stage took 3.21 CPU s a step in 8 micro-batches of 128 tokens, 2.91 in 2 of 512 (stage_cpu.py)."""
 CPU_LOGIT_TOKENS = 256
-"""The softmax's tokens. It is timed apart from the head's GEMMs (widths 256 and 512 at the presets' vocabulary,
-or `--model`'s): in one fit of both (the GPU's form) it was ~7 % of each time, and seven calibrations here read
-2.1-7.5 ns per logit where it takes 1.0-1.3 alone from 4 to 98 MiB of logits (2026-11-28, freed memory kept as
-the ranks keep it; without that, 4-6 ns above 32 MiB: fresh pages)."""
+"""The softmax's tokens (and the embedding's), timed apart from the head's GEMMs: in one fit of both (the GPU's
+form) it was ~7 % of each time, and seven calibrations read 2.1-7.5 ns per logit where it takes 1.0-1.3 alone
+at 4-98 MiB of logits (2026-11-28, freed memory kept as the ranks keep it; else 4-6 ns above 32 MiB)."""
 GPU_HEAD_SHAPES = [(768, 50257), (1024, 50257), (2048, 50257), (4096, 50257)]
-"""4096 tokens (on an H100 the CPU shapes took 0.3-0.5 ms, launch-bound, and their times did not grow with
-FLOPs: a lease on 2026-11-26) at the presets' vocabulary, GPT-2's 50257, through the model's own projection
-(`project_to_vocab`: padded to a multiple of 64 rows on CUDA). Unpadded, 50257 ran the head's GEMMs in
-alignment-1 kernels, ~120 TFLOP/s on an H200 against ~760 at 50304 (benchmarks/gpu/profile_step.py,
-head-vocab.txt, 2026-11-27)."""
+"""4096 tokens (on an H100 the CPU shapes took 0.3-0.5 ms, launch-bound: a lease on 2026-11-26) at GPT-2's
+vocabulary through the model's own projection (`project_to_vocab`: padded to a multiple of 64 rows on CUDA).
+Unpadded, 50257 ran the head's GEMMs in alignment-1 kernels, ~120 TFLOP/s on an H200 against ~760 at 50304
+(benchmarks/gpu/profile_step.py, head-vocab.txt, 2026-11-27)."""
 
 
 def measure_head(device: torch.device, dtype: torch.dtype, tokens: int = 4096,
@@ -180,11 +176,9 @@ def measure_head(device: torch.device, dtype: torch.dtype, tokens: int = 4096,
 
 def measure_cpu_head(dtype: torch.dtype, widths: tuple[int, ...] | None = None, vocab: int | None = None,
                      repeat: int = 3) -> tuple[float, float, float]:
-    """(head TFLOP/s, half-rate tokens, ns per logit) on the CPU, each part timed alone: the softmax
-    cross-entropy of fp32 logits (CPU_LOGIT_TOKENS x vocab) forward + backward, per logit; the head's three
-    GEMMs (the projection forward, its backward into the hidden states and the weight) at each width and each
-    of CPU_HEAD_TOKENS, a non-negative fit of t = F / H + (F / tokens) * h / H. Widths and vocabulary:
-    CPU_HEAD_WIDTHS and CPU_HEAD_VOCAB unless given."""
+    """(head TFLOP/s, half-rate tokens, ns per logit) on the CPU, each part timed alone: softmax cross-entropy of
+    fp32 logits (CPU_LOGIT_TOKENS x vocab) forward + backward, per logit; the head's three GEMMs at each width
+    and each of CPU_HEAD_TOKENS, fitted as t = F / H + (F / tokens) * h / H (default CPU_HEAD_WIDTHS, _VOCAB)."""
     widths, vocab = widths or CPU_HEAD_WIDTHS, vocab or CPU_HEAD_VOCAB
     logits = torch.randn(CPU_LOGIT_TOKENS, vocab, dtype=torch.float32, requires_grad=True)
     target = torch.randint(0, vocab, (CPU_LOGIT_TOKENS,))
@@ -201,6 +195,20 @@ def measure_cpu_head(dtype: torch.dtype, widths: tuple[int, ...] | None = None, 
     if inv_rate <= 0:
         raise RuntimeError(f"head timings do not grow with tokens: {list(zip(shapes, ys))}")
     return 1e-12 / inv_rate, size / inv_rate, per_logit * 1e9
+
+
+def measure_embedding_grad(vocab: int, d: int, microbatches: int = 4, repeat: int = 3) -> float:
+    """ns per table element of the embedding's backward per micro-batch (each zeroes a whole table's gradient and
+    adds its CPU_LOGIT_TOKENS rows in; all but the first of a step's `microbatches` then add that in)."""
+    table = torch.nn.Embedding(vocab, d)
+    ids, grad = torch.randint(0, vocab, (microbatches, CPU_LOGIT_TOKENS)), torch.randn(CPU_LOGIT_TOKENS, d)
+
+    def step():
+        table.weight.grad = None
+        for x in ids:
+            table(x).backward(grad)
+
+    return timed(step, repeat) / microbatches / (vocab * d) * 1e9
 
 
 def measure_memory_bandwidth(device: torch.device, numel: int = 32 * 2**20, repeat: int = 5) -> float:
@@ -225,9 +233,8 @@ def measure_optimizer(device: torch.device, numel: int = 8 * 2**20, repeat: int 
 
 
 SMALL_CALL_BYTES = 2**22
-"""Sizes below this are timed in more calls (up to MAX_CALLS, this many bytes in all): their microseconds are
-the latency's whole signal, and one call disturbed by the scheduler moved a mean of three by 10x (calibrate's
-latency read 116-1197 us in five runs minutes apart on the 2-core machine of 2026-11-28)."""
+"""Sizes below this are timed in more calls (up to MAX_CALLS, this many bytes in all): one call disturbed by the
+scheduler moved a mean of three by 10x (latency 116-1197 us in five runs minutes apart, 2026-11-28)."""
 MAX_CALLS = 25
 
 
@@ -276,10 +283,9 @@ def _share_times(rank: int, world: int, sizes: list[int], repeat: int) -> list[t
 
 def measure_collective_shares(worlds: list[int], sizes: list[int] = SHARE_SIZES,
                               repeat: int = 3) -> tuple[float, float]:
-    """(all-gather, reduce-scatter) seconds as shares of an all-reduce's of the same bytes on the same ranks:
-    the median over `worlds` and `sizes` of the slowest rank's ratios. A ring's are 0.5 each; gloo_comms'
-    measured 0.44-0.46 and 0.97-1.02 on two ranks of the 2-core reference machine (2026-11-28; gloo's own
-    collectives there: 1.2-1.9 and 1.9-2.0)."""
+    """(all-gather, reduce-scatter) seconds as shares of an all-reduce's of the same bytes on the same ranks: the
+    median over `worlds` and `sizes` of the slowest rank's ratios. A ring's are 0.5 each; gloo_comms' read
+    0.44-0.46 and 0.97-1.02 on two ranks of the 2-core machine (2026-11-28; gloo's own: 1.2-1.9 and 1.9-2.0)."""
     gathers, scatters = [], []
     for world in worlds:
         per_rank = run_ranks(_share_times, world, sizes, repeat)
@@ -310,7 +316,7 @@ def calibrate(base: Hardware, name: str, worlds: list[int], device: torch.device
               say: Callable[[str], None] = print, compiled: bool = False,
               model: ModelConfig | None = None) -> Hardware:
     """Measure this machine; the fields not measured come from `base` (`compiled_speedup` too, unless
-    `compiled`); `model`: the job's model, whose width and vocabulary the CPU head is timed at."""
+    `compiled`); `model`: the job's model, whose width and vocabulary the CPU head and embedding are timed at."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -337,34 +343,30 @@ def calibrate(base: Hardware, name: str, worlds: list[int], device: torch.device
         say(f"[calibrate] block fwd+bwd compiled, {shape[1]:5d} tokens: {seconds * 1e3:8.2f} ms "
             f"({speedup:.2f}x eager)")
         hw = dataclasses.replace(hw, compiled_speedup=round(speedup, 3))
-    head_half = 0.0
+    head_half = embedding = 0.0  # on a GPU the embedding's gradient is charged at the memory bandwidth
     if gpu:
         head_tflops, logit_ns = measure_head(device, dtype)
-    elif model is not None:
-        head_tflops, head_half, logit_ns = measure_cpu_head(dtype, (model.d_model,), model.vocab_size)
-    else:
-        head_tflops, head_half, logit_ns = measure_cpu_head(dtype)
+    else:  # the tied table at the job's width and vocabulary, else the presets'
+        vocab, widths = (model.vocab_size, (model.d_model,)) if model else (CPU_HEAD_VOCAB, CPU_HEAD_WIDTHS)
+        head_tflops, head_half, logit_ns = measure_cpu_head(dtype, widths, vocab)
+        embedding = measure_embedding_grad(vocab, widths[-1])
     hw = dataclasses.replace(hw, head_tflops=head_tflops, head_half_rate_tokens=head_half, logit_ns=logit_ns,
+                             embedding_grad_ns=embedding,
                              memory_bandwidth_gbs=measure_memory_bandwidth(device),
                              optimizer_ns_per_param=measure_optimizer(device))
     if device.type == "cpu":
         hw = _cpu_host(hw, worlds)
     say(f"[calibrate] {hw.tflops * 1e3:.1f} GFLOP/s per rank (half rate at {hw.half_rate_tokens:.0f} tokens, "
-        f"{hw.layer_overhead_ms:.2f} ms per block{_activation(hw)}), {hw.memory_bandwidth_gbs:.1f} GB/s memory, "
+        f"{hw.layer_overhead_ms:.2f} ms per block"
+        f"{f', {hw.activation_ns:.4f} ns per token and width' if hw.activation_ns else ''}), "
+        f"{hw.memory_bandwidth_gbs:.1f} GB/s memory, "
         f"{hw.optimizer_ns_per_param:.2f} ns/param optimizer, head {hw.head_tflops * 1e3:.1f} GFLOP/s"
         f"{f' (half rate at {hw.head_half_rate_tokens:.0f} tokens)' if hw.head_half_rate_tokens else ''} + "
-        f"{hw.logit_ns:.3f} ns/logit, "
-        f"links {hw.intra_host_gbs:.2f} GB/s + {hw.intra_host_latency_us:.0f} us" + _shares(hw))
+        f"{hw.logit_ns:.3f} ns/logit{f', embedding {embedding:.3f} ns/element' if embedding else ''}, "
+        f"links {hw.intra_host_gbs:.2f} GB/s + {hw.intra_host_latency_us:.0f} us" + (
+            f" (all-gather {hw.all_gather_share:.2f}, reduce-scatter {hw.reduce_scatter_share:.2f} of an all-reduce)"
+            if hw.shared_host else ""))
     return hw
-
-
-def _shares(hw: Hardware) -> str:
-    return (f" (all-gather {hw.all_gather_share:.2f}, reduce-scatter {hw.reduce_scatter_share:.2f} of an "
-            "all-reduce)") if hw.shared_host else ""
-
-
-def _activation(hw: Hardware) -> str:
-    return f", {hw.activation_ns:.4f} ns per token and width" if hw.activation_ns else ""
 
 
 def _block_seconds(rank: int, world: int) -> float:

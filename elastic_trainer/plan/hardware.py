@@ -77,6 +77,10 @@ class Hardware:
     measured by `calibrate --compile`; 1.0 (no gain assumed) where it was not measured."""
     memory_bandwidth_gbs: float = 2000.0
     """Device memory bandwidth (GB/s), for memory-bound work: embedding gradients, loss."""
+    embedding_grad_ns: float = 0.0
+    """The token embedding's backward per micro-batch (the table's zeroed gradient, the tokens' rows added in,
+    then added into the parameter's gradient), per element of the table (ns): measured by `calibrate` on CPUs;
+    0: two passes over the table at `memory_bandwidth_gbs`."""
     logit_ns: float = 0.0
     """Time of softmax cross-entropy forward + backward per logit (ns), beyond the head's GEMM."""
     optimizer_ns_per_param: float = 0.05

@@ -5,8 +5,9 @@
   (2*t*d*vocab forward) runs on the last stage and is replicated across tp ranks, as in the engine. The
   rate is `tflops` scaled by t / (t + half_rate_tokens) (small GEMMs run slower; the head's `head_tflops`
   by t / (t + head_half_rate_tokens)), plus a fixed time per block and memory-bound work at
-  `memory_bandwidth_gbs`: softmax cross-entropy per logit, the embedding
-  gradient, and in zero1 the hooks moving every gradient into the fp32 buffer (read e bytes, read and
+  `memory_bandwidth_gbs`: softmax cross-entropy per logit, the embedding gradient (on the first stage,
+  `embedding_grad_ns` per table element where `calibrate` measured it: on the CPU, 2-3x two passes at the
+  bandwidth), and in zero1 the hooks moving every gradient into the fp32 buffer (read e bytes, read and
   write 4; the first micro-batch's copy reads 4 fewer, left out). Where the profile says (`activation_ns`),
   a block's memory-bound work per token and unit of width is added, and where it says
   (`microbatch_ns_per_param`), work per micro-batch and parameter of the stage: on the shared CPU host a
@@ -183,8 +184,8 @@ def stage_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw:
     weights = params * hw.microbatch_ns_per_param * 1e-9
     compute = n_blocks * block / block_speedup + weights
     emb_grad = 2 * model.vocab_size * model.d_model * MASTER_BYTES / (hw.memory_bandwidth_gbs * 1e9)
-    if stage == 0:
-        compute += emb_grad
+    if stage == 0:  # the embedding's backward: measured (CPU profiles), else two passes over the table
+        compute += (model.vocab_size * model.d_model * hw.embedding_grad_ns * 1e-9) or emb_grad
     if layout.dp_mode == "zero1":  # the hooks add every gradient into the fp32 buffer
         grads = params * (DTYPE_BYTES[dtype] + 2 * MASTER_BYTES)
         compute += grads / (hw.memory_bandwidth_gbs * 1e9)

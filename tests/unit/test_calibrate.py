@@ -355,6 +355,38 @@ def test_cpu_head_refuses_timings_that_do_not_grow_with_tokens(monkeypatch):
         calibrate.measure_cpu_head(torch.float32)
 
 
+def test_embedding_grad_times_a_step_of_micro_batches_per_table_element(monkeypatch):
+    """What it times: a step that drops the table's gradient, then runs `microbatches` lookups of
+    CPU_LOGIT_TOKENS tokens forward and backward. The gradient it leaves is each row's upstream gradient summed
+    over every draw of its token (by hand: index_add), and a second step leaves the same (not twice it)."""
+    tables = []
+
+    class Recording(torch.nn.Embedding):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            tables.append(self)
+
+    def timed(fn, repeat, sync=None):
+        fn()
+        fn()
+        calls.append(repeat)
+        return 0.012
+
+    calls = []
+    monkeypatch.setattr(torch.nn, "Embedding", Recording)
+    monkeypatch.setattr(calibrate, "CPU_LOGIT_TOKENS", 5)
+    monkeypatch.setattr(calibrate, "timed", timed)
+    torch.manual_seed(0)
+    ns = calibrate.measure_embedding_grad(11, 3, microbatches=4, repeat=7)
+    assert calls == [7] and ns == pytest.approx(0.012 / 4 / (11 * 3) * 1e9)
+    torch.manual_seed(0)
+    torch.randn(11, 3)  # the table's initial weights
+    ids, grad = torch.randint(0, 11, (4, 5)), torch.randn(5, 3)
+    expected = torch.zeros(11, 3).index_add_(0, ids.flatten(), grad.repeat(4, 1))
+    assert len(tables) == 1 and tuple(tables[0].weight.shape) == (11, 3)
+    assert torch.allclose(tables[0].weight.grad, expected, atol=1e-6)
+
+
 # --- memory bandwidth, optimizer ---------------------------------------------------------------------------
 
 
@@ -677,6 +709,10 @@ def measured(monkeypatch, threads):
         seen["head"], seen["cpu_head"] = (CPU, dtype), (widths, vocab)
         return 0.0567, 14.2, 1.5
 
+    def embedding(vocab, d):
+        seen["embedding"] = (vocab, d)
+        return 0.321
+
     def memory(device):
         seen["memory"] = device
         return 12.34
@@ -690,7 +726,7 @@ def measured(monkeypatch, threads):
         return dataclasses.replace(hw, intra_host_gbs=1.25, intra_host_latency_us=75.0)
 
     for name, fn in [("measure_blocks", blocks), ("fit_compute", fit), ("fit_device", fit_device),
-                     ("measure_head", head), ("measure_cpu_head", cpu_head),
+                     ("measure_head", head), ("measure_cpu_head", cpu_head), ("measure_embedding_grad", embedding),
                      ("measure_memory_bandwidth", memory), ("measure_optimizer", optimizer), ("_cpu_host", cpu_host)]:
         monkeypatch.setattr(calibrate, name, fn)
     torch.set_num_threads(2)
@@ -723,7 +759,7 @@ def test_calibrate_on_cuda_measures_bf16_on_the_device_and_keeps_the_links(measu
 def test_calibrate_on_cpu_measures_fp32_with_one_thread_from_seed_0_and_the_host(measured, capsys):
     hw = calibrate.calibrate(BASE, "here", [2, 3], CPU)  # progress to stdout by default
     measured_hw = dataclasses.replace(BASE, name="here", device="cpu", compute_dtype="fp32", head_half_rate_tokens=14.2,
-                                      **MEASURED)
+                                      embedding_grad_ns=0.321, **MEASURED)
     assert measured["cpu_host"] == (measured_hw, [2, 3])
     assert hw == dataclasses.replace(measured_hw, intra_host_gbs=1.25, intra_host_latency_us=75.0)
     assert measured["blocks"] == (CPU, torch.float32, calibrate.CPU_SHAPES)
@@ -733,16 +769,23 @@ def test_calibrate_on_cpu_measures_fp32_with_one_thread_from_seed_0_and_the_host
     assert torch.equal(measured["draw"], measured["seed0"])
     assert capsys.readouterr().out.splitlines() == POINT_LINES + [
         "[calibrate] 123.4 GFLOP/s per rank (half rate at 40 tokens, 2.35 ms per block), 12.3 GB/s memory, "
-        "3.46 ns/param optimizer, head 56.7 GFLOP/s (half rate at 14 tokens) + 1.500 ns/logit, links 1.25 GB/s + "
-        "75 us"]
+        "3.46 ns/param optimizer, head 56.7 GFLOP/s (half rate at 14 tokens) + 1.500 ns/logit, embedding 0.321 "
+        "ns/element, links 1.25 GB/s + 75 us"]
 
 
 def test_calibrate_times_the_cpu_head_at_the_job_s_width_and_vocabulary(measured):
     calibrate.calibrate(BASE, "here", [2], CPU, say=lambda line: None)
-    assert measured["cpu_head"] == (None, None)  # CPU_HEAD_WIDTHS at CPU_HEAD_VOCAB
+    assert measured["cpu_head"] == ((256, 512), 50257)  # CPU_HEAD_WIDTHS at CPU_HEAD_VOCAB
+    assert measured["embedding"] == (50257, 512)  # the embedding at the widest of them
     model = ModelConfig(n_layers=2, d_model=96, n_heads=2, vocab_size=1000, context_length=64)
     calibrate.calibrate(BASE, "here", [2], CPU, say=lambda line: None, model=model)
-    assert measured["cpu_head"] == ((96,), 1000)
+    assert measured["cpu_head"] == ((96,), 1000) and measured["embedding"] == (1000, 96)
+
+
+def test_calibrate_on_cuda_does_not_keep_a_cpu_base_s_embedding_figure(measured):
+    base = dataclasses.replace(BASE, embedding_grad_ns=0.3)
+    hw = calibrate.calibrate(base, "gpu-here", [2], torch.device("cuda"), say=lambda line: None)
+    assert hw.embedding_grad_ns == 0.0 and "embedding" not in measured  # charged at the memory bandwidth
 
 
 def test_calibrate_profile_from_a_cuda_base_on_cpu_is_fp32(measured):

@@ -64,6 +64,7 @@ def test_bad_plan_requests_are_one_line(capsys, argv, message):
 RATE, HALF, OVERHEAD = 50e9, 40.0, 2e-3  # block: 50 GFLOP/s, half rate at 40 tokens, 2 ms per block
 HEAD_RATE, HEAD_HALF, LOGIT = 20e9, 12.0, 1.5e-9  # head: 20 GFLOP/s, half rate at 12 tokens, 1.5 ns per logit
 BANDWIDTH, PER_PARAM = 10e9, 3e-9  # 10 GB/s memory, 3 ns per parameter of clipping + AdamW
+EMBEDDING = 0.4e-9  # the embedding's backward: 0.4 ns per table element and micro-batch
 BUS, LATENCY = 2e9, 50e-6  # gloo all-reduce: 2 GB/s bus bandwidth, 50 us per ring step
 GATHER, SCATTER = 0.45, 1.05  # an all-gather and a reduce-scatter, as shares of an all-reduce of the same bytes
 ALONE, TOGETHER, CORES = 0.010, 0.016, 4  # one block alone and on 4 ranks at once: 2.5 ranks' worth
@@ -87,7 +88,9 @@ def synthetic_timings(monkeypatch, calibrate):
     head = [calibrate.CPU_LOGIT_TOKENS * vocab * LOGIT] + [
         6 * n * d * vocab / (HEAD_RATE * n / (n + HEAD_HALF))
         for d in calibrate.CPU_HEAD_WIDTHS for n in calibrate.CPU_HEAD_TOKENS]
-    clock = {"measure_cpu_head": head, "measure_memory_bandwidth": [3 * 4 * SMALL / BANDWIDTH],
+    embedding = [4 * vocab * calibrate.CPU_HEAD_WIDTHS[-1] * EMBEDDING]  # a step of 4 micro-batches
+    clock = {"measure_cpu_head": head, "measure_embedding_grad": embedding,
+             "measure_memory_bandwidth": [3 * 4 * SMALL / BANDWIDTH],
              "measure_optimizer": [SMALL * PER_PARAM]}
 
     def timed(fn, repeat, sync=lambda: None):
@@ -143,6 +146,7 @@ def test_calibrate_fits_its_timings_and_writes_a_loadable_profile(tmp_path, monk
     assert hw.head_tflops == pytest.approx(HEAD_RATE / 1e12, rel=rel)
     assert hw.head_half_rate_tokens == pytest.approx(HEAD_HALF, rel=rel)
     assert hw.logit_ns == pytest.approx(LOGIT * 1e9, rel=rel)
+    assert hw.embedding_grad_ns == pytest.approx(EMBEDDING * 1e9, rel=rel)
     assert hw.memory_bandwidth_gbs == pytest.approx(BANDWIDTH / 1e9, rel=rel)
     assert hw.optimizer_ns_per_param == pytest.approx(PER_PARAM * 1e9, rel=rel)
     assert hw.intra_host_gbs == hw.inter_host_gbs == pytest.approx(BUS / 1e9, rel=rel)
@@ -181,7 +185,7 @@ def test_calibration_measurements_run_on_this_machine(monkeypatch):
     monkeypatch.setattr(calibrate, "CPU_LOGIT_TOKENS", 32)
     head_tflops, head_half, logit_ns = calibrate.measure_cpu_head(torch.float32, (64,), 512, repeat=1)
     assert math.isfinite(head_half) and head_half >= 0
-    cpu_head = (head_tflops, logit_ns)
+    cpu_head = (head_tflops, logit_ns, calibrate.measure_embedding_grad(512, 64, repeat=1))
     per_rank = run_ranks(calibrate._all_reduce_times, 2, [2**10, 2**14], 1)
     assert len(per_rank) == 2 and all(len(r) == 2 for r in per_rank)
     measured = [t for _, _, t in points] + seen["ys"] + list(cpu_head) + [t for r in per_rank for t in r] + [

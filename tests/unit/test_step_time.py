@@ -58,6 +58,16 @@ def test_work_per_micro_batch_and_parameter_is_charged_on_every_stage():
          2 * BLOCK_PARAMS + 1000 * 64 + 2 * 64])  # the last: its blocks, the tied head and the final norm
 
 
+def test_a_measured_embedding_gradient_replaces_the_bandwidth_estimate_on_the_first_stage_only():
+    """embedding_grad_ns 2: 2 ns per element of the 1000 x 64 table per micro-batch, 128 us, where two passes at
+    512 GB/s charge 1 us (EMB); the last stage's head gradient keeps the bandwidth's figure."""
+    hw = dataclasses.replace(HW, embedding_grad_ns=2.0)
+    assert predicted_us(Layout(1, 1, 1, 2, 3), hw) == pytest.approx(3 * (4 * BLOCK + HEAD + EMB + 128.0))
+    plain = step_time(MODEL, Layout(1, 1, 2, 2, 3), SEQ, "fp32", HW, 8).stages
+    charged = step_time(MODEL, Layout(1, 1, 2, 2, 3), SEQ, "fp32", hw, 8).stages
+    assert [(c.compute - p.compute) * 1e6 for c, p in zip(charged, plain)] == pytest.approx([128.0 - EMB, 0.0])
+
+
 def test_recompute_adds_a_forward():
     plain = predicted_us(Layout(1, 1, 1, 2, 1))
     assert predicted_us(Layout(1, 1, 1, 2, 1, recompute=True)) - plain == pytest.approx(4 * BLOCK / 3)

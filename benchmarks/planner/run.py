@@ -83,7 +83,21 @@ def parse_args(argv=None):
                         "only in dp mode, judged by their medians (0: by the screening)")
     p.add_argument("--screening", help="reuse the screened layouts of this results .json (finals only)")
     p.add_argument("--out", default=str(HERE / "results"), help="prefix of the .json and .csv written")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.screened = screened_layouts(p, args.screening) if args.screening else None
+    return args
+
+
+def screened_layouts(parser: argparse.ArgumentParser, path: str) -> list[dict]:
+    """The screened rows of an earlier results .json; a file that is not one: one line and exit 2 (before any
+    calibration or measurement)."""
+    try:
+        layouts = json.loads(Path(path).read_text())["layouts"]
+        if not isinstance(layouts, list) or not all(isinstance(r, dict) and "ranks" in r for r in layouts):
+            raise ValueError("its layouts are not rows of this benchmark")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        parser.error(f"--screening {path}: not a results .json of this benchmark ({type(e).__name__}: {e})")
+    return layouts
 
 
 def step_times(rank: int, world: int, model, cfg: TrainConfig, layout, tokens: np.ndarray) -> list[float]:
@@ -317,7 +331,7 @@ def main(argv=None) -> dict:
     print(f"[bench] {model.name} ({model.num_params() / 1e6:.1f} M parameters), global batch {args.global_batch} x "
           f"{args.seq_len}, hardware profile {hw.name}, {args.warmup} warm-up + {args.steps} measured steps", flush=True)
     t0 = time.perf_counter()
-    previous = json.loads(Path(args.screening).read_text())["layouts"] if args.screening else None
+    previous = args.screened
     rows, summaries = [], []
     for world in [int(r) for r in args.ranks.split(",")]:
         screened = [r for r in previous if r["ranks"] == world] if previous is not None else None

@@ -38,6 +38,36 @@ def test_a_failed_calibrate_stops_the_benchmark_with_one_line_not_a_traceback(tm
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("content, reason", [
+    (None, "FileNotFoundError"), ("{not json", "JSONDecodeError"), ('{"summary": []}', "KeyError: 'layouts'"),
+    ('{"layouts": [1, 2]}', "ValueError: its layouts are not rows of this benchmark"), ("[]", "TypeError")])
+def test_a_screening_that_is_not_a_results_file_is_refused_in_one_line(tmp_path, capsys, content, reason):
+    path = tmp_path / "earlier.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exit_:
+        bench.parse_args(["--screening", str(path)])
+    assert exit_.value.code == 2
+    last = capsys.readouterr().err.splitlines()[-1]  # "PROG: error: ...", PROG whatever runs the tests
+    assert last.split(": error: ", 1)[1].startswith(
+        f"--screening {path}: not a results .json of this benchmark ({reason}"), last
+
+
+def test_a_missing_screening_stops_the_benchmark_before_calibrate_runs(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "planner" / "run.py"), "--screening",
+                           str(tmp_path / "none.json"), "--calibrate", "--out", str(tmp_path / "r")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "[bench]" not in proc.stdout, proc.stderr
+    assert not list(tmp_path.iterdir())  # no profile, no results
+
+
+def test_a_results_file_s_screening_is_read_once_when_the_arguments_are(tmp_path):
+    path = tmp_path / "earlier.json"
+    path.write_text('{"layouts": [{"ranks": 4, "dp": 2}]}')
+    assert bench.parse_args(["--screening", str(path)]).screened == [{"ranks": 4, "dp": 2}]
+    assert bench.parse_args([]).screened is None
+
+
 def test_without_calibrate_the_named_profile_is_used():
     assert not bench.parse_args([]).calibrate
 

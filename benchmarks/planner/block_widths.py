@@ -28,16 +28,17 @@ import torch  # noqa: E402
 from elastic_trainer.parallel import calibrate  # noqa: E402
 
 WIDTHS, TOKENS = (64, 128, 256, 512, 768, 1024), (128, 512)
-FITS = [(256, 512), (256, 1024), (512, 1024), WIDTHS]
-"""Widths fitted over: calibrate's CPU_SHAPES (256 and 512), wider pairs, all of them."""
+FITS = [tuple(sorted({d for d, _ in calibrate.CPU_SHAPES})), (256, 1024), (512, 1024), WIDTHS]
+"""Widths fitted over: calibrate's own (CPU_SHAPES: 256 and 512), wider pairs, all of them."""
 
 
 def fit_errors(points: dict, widths: tuple[int, ...]) -> tuple[tuple[float, float, float], dict]:
-    """((GFLOP/s, half-rate tokens, ms per block) fitted over `widths`, {(width, tokens): relative error})."""
-    used = [v for (d, _), v in points.items() if d in widths]
-    inv, size, overhead = calibrate.fit_nonneg([[f, f / n, 1.0] for f, n, _ in used], [t for _, _, t in used])
-    errors = {k: (inv * f + size * f / n + overhead) / t - 1 for k, (f, n, t) in points.items()}
-    return (1e-9 / inv if inv else 0.0, size / inv if inv else 0.0, overhead * 1e3), errors
+    """((GFLOP/s, half-rate tokens, ms per block) of calibrate's fit over `widths`, {(width, tokens): its relative
+    error})."""
+    tflops, half, overhead_ms = calibrate.fit_compute([v for (d, _), v in points.items() if d in widths])
+    errors = {k: (f / (tflops * 1e12) * (1 + half / n) + overhead_ms * 1e-3) / t - 1
+              for k, (f, n, t) in points.items()}
+    return (tflops * 1e3, half, overhead_ms), errors
 
 
 def main(argv=None) -> dict:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from elastic_trainer.plan.candidates import Candidate, Request, evaluate
 from elastic_trainer.plan.layout import Layout
+from elastic_trainer.plan.step_time import accumulation_bytes
 
 
 def terms(req: Request, layout: Layout) -> list[tuple[str, float]]:
@@ -24,7 +25,8 @@ def terms(req: Request, layout: Layout) -> list[tuple[str, float]]:
     slowest = max(t.stages, key=lambda s: s.total)
     passes = "forward + backward" + (" + recomputed forward" if layout.recompute else "")
     scheduled = req.hardware.shared_host and layout.pp > 1 and layout.dp > 1  # step_time.scheduled_comm
-    rest = "output head and embedding gradient" + (", zero1's gradient adds" if layout.dp_mode == "zero1" else "")
+    rest = "output head and embedding gradient" + (", gradient accumulation"
+                                                    if accumulation_bytes(layout, req.compute_dtype) else "")
     rows = [(f"transformer blocks ({passes}){', compiled' if req.compiled else ''}", a * slowest.blocks),
             (rest, a * (slowest.compute - slowest.blocks - slowest.host_wait - slowest.weights)),
             ("work per micro-batch and parameter of the stage", a * slowest.weights),

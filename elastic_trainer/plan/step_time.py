@@ -7,8 +7,9 @@
   by t / (t + head_half_rate_tokens)), plus a fixed time per block and memory-bound work at
   `memory_bandwidth_gbs`: softmax cross-entropy per logit, the embedding gradient (on the first stage,
   `embedding_grad_ns` per table element where `calibrate` measured it: on the CPU, 2-3x two passes at the
-  bandwidth), and in zero1 the hooks moving every gradient into the fp32 buffer (read e bytes, read and
-  write 4; the first micro-batch's copy reads 4 fewer, left out). Where the profile says (`activation_ns`),
+  bandwidth), and the gradient summed over a step's micro-batches (`accumulation_bytes`: zero1's hooks
+  copy then add every gradient into the fp32 buffer; fsdp and ddp without a reduction per micro-batch sum
+  their full-size gradients as well, in FSDP2's fp32 accumulator or, in fp32, in place). Where the profile says (`activation_ns`),
   a block's memory-bound work per token and unit of width is added, and where it says
   (`microbatch_ns_per_param`), work per micro-batch and parameter of the stage: on the shared CPU host a
   job's pipeline stages spent 0.55-0.70 ns of CPU per parameter and micro-batch beyond what their blocks
@@ -155,7 +156,7 @@ class StageTime:
     tp_comm: float
     p2p: float
     blocks: float = 0.0
-    """The transformer blocks' part of `compute` (the rest: output head, embedding gradient, zero1's adds)."""
+    """The transformer blocks' part of `compute` (the rest: output head, embedding gradient, gradient sums)."""
     host_wait: float = 0.0
     """The part of `compute` the device waits on the host issuing its kernels (GPU profiles whose host was
     measured: what the host's time per micro-batch exceeds the device's by)."""
@@ -186,10 +187,8 @@ def stage_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw:
     emb_grad = 2 * model.vocab_size * model.d_model * MASTER_BYTES / (hw.memory_bandwidth_gbs * 1e9)
     if stage == 0:  # the embedding's backward: measured (CPU profiles), else two passes over the table
         compute += (model.vocab_size * model.d_model * hw.embedding_grad_ns * 1e-9) or emb_grad
-    if layout.dp_mode == "zero1":  # the hooks add every gradient into the fp32 buffer
-        grads = params * (DTYPE_BYTES[dtype] + 2 * MASTER_BYTES)
-        compute += grads / (hw.memory_bandwidth_gbs * 1e9)
-    elif hw.host_measured:  # FSDP2's casts and copies around its collectives (CPU profiles: hooks_ns)
+    compute += params * accumulation_bytes(layout, dtype) / (hw.memory_bandwidth_gbs * 1e9)
+    if layout.dp_mode != "zero1" and hw.host_measured:  # FSDP2's casts and copies around its collectives (CPU profiles: hooks_ns)
         per_microbatch, _ = wrapper_bytes(layout, dtype)
         compute += params * per_microbatch / (hw.memory_bandwidth_gbs * 1e9)
     if stage == layout.pp - 1:
@@ -202,6 +201,21 @@ def stage_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw:
     sends = (stage > 0) + (stage < layout.pp - 1)  # activation forward, its gradient backward
     p2p = sends * links.pp.send(hidden)
     return StageTime(compute, n_blocks * per_block, p2p, n_blocks * block / block_speedup, host_wait, weights)
+
+
+def accumulation_bytes(layout: Layout, dtype: str) -> float:
+    """Bytes per parameter of the stage moved per micro-batch (the step's mean) keeping the gradient summed over
+    the step's micro-batches until its one reduction. zero1's hooks copy the first micro-batch's gradient into
+    the fp32 buffer (read e, write 4) and add each later one into it (read e + 4, write 4). fsdp and ddp
+    reduce once per step (pipelined, and ddp always; fsdp without a pipeline reduces every micro-batch, which
+    wrapper_bytes charges) and sum the full-size gradients in between: FSDP2 casts the first into its fp32
+    accumulator and adds the later ones into it, the same bytes as zero1's; in fp32 autograd keeps the first
+    as it is and adds each later one in place (read 8, write 4)."""
+    e, a = DTYPE_BYTES[dtype], layout.num_microbatches
+    if layout.dp_mode == "fsdp" and layout.pp == 1:
+        return 0.0
+    first = 0 if layout.dp_mode != "zero1" and e == MASTER_BYTES else e + MASTER_BYTES
+    return (first + (a - 1) * (e + 2 * MASTER_BYTES)) / a
 
 
 def wrapper_bytes(layout: Layout, dtype: str) -> tuple[float, float]:

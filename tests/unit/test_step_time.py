@@ -9,7 +9,7 @@ import pytest
 from elastic_trainer.config import ConfigError, ModelConfig
 from elastic_trainer.plan.hardware import Hardware, load_hardware
 from elastic_trainer.plan.layout import Layout
-from elastic_trainer.plan.step_time import Link, step_time
+from elastic_trainer.plan.step_time import Link, accumulation_bytes, step_time
 
 # 1 TFLOP/s, 1 GB/s inside a host, 0.5 GB/s across, no latency, no overlap, 512 GB/s memory
 HW = Hardware(name="toy", tflops=1.0, memory_bandwidth_gbs=512.0, logit_ns=0.0, optimizer_ns_per_param=0.0,
@@ -58,6 +58,25 @@ def test_work_per_micro_batch_and_parameter_is_charged_on_every_stage():
          2 * BLOCK_PARAMS + 1000 * 64 + 2 * 64])  # the last: its blocks, the tied head and the final norm
 
 
+def test_the_gradients_summed_over_a_step_s_micro_batches_are_charged_in_every_mode_that_reduces_once():
+    """By hand, bytes per parameter of the stage over a step of 4 micro-batches. fp32: autograd keeps the first
+    micro-batch's gradient and adds 3 in place (read 4 + 4, write 4); zero1 copies the first into its buffer
+    (read 4, write 4) and adds 3. bf16 with fp32 reduction: FSDP2 casts the first into its fp32 accumulator (read
+    2, write 4) and adds 3 (read 2 + 4, write 4), as zero1 does. fsdp without a pipeline reduces every
+    micro-batch: nothing summed in full size."""
+    def per_step(dp, pp, a, mode, dtype="fp32"):
+        return accumulation_bytes(Layout(dp, 1, pp, 1, a, dp_mode=mode), dtype) * a
+
+    assert per_step(2, 2, 4, "fsdp") == per_step(2, 1, 4, "ddp") == per_step(2, 2, 4, "ddp") == 3 * 12
+    assert per_step(2, 2, 4, "zero1") == 8 + 3 * 12 and per_step(2, 1, 4, "zero1") == 8 + 3 * 12
+    assert per_step(2, 1, 4, "fsdp") == 0
+    assert per_step(2, 2, 4, "fsdp", "bf16") == per_step(2, 2, 4, "zero1", "bf16") == 6 + 3 * 10
+    assert per_step(2, 2, 1, "fsdp") == per_step(2, 1, 1, "ddp") == 0 and per_step(2, 2, 1, "zero1") == 8
+    # charged at the memory bandwidth on the stage's parameters: ddp on one device, 3 micro-batches, 2 adds
+    ddp = predicted_us(Layout(1, 1, 1, 2, 3, dp_mode="ddp"))
+    assert ddp == pytest.approx(3 * (4 * BLOCK + HEAD + 2 * EMB) + STAGE_PARAMS * 2 * 12 / 512e3)
+
+
 def test_a_measured_embedding_gradient_replaces_the_bandwidth_estimate_on_the_first_stage_only():
     """embedding_grad_ns 2: 2 ns per element of the 1000 x 64 table per micro-batch, 128 us, where two passes at
     512 GB/s charge 1 us (EMB); the last stage's head gradient keeps the bandwidth's figure."""
@@ -80,8 +99,11 @@ def test_tensor_parallel_halves_blocks_and_adds_four_all_reduces_per_block():
 
 
 def test_pipeline_is_sum_of_stages_plus_slowest_for_each_further_micro_batch():
-    first = 2 * BLOCK + EMB + HIDDEN          # sends activations forward
-    last = 2 * BLOCK + HEAD + EMB + HIDDEN    # sends their gradients backward
+    # each stage sums its gradients over the 3 micro-batches in full size (fp32, in place: 2 adds of 12 bytes
+    # per parameter), a third of it per micro-batch
+    sums = [n * 2 * 12 / 3 / 512e3 for n in (2 * BLOCK_PARAMS + 1000 * 64 + 32 * 64, 2 * BLOCK_PARAMS + 1000 * 64 + 2 * 64)]
+    first = 2 * BLOCK + EMB + HIDDEN + sums[0]        # sends activations forward
+    last = 2 * BLOCK + HEAD + EMB + HIDDEN + sums[1]  # sends their gradients backward
     tied = 2 * (2 - 1) / 2 * 1000 * 64 * 4 / 1e3  # all-reduce of the tied embedding's gradient
     result = step_time(MODEL, Layout(1, 1, 2, 2, 3), SEQ, "fp32", HW, 8)
     assert result.total * 1e6 == pytest.approx(first + last + 2 * last + tied)
@@ -93,12 +115,14 @@ def test_fsdp_without_pipeline_gathers_twice_and_reduces_every_micro_batch():
     gather, regather, scatter = (0.5 * n * 4 / 1e3 for n in (params, 4 * BLOCK_PARAMS, params))
     compute = 4 * BLOCK + HEAD + 2 * EMB
     assert predicted_us(Layout(2, 1, 1, 2, 2)) == pytest.approx(2 * (compute + gather + regather + scatter))
-    # ddp: one all-reduce per step; with overlap it hides behind 2/3 of the last micro-batch
+    # ddp: one all-reduce per step, the 2 micro-batches' gradients summed in full size before it (one add of 12
+    # bytes per parameter, half of it per micro-batch); with overlap it hides behind 2/3 of the last micro-batch
     all_reduce = 2 * 0.5 * params * 4 / 1e3
-    assert predicted_us(Layout(2, 1, 1, 2, 2, dp_mode="ddp")) == pytest.approx(2 * compute + all_reduce)
+    ddp_mb = compute + params * 12 / 2 / 512e3
+    assert predicted_us(Layout(2, 1, 1, 2, 2, dp_mode="ddp")) == pytest.approx(2 * ddp_mb + all_reduce)
     hidden = dataclasses.replace(HW, overlap=1.0)
     assert predicted_us(Layout(2, 1, 1, 2, 2, dp_mode="ddp"), hidden) == \
-        pytest.approx(2 * compute + all_reduce - 2 / 3 * compute)
+        pytest.approx(2 * ddp_mb + all_reduce - 2 / 3 * ddp_mb)
 
 
 def test_fsdp_pays_latency_per_unit_and_each_collective_its_share_of_an_all_reduce():
@@ -117,7 +141,7 @@ def test_fsdp_pays_latency_per_unit_and_each_collective_its_share_of_an_all_redu
 
 def test_zero1_reduces_and_gathers_once_per_step_and_copies_at_memory_bandwidth():
     params = 4 * BLOCK_PARAMS + ROOT_PARAMS
-    hooks = params * (4 + 8) / 512e3   # per micro-batch: read each gradient, read and write the fp32 buffer
+    hooks = params * (8 + 12) / 2 / 512e3  # per micro-batch: the first copied into the fp32 buffer, the second added
     scatter = gather = 0.5 * params * 4 / 1e3  # fp32 buffer and master shard over 2 ranks, not overlapped
     copy = params * (4 + 4) / 512e3    # the gathered fp32 weights into the parameters
     compute = 4 * BLOCK + HEAD + 2 * EMB
@@ -153,8 +177,8 @@ def test_an_old_profile_s_reduce_scatter_as_all_reduce_reads_as_a_share_of_one(t
 
 def test_zero1_pipeline_stages_communicate_their_own_parameters_and_a_shard_of_the_tied_embedding():
     first, last = 2 * BLOCK_PARAMS + 1000 * 64 + 32 * 64, 2 * BLOCK_PARAMS + 1000 * 64 + 2 * 64
-    stage_first = 2 * BLOCK + EMB + HIDDEN + first * 12 / 512e3
-    stage_last = 2 * BLOCK + HEAD + EMB + HIDDEN + last * 12 / 512e3
+    stage_first = 2 * BLOCK + EMB + HIDDEN + first * 8 / 512e3  # one micro-batch: its gradients copied, 8 bytes
+    stage_last = 2 * BLOCK + HEAD + EMB + HIDDEN + last * 8 / 512e3
     comm = 2 * 0.5 * first * 4 / 1e3 + first * 8 / 512e3  # the first stage's, the larger
     tied = 2 * (2 - 1) / 2 * 1000 * 64 * 4 / 2 / 1e3  # all-reduce of this rank's half of the embedding gradient
     result = step_time(MODEL, Layout(2, 1, 2, 2, 1, dp_mode="zero1"), SEQ, "fp32", HW, 8)
@@ -241,7 +265,7 @@ STAGE_PARAMS = 4 * BLOCK_PARAMS + ROOT_PARAMS  # the one stage's parameters (tie
 
 def test_the_host_s_time_per_block_bounds_a_micro_batch_when_it_exceeds_the_device_s():
     slow_host = dataclasses.replace(HW, zero1_host_block_ms=1.0)  # 4 blocks: 4 ms per micro-batch on the host
-    zero1_adds = STAGE_PARAMS * (4 + 2 * 4) / 512e3  # us: the gradient adds into the fp32 buffer
+    zero1_adds = STAGE_PARAMS * (8 + 2 * 12) / 3 / 512e3  # us: copy then 2 adds into the fp32 buffer, per mb
     copy = STAGE_PARAMS * 2 * 4 / 512e3              # us: the gathered weights into the parameters
     device = 4 * BLOCK + HEAD + 2 * EMB + zero1_adds
     assert device < 4000

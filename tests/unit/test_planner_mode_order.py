@@ -1,0 +1,82 @@
+"""benchmarks/planner/mode_order.py: the dp modes of a group stepped in turn on the same ranks, each pair ordered
+only when a sign-flip test on its per-cycle ratios tells it from a tie."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks" / "planner"))  # mode_order imports this folder's run.py
+_spec = importlib.util.spec_from_file_location("planner_mode_order", ROOT / "benchmarks" / "planner" / "mode_order.py")
+modes = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(modes)
+
+
+def test_sign_flip_p_counts_the_sign_patterns_by_hand():
+    # all n cycles one way: only the all-plus and all-minus patterns reach the observed mean: 2 / 2**n
+    assert modes.sign_flip_p([0.1] * 6) == pytest.approx(2 / 64)
+    assert modes.sign_flip_p([0.1] * 5) == pytest.approx(2 / 32)  # 5 cycles can never reach p < 0.05
+    # [3, 1, 1]: mean 5/3; flipping either 1 gives 1, flipping the 3 gives -1/3 or less: 2 of 8 patterns
+    assert modes.sign_flip_p([3.0, 1.0, 1.0]) == pytest.approx(2 / 8)
+    assert modes.sign_flip_p([1.0, -1.0]) == 1.0  # mean 0: every pattern is as far
+    # beyond EXACT_UP_TO values the patterns are drawn: 20 alike is 2 / 2**20 exactly, about 0 drawn
+    assert modes.sign_flip_p([0.1] * 20) < 1e-4 and modes.sign_flip_p([1.0, -1.0] * 10) == 1.0
+
+
+def test_each_cycle_rotates_the_modes_so_each_follows_each_other_as_often():
+    assert [modes.cycle_order(3, c) for c in range(4)] == [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
+
+
+def test_the_ranks_step_one_trainer_per_mode_in_turn_after_their_warm_up(monkeypatch):
+    """No ranks run: a fake trainer records the order of steps and answers its own step count."""
+    log = []
+
+    class FakeTrainer:
+        def __init__(self, model, cfg, layout, mesh, device, tokens):
+            self.name, self.steps = layout.dp_mode, 0
+
+        def train_step(self):
+            self.steps += 1
+            log.append(self.name)
+            return {"step_time_s": float(self.steps)}
+
+    monkeypatch.setattr(modes, "Trainer", FakeTrainer)
+    monkeypatch.setattr(modes, "build_mesh", lambda layout, device: None)
+    layouts = [types.SimpleNamespace(dp_mode=m) for m in ("ddp", "fsdp")]
+    times = modes.interleaved_steps(1, 2, None, None, layouts, None, warmup=2, cycles=3)
+    assert log == ["ddp", "ddp", "fsdp", "fsdp", "ddp", "fsdp", "fsdp", "ddp", "ddp", "fsdp"]
+    assert times == [[3.0, 4.0, 5.0], [3.0, 4.0, 5.0]]  # the warm-up steps are not measured
+
+
+def test_a_pair_faster_in_every_one_of_six_cycles_is_ordered_and_checked_against_the_prediction():
+    steps = {"ddp": [1.00, 1.02, 0.99, 1.01, 1.00, 1.03], "fsdp": [1.05, 1.06, 1.04, 1.07, 1.05, 1.06]}
+    (pair,) = modes.judge_group(steps, {"ddp": 5.0, "fsdp": 4.9})
+    ratio = math.exp(sum(math.log(f / d) for d, f in zip(steps["ddp"], steps["fsdp"])) / 6)
+    assert pair["faster"] == "ddp" and pair["slower"] == "fsdp" and pair["ratio"] == round(ratio, 4)
+    assert pair["faster_in_cycles"] == 6 and pair["p"] == round(2 / 64, 4) and pair["ordered"]
+    assert pair["predicted"] is False  # the prediction put fsdp first
+    (pair,) = modes.judge_group(steps, {"ddp": 4.9, "fsdp": 5.0})
+    assert pair["predicted"] is True
+
+
+def test_a_pair_that_swaps_from_cycle_to_cycle_is_a_tie_with_no_order_to_match():
+    steps = {"ddp": [1.00, 1.10, 1.00, 1.10, 1.00, 1.10], "zero1": [1.05] * 6}
+    (pair,) = modes.judge_group(steps, {"ddp": 5.0, "zero1": 4.0})
+    assert not pair["ordered"] and pair["predicted"] is None and pair["p"] > 0.5
+    groups = [{"pairs": [pair]}, {"pairs": modes.judge_group(
+        {"ddp": [1.0] * 6, "fsdp": [1.1] * 6, "zero1": [0.9] * 6}, {"zero1": 1.0, "ddp": 2.0, "fsdp": 1.5})}]
+    # zero1 < ddp < fsdp measured; predicted zero1 < fsdp < ddp: 2 of the 3 ordered pairs agree
+    assert modes.counts(groups) == "2 of 3 ordered pairs in the predicted order (1 of 4 pairs a tie at p >= 0.05)"
+
+
+def test_fewer_than_six_cycles_is_refused_as_it_could_order_nothing(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        modes.parse_args(["--cycles", "5"])
+    assert exit_.value.code == 2 and "--cycles 5: 6 or more" in capsys.readouterr().err
+    assert modes.parse_args([]).cycles == 16

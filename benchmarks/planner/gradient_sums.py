@@ -19,11 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import profiles  # noqa: E402  (this folder's profiles.py)
-import run as bench  # noqa: E402
 
 import elastic_trainer.plan.step_time as step_time  # noqa: E402
-from elastic_trainer.plan import Request, load_hardware  # noqa: E402
-from elastic_trainer.plan.candidates import evaluate  # noqa: E402
+from elastic_trainer.plan import load_hardware  # noqa: E402
 from elastic_trainer.plan.layout import Layout  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -38,19 +36,12 @@ def zero1_adds_only(layout: Layout, dtype: str) -> float:
     return (step_time.DTYPE_BYTES[dtype] + 2 * step_time.MASTER_BYTES) if layout.dp_mode == "zero1" else 0.0
 
 
-def judged(result: dict, world: int, hw) -> str:
-    model = profiles.model_of(result)
-    req = Request(model, world, result["global_batch"], result["seq_len"], hw, world, dtype="fp32")
-    rows = [{**r, "predicted_s": evaluate(req, Layout(r["dp"], r["tp"], r["pp"], r["micro_batch"], r["num_microbatches"],
-                                                      dp_mode=r["dp_mode"])).time.total}
-            for r in result["layouts"] if r["ranks"] == world]
-    chosen = min(rows, key=lambda r: r["predicted_s"])
-    summary = next((s for s in result.get("summary", []) if s.get("ranks") == world), None)
-    orders = bench.mode_orders(rows, bench.remeasured_in(summary) if summary else None)
+def cell(result: dict, world: int, hw) -> str:
+    """'chosen/best screened, median error, groups in order, pairs in order' of the run re-predicted with `hw`."""
+    chosen, best, errors, orders = profiles.judged(result, world, profiles.repredicted(result, world, hw))
     pairs = [p for o in orders for p in o["apart"]]
-    return (f"{min(r['measured_s'] for r in rows) / chosen['measured_s']:.3f} "
-            f"{bench.prediction_errors(rows)['median_abs_error']:.1%} {sum(o['match'] for o in orders)}/{len(orders)} "
-            f"{sum(p['predicted'] for p in pairs)}/{len(pairs)}")
+    return (f"{best / chosen['measured_s']:.3f} {errors['median_abs_error']:.1%} "
+            f"{sum(o['match'] for o in orders)}/{len(orders)} {sum(p['predicted'] for p in pairs)}/{len(pairs)}")
 
 
 def main(argv: list[str]) -> None:
@@ -65,7 +56,7 @@ def main(argv: list[str]) -> None:
             for label, charge in (("zero1 adds only", zero1_adds_only), ("sums", SUMS)):
                 step_time.accumulation_bytes = charge
                 try:
-                    cells += [f"{label} {m}: {judged(result, world, dataclasses.replace(own, microbatch_ns_per_param=m))}"
+                    cells += [f"{label} {m}: {cell(result, world, dataclasses.replace(own, microbatch_ns_per_param=m))}"
                               for m in per_param]
                 finally:
                     step_time.accumulation_bytes = SUMS

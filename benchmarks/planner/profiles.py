@@ -19,6 +19,7 @@ import run as bench  # noqa: E402  (this folder's run.py)
 
 from elastic_trainer.config import load_model_config  # noqa: E402
 from elastic_trainer.plan import Request, load_hardware  # noqa: E402
+from elastic_trainer.plan.hardware import Hardware  # noqa: E402
 from elastic_trainer.plan.candidates import evaluate  # noqa: E402
 from elastic_trainer.plan.layout import Layout  # noqa: E402
 
@@ -29,9 +30,9 @@ def model_of(result: dict):
     return bench_model if result["model"] == bench_model.name else load_model_config(result["model"])
 
 
-def repredicted(result: dict, world: int, profile: str) -> list[dict]:
-    """The screened rows of `world` ranks with `profile`'s predictions."""
-    model, hw = model_of(result), load_hardware(profile)
+def repredicted(result: dict, world: int, profile: str | Hardware) -> list[dict]:
+    """The screened rows of `world` ranks with `profile`'s predictions (a profile's name or file, or one loaded)."""
+    model, hw = model_of(result), profile if isinstance(profile, Hardware) else load_hardware(profile)
     req = Request(model, world, result["global_batch"], result["seq_len"], hw, world, dtype="fp32")
     rows = []
     for r in result["layouts"]:
@@ -41,16 +42,20 @@ def repredicted(result: dict, world: int, profile: str) -> list[dict]:
     return rows
 
 
+def judged(result: dict, world: int, rows: list[dict]) -> tuple[dict, float, dict, list[dict]]:
+    """Re-predicted rows judged as run.py judges a run: (the layout they would choose, the best screened
+    seconds, the prediction errors, the dp modes' orders: by the run's mode rounds where it had them)."""
+    summary = next((s for s in result.get("summary", []) if s.get("ranks") == world), None)
+    return (min(rows, key=lambda r: r["predicted_s"]), min(r["measured_s"] for r in rows),
+            bench.prediction_errors(rows), bench.mode_orders(rows, bench.remeasured_in(summary) if summary else None))
+
+
 def main(argv: list[str]) -> None:
     result = json.loads(Path(argv[0]).read_text())
     for world in sorted({r["ranks"] for r in result["layouts"]}):
         for profile in argv[1:]:
             rows = repredicted(result, world, profile)
-            chosen = min(rows, key=lambda r: r["predicted_s"])
-            best = min(r["measured_s"] for r in rows)
-            errors = bench.prediction_errors(rows)
-            summary = next((s for s in result.get("summary", []) if s.get("ranks") == world), None)
-            orders = bench.mode_orders(rows, bench.remeasured_in(summary) if summary else None)
+            chosen, best, errors, orders = judged(result, world, rows)
             print(f"{world} ranks, {profile}: Spearman {bench.spearman([r['predicted_s'] for r in rows], [r['measured_s'] for r in rows]):.3f}"
                   f" over {len(rows)} layouts, error median {errors['median_abs_error']:.1%} (largest "
                   f"{errors['max_abs_error']:.1%}), dp modes in the measured order at {bench.order_counts(orders)}"

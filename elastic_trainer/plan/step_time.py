@@ -9,8 +9,8 @@
   `embedding_grad_ns` per table element where `calibrate` measured it: on the CPU, 2-3x two passes at the
   bandwidth), and the gradient summed over a step's micro-batches (`accumulation_bytes`: zero1's hooks
   copy then add every gradient into the fp32 buffer; fsdp and ddp without a reduction per micro-batch sum
-  their full-size gradients as well, in FSDP2's fp32 accumulator or, in fp32, in place). Where the profile says (`activation_ns`),
-  a block's memory-bound work per token and unit of width is added, and where it says
+  their full-size gradients as well, in FSDP2's fp32 accumulator or, in fp32, in place). Where the profile
+  says (`activation_ns`), a block's memory-bound work per token and unit of width is added, and where it says
   (`microbatch_ns_per_param`), work per micro-batch and parameter of the stage: on the shared CPU host a
   job's pipeline stages spent 0.55-0.70 ns of CPU per parameter and micro-batch beyond what their blocks
   timed alone take (gpt3-small at 8 ranks, benchmarks/planner/stage_cpu.py).
@@ -188,7 +188,7 @@ def stage_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw:
     if stage == 0:  # the embedding's backward: measured (CPU profiles), else two passes over the table
         compute += (model.vocab_size * model.d_model * hw.embedding_grad_ns * 1e-9) or emb_grad
     compute += params * accumulation_bytes(layout, dtype) / (hw.memory_bandwidth_gbs * 1e9)
-    if layout.dp_mode != "zero1" and hw.host_measured:  # FSDP2's casts and copies around its collectives (CPU profiles: hooks_ns)
+    if hw.host_measured:  # FSDP2's casts and copies around its collectives (none in zero1; CPU profiles: hooks_ns)
         per_microbatch, _ = wrapper_bytes(layout, dtype)
         compute += params * per_microbatch / (hw.memory_bandwidth_gbs * 1e9)
     if stage == layout.pp - 1:

@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 import run as bench  # noqa: E402  (this folder's run.py)
 
-from elastic_trainer.config import TrainConfig, load_model_config  # noqa: E402
+from elastic_trainer.config import ConfigError, TrainConfig, load_model_config  # noqa: E402
 from elastic_trainer.parallel import build_mesh  # noqa: E402
 from elastic_trainer.parallel.local_ranks import run_ranks  # noqa: E402
 from elastic_trainer.plan import Request, load_hardware, plan  # noqa: E402
@@ -135,6 +135,18 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.cycles < 6:
         p.error(f"--cycles {args.cycles}: 6 or more (with fewer no pair can be ordered at p < {SIGNIFICANCE})")
+    try:
+        args.wanted = [int(d) for d in args.degrees.split(",")] if args.degrees else None
+    except ValueError:
+        args.wanted = []
+    if args.wanted is not None and (len(args.wanted) != 3 or min(args.wanted) < 1):
+        p.error(f"--degrees {args.degrees}: three positive integers DP,TP,PP, e.g. 2,1,2")
+    try:  # before any calibration or measurement
+        load_model_config(args.model)
+        if not args.calibrate:
+            load_hardware(args.hardware)
+    except ConfigError as e:
+        p.error(str(e))
     return args
 
 
@@ -146,8 +158,13 @@ def main(argv=None) -> dict:
     req = Request(model, args.ranks, args.global_batch, args.seq_len, hw, args.ranks, dtype="fp32", recompute=(False,))
     cands = plan(req).candidates
     rows = [bench.candidate_row(args.ranks, i + 1, c) for i, c in enumerate(cands)]
-    wanted = [int(d) for d in args.degrees.split(",")] if args.degrees else None
-    groups = [g for g in bench.mode_groups(rows) if wanted in (None, [g[0]["dp"], g[0]["tp"], g[0]["pp"]])]
+    every = bench.mode_groups(rows)
+    groups = [g for g in every if args.wanted in (None, [g[0]["dp"], g[0]["tp"], g[0]["pp"]])]
+    if not groups:
+        found = sorted({",".join(str(r[k]) for k in ("dp", "tp", "pp")) for g in every for r in g[:1]})
+        print(f"mode_order.py: error: no group of dp modes at degrees {args.degrees} in this plan (groups at: "
+              f"{' '.join(found) or 'none'}); nothing measured", file=sys.stderr)
+        raise SystemExit(2)
     print(f"[modes] {model.name}, {args.ranks} ranks, profile {hw.name}: {len(groups)} groups of dp modes, "
           f"{args.warmup} warm-up steps and {args.cycles} cycles each", flush=True)
     t0, out = time.perf_counter(), []

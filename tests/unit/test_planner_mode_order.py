@@ -98,3 +98,25 @@ def test_a_small_run_writes_every_group_with_each_mode_s_steps_and_its_judged_pa
         assert len(g["pairs"]) == len(g["steps_s"]) * (len(g["steps_s"]) - 1) // 2
         assert all(p["p"] >= round(2 / 64, 4) and p["cycles"] == 6 for p in g["pairs"])
     assert result["summary"] == modes.counts(groups)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--degrees", "2,x"], "--degrees 2,x: three positive integers DP,TP,PP"),
+    (["--degrees", "2,1"], "--degrees 2,1: three positive integers DP,TP,PP"),
+    (["--degrees", "0,1,4"], "--degrees 0,1,4: three positive integers DP,TP,PP"),
+    (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+    (["--hardware", "no-such-profile"], "unknown hardware 'no-such-profile'"),
+])
+def test_bad_arguments_are_refused_in_one_line_before_anything_runs(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        modes.parse_args(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_degrees_without_a_group_of_modes_stop_before_measuring_and_write_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(modes, "measure_group", lambda *a: pytest.fail("measured"))
+    with pytest.raises(SystemExit) as exit_:
+        modes.main(["--model", "gpt-tiny", "--ranks", "4", "--degrees", "4,1,2", "--out", str(tmp_path / "m")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "no group of dp modes at degrees 4,1,2 in this plan (groups at: 2,1,2" in err
+    assert not list(tmp_path.iterdir())

@@ -11,8 +11,9 @@ Two things `calibrate`'s small shapes do not show (benchmarks/planner/README.md,
   such temporaries: 9-13 ns per parameter at gpt3-small's shapes against `calibrate`'s 3.4.)
 - **The modes' own work.** FSDP2 copies every unit's parameters into a buffer before its all-gather and out
   of it after, and its gradients in and out around the reduce-scatter; ddp (FSDP2's replicate) does the
-  same around its all-reduce. The step-time model charges their collectives (and zero1's gradient adds
-  into its flat buffer), not these copies.
+  same around its all-reduce. The step-time model charges their collectives, zero1's gradient adds into
+  its flat buffer and, since 2026-11-29, these copies by their bytes (plan/step_time.py `wrapper_bytes`);
+  not the rest of the hooks' work (allocations, Python, the waits between copies).
 
 So this trains the job's model, cut to `LAYERS` blocks (its width, heads, vocabulary and sequence length
 kept: its embedding is the job's), for `STEPS` steps in every mode on `ranks` forked ranks with dp = ranks
@@ -20,9 +21,9 @@ and one micro-batch, and takes each phase's fastest time over the steps after th
 `phases_s`). From them:
 - `{mode}_optimizer_ns_per_param`: clip + optimizer phases per local parameter;
 - `{mode}_hooks_ns_per_param`: the rest of the step (forward + backward, zero1's all-gather) minus what the
-  step-time model predicts for it, less the same residual of the mode with the smallest one, per parameter of
-  the stage and per data-parallel collective of the probe (plan/step_time.py `collectives`: fsdp 3, ddp 1,
-  zero1 2). Both are divided by what the step-time model multiplies them by for the probe (its ranks sharing
+  step-time model predicts for it (the counted copies included), less the same residual of the mode with the
+  smallest one, per parameter of the stage and per data-parallel collective of the probe (plan/step_time.py
+  `collectives`: fsdp 3, ddp 1, zero1 2). Both are divided by what the step-time model multiplies them by for the probe (its ranks sharing
   the host's cores), so the model predicts the probe's phases back. Taking the cheapest mode's residual off
   leaves out what the model gets wrong alike in every mode (its compute rate): what is charged is only the
   difference between the modes.
@@ -183,10 +184,11 @@ def fitted(hw: Hardware, model: ModelConfig, seq_len: int, measured: dict[str, t
         layout = probe_layout(ranks, mode)
         one = dataclasses.replace(base, **{f"{mode}_optimizer_ns_per_param": 1.0, f"{mode}_hooks_ns_per_param": 1.0})
         per_ns = step_time(probe, layout, seq_len, "fp32", one, ranks)  # seconds each term takes per ns
+        copies = step_time(probe, layout, seq_len, "fp32", base, ranks).hooks  # the counted copies, per step
         fields[f"{mode}_optimizer_ns_per_param"] = (phases["clip"] + phases["optimizer"]) / per_ns.optimizer
         predicted = by_phase(Request(probe, ranks, ranks, seq_len, base, ranks, dtype="fp32"), layout)
         residual[mode] = (phases["forward_backward"] + phases["sync"]
-                          - predicted["forward_backward"] - predicted["sync"]), per_ns.hooks
+                          - predicted["forward_backward"] - predicted["sync"]), per_ns.hooks - copies
     floor = min(r for r, _ in residual.values())
     for mode, (r, per_ns) in residual.items():
         fields[f"{mode}_hooks_ns_per_param"] = (r - floor) / per_ns

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from elastic_trainer.plan.candidates import Candidate, Request, evaluate
 from elastic_trainer.plan.layout import Layout
-from elastic_trainer.plan.step_time import accumulation_bytes
+from elastic_trainer.plan.step_time import accumulation_bytes, wrapper_bytes
 
 
 def terms(req: Request, layout: Layout) -> list[tuple[str, float]]:
@@ -25,8 +25,11 @@ def terms(req: Request, layout: Layout) -> list[tuple[str, float]]:
     slowest = max(t.stages, key=lambda s: s.total)
     passes = "forward + backward" + (" + recomputed forward" if layout.recompute else "")
     scheduled = req.hardware.shared_host and layout.pp > 1 and layout.dp > 1  # step_time.scheduled_comm
-    rest = "output head and embedding gradient" + (", gradient accumulation"
-                                                    if accumulation_bytes(layout, req.compute_dtype) else "")
+    hw = req.hardware
+    copies = (hw.shared_host or hw.host_measured) and wrapper_bytes(layout, req.compute_dtype, hw.shared_host)[0]
+    rest = ("output head and embedding gradient"
+            + (", gradient accumulation" if accumulation_bytes(layout, req.compute_dtype) else "")
+            + (f", {layout.dp_mode}'s copies around its collectives" if copies else ""))
     rows = [(f"transformer blocks ({passes}){', compiled' if req.compiled else ''}", a * slowest.blocks),
             (rest, a * (slowest.compute - slowest.blocks - slowest.host_wait - slowest.weights)),
             ("work per micro-batch and parameter of the stage", a * slowest.weights),
@@ -39,7 +42,7 @@ def terms(req: Request, layout: Layout) -> list[tuple[str, float]]:
             (f"data-parallel communication not hidden ({layout.dp_mode})" + (", tied embedding" if layout.pp > 1
                                                                              else ""), t.dp_comm),
             ("optimizer step (clipping + AdamW)", t.optimizer),
-            (f"{layout.dp_mode}'s measured excess (calibrate --model)" if req.hardware.shared_host
+            (f"{layout.dp_mode}'s copies around its collectives and measured excess, per step" if hw.shared_host
              else f"{layout.dp_mode}'s casts and copies around its collectives, per step", t.hooks)]
     return rows
 

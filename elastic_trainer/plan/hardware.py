@@ -92,10 +92,10 @@ class Hardware:
     zero1_optimizer_ns_per_param: float = 0.0
     """The same under zero1 (0: `optimizer_ns_per_param`)."""
     fsdp_hooks_ns_per_param: float = 0.0
-    """What fsdp's step takes beyond the compute and collectives the model charges, per parameter of the stage
-    and per data-parallel collective (FSDP2's copies into and out of its per-unit buffers; plan/step_time.py
-    `collectives`): the measured excess over the cheapest mode at a job's shapes (`calibrate --model`; 0: none
-    charged)."""
+    """What fsdp's step takes beyond the compute, collectives and copies the model charges (the copies into and
+    out of FSDP2's per-unit buffers are counted in bytes: plan/step_time.py `wrapper_bytes`), per parameter of
+    the stage and per data-parallel collective (`collectives`): the measured excess over the cheapest mode at a
+    job's shapes (`calibrate --model`; 0: none charged)."""
     ddp_hooks_ns_per_param: float = 0.0
     """The same for ddp."""
     zero1_hooks_ns_per_param: float = 0.0
@@ -200,8 +200,9 @@ class Hardware:
     @property
     def host_measured(self) -> bool:
         """A GPU profile whose host times were measured (`calibrate --model` on the GPU): the step-time model
-        then also charges FSDP2's copies in device memory (plan/step_time.py `wrapper_bytes`), as the figures it
-        was checked with did. A data-sheet profile's `tflops` lumps such work into its sustained rate."""
+        then also charges FSDP2's copies in device memory (plan/step_time.py `wrapper_bytes`, as it does on
+        `shared_host` CPU ranks), as the figures it was checked with did. A data-sheet profile's `tflops` lumps
+        such work into its sustained rate."""
         return not self.shared_host and any(self.host_block_ms(m) for m in DP_MODES)
 
     def rank_bytes(self, live: float, layout: Layout) -> float:

@@ -18,8 +18,8 @@
   behind the host that issues its kernels, so a micro-batch on a stage takes the longer of the device's
   time and the host's (`{mode}_host_block_ms` per block; FSDP2's hooks make fsdp's 2.5x zero1's on an H200),
   and the fixed time per block (`layer_overhead_ms`, the launches) is the host's and is not added. Such
-  profiles also charge FSDP2's casts and copies around its collectives by bytes (`wrapper_bytes`), which a
-  data-sheet profile's sustained rate lumps in.
+  profiles also charge FSDP2's casts and copies around its collectives by bytes (`wrapper_bytes`, as CPU
+  profiles do), which a data-sheet profile's sustained rate lumps in.
 - **Tensor parallel**: 2 all-reduces of the (micro_batch, seq, d_model) activation per block in forward,
   2 in backward (2 more when recomputing), at intra-host bandwidth, not overlapped.
 - **Pipeline**: stage i takes t_i per micro-batch (compute, tp all-reduces, point-to-point sends);
@@ -39,10 +39,12 @@
 - **Optimizer**: `optimizer_ns_per_param` per local parameter (clipping + AdamW), or the mode's own figure
   where `calibrate --model` measured one at a job's shapes (`Hardware.optimizer_ns`): 1/dp of the stage
   under fsdp and zero1.
-- **Hooks**: where `calibrate --model` measured a mode's excess over the cheapest one at a job's shapes
-  (`Hardware.hooks_ns`: FSDP2's copies into and out of its per-unit buffers, the allocations they make), it
-  is charged per parameter of the stage and per data-parallel collective (`collectives`), and on shared
-  hosts slowed as the host's ranks share its cores.
+- **Hooks**: FSDP2's copies into and out of its per-unit buffers around each collective (fsdp, and ddp, which
+  is FSDP2's `replicate`) are counted in bytes (`wrapper_bytes`) on CPU ranks and on GPUs whose host was
+  measured, at the measured bandwidth. Where `calibrate --model` measured a mode's excess beyond them over the
+  cheapest mode at a job's shapes (`Hardware.hooks_ns`: what the counted copies leave out, the allocations,
+  the hooks' own work), it is charged per parameter of the stage and per data-parallel collective
+  (`collectives`); on shared hosts both are slowed as the host's ranks share its cores.
 - **Shared hosts** (CPU processes): ranks share `compute_units` cores. The pipeline's compute is then the
   schedule run with the cores shared among the ranks working at each moment (plan/shared_cores.py; without
   a pipeline, the host's whole compute divided by its cores), plus each micro-batch's tp all-reduces and
@@ -188,8 +190,8 @@ def stage_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw:
     if stage == 0:  # the embedding's backward: measured (CPU profiles), else two passes over the table
         compute += (model.vocab_size * model.d_model * hw.embedding_grad_ns * 1e-9) or emb_grad
     compute += params * accumulation_bytes(layout, dtype) / (hw.memory_bandwidth_gbs * 1e9)
-    if hw.host_measured:  # FSDP2's casts and copies around its collectives (none in zero1; CPU profiles: hooks_ns)
-        per_microbatch, _ = wrapper_bytes(layout, dtype)
+    if hw.host_measured or hw.shared_host:  # FSDP2's casts and copies around its collectives (none in zero1)
+        per_microbatch, _ = wrapper_bytes(layout, dtype, hw.shared_host)
         compute += params * per_microbatch / (hw.memory_bandwidth_gbs * 1e9)
     if stage == layout.pp - 1:
         logits = tokens * model.vocab_size
@@ -218,24 +220,37 @@ def accumulation_bytes(layout: Layout, dtype: str) -> float:
     return (first + (a - 1) * (e + 2 * MASTER_BYTES)) / a
 
 
-def wrapper_bytes(layout: Layout, dtype: str) -> tuple[float, float]:
-    """(per micro-batch, per step) bytes that fsdp and ddp (FSDP2, mixed precision) move in device memory per
-    parameter of the stage around their collectives, on the device (zero1's are charged apart): an unshard
-    casts the fp32 shard into the all-gather's input (read 4, write e per shard element), gathers it (the
-    collective writes e) and copies it out into the parameters (read e, write e); a gradient reduction casts the
-    gradient to fp32 into the reduce-scatter's input (read e, write 4), which writes the fp32 shard, added into
-    the sharded gradient (read 4 + 4, write 4). fsdp without a pipeline unshards in forward and again in
-    backward and reduces every micro-batch, with one it does each once per step; ddp unshards every
-    micro-batch and reduces once per step. Byte counts from FSDP2's path, not measured one by one; the sum was
-    checked against one GPU (benchmarks/gpu/README.md)."""
+def wrapper_bytes(layout: Layout, dtype: str, cpu_ranks: bool = False) -> tuple[float, float]:
+    """(per micro-batch, per step) bytes that fsdp and ddp (FSDP2, mixed precision) move in memory per parameter
+    of the stage around their collectives (zero1's are charged apart). On a GPU: an unshard casts the fp32
+    shard into the all-gather's input (read 4, write e per shard element), gathers it (the collective writes e)
+    and copies it out into the parameters (read e, write e); a gradient reduction casts the gradient to fp32
+    into the reduce-scatter's input (read e, write 4), which writes the fp32 shard, added into the sharded
+    gradient (read 4 + 4, write 4). fsdp without a pipeline unshards in forward and again in backward and
+    reduces every micro-batch, with one it does each once per step; ddp unshards every micro-batch and reduces
+    once per step. Byte counts from FSDP2's path, not measured one by one; the sum was checked against one GPU
+    (benchmarks/gpu/README.md).
+
+    `cpu_ranks` (gloo ranks sharing a host, whose collectives `calibrate` timed with their own reads and
+    writes): the same copies less what the collectives write, and ddp as torch 2.13's `replicate` runs it: an
+    FSDP2 group of one, which gathers nothing but still copies the parameters into place at each unshard (read
+    4, write e), as often as fsdp unshards (the engine reshards after forward without a pipeline; a pipeline
+    keeps them unsharded until the step's last backward), and reduces by copying the gradient in (read e,
+    write 4), all-reducing it whole and adding the whole result into the gradient (read 8, write 4). Nothing
+    where the engine wraps nothing (fp32 at dp 1)."""
     e, dp = DTYPE_BYTES[dtype], layout.dp
-    unshard = (MASTER_BYTES + e) / dp + 4 * e
-    reduce = e + MASTER_BYTES + 4 * MASTER_BYTES / dp
+    if not cpu_ranks:
+        unshard, reduce = (MASTER_BYTES + e) / dp + 4 * e, e + MASTER_BYTES + 4 * MASTER_BYTES / dp
+    elif layout.dp == 1 and e == MASTER_BYTES:
+        return 0.0, 0.0
+    elif layout.dp_mode == "ddp":
+        unshard, reduce = MASTER_BYTES + e, e + 4 * MASTER_BYTES
+        return (2 * unshard, reduce) if layout.pp == 1 else (0.0, unshard + reduce)
+    else:
+        unshard, reduce = (MASTER_BYTES + e) / dp + 2 * e, e + MASTER_BYTES + 3 * MASTER_BYTES / dp
     if layout.dp_mode == "fsdp":
         return (2 * unshard + reduce, 0.0) if layout.pp == 1 else (0.0, unshard + reduce)
-    if layout.dp_mode == "ddp":
-        return unshard, reduce
-    return 0.0, 0.0
+    return (unshard, reduce) if layout.dp_mode == "ddp" else (0.0, 0.0)
 
 
 def _exposed(comm: float, window: float, overlap: float) -> float:
@@ -371,14 +386,14 @@ def collectives(layout: Layout) -> int:
 
 
 def hooks_time(model: ModelConfig, layout: Layout, hw: Hardware, hosts: Topology, dtype: str = "bf16") -> float:
-    """The mode's own work per step beyond its collectives: on CPU ranks its measured excess per parameter of
-    the largest stage and per collective; on a GPU whose host was measured the per-step part of
-    `wrapper_bytes`."""
-    if hw.host_measured:
-        whole = max(stage_numel(model, layout, s) for s in range(layout.pp))
-        return whole * wrapper_bytes(layout, dtype)[1] / (hw.memory_bandwidth_gbs * 1e9)
-    ns = hw.hooks_ns(layout.dp_mode)
-    if not ns or layout.dp == 1:
-        return 0.0
+    """The mode's own work per step beyond its collectives, on the largest stage: the per-step part of
+    `wrapper_bytes` on a GPU whose host was measured and on CPU ranks; on these also the excess `calibrate`
+    measured beyond those copies (Hardware.hooks_ns) per parameter and collective, both slowed as the host's
+    ranks share its cores."""
     whole = max(stage_numel(model, layout, s) for s in range(layout.pp))  # tp-local, before dp sharding
-    return ns * 1e-9 * whole * collectives(layout) * sharing_slowdown(hw, hosts)
+    if hw.host_measured:
+        return whole * wrapper_bytes(layout, dtype)[1] / (hw.memory_bandwidth_gbs * 1e9)
+    if layout.dp == 1:
+        return 0.0
+    copies = whole * wrapper_bytes(layout, dtype, True)[1] / (hw.memory_bandwidth_gbs * 1e9) if hw.shared_host else 0.0
+    return (copies + hw.hooks_ns(layout.dp_mode) * 1e-9 * whole * collectives(layout)) * sharing_slowdown(hw, hosts)

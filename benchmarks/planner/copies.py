@@ -126,14 +126,10 @@ def main() -> None:
         print(f"{p}: excess " + ", ".join(f"{m} {hw.hooks_ns(m):.3f} -> {new.hooks_ns(m):.3f}" for m in DP_MODES)
               + " ns per parameter and collective")
     print("planner runs: chosen/best screened, median error, groups, pairs (before | now)")
-    for name in RUNS:
-        result = json.loads((HERE / f"results-{name}.json").read_text())
-        own = load_hardware(str(HERE / f"results-{name}-profile.toml"))
-        own = own if own.embedding_grad_ns else dataclasses.replace(own, embedding_grad_ns=0.275)
-        for world in sorted({r["ranks"] for r in result["layouts"]}):
-            with copies_uncounted():
-                before = gradient_sums.cell(result, world, own)
-            print(f"{name} {world}: {before} | {gradient_sums.cell(result, world, refitted(own))}", flush=True)
+    for name, result, world, own in gradient_sums.committed(RUNS):
+        with copies_uncounted():
+            before = gradient_sums.cell(result, world, own)
+        print(f"{name} {world}: {before} | {gradient_sums.cell(result, world, refitted(own))}", flush=True)
 
 
 if __name__ == "__main__":

@@ -44,23 +44,30 @@ def cell(result: dict, world: int, hw) -> str:
             f"{sum(o['match'] for o in orders)}/{len(orders)} {sum(p['predicted'] for p in pairs)}/{len(pairs)}")
 
 
-def main(argv: list[str]) -> None:
-    per_param = [float(x) for x in (argv[0] if argv else "0,0.15,0.3").split(",")]
-    print("run ranks: [model, microbatch_ns_per_param]: chosen/best screened, median error, groups, pairs")
-    for name in RUNS:
+def committed(names: list[str]):
+    """(name, results, ranks, its own profile) of each committed run and rank count it measured (the profile's
+    embedding_grad_ns 0.275 where it has none)."""
+    for name in names:
         result = json.loads((HERE / f"results-{name}.json").read_text())
         own = load_hardware(str(HERE / f"results-{name}-profile.toml"))
         own = own if own.embedding_grad_ns else dataclasses.replace(own, embedding_grad_ns=0.275)
         for world in sorted({r["ranks"] for r in result["layouts"]}):
-            cells = []
-            for label, charge in (("zero1 adds only", zero1_adds_only), ("sums", SUMS)):
-                step_time.accumulation_bytes = charge
-                try:
-                    cells += [f"{label} {m}: {cell(result, world, dataclasses.replace(own, microbatch_ns_per_param=m))}"
-                              for m in per_param]
-                finally:
-                    step_time.accumulation_bytes = SUMS
-            print(f"{name} {world}: " + " | ".join(cells), flush=True)
+            yield name, result, world, own
+
+
+def main(argv: list[str]) -> None:
+    per_param = [float(x) for x in (argv[0] if argv else "0,0.15,0.3").split(",")]
+    print("run ranks: [model, microbatch_ns_per_param]: chosen/best screened, median error, groups, pairs")
+    for name, result, world, own in committed(RUNS):
+        cells = []
+        for label, charge in (("zero1 adds only", zero1_adds_only), ("sums", SUMS)):
+            step_time.accumulation_bytes = charge
+            try:
+                cells += [f"{label} {m}: {cell(result, world, dataclasses.replace(own, microbatch_ns_per_param=m))}"
+                          for m in per_param]
+            finally:
+                step_time.accumulation_bytes = SUMS
+        print(f"{name} {world}: " + " | ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

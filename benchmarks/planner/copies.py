@@ -11,7 +11,7 @@ from the same measurement (`refitted`), so both columns rest on the same calibra
 - the planner runs (`run.py` results): chosen / best screened, the median error, dp-mode groups and pairs, as
   gradient_sums.py prints them.
 
-    python benchmarks/planner/copies.py     # about 30 s
+    python benchmarks/planner/copies.py     # about 10 s
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ COUNTED = step_time.wrapper_bytes
 @contextlib.contextmanager
 def copies_uncounted():
     """The model before: CPU ranks' copies not counted (a GPU's as they are)."""
-    step_time.wrapper_bytes = lambda layout, dtype, cpu_ranks=False: (0.0, 0.0) if cpu_ranks else COUNTED(layout, dtype)
+    step_time.wrapper_bytes = lambda layout, dtype, cpu_ranks=False, root_share=0.0: (
+        (0.0, 0.0) if cpu_ranks else COUNTED(layout, dtype))
     try:
         yield
     finally:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from elastic_trainer.plan.candidates import Candidate, Request, evaluate
 from elastic_trainer.plan.layout import Layout
-from elastic_trainer.plan.step_time import accumulation_bytes, wrapper_bytes
+from elastic_trainer.plan.traffic import accumulation_bytes, wrapper_bytes
 
 
 def terms(req: Request, layout: Layout) -> list[tuple[str, float]]:

@@ -68,6 +68,7 @@ from elastic_trainer.config import ModelConfig
 from elastic_trainer.plan.hardware import Hardware
 from elastic_trainer.plan.layout import Layout, stage_layers
 from elastic_trainer.plan.memory import DTYPE_BYTES, MASTER_BYTES, stage_elements, stage_numel
+from elastic_trainer.plan.traffic import accumulation_bytes, wrapper_bytes
 from elastic_trainer.plan.shared_cores import makespan
 from elastic_trainer.plan.topology import Topology
 
@@ -191,7 +192,8 @@ def stage_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw:
         compute += (model.vocab_size * model.d_model * hw.embedding_grad_ns * 1e-9) or emb_grad
     compute += params * accumulation_bytes(layout, dtype) / (hw.memory_bandwidth_gbs * 1e9)
     if hw.host_measured or hw.shared_host:  # FSDP2's casts and copies around its collectives (none in zero1)
-        per_microbatch, _ = wrapper_bytes(layout, dtype, hw.shared_host)
+        root = stage_elements(model, layout, stage)[0]
+        per_microbatch, _ = wrapper_bytes(layout, dtype, hw.shared_host, root / params)
         compute += params * per_microbatch / (hw.memory_bandwidth_gbs * 1e9)
     if stage == layout.pp - 1:
         logits = tokens * model.vocab_size
@@ -203,54 +205,6 @@ def stage_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw:
     sends = (stage > 0) + (stage < layout.pp - 1)  # activation forward, its gradient backward
     p2p = sends * links.pp.send(hidden)
     return StageTime(compute, n_blocks * per_block, p2p, n_blocks * block / block_speedup, host_wait, weights)
-
-
-def accumulation_bytes(layout: Layout, dtype: str) -> float:
-    """Bytes per parameter of the stage moved per micro-batch (the step's mean) keeping the gradient summed over
-    the step's micro-batches until its one reduction. zero1's hooks copy the first micro-batch's gradient into
-    the fp32 buffer (read e, write 4) and add each later one into it (read e + 4, write 4). fsdp and ddp
-    reduce once per step (pipelined, and ddp always; fsdp without a pipeline reduces every micro-batch, which
-    wrapper_bytes charges) and sum the full-size gradients in between: FSDP2 casts the first into its fp32
-    accumulator and adds the later ones into it, the same bytes as zero1's; in fp32 autograd keeps the first
-    as it is and adds each later one in place (read 8, write 4)."""
-    e, a = DTYPE_BYTES[dtype], layout.num_microbatches
-    if layout.dp_mode == "fsdp" and layout.pp == 1:
-        return 0.0
-    first = 0 if layout.dp_mode != "zero1" and e == MASTER_BYTES else e + MASTER_BYTES
-    return (first + (a - 1) * (e + 2 * MASTER_BYTES)) / a
-
-
-def wrapper_bytes(layout: Layout, dtype: str, cpu_ranks: bool = False) -> tuple[float, float]:
-    """(per micro-batch, per step) bytes that fsdp and ddp (FSDP2, mixed precision) move in memory per parameter
-    of the stage around their collectives (zero1's are charged apart). On a GPU: an unshard casts the fp32
-    shard into the all-gather's input (read 4, write e per shard element), gathers it (the collective writes e)
-    and copies it out into the parameters (read e, write e); a gradient reduction casts the gradient to fp32
-    into the reduce-scatter's input (read e, write 4), which writes the fp32 shard, added into the sharded
-    gradient (read 4 + 4, write 4). fsdp without a pipeline unshards in forward and again in backward and
-    reduces every micro-batch, with one it does each once per step; ddp unshards every micro-batch and reduces
-    once per step. Byte counts from FSDP2's path, not measured one by one; the sum was checked against one GPU
-    (benchmarks/gpu/README.md).
-
-    `cpu_ranks` (gloo ranks sharing a host, whose collectives `calibrate` timed with their own reads and
-    writes): the same copies less what the collectives write, and ddp as torch 2.13's `replicate` runs it: an
-    FSDP2 group of one, which gathers nothing but still copies the parameters into place at each unshard (read
-    4, write e), as often as fsdp unshards (the engine reshards after forward without a pipeline; a pipeline
-    keeps them unsharded until the step's last backward), and reduces by copying the gradient in (read e,
-    write 4), all-reducing it whole and adding the whole result into the gradient (read 8, write 4). Nothing
-    where the engine wraps nothing (fp32 at dp 1)."""
-    e, dp = DTYPE_BYTES[dtype], layout.dp
-    if not cpu_ranks:
-        unshard, reduce = (MASTER_BYTES + e) / dp + 4 * e, e + MASTER_BYTES + 4 * MASTER_BYTES / dp
-    elif layout.dp == 1 and e == MASTER_BYTES:
-        return 0.0, 0.0
-    elif layout.dp_mode == "ddp":
-        unshard, reduce = MASTER_BYTES + e, e + 4 * MASTER_BYTES
-        return (2 * unshard, reduce) if layout.pp == 1 else (0.0, unshard + reduce)
-    else:
-        unshard, reduce = (MASTER_BYTES + e) / dp + 2 * e, e + MASTER_BYTES + 3 * MASTER_BYTES / dp
-    if layout.dp_mode == "fsdp":
-        return (2 * unshard + reduce, 0.0) if layout.pp == 1 else (0.0, unshard + reduce)
-    return (unshard, reduce) if layout.dp_mode == "ddp" else (0.0, 0.0)
 
 
 def _exposed(comm: float, window: float, overlap: float) -> float:
@@ -393,7 +347,6 @@ def hooks_time(model: ModelConfig, layout: Layout, hw: Hardware, hosts: Topology
     whole = max(stage_numel(model, layout, s) for s in range(layout.pp))  # tp-local, before dp sharding
     if hw.host_measured:
         return whole * wrapper_bytes(layout, dtype)[1] / (hw.memory_bandwidth_gbs * 1e9)
-    if layout.dp == 1:
-        return 0.0
     copies = whole * wrapper_bytes(layout, dtype, True)[1] / (hw.memory_bandwidth_gbs * 1e9) if hw.shared_host else 0.0
-    return (copies + hw.hooks_ns(layout.dp_mode) * 1e-9 * whole * collectives(layout)) * sharing_slowdown(hw, hosts)
+    excess = hw.hooks_ns(layout.dp_mode) * 1e-9 * whole * collectives(layout) if layout.dp > 1 else 0.0
+    return (copies + excess) * sharing_slowdown(hw, hosts)

@@ -62,25 +62,28 @@ def test_the_work_per_parameter_term_by_hand():
     assert with_term[head] == pytest.approx(without[head])
 
 
-
 def test_fsdp2s_copies_have_their_rows_on_cpu_ranks():
-    """gpt3-small on the cpu profile, dp2 without a pipeline, 2 micro-batches: fsdp's copies every micro-batch
-    are in the compute row beside the head (the stage's parameters x wrapper_bytes at the bandwidth, slowed
-    as the host's 2 units carry 4 ranks), its excess in the hooks row; ddp's per-step copies in that row."""
-    from elastic_trainer.plan.step_time import wrapper_bytes
+    """gpt3-small on the cpu profile, dp2 without a pipeline, 2 micro-batches of 2: fsdp's copies every
+    micro-batch are in the compute row beside the head, by hand: each block's parameters gathered twice (8 / 2
+    bytes copied in, 8 out), the root's once, every parameter's gradient copied into the reduce-scatter (8)
+    and on the second micro-batch the shard added (12 / 2); at the bandwidth (the tied head's table gradient
+    too: two passes of 4 bytes). ddp under a pipeline: its copies once per step, in the hooks row."""
+    from elastic_trainer.plan.memory import stage_elements
 
     model, hw = load_model_config("gpt3-small"), load_hardware("cpu")
     fsdp = Layout(2, 1, 1, 2, 2, "fsdp")
     rows = dict(terms(Request(model, 4, 8, 128, hw, 4), fsdp))
     bare = dict(terms(Request(model, 4, 8, 128, dataclasses.replace(hw, memory_bandwidth_gbs=1e15), 4), fsdp))
     copies = "output head and embedding gradient, fsdp's copies around its collectives"
-    bandwidth = hw.memory_bandwidth_gbs * 1e9
-    per_microbatch = stage_numel(model, fsdp, 0) * wrapper_bytes(fsdp, "fp32", True)[0] / bandwidth
-    tied_head = 2 * model.vocab_size * model.d_model * 4 / bandwidth  # the head's table gradient, also by bandwidth
-    assert rows[copies] - bare[copies] == pytest.approx(2 * (per_microbatch + tied_head), rel=1e-6)
+    root, block, n = stage_elements(model, fsdp, 0)
+    per_microbatch = 2 * block * n * 12 + root * 12 + (root + block * n) * (8 + 6 / 2)
+    tied_head = 2 * model.vocab_size * model.d_model * 4
+    assert rows[copies] - bare[copies] == pytest.approx(
+        2 * (per_microbatch + tied_head) / (hw.memory_bandwidth_gbs * 1e9), rel=1e-6)
     ddp = Layout(2, 1, 2, 2, 2, "ddp")
     hooks = "ddp's copies around its collectives and measured excess, per step"
     assert dict(terms(Request(model, 4, 8, 128, hw, 4), ddp))[hooks] > 0
+
 
 def test_plan_explain_prints_the_chosen_and_the_compared_layout(capsys):
     code = cli.main(["plan", "--model", "gpt3-small", "--gpus", "4", "--global-batch", "8", "--seq-len", "128",

@@ -51,4 +51,5 @@ def test_the_shipped_cpu_profile_is_its_former_excess_refitted():
     before, now = copies.before_and_now("cpu")
     again = copies.refitted(before)
     for mode in ("fsdp", "ddp", "zero1"):
-        assert now.hooks_ns(mode) == pytest.approx(again.hooks_ns(mode), abs=0.0015)  # rounded in the TOML
+        # the TOML keeps the mean of gpt3-small's refit (this one) and gpt3-medium's, 0.004 apart at most
+        assert now.hooks_ns(mode) == pytest.approx(again.hooks_ns(mode), abs=0.003)

@@ -207,9 +207,9 @@ def test_shared_host_bounds_the_step_by_total_work_over_cores():
     cpu = dataclasses.replace(HW, shared_host=True, compute_units=1)
     compute = 4 * BLOCK + HEAD + 2 * EMB
     all_reduce = 2 * 0.5 * (4 * BLOCK_PARAMS + ROOT_PARAMS) * 4 / 1e3
-    # ddp's copies on CPU ranks (wrapper_bytes): the parameters copied into place in forward and again in
-    # backward (8 bytes each), the gradient copied into the all-reduce (8) and its result added (12)
-    copies = (4 * BLOCK_PARAMS + ROOT_PARAMS) * (2 * 8 + 8 + 12) / 512e3
+    # ddp's copies on CPU ranks (wrapper_bytes): the parameters copied into place once (8 bytes), the
+    # gradient copied into the all-reduce's input (8), divided into a new buffer and copied out (16)
+    copies = (4 * BLOCK_PARAMS + ROOT_PARAMS) * (8 + 8 + 16) / 512e3
     # 2 ranks on 1 core: the two replicas' work runs one after the other, and so does their communication
     assert predicted_us(Layout(2, 1, 1, 2, 1, dp_mode="ddp"), cpu) == pytest.approx(
         2 * (compute + all_reduce + copies))
@@ -321,34 +321,39 @@ def test_fsdp2s_copies_are_charged_by_bytes_on_a_gpu_only_where_its_host_was_mea
 
 def test_fsdp2s_copies_on_cpu_ranks_by_hand():
     """CPU ranks (fp32, gloo, whose collectives calibrate timed with their own writes), bytes per parameter of the
-    stage at dp 2: fsdp's unshard copies the shard into the all-gather's input (read 4, write 4: 8 / dp) and
-    the gathered buffer out into the parameters (8); its reduction copies the gradient into the reduce-scatter's
-    input (8) and adds the reduced shard into the sharded gradient (read 8, write 4: 12 / dp). ddp, FSDP2's
-    replicate: a group of one that gathers nothing, but copies the parameters into place (8) at each unshard,
-    and reduces by copying in (8) and adding the whole all-reduced gradient (12)."""
-    from elastic_trainer.plan.step_time import wrapper_bytes
-
-    unshard, reduce = 8 / 2 + 8, 8 + 12 / 2
-    assert wrapper_bytes(Layout(2, 1, 1, 1, 4, dp_mode="fsdp"), "fp32", True) == (2 * unshard + reduce, 0.0)
-    assert wrapper_bytes(Layout(2, 1, 2, 1, 4, dp_mode="fsdp"), "fp32", True) == (0.0, unshard + reduce)
-    assert wrapper_bytes(Layout(2, 1, 1, 1, 4, dp_mode="ddp"), "fp32", True) == (2 * 8, 8 + 12)
-    assert wrapper_bytes(Layout(2, 1, 2, 1, 4, dp_mode="ddp"), "fp32", True) == (0.0, 8 + 8 + 12)
-    assert wrapper_bytes(Layout(2, 1, 2, 1, 4, dp_mode="zero1"), "fp32", True) == (0.0, 0.0)
-    assert wrapper_bytes(Layout(1, 1, 2, 1, 4, dp_mode="fsdp"), "fp32", True) == (0.0, 0.0)  # nothing wrapped
-    # charged in the step at the bandwidth: per micro-batch in the stage's compute, per step as hooks
+    stage at dp 2 with 4 micro-batches (how often: tests/unit/test_fsdp_copies.py counts it in torch): fsdp's
+    unshard copies the shard into the all-gather's input (read 4, write 4: 8 / dp) and the gathered buffer out
+    (8); its reduction copies the gradient into the reduce-scatter's input (8) and, from the second reduction
+    of a step, adds the shard into the sharded gradient (read 8, write 4: 12 / dp). Without a pipeline the
+    blocks unshard twice a micro-batch and the root (a share of the stage) once. ddp copies the parameters into
+    place (8) each micro-batch and reduces once (8 in, 16 for the division's buffer and its copy out); bf16
+    casts before that copy (4 + 3 x 2)."""
     from elastic_trainer.plan.step_time import Links, stage_time
     from elastic_trainer.plan.topology import Topology
+    from elastic_trainer.plan.traffic import wrapper_bytes
 
+    unshard = 8 / 2 + 8
+    assert wrapper_bytes(Layout(2, 1, 1, 1, 4, dp_mode="fsdp"), "fp32", True, 0.5) == pytest.approx(
+        (1.5 * unshard + 8 + 6 * 3 / 4, 0.0))
+    assert wrapper_bytes(Layout(2, 1, 2, 1, 4, dp_mode="fsdp"), "fp32", True) == (0.0, unshard + 8)
+    assert wrapper_bytes(Layout(2, 1, 1, 1, 4, dp_mode="ddp"), "fp32", True) == (8, 8 + 16)
+    assert wrapper_bytes(Layout(2, 1, 2, 1, 4, dp_mode="ddp"), "fp32", True) == (0.0, 8 + 8 + 16)
+    assert wrapper_bytes(Layout(2, 1, 2, 1, 4, dp_mode="ddp"), "bf16", True) == (0.0, 10 + 6 + 16)
+    assert wrapper_bytes(Layout(2, 1, 2, 1, 4, dp_mode="zero1"), "fp32", True) == (0.0, 0.0)
+    assert wrapper_bytes(Layout(1, 1, 2, 1, 4, dp_mode="fsdp"), "fp32", True) == (0.0, 0.0)  # nothing wrapped
+    # charged in the step at the bandwidth: per step as hooks, per micro-batch in the stage's compute
     cpu = dataclasses.replace(HW, shared_host=True, compute_units=8)  # as many units as ranks: nothing slowed
     layout = Layout(2, 1, 2, 1, 4, dp_mode="ddp")
     larger = max(2 * BLOCK_PARAMS + 1000 * 64 + 32 * 64, 2 * BLOCK_PARAMS + 1000 * 64 + 2 * 64)
-    assert step_time(MODEL, layout, SEQ, "fp32", cpu, 8).hooks == pytest.approx(larger * 28 / 512e9)
+    assert step_time(MODEL, layout, SEQ, "fp32", cpu, 8).hooks == pytest.approx(larger * 32 / 512e9)
     assert step_time(MODEL, layout, SEQ, "fp32", HW, 8).hooks == 0.0  # a data-sheet GPU profile: none
     unpiped = Layout(2, 1, 1, 1, 4, dp_mode="fsdp")
     links = Links.of(unpiped, HW, Topology((8,)))
     extra = (stage_time(MODEL, unpiped, SEQ, "fp32", cpu, links, 0).compute
              - stage_time(MODEL, unpiped, SEQ, "fp32", HW, links, 0).compute)
-    assert extra == pytest.approx((4 * BLOCK_PARAMS + ROOT_PARAMS) * (2 * unshard + reduce) / 512e9)
+    params = 4 * BLOCK_PARAMS + ROOT_PARAMS
+    assert extra == pytest.approx((4 * BLOCK_PARAMS * 2 * unshard + ROOT_PARAMS * unshard + params * (8 + 6 * 3 / 4))
+                                  / 512e9)
 
 
 def test_the_activation_term_is_per_token_and_unit_of_width_on_each_tp_rank():

@@ -1,0 +1,85 @@
+"""How often FSDP2 copies a unit's parameters into place and reduces its gradient in one training step of the
+engine, counted in torch itself (the calls of FSDPParamGroup.wait_for_unshard that find an all-gather to copy
+out, and of foreach_reduce), against what the step-time model counts per micro-batch and step for CPU ranks
+(plan/traffic.py wrapper_bytes): fsdp without a pipeline unshards the blocks in forward and again in backward
+but the root once, and reduces every micro-batch; ddp (replicate) unshards every unit once per micro-batch and
+reduces once per step; under a pipeline every unit unshards and reduces once per step."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+from elastic_trainer.config import load_model_config
+from elastic_trainer.parallel.calibrate_modes import probe_trainer
+from elastic_trainer.parallel.local_ranks import run_ranks
+from elastic_trainer.plan.layout import Layout
+from elastic_trainer.plan.traffic import wrapper_bytes
+
+
+def counted_step(rank: int, world: int, layout: Layout) -> dict[str, int]:
+    """{'root unshards', 'block unshards', 'root reductions', 'block reductions'} of one step after a warm-up,
+    summed over this rank's units (blocks: per block)."""
+    counts: collections.Counter = collections.Counter()
+    group_cls = _fsdp_param_group.FSDPParamGroup
+    wait, reduce = group_cls.wait_for_unshard, _fsdp_param_group.foreach_reduce
+    current = {}
+
+    def kind(group) -> str:
+        return "root" if any(hasattr(m, "layers") for m in group.modules) else "block"
+
+    def counting_wait(self):
+        if self._all_gather_result is not None:  # an unshard to copy out (or, in a group of one, to copy in)
+            counts[f"{kind(self)} unshards"] += 1
+        return wait(self)
+
+    def counting_reduce(*args, **kwargs):
+        counts[f"{current['kind']} reductions"] += 1
+        return reduce(*args, **kwargs)
+
+    post_backward = group_cls.post_backward
+
+    def tracking_post_backward(self, *args, **kwargs):
+        current["kind"] = kind(self)
+        return post_backward(self, *args, **kwargs)
+
+    group_cls.wait_for_unshard, _fsdp_param_group.foreach_reduce = counting_wait, counting_reduce
+    group_cls.post_backward = tracking_post_backward
+    trainer = probe_trainer(load_model_config("gpt-tiny"), layout, 32, torch.device("cpu"), "fp32", 2)
+    trainer.train_step()
+    counts.clear()
+    trainer.train_step()
+    return {**counts, "blocks": len(trainer.engine.model.layers)}
+
+
+def per_unit(counts: dict[str, int]) -> dict[str, float]:
+    return {k: v / (counts["blocks"] if k.startswith("block") else 1) for k, v in counts.items() if k != "blocks"}
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
+def test_unshards_and_reductions_per_step_as_the_model_counts_them(mode):
+    micro = 3
+    unpiped = Layout(2, 1, 1, 1, micro, dp_mode=mode)
+    got = per_unit(run_ranks(counted_step, 2, unpiped, timeout=300)[0])
+    if mode == "fsdp":
+        assert got == {"block unshards": 2 * micro, "root unshards": micro, "block reductions": micro,
+                       "root reductions": micro}
+    else:
+        assert got == {"block unshards": micro, "root unshards": micro, "block reductions": 1, "root reductions": 1}
+    piped = Layout(2, 1, 2, 1, micro, dp_mode=mode)
+    got = per_unit(run_ranks(counted_step, 4, piped, timeout=300)[0])
+    assert got == {"block unshards": 1, "root unshards": 1, "block reductions": 1, "root reductions": 1}
+
+
+def test_the_model_s_bytes_follow_those_counts():
+    """fp32 at dp 2, 3 micro-batches, the root a quarter of the stage: fsdp unshards (8 / 2 + 8 bytes) 1.75 times a
+    micro-batch and reduces (8, and from the second reduction the add: 12 / 2) every micro-batch; ddp copies
+    into place (8) every micro-batch and reduces once per step (8 + 16); under a pipeline once per step each."""
+    assert wrapper_bytes(Layout(2, 1, 1, 1, 3, dp_mode="fsdp"), "fp32", True, 0.25) == pytest.approx(
+        (1.75 * 12 + 8 + 6 * 2 / 3, 0.0))
+    assert wrapper_bytes(Layout(2, 1, 1, 1, 3, dp_mode="ddp"), "fp32", True, 0.25) == (8, 24)
+    assert wrapper_bytes(Layout(2, 1, 2, 1, 3, dp_mode="fsdp"), "fp32", True) == (0.0, 12 + 8)
+    assert wrapper_bytes(Layout(2, 1, 2, 1, 3, dp_mode="ddp"), "fp32", True) == (0.0, 8 + 24)

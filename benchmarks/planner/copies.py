@@ -35,9 +35,11 @@ from elastic_trainer.plan.explain import by_phase  # noqa: E402
 from elastic_trainer.plan.hardware import Hardware  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-MODE_RUNS = ["modes-gpt3-small-4", "modes-gpt3-small-8"]
+MODE_RUNS = ["modes-gpt3-small-4", "modes-gpt3-small-8", "modes-gpt3-small-4-copies"]
 MODE_PROFILES = ["results-modes-gpt3-small-4-profile.toml", "results-gpt3-small-4-accumulation-profile.toml",
-                 "results-modes-gpt3-small-8-profile.toml", "cpu"]
+                 "results-modes-gpt3-small-8-profile.toml", "cpu", "results-modes-gpt3-small-4-copies-profile.toml"]
+FITTED_BEYOND_COPIES = {"results-modes-gpt3-small-4-copies-profile.toml"}
+"""Profiles calibrated with the copies counted: used as they are, with no `before` (its comment says how)."""
 RUNS = gradient_sums.RUNS + ["gpt3-small-4-accumulation", "gpt3-small-4-calibrated", "gpt3-small-8-calibrated",
                              "gpt3-medium-4-calibrated", "gpt3-medium-8-calibrated"]
 COUNTED = step_time.wrapper_bytes
@@ -108,7 +110,7 @@ def before_and_now(name: str) -> tuple[Hardware, Hardware]:
     if name == "cpu":
         return dataclasses.replace(load_hardware("cpu"), **SHIPPED_BEFORE), load_hardware("cpu")
     hw = load_hardware(str(HERE / name))
-    return hw, refitted(hw)
+    return (None, hw) if name in FITTED_BEYOND_COPIES else (hw, refitted(hw))
 
 
 def main() -> None:
@@ -118,14 +120,13 @@ def main() -> None:
         result = json.loads((HERE / f"results-{name}.json").read_text())
         profiles = [before_and_now(p) for p in MODE_PROFILES]
         with copies_uncounted():
-            before = [modes_in_order(result, hw) for hw, _ in profiles]
-        now = [modes_in_order(result, hw) for _, hw in profiles]
-        print(f"{name}: before " + " ".join(f"{a}/{n}" for a, n in before)
-              + " | now " + " ".join(f"{a}/{n}" for a, n in now))
+            before = ["%d/%d" % modes_in_order(result, hw) if hw else "-" for hw, _ in profiles]
+        now = ["%d/%d" % modes_in_order(result, hw) for _, hw in profiles]
+        print(f"{name}: before {' '.join(before)} | now {' '.join(now)}")
     for p in MODE_PROFILES:
         hw, new = before_and_now(p)
-        print(f"{p}: excess " + ", ".join(f"{m} {hw.hooks_ns(m):.3f} -> {new.hooks_ns(m):.3f}" for m in DP_MODES)
-              + " ns per parameter and collective")
+        print(f"{p}: excess " + ", ".join(f"{m} {hw.hooks_ns(m) if hw else '-':.5} -> {new.hooks_ns(m):.3f}"
+                                          for m in DP_MODES) + " ns per parameter and collective")
     print("planner runs: chosen/best screened, median error, groups, pairs (before | now)")
     for name, result, world, own in gradient_sums.committed(RUNS):
         with copies_uncounted():

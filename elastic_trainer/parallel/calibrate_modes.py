@@ -12,7 +12,7 @@ Two things `calibrate`'s small shapes do not show (benchmarks/planner/README.md,
 - **The modes' own work.** FSDP2 copies every unit's parameters into a buffer before its all-gather and out
   of it after, and its gradients in and out around the reduce-scatter; ddp (FSDP2's replicate) does the
   same around its all-reduce. The step-time model charges their collectives, zero1's gradient adds into
-  its flat buffer and, since 2026-11-29, these copies by their bytes (plan/step_time.py `wrapper_bytes`);
+  its flat buffer and, since 2026-11-29, these copies by their bytes (plan/traffic.py `wrapper_bytes`);
   not the rest of the hooks' work (allocations, Python, the waits between copies).
 
 So this trains the job's model, cut to `LAYERS` blocks (its width, heads, vocabulary and sequence length
@@ -23,10 +23,10 @@ and one micro-batch, and takes each phase's fastest time over the steps after th
 - `{mode}_hooks_ns_per_param`: the rest of the step (forward + backward, zero1's all-gather) minus what the
   step-time model predicts for it (the counted copies included), less the same residual of the mode with the
   smallest one, per parameter of the stage and per data-parallel collective of the probe (plan/step_time.py
-  `collectives`: fsdp 3, ddp 1, zero1 2). Both are divided by what the step-time model multiplies them by for the probe (its ranks sharing
-  the host's cores), so the model predicts the probe's phases back. Taking the cheapest mode's residual off
-  leaves out what the model gets wrong alike in every mode (its compute rate): what is charged is only the
-  difference between the modes.
+  `collectives`: fsdp 3, ddp 1, zero1 2). Both are divided by what the step-time model multiplies them by for
+  the probe (its ranks sharing the host's cores), so the model predicts the probe's phases back. Taking the
+  cheapest mode's residual off leaves out what the model gets wrong alike in every mode (its compute rate):
+  what is charged is only the difference between the modes.
 The ranks run together, as a job's do; with no more ranks than cores each has a core of its own, and the
 step-time model slows both figures as a host's ranks share its cores.
 """

@@ -26,7 +26,7 @@ def terms(req: Request, layout: Layout) -> list[tuple[str, float]]:
     passes = "forward + backward" + (" + recomputed forward" if layout.recompute else "")
     scheduled = req.hardware.shared_host and layout.pp > 1 and layout.dp > 1  # step_time.scheduled_comm
     hw = req.hardware
-    copies = (hw.shared_host or hw.host_measured) and wrapper_bytes(layout, req.compute_dtype, hw.shared_host)[0]
+    copies = hw.counts_copies and wrapper_bytes(layout, req.compute_dtype, hw.shared_host)[0]
     rest = ("output head and embedding gradient"
             + (", gradient accumulation" if accumulation_bytes(layout, req.compute_dtype) else "")
             + (f", {layout.dp_mode}'s copies around its collectives" if copies else ""))

@@ -93,7 +93,7 @@ class Hardware:
     """The same under zero1 (0: `optimizer_ns_per_param`)."""
     fsdp_hooks_ns_per_param: float = 0.0
     """What fsdp's step takes beyond the compute, collectives and copies the model charges (the copies into and
-    out of FSDP2's per-unit buffers are counted in bytes: plan/step_time.py `wrapper_bytes`), per parameter of
+    out of FSDP2's per-unit buffers are counted in bytes: plan/traffic.py `wrapper_bytes`), per parameter of
     the stage and per data-parallel collective (`collectives`): the measured excess over the cheapest mode at a
     job's shapes (`calibrate --model`; 0: none charged)."""
     ddp_hooks_ns_per_param: float = 0.0
@@ -200,10 +200,16 @@ class Hardware:
     @property
     def host_measured(self) -> bool:
         """A GPU profile whose host times were measured (`calibrate --model` on the GPU): the step-time model
-        then also charges FSDP2's copies in device memory (plan/step_time.py `wrapper_bytes`, as it does on
+        then also charges FSDP2's copies in device memory (plan/traffic.py `wrapper_bytes`, as it does on
         `shared_host` CPU ranks), as the figures it was checked with did. A data-sheet profile's `tflops` lumps
         such work into its sustained rate."""
         return not self.shared_host and any(self.host_block_ms(m) for m in DP_MODES)
+
+    @property
+    def counts_copies(self) -> bool:
+        """Whether the step-time model charges FSDP2's copies around its collectives by their bytes
+        (plan/traffic.py `wrapper_bytes`): on CPU ranks and on GPUs whose host was measured."""
+        return self.shared_host or self.host_measured
 
     def rank_bytes(self, live: float, layout: Layout) -> float:
         """The memory one rank of `layout` takes from its host when the memory model counts `live` bytes at its

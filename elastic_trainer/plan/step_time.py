@@ -68,9 +68,9 @@ from elastic_trainer.config import ModelConfig
 from elastic_trainer.plan.hardware import Hardware
 from elastic_trainer.plan.layout import Layout, stage_layers
 from elastic_trainer.plan.memory import DTYPE_BYTES, MASTER_BYTES, stage_elements, stage_numel
-from elastic_trainer.plan.traffic import accumulation_bytes, wrapper_bytes
 from elastic_trainer.plan.shared_cores import makespan
 from elastic_trainer.plan.topology import Topology
+from elastic_trainer.plan.traffic import accumulation_bytes, wrapper_bytes
 
 
 @dataclass(frozen=True)
@@ -184,15 +184,15 @@ def stage_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw:
     block = (passes * block_flops(model, tokens, seq_len, layout.tp) / rate
              + passes / 3 * tokens * model.d_model / layout.tp * hw.activation_ns * 1e-9
              + (0.0 if host else hw.layer_overhead_ms * 1e-3))
-    params = stage_numel(model, layout, stage)
+    root, block_params, _ = stage_elements(model, layout, stage)
+    params = root + block_params * n_blocks
     weights = params * hw.microbatch_ns_per_param * 1e-9
     compute = n_blocks * block / block_speedup + weights
     emb_grad = 2 * model.vocab_size * model.d_model * MASTER_BYTES / (hw.memory_bandwidth_gbs * 1e9)
     if stage == 0:  # the embedding's backward: measured (CPU profiles), else two passes over the table
         compute += (model.vocab_size * model.d_model * hw.embedding_grad_ns * 1e-9) or emb_grad
     compute += params * accumulation_bytes(layout, dtype) / (hw.memory_bandwidth_gbs * 1e9)
-    if hw.host_measured or hw.shared_host:  # FSDP2's casts and copies around its collectives (none in zero1)
-        root = stage_elements(model, layout, stage)[0]
+    if hw.counts_copies:  # FSDP2's casts and copies around its collectives (none in zero1)
         per_microbatch, _ = wrapper_bytes(layout, dtype, hw.shared_host, root / params)
         compute += params * per_microbatch / (hw.memory_bandwidth_gbs * 1e9)
     if stage == layout.pp - 1:

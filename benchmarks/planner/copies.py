@@ -7,7 +7,8 @@ collectives are counted in bytes at the measured bandwidth and the excess is wha
 committed profile's excess was fitted without the copies; "now" takes them off it as `calibrate` would have
 from the same measurement (`refitted`), so both columns rest on the same calibration. Nothing is run again.
 
-- the dp modes stepped in turn (`mode_order.py` results): ordered pairs predicted in order, under each profile;
+- the dp modes stepped in turn (`mode_order.py` results, and the two runs of each group pooled):
+  ordered pairs predicted in order, under each profile;
 - the planner runs (`run.py` results): chosen / best screened, the median error, dp-mode groups and pairs, as
   gradient_sums.py prints them.
 
@@ -26,19 +27,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gradient_sums  # noqa: E402  (this folder's gradient_sums.py)
+import mode_order  # noqa: E402
 
 import elastic_trainer.plan.step_time as step_time  # noqa: E402
 from elastic_trainer.config import DP_MODES, load_model_config  # noqa: E402
 from elastic_trainer.parallel import calibrate_modes  # noqa: E402
-from elastic_trainer.plan import Request, load_hardware, plan  # noqa: E402
+from elastic_trainer.plan import Request, load_hardware  # noqa: E402
 from elastic_trainer.plan.explain import by_phase  # noqa: E402
 from elastic_trainer.plan.hardware import Hardware  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-MODE_RUNS = ["modes-gpt3-small-4", "modes-gpt3-small-8", "modes-gpt3-small-4-copies"]
+MODE_RUNS = ["modes-gpt3-small-4", "modes-gpt3-small-8", "modes-gpt3-small-4-copies", "modes-gpt3-small-8-again"]
+POOLED = {"modes-gpt3-small-4 and -4-copies": ["modes-gpt3-small-4", "modes-gpt3-small-4-copies"],
+          "modes-gpt3-small-8 and -8-again": ["modes-gpt3-small-8", "modes-gpt3-small-8-again"]}
+"""The same groups measured twice, judged as one measurement (mode_order.py --pool)."""
 MODE_PROFILES = ["results-modes-gpt3-small-4-profile.toml", "results-gpt3-small-4-accumulation-profile.toml",
-                 "results-modes-gpt3-small-8-profile.toml", "cpu", "results-modes-gpt3-small-4-copies-profile.toml"]
-FITTED_BEYOND_COPIES = {"results-modes-gpt3-small-4-copies-profile.toml"}
+                 "results-modes-gpt3-small-8-profile.toml", "cpu", "results-modes-gpt3-small-4-copies-profile.toml",
+                 "results-gpt3-small-8-copies-profile.toml", "results-modes-gpt3-small-8-again-profile.toml"]
+FITTED_BEYOND_COPIES = {"results-modes-gpt3-small-4-copies-profile.toml", "results-gpt3-small-8-copies-profile.toml",
+                        "results-modes-gpt3-small-8-again-profile.toml"}
 """Profiles calibrated with the copies counted: used as they are, with no `before` (its comment says how)."""
 RUNS = gradient_sums.RUNS + ["gpt3-small-4-accumulation", "gpt3-small-4-calibrated", "gpt3-small-8-calibrated",
                              "gpt3-medium-4-calibrated", "gpt3-medium-8-calibrated"]
@@ -90,11 +97,7 @@ def refitted(hw: Hardware) -> Hardware:
 
 def modes_in_order(result: dict, hw: Hardware) -> tuple[int, int]:
     """(ordered pairs the profile predicts in order, ordered pairs) of a mode_order.py result."""
-    model = load_model_config(result["model"])
-    req = Request(model, result["ranks"], result["global_batch"], result["seq_len"], hw, result["ranks"],
-                  dtype="fp32", recompute=(False,))
-    predicted = {(c.layout.dp, c.layout.tp, c.layout.pp, c.layout.micro_batch, c.layout.dp_mode): c.time.total
-                 for c in plan(req).candidates}
+    predicted = mode_order.predicted_times(result, hw)
     pairs = [(g, p) for g in result["groups"] for p in g["pairs"] if p["ordered"]]
     right = sum(predicted[(*g["degrees"], g["micro_batch"], p["faster"])]
                 < predicted[(*g["degrees"], g["micro_batch"], p["slower"])] for g, p in pairs)
@@ -116,8 +119,10 @@ def before_and_now(name: str) -> tuple[Hardware, Hardware]:
 def main() -> None:
     print("dp modes stepped in turn, ordered pairs in the predicted order, under the profiles "
           + ", ".join(MODE_PROFILES))
-    for name in MODE_RUNS:
-        result = json.loads((HERE / f"results-{name}.json").read_text())
+    runs = {name: json.loads((HERE / f"results-{name}.json").read_text()) for name in MODE_RUNS}
+    for name, parts in POOLED.items():
+        runs[f"{name} pooled"] = mode_order.pooled([runs[p] for p in parts], load_hardware("cpu"))
+    for name, result in runs.items():
         profiles = [before_and_now(p) for p in MODE_PROFILES]
         with copies_uncounted():
             before = ["%d/%d" % modes_in_order(result, hw) if hw else "-" for hw, _ in profiles]

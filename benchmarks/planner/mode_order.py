@@ -10,8 +10,13 @@ sign-flip (paired permutation) test of their mean against 0. A pair is *ordered*
 more: with n cycles the smallest p is 2 / 2**n); otherwise the measurement does not tell it from a tie. The
 prediction agrees on an ordered pair when it puts the faster mode first; a tie has no order to match.
 
+Runs of the same groups are more cycles of one measurement: `--pool` joins their cycles group by group and judges
+every pair again on all of them (the ratios are within a cycle, so runs at different speeds of the machine pool
+as they are), under the prediction of `--hardware`; nothing is measured.
+
     python benchmarks/planner/mode_order.py --model gpt3-small --ranks 4 --calibrate --out /tmp/modes-4
     python benchmarks/planner/mode_order.py --model gpt3-small --ranks 8 --hardware PROFILE.toml --degrees 2,1,4
+    python benchmarks/planner/mode_order.py --pool RUN1.json RUN2.json --hardware PROFILE.toml --out /tmp/pooled
 """
 
 from __future__ import annotations
@@ -120,6 +125,46 @@ def counts(groups: list[dict]) -> str:
             f"({len(pairs) - len(ordered)} of {len(pairs)} pairs a tie at p >= {SIGNIFICANCE})")
 
 
+def predicted_times(result: dict, hw) -> dict[tuple, float]:
+    """The step time `hw` predicts for each layout of a result's plan, by (dp, tp, pp, micro_batch, dp_mode)."""
+    model = load_model_config(result["model"])
+    req = Request(model, result["ranks"], result["global_batch"], result["seq_len"], hw, result["ranks"],
+                  dtype="fp32", recompute=(False,))
+    return {(c.layout.dp, c.layout.tp, c.layout.pp, c.layout.micro_batch, c.layout.dp_mode): c.time.total
+            for c in plan(req).candidates}
+
+
+def pooled(results: list[dict], hw) -> dict:
+    """Results of the same groups as one measurement: each group's cycles joined, in the order given, and every
+    pair judged again on all of them, against `hw`'s prediction (the runs' own were calibrated apart)."""
+    first = results[0]
+    shape = ("model", "ranks", "global_batch", "seq_len")
+    key = lambda g: (tuple(g["degrees"]), g["micro_batch"], sorted(g["steps_s"]))  # noqa: E731
+    for r in results[1:]:
+        if any(r[k] != first[k] for k in shape) or [key(g) for g in r["groups"]] != [key(g) for g in first["groups"]]:
+            raise ValueError("cannot pool runs of different groups: " + "; ".join(
+                ", ".join(f"{k} {x[k]}" for k in shape) + ", groups " + " ".join(
+                    "%s micro %d (%s)" % (",".join(map(str, g["degrees"])), g["micro_batch"], "/".join(sorted(
+                        g["steps_s"]))) for g in x["groups"]) for x in (first, r)))
+    predicted = predicted_times(first, hw)
+    groups = []
+    for parts in zip(*(r["groups"] for r in results)):
+        steps = {m: [s for part in parts for s in part["steps_s"][m]] for m in parts[0]["steps_s"]}
+        layouts = {m: (*parts[0]["degrees"], parts[0]["micro_batch"], m) for m in steps}
+        missing = [m for m, layout in layouts.items() if layout not in predicted]
+        if missing:
+            raise ValueError(f"profile {hw.name} plans no {' or '.join(missing)} at degrees "
+                             f"{parts[0]['degrees']} micro {parts[0]['micro_batch']}: cannot predict the group")
+        predicted_s = {m: round(predicted[layout], 4) for m, layout in layouts.items()}
+        groups.append({"degrees": parts[0]["degrees"], "micro_batch": parts[0]["micro_batch"],
+                       "predicted": sorted(predicted_s, key=predicted_s.get), "predicted_s": predicted_s,
+                       "steps_s": steps, "median_s": {m: round(float(np.median(t)), 4) for m, t in steps.items()},
+                       "pairs": judge_group(steps, predicted_s)})
+    return {**{k: first[k] for k in shape}, "hardware": hw.name, "pooled": len(results),
+            "cycles": sum(r["cycles"] for r in results), "significance": SIGNIFICANCE,
+            "summary": counts(groups), "groups": groups}
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(bench.HERE / "bench-model.toml"), help="model preset or TOML file")
@@ -132,7 +177,11 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps per mode before the cycles")
     p.add_argument("--degrees", help="only the groups of these degrees, DP,TP,PP (default: every group)")
     p.add_argument("--out", default=str(bench.HERE / "results-modes"), help="prefix of the .json written")
+    p.add_argument("--pool", nargs="+", metavar="RESULT", help="results of the same groups (.json this script "
+                   "wrote) judged as one measurement under --hardware; nothing is measured")
     args = p.parse_args(argv)
+    if args.pool:
+        return pool_args(p, args)
     if args.cycles < 6:
         p.error(f"--cycles {args.cycles}: 6 or more (with fewer no pair can be ordered at p < {SIGNIFICANCE})")
     try:
@@ -150,8 +199,49 @@ def parse_args(argv=None):
     return args
 
 
+def pool_args(p: argparse.ArgumentParser, args):
+    """--pool's arguments checked: each result readable, the profile known."""
+    args.results = []
+    for name in args.pool:
+        try:
+            args.results.append(json.loads(Path(name).read_text()))
+        except (OSError, ValueError) as e:
+            p.error(f"--pool {name}: {e}")
+        if not {"model", "cycles", "groups"} <= set(args.results[-1]):
+            p.error(f"--pool {name}: not a finished mode_order.py result (no model, cycles or groups)")
+    try:
+        load_model_config(args.results[0]["model"])
+        load_hardware(args.hardware)
+    except ConfigError as e:
+        p.error(str(e))
+    return args
+
+
+def report(groups: list[dict]) -> None:
+    """Each group's medians and its pairs' verdicts."""
+    for g in groups:
+        print(f"[modes] {g['degrees']} micro {g['micro_batch']}: medians "
+              + ", ".join(f"{m} {t:.3f} s" for m, t in g["median_s"].items()), flush=True)
+        for p in g["pairs"]:
+            verdict = ("a tie" if not p["ordered"] else
+                       "in the predicted order" if p["predicted"] else "NOT in the predicted order")
+            print(f"[modes]     {p['faster']} ahead of {p['slower']} by {p['ratio'] - 1:.1%}, in "
+                  f"{p['faster_in_cycles']} of {p['cycles']} cycles (p {p['p']:.4f}): {verdict}", flush=True)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.pool:
+        try:
+            result = pooled(args.results, load_hardware(args.hardware))
+        except ValueError as e:
+            print(f"mode_order.py: error: {e}", file=sys.stderr)
+            raise SystemExit(2)
+        report(result["groups"])
+        Path(args.out + ".json").write_text(json.dumps(result, indent=1) + "\n")
+        print(f"[modes] {len(args.pool)} runs pooled, {result['cycles']} cycles per group, profile "
+              f"{result['hardware']}: {result['summary']}", flush=True)
+        return result
     hardware = bench.calibrated(args) if args.calibrate else args.hardware
     model, hw = load_model_config(args.model), load_hardware(hardware)
     tokens = np.random.default_rng(0).integers(0, model.vocab_size, 200_000).astype(np.int64)
@@ -178,14 +268,8 @@ def main(argv=None) -> dict:
                     "steps_s": {m: [round(s, 4) for s in t] for m, t in steps.items()},
                     "median_s": {m: round(float(np.median(t)), 4) for m, t in steps.items()},
                     "pairs": judge_group(steps, predicted_s)})
-        print(f"[modes] {out[-1]['degrees']} micro {out[-1]['micro_batch']}: medians "
-              + ", ".join(f"{m} {t:.3f} s" for m, t in out[-1]["median_s"].items())
-              + f" ({time.perf_counter() - t1:.0f} s wall)", flush=True)
-        for p in out[-1]["pairs"]:
-            verdict = ("a tie" if not p["ordered"] else
-                       "in the predicted order" if p["predicted"] else "NOT in the predicted order")
-            print(f"[modes]     {p['faster']} ahead of {p['slower']} by {p['ratio'] - 1:.1%}, in "
-                  f"{p['faster_in_cycles']} of {p['cycles']} cycles (p {p['p']:.4f}): {verdict}", flush=True)
+        print(f"[modes] group measured in {time.perf_counter() - t1:.0f} s wall", flush=True)
+        report(out[-1:])
         Path(args.out + ".json").write_text(json.dumps({"groups": out}, indent=1) + "\n")  # progress kept
     result = {"model": model.name, "ranks": args.ranks, "global_batch": args.global_batch, "seq_len": args.seq_len,
               "hardware": hw.name, "calibrated": hardware if args.calibrate else None, "cycles": args.cycles,

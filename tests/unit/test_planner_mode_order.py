@@ -120,3 +120,78 @@ def test_degrees_without_a_group_of_modes_stop_before_measuring_and_write_nothin
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "no group of dp modes at degrees 4,1,2 in this plan (groups at: 2,1,2" in err
     assert not list(tmp_path.iterdir())
+
+
+def _run(micro_batches: dict[int, dict[str, list[float]]], **shape) -> dict:
+    """A finished mode_order.py result of gpt-tiny's dp2 groups at 2 ranks (the predictions left out)."""
+    groups = [{"degrees": [2, 1, 1], "micro_batch": mb, "steps_s": steps, "pairs": []}
+              for mb, steps in micro_batches.items()]
+    return {"model": "gpt-tiny", "ranks": 2, "global_batch": 8, "seq_len": 32, **shape,
+            "cycles": len(next(iter(micro_batches.values()))["ddp"]), "groups": groups}
+
+
+def test_two_runs_of_a_group_pooled_are_judged_on_all_their_cycles_under_the_profile_given():
+    """Each run alone: ddp faster by the same ratio in 5 of 6 cycles, a tie; their 12 cycles together: ordered.
+    Counted by hand: with equal magnitudes a sign pattern is as far from 0 when at most one of 6 (two of 12)
+    cycles goes either way: 1 + 6 + 6 + 1 of 64 patterns alone, 2 * (1 + 12 + 66) of 4096 pooled."""
+    first = {"ddp": [1.0, 1.0, 1.0, 1.0, 1.0, 1.1], "fsdp": [1.1, 1.1, 1.1, 1.1, 1.1, 1.0]}
+    second = {"ddp": [2.0, 2.2, 2.0, 2.0, 2.0, 2.0], "fsdp": [2.2, 2.0, 2.2, 2.2, 2.2, 2.2]}  # a slower hour
+    (alone,) = modes.judge_group(first, {"ddp": 1.0, "fsdp": 1.0})
+    assert not alone["ordered"] and alone["p"] == round(14 / 64, 4)
+    result = modes.pooled([_run({4: first}), _run({4: second})], modes.load_hardware("cpu"))
+    (group,) = result["groups"]
+    assert group["steps_s"] == {m: first[m] + second[m] for m in first}
+    logs = [math.log(d / f) for d, f in zip(first["ddp"] + second["ddp"], first["fsdp"] + second["fsdp"])]
+    (pair,) = group["pairs"]
+    assert pair["p"] == round(modes.sign_flip_p(logs), 4) == round(158 / 4096, 4) and pair["ordered"]
+    assert pair["faster"] == "ddp" and pair["faster_in_cycles"] == 10 and pair["cycles"] == 12
+    # the prediction is the profile's, not either run's
+    predicted = modes.predicted_times(_run({4: first}), modes.load_hardware("cpu"))
+    assert group["predicted_s"] == {m: round(predicted[(2, 1, 1, 4, m)], 4) for m in ("ddp", "fsdp")}
+    assert pair["predicted"] == (predicted[(2, 1, 1, 4, "ddp")] < predicted[(2, 1, 1, 4, "fsdp")])
+    assert result["pooled"] == 2 and result["cycles"] == 12 and result["summary"] == modes.counts(result["groups"])
+
+
+def test_runs_of_different_groups_or_shapes_are_not_pooled():
+    steps = {"ddp": [1.0] * 6, "fsdp": [1.1] * 6}
+    with pytest.raises(ValueError, match=r"cannot pool runs of different groups: .*groups 2,1,1 micro 4 "
+                                         r"\(ddp/fsdp\); .*groups 2,1,1 micro 2 \(ddp/fsdp\)"):
+        modes.pooled([_run({4: steps}), _run({2: steps})], modes.load_hardware("cpu"))
+    with pytest.raises(ValueError, match="seq_len 32.*seq_len 64"):
+        modes.pooled([_run({4: steps}), _run({4: steps}, seq_len=64)], modes.load_hardware("cpu"))
+    with pytest.raises(ValueError, match=r"micro 4 \(ddp/fsdp\); .* micro 4 \(ddp/fsdp/zero1\)"):
+        modes.pooled([_run({4: steps}), _run({4: {**steps, "zero1": [1.0] * 6}})], modes.load_hardware("cpu"))
+    with pytest.raises(ValueError, match=r"profile cpu plans no ddp or fsdp at degrees \[2, 1, 1\] micro 3"):
+        modes.pooled([_run({3: steps})], modes.load_hardware("cpu"))
+
+
+def test_pool_from_the_command_line_writes_the_pooled_result_and_measures_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(modes, "measure_group", lambda *a: pytest.fail("measured"))
+    steps = {"ddp": [1.0] * 6, "fsdp": [1.1] * 6}
+    names = []
+    for i in range(2):
+        names.append(str(tmp_path / f"run{i}.json"))
+        Path(names[-1]).write_text(json.dumps(_run({4: steps})))
+    result = modes.main(["--pool", *names, "--out", str(tmp_path / "pooled")])
+    assert result == json.loads((tmp_path / "pooled.json").read_text()) and result["cycles"] == 12
+    assert "2 runs pooled, 12 cycles per group, profile cpu" in capsys.readouterr().out
+    Path(names[1]).write_text(json.dumps(_run({2: steps})))
+    with pytest.raises(SystemExit) as exit_:
+        modes.main(["--pool", *names, "--out", str(tmp_path / "mixed")])
+    assert exit_.value.code == 2 and "cannot pool runs of different groups" in capsys.readouterr().err
+    assert not (tmp_path / "mixed.json").exists()
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "No such file"),
+    ("{not json", "Expecting property name"),
+    ('{"groups": []}', "not a finished mode_order.py result (no model, cycles or groups)"),
+])
+def test_pool_refuses_a_missing_unreadable_or_unfinished_result_in_one_line(tmp_path, capsys, content, message):
+    path = tmp_path / "run.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exit_:
+        modes.parse_args(["--pool", str(path)])
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert exit_.value.code == 2 and f"--pool {path}" in err and message in err

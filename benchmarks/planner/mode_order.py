@@ -10,9 +10,10 @@ sign-flip (paired permutation) test of their mean against 0. A pair is *ordered*
 more: with n cycles the smallest p is 2 / 2**n); otherwise the measurement does not tell it from a tie. The
 prediction agrees on an ordered pair when it puts the faster mode first; a tie has no order to match.
 
-Runs of the same groups are more cycles of one measurement: `--pool` joins their cycles group by group and judges
-every pair again on all of them (the ratios are within a cycle, so runs at different speeds of the machine pool
-as they are), under the prediction of `--hardware`; nothing is measured.
+Runs of the same groups can be read as more cycles of one measurement: `--pool` joins their cycles group by group
+and judges every pair again on all of them, under the prediction of `--hardware`; nothing is measured. A ratio
+within a cycle cancels a slowdown all modes share, so runs at different speeds of the machine pool as they are;
+pooling assumes the ratio itself is the same in each run.
 
     python benchmarks/planner/mode_order.py --model gpt3-small --ranks 4 --calibrate --out /tmp/modes-4
     python benchmarks/planner/mode_order.py --model gpt3-small --ranks 8 --hardware PROFILE.toml --degrees 2,1,4
@@ -41,7 +42,7 @@ import torch  # noqa: E402
 
 import run as bench  # noqa: E402  (this folder's run.py)
 
-from elastic_trainer.config import ConfigError, TrainConfig, load_model_config  # noqa: E402
+from elastic_trainer.config import ConfigError, ModelConfig, TrainConfig, load_model_config  # noqa: E402
 from elastic_trainer.parallel import build_mesh  # noqa: E402
 from elastic_trainer.parallel.local_ranks import run_ranks  # noqa: E402
 from elastic_trainer.plan import Request, load_hardware, plan  # noqa: E402
@@ -49,19 +50,21 @@ from elastic_trainer.train import Trainer  # noqa: E402
 
 SIGNIFICANCE = 0.05
 EXACT_UP_TO = 16
-"""Cycles up to which the sign-flip test counts all 2**n patterns; beyond, 200,000 patterns drawn (seed 0)."""
+"""Cycles up to which the sign-flip test counts all 2**n patterns; beyond, DRAWN patterns drawn (seed 0)."""
+DRAWN = 200_000
 
 
 def sign_flip_p(values: list[float]) -> float:
     """Two-sided p of a sign-flip test: the share of sign patterns whose mean is at least as far from 0 as the
-    observed one (values: paired differences, one per cycle); exact up to EXACT_UP_TO values."""
+    observed one (values: paired differences, one per cycle); exact up to EXACT_UP_TO values, beyond that
+    (k + 1) / (DRAWN + 1) of DRAWN patterns drawn, the observed pattern counted once (never 0)."""
     x = np.asarray(values, dtype=float)
     observed = abs(x.mean())
     if len(x) <= EXACT_UP_TO:
         signs = np.array(list(itertools.product((1.0, -1.0), repeat=len(x))))
-    else:
-        signs = np.random.default_rng(0).choice((1.0, -1.0), size=(200_000, len(x)))
-    return float(np.mean(np.abs((signs * x).mean(axis=1)) >= observed - 1e-12))
+        return float(np.mean(np.abs((signs * x).mean(axis=1)) >= observed - 1e-12))
+    signs = np.random.default_rng(0).choice((1.0, -1.0), size=(DRAWN, len(x)))
+    return float((np.sum(np.abs((signs * x).mean(axis=1)) >= observed - 1e-12) + 1) / (DRAWN + 1))
 
 
 def cycle_order(modes: int, cycle: int) -> list[int]:
@@ -125,30 +128,53 @@ def counts(groups: list[dict]) -> str:
             f"({len(pairs) - len(ordered)} of {len(pairs)} pairs a tie at p >= {SIGNIFICANCE})")
 
 
-def predicted_times(result: dict, hw) -> dict[tuple, float]:
+SHAPE = ("model", "ranks", "global_batch", "seq_len")
+"""What runs pooled must share (besides their groups)."""
+
+
+def result_model(result: dict, model_file: str | None = None) -> ModelConfig:
+    """A result's model: the preset it names, or `model_file` (a TOML file) when that is the model named."""
+    try:
+        return load_model_config(result["model"])
+    except ConfigError:
+        if model_file is None:
+            raise
+        model = load_model_config(model_file)
+        if model.name != result["model"]:
+            raise ConfigError(f"the runs' model {result['model']!r} is no preset and --model {model_file} is "
+                              f"{model.name!r}: give the model file the runs used as --model") from None
+        return model
+
+
+def predicted_times(result: dict, hw, model_file: str | None = None) -> dict[tuple, float]:
     """The step time `hw` predicts for each layout of a result's plan, by (dp, tp, pp, micro_batch, dp_mode)."""
-    model = load_model_config(result["model"])
+    model = result_model(result, model_file)
     req = Request(model, result["ranks"], result["global_batch"], result["seq_len"], hw, result["ranks"],
                   dtype="fp32", recompute=(False,))
     return {(c.layout.dp, c.layout.tp, c.layout.pp, c.layout.micro_batch, c.layout.dp_mode): c.time.total
             for c in plan(req).candidates}
 
 
-def pooled(results: list[dict], hw) -> dict:
-    """Results of the same groups as one measurement: each group's cycles joined, in the order given, and every
-    pair judged again on all of them, against `hw`'s prediction (the runs' own were calibrated apart)."""
+def group_key(group: dict) -> tuple:
+    return tuple(group["degrees"]), group["micro_batch"], tuple(sorted(group["steps_s"]))
+
+
+def pooled(results: list[dict], hw, model_file: str | None = None, sources: list[str] | None = None) -> dict:
+    """Results of the same groups as one measurement: each group's cycles joined, in the order the results are
+    given, and every pair judged again on all of them, against `hw`'s prediction (the runs' own were calibrated
+    apart). Groups are matched by degrees, micro-batch and modes, in the first result's order."""
     first = results[0]
-    shape = ("model", "ranks", "global_batch", "seq_len")
-    key = lambda g: (tuple(g["degrees"]), g["micro_batch"], sorted(g["steps_s"]))  # noqa: E731
+    keys = sorted(group_key(g) for g in first["groups"])
     for r in results[1:]:
-        if any(r[k] != first[k] for k in shape) or [key(g) for g in r["groups"]] != [key(g) for g in first["groups"]]:
+        if any(r[k] != first[k] for k in SHAPE) or sorted(group_key(g) for g in r["groups"]) != keys:
             raise ValueError("cannot pool runs of different groups: " + "; ".join(
-                ", ".join(f"{k} {x[k]}" for k in shape) + ", groups " + " ".join(
-                    "%s micro %d (%s)" % (",".join(map(str, g["degrees"])), g["micro_batch"], "/".join(sorted(
-                        g["steps_s"]))) for g in x["groups"]) for x in (first, r)))
-    predicted = predicted_times(first, hw)
+                ", ".join(f"{k} {x[k]}" for k in SHAPE) + ", groups " + " ".join(
+                    "%s micro %d (%s)" % (",".join(map(str, d)), mb, "/".join(m)) for d, mb, m in sorted(
+                        group_key(g) for g in x["groups"])) for x in (first, r)))
+    predicted = predicted_times(first, hw, model_file)
+    by_key = [{group_key(g): g for g in r["groups"]} for r in results]
     groups = []
-    for parts in zip(*(r["groups"] for r in results)):
+    for parts in ([runs[group_key(g)] for runs in by_key] for g in first["groups"]):
         steps = {m: [s for part in parts for s in part["steps_s"][m]] for m in parts[0]["steps_s"]}
         layouts = {m: (*parts[0]["degrees"], parts[0]["micro_batch"], m) for m in steps}
         missing = [m for m, layout in layouts.items() if layout not in predicted]
@@ -160,7 +186,7 @@ def pooled(results: list[dict], hw) -> dict:
                        "predicted": sorted(predicted_s, key=predicted_s.get), "predicted_s": predicted_s,
                        "steps_s": steps, "median_s": {m: round(float(np.median(t)), 4) for m, t in steps.items()},
                        "pairs": judge_group(steps, predicted_s)})
-    return {**{k: first[k] for k in shape}, "hardware": hw.name, "pooled": len(results),
+    return {**{k: first[k] for k in SHAPE}, "hardware": hw.name, "pooled": sources or len(results),
             "cycles": sum(r["cycles"] for r in results), "significance": SIGNIFICANCE,
             "summary": counts(groups), "groups": groups}
 
@@ -176,12 +202,13 @@ def parse_args(argv=None):
     p.add_argument("--cycles", type=int, default=16, help="measured cycles of one step per mode (6 or more)")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps per mode before the cycles")
     p.add_argument("--degrees", help="only the groups of these degrees, DP,TP,PP (default: every group)")
-    p.add_argument("--out", default=str(bench.HERE / "results-modes"), help="prefix of the .json written")
+    p.add_argument("--out", help="prefix of the .json written (default: results-modes here; with --pool, none)")
     p.add_argument("--pool", nargs="+", metavar="RESULT", help="results of the same groups (.json this script "
                    "wrote) judged as one measurement under --hardware; nothing is measured")
     args = p.parse_args(argv)
     if args.pool:
         return pool_args(p, args)
+    args.out = args.out or str(bench.HERE / "results-modes")
     if args.cycles < 6:
         p.error(f"--cycles {args.cycles}: 6 or more (with fewer no pair can be ordered at p < {SIGNIFICANCE})")
     try:
@@ -200,17 +227,26 @@ def parse_args(argv=None):
 
 
 def pool_args(p: argparse.ArgumentParser, args):
-    """--pool's arguments checked: each result readable, the profile known."""
+    """--pool's arguments checked: no measuring options, each result readable and finished, the profile and the
+    model known (a model that is no preset: --model names its file)."""
+    for flag, given in (("--calibrate", args.calibrate), ("--degrees", args.degrees)):
+        if given:
+            p.error(f"{flag} measures; --pool only judges results already measured")
     args.results = []
     for name in args.pool:
         try:
-            args.results.append(json.loads(Path(name).read_text()))
+            result = json.loads(Path(name).read_text())
         except (OSError, ValueError) as e:
             p.error(f"--pool {name}: {e}")
-        if not {"model", "cycles", "groups"} <= set(args.results[-1]):
-            p.error(f"--pool {name}: not a finished mode_order.py result (no model, cycles or groups)")
+        if not (isinstance(result, dict) and {*SHAPE, "cycles", "groups"} <= set(result)
+                and isinstance(result["groups"], list) and all(
+                    isinstance(g, dict) and {"degrees", "micro_batch", "steps_s"} <= set(g) for g in result["groups"])):
+            p.error(f"--pool {name}: not a finished mode_order.py result (needs {', '.join(SHAPE)}, cycles, and "
+                    "groups with degrees, micro_batch and steps_s)")
+        args.results.append(result)
+    args.model_file = args.model  # used only where the runs' model is no preset (the default: the bench model)
     try:
-        load_model_config(args.results[0]["model"])
+        result_model(args.results[0], args.model_file)
         load_hardware(args.hardware)
     except ConfigError as e:
         p.error(str(e))
@@ -233,12 +269,13 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.pool:
         try:
-            result = pooled(args.results, load_hardware(args.hardware))
+            result = pooled(args.results, load_hardware(args.hardware), args.model_file, args.pool)
         except ValueError as e:
             print(f"mode_order.py: error: {e}", file=sys.stderr)
             raise SystemExit(2)
         report(result["groups"])
-        Path(args.out + ".json").write_text(json.dumps(result, indent=1) + "\n")
+        if args.out:
+            Path(args.out + ".json").write_text(json.dumps(result, indent=1) + "\n")
         print(f"[modes] {len(args.pool)} runs pooled, {result['cycles']} cycles per group, profile "
               f"{result['hardware']}: {result['summary']}", flush=True)
         return result

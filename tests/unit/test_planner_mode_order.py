@@ -3,6 +3,7 @@ only when a sign-flip test on its per-cycle ratios tells it from a tie."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -174,7 +175,10 @@ def test_pool_from_the_command_line_writes_the_pooled_result_and_measures_nothin
         Path(names[-1]).write_text(json.dumps(_run({4: steps})))
     result = modes.main(["--pool", *names, "--out", str(tmp_path / "pooled")])
     assert result == json.loads((tmp_path / "pooled.json").read_text()) and result["cycles"] == 12
+    assert result["pooled"] == names  # the sources named in the pooled result
     assert "2 runs pooled, 12 cycles per group, profile cpu" in capsys.readouterr().out
+    assert modes.main(["--pool", *names])["cycles"] == 12  # without --out: printed, nothing written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pooled.json", "run0.json", "run1.json"]
     Path(names[1]).write_text(json.dumps(_run({2: steps})))
     with pytest.raises(SystemExit) as exit_:
         modes.main(["--pool", *names, "--out", str(tmp_path / "mixed")])
@@ -182,10 +186,60 @@ def test_pool_from_the_command_line_writes_the_pooled_result_and_measures_nothin
     assert not (tmp_path / "mixed.json").exists()
 
 
+def test_pooled_predictions_are_the_profile_s_given_and_groups_match_in_any_order():
+    """The same measured pair (ddp faster in every cycle) is in or out of the predicted order as the profile
+    given makes ddp or fsdp the costlier; the second run lists its groups the other way round."""
+    fast = {4: {"ddp": [1.0] * 6, "fsdp": [1.1] * 6}, 2: {"ddp": [2.0] * 6, "fsdp": [2.4] * 6}}
+    runs = [_run({4: fast[4], 2: fast[2]}), _run({2: fast[2], 4: fast[4]})]
+    cpu = modes.load_hardware("cpu")
+    for costly, in_order in (("ddp", False), ("fsdp", True)):
+        hw = dataclasses.replace(cpu, **{f"{costly}_hooks_ns_per_param": 50.0})
+        result = modes.pooled(runs, hw)
+        assert [g["micro_batch"] for g in result["groups"]] == [4, 2]  # the first run's order
+        for g in result["groups"]:
+            assert g["steps_s"] == {m: t * 2 for m, t in fast[g["micro_batch"]].items()}
+            assert g["predicted"][-1] == costly and g["pairs"][0]["predicted"] is in_order
+
+
+def test_more_cycles_than_counted_exactly_are_tested_on_drawn_patterns_never_at_p_0():
+    steps = {"ddp": [1.0] * 6, "fsdp": [1.1] * 6}
+    result = modes.pooled([_run({4: steps})] * 3, modes.load_hardware("cpu"))
+    (pair,) = result["groups"][0]["pairs"]
+    logs = [math.log(1.0 / 1.1)] * 18  # beyond EXACT_UP_TO: 2 of 2**18 patterns as far, about 1.5 drawn
+    assert pair["cycles"] == 18 > modes.EXACT_UP_TO and pair["p"] == round(modes.sign_flip_p(logs), 4)
+    assert 0 < modes.sign_flip_p(logs) <= 5 / (modes.DRAWN + 1) and pair["ordered"]
+
+
+def test_pool_takes_the_model_file_the_runs_used_when_their_model_is_no_preset(tmp_path, capsys):
+    """The script's default model (the bench model, named bench-512x8) pools without --model; another name needs
+    its file."""
+    steps = {"ddp": [1.0] * 6, "fsdp": [1.1] * 6}
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(_run({4: steps}, model="bench-512x8")))
+    assert modes.main(["--pool", str(path), str(path)])["cycles"] == 12
+    path.write_text(json.dumps(_run({4: steps}, model="my-model")))
+    with pytest.raises(SystemExit) as exit_:
+        modes.parse_args(["--pool", str(path)])
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert exit_.value.code == 2 and "the runs' model 'my-model' is no preset and --model" in err
+
+
+@pytest.mark.parametrize("argv", [["--calibrate"], ["--degrees", "2,1,1"]])
+def test_pool_refuses_the_options_that_measure(tmp_path, capsys, argv):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(_run({4: {"ddp": [1.0] * 6, "fsdp": [1.1] * 6}})))
+    with pytest.raises(SystemExit) as exit_:
+        modes.parse_args(["--pool", str(path), *argv])
+    assert exit_.value.code == 2 and f"{argv[0]} measures; --pool only judges" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("content, message", [
     (None, "No such file"),
     ("{not json", "Expecting property name"),
-    ('{"groups": []}', "not a finished mode_order.py result (no model, cycles or groups)"),
+    ('{"groups": []}', "not a finished mode_order.py result (needs model, ranks, global_batch, seq_len, cycles"),
+    ("[1, 2]", "not a finished mode_order.py result"),
+    (json.dumps({"model": "gpt-tiny", "ranks": 2, "global_batch": 8, "seq_len": 32, "cycles": 6,
+                 "groups": [{"degrees": [2, 1, 1]}]}), "groups with degrees, micro_batch and steps_s"),
 ])
 def test_pool_refuses_a_missing_unreadable_or_unfinished_result_in_one_line(tmp_path, capsys, content, message):
     path = tmp_path / "run.json"

@@ -120,6 +120,16 @@ def judge_group(steps: dict[str, list[float]], predicted_s: dict[str, float]) ->
     return [judge_pair(a, b, steps, predicted_s) for a, b in itertools.combinations(sorted(steps), 2)]
 
 
+def group_result(degrees: list[int], micro_batch: int, steps: dict[str, list[float]],
+                 predicted_s: dict[str, float]) -> dict:
+    """A group's entry in a result: each mode's steps and their median, the predicted order, the judged pairs."""
+    return {"degrees": degrees, "micro_batch": micro_batch,
+            "predicted": sorted(predicted_s, key=predicted_s.get), "predicted_s": predicted_s,
+            "steps_s": {m: [round(s, 4) for s in t] for m, t in steps.items()},
+            "median_s": {m: round(float(np.median(t)), 4) for m, t in steps.items()},
+            "pairs": judge_group(steps, predicted_s)}
+
+
 def counts(groups: list[dict]) -> str:
     """'K of N ordered pairs in the predicted order (T of M pairs a tie ...)'."""
     pairs = [p for g in groups for p in g["pairs"]]
@@ -182,10 +192,7 @@ def pooled(results: list[dict], hw, model_file: str | None = None, sources: list
             raise ValueError(f"profile {hw.name} plans no {' or '.join(missing)} at degrees "
                              f"{parts[0]['degrees']} micro {parts[0]['micro_batch']}: cannot predict the group")
         predicted_s = {m: round(predicted[layout], 4) for m, layout in layouts.items()}
-        groups.append({"degrees": parts[0]["degrees"], "micro_batch": parts[0]["micro_batch"],
-                       "predicted": sorted(predicted_s, key=predicted_s.get), "predicted_s": predicted_s,
-                       "steps_s": steps, "median_s": {m: round(float(np.median(t)), 4) for m, t in steps.items()},
-                       "pairs": judge_group(steps, predicted_s)})
+        groups.append(group_result(parts[0]["degrees"], parts[0]["micro_batch"], steps, predicted_s))
     return {**{k: first[k] for k in SHAPE}, "hardware": hw.name, "pooled": sources or len(results),
             "cycles": sum(r["cycles"] for r in results), "significance": SIGNIFICANCE,
             "summary": counts(groups), "groups": groups}
@@ -300,11 +307,7 @@ def main(argv=None) -> dict:
         times = measure_group(model, args, [cands[r["predicted_rank"] - 1].layout for r in g], tokens)
         steps = {r["dp_mode"]: t for r, t in zip(g, times)}
         predicted_s = {r["dp_mode"]: r["predicted_s"] for r in g}
-        out.append({"degrees": [g[0]["dp"], g[0]["tp"], g[0]["pp"]], "micro_batch": g[0]["micro_batch"],
-                    "predicted": sorted(predicted_s, key=predicted_s.get), "predicted_s": predicted_s,
-                    "steps_s": {m: [round(s, 4) for s in t] for m, t in steps.items()},
-                    "median_s": {m: round(float(np.median(t)), 4) for m, t in steps.items()},
-                    "pairs": judge_group(steps, predicted_s)})
+        out.append(group_result([g[0]["dp"], g[0]["tp"], g[0]["pp"]], g[0]["micro_batch"], steps, predicted_s))
         print(f"[modes] group measured in {time.perf_counter() - t1:.0f} s wall", flush=True)
         report(out[-1:])
         Path(args.out + ".json").write_text(json.dumps({"groups": out}, indent=1) + "\n")  # progress kept

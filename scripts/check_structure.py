@@ -12,10 +12,7 @@ Rules, one line per violation, then a summary line; exit status 1 when there is 
    pkg/__init__.py imports sub: Python's package pattern, the package is imported before sub anyway).
    Every strongly connected component of more than one module, and a self-import, is one line.
 2. nothing imports CLI_MODULE (any import form, `if TYPE_CHECKING:` included).
-3. no file over MAX_FILE_LINES lines.
-4. no function, method or async function over MAX_FUNCTION_LINES lines (its def line to its last; decorators
-   not counted).
-5. torchrun's environment (TORCHRUN_VARIABLES, names starting with TORCHRUN_PREFIXES) is read only in
+3. torchrun's environment (TORCHRUN_VARIABLES, names starting with TORCHRUN_PREFIXES) is read only in
    ENV_MODULE. A read is the name as a string constant that is subscripted (`os.environ["RANK"]`; not an
    assignment or del target), an argument of `.get(...)`, `getenv(...)`, `env_int(...)` or `.pop(...)`, or
    the left side of `in` / `not in`; also a loop variable over a literal tuple/list/set of such names that is
@@ -33,13 +30,21 @@ from pathlib import Path, PurePosixPath
 
 PACKAGE = "elastic_trainer"
 CLI_MODULE = "elastic_trainer.cli"
-MAX_FILE_LINES = 400
-MAX_FUNCTION_LINES = 60
 ENV_MODULE = "elastic_trainer/elastic/torchrun_env.py"  # the one file allowed to read torchrun's variables
-TORCHRUN_VARIABLES = frozenset({
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-    "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-})
+TORCHRUN_VARIABLES = frozenset(
+    {
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "ROLE_RANK",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    }
+)
 TORCHRUN_PREFIXES = ("TORCHELASTIC_", "TORCH_ELASTIC_")
 READ_METHODS = frozenset({"get", "pop"})  # x.get("RANK"), x.pop("RANK")
 READ_FUNCTIONS = frozenset({"getenv", "env_int"})  # getenv("RANK"), os.getenv(...), env_int(...), config.env_int(...)
@@ -49,20 +54,29 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # ---------------------------------------------------------------------------------------------- sources
 
+
 def working_tree_files(root: Path) -> dict[str, str]:
     """{path relative to root, posix: text} of every .py file of the package in the working tree."""
     package = root / PACKAGE
-    return {path.relative_to(root).as_posix(): path.read_text(encoding="utf-8")
-            for path in sorted(package.rglob("*.py")) if "__pycache__" not in path.parts}
+    return {
+        path.relative_to(root).as_posix(): path.read_text(encoding="utf-8")
+        for path in sorted(package.rglob("*.py"))
+        if "__pycache__" not in path.parts
+    }
 
 
 def revision_files(root: Path, rev: str) -> dict[str, str]:
     """The same for a git revision (git ls-tree / git show; the working tree is not read)."""
-    names = subprocess.run(["git", "ls-tree", "-r", "--name-only", rev, PACKAGE], cwd=root, check=True,
-                           capture_output=True, text=True).stdout.splitlines()
-    return {name: subprocess.run(["git", "show", f"{rev}:{name}"], cwd=root, check=True, capture_output=True,
-                                 text=True).stdout
-            for name in sorted(names) if name.endswith(".py")}
+    names = subprocess.run(
+        ["git", "ls-tree", "-r", "--name-only", rev, PACKAGE], cwd=root, check=True, capture_output=True, text=True
+    ).stdout.splitlines()
+    return {
+        name: subprocess.run(
+            ["git", "show", f"{rev}:{name}"], cwd=root, check=True, capture_output=True, text=True
+        ).stdout
+        for name in sorted(names)
+        if name.endswith(".py")
+    }
 
 
 def module_name(path: str) -> str:
@@ -75,9 +89,11 @@ def module_name(path: str) -> str:
 
 # ---------------------------------------------------------------------------------------------- imports
 
+
 def is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def import_nodes(tree: ast.AST, type_checking: bool):
@@ -105,16 +121,18 @@ def existing(name: str, modules: set[str]) -> str | None:
     return None
 
 
-def import_targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool,
-                   modules: set[str]) -> list[str]:
+def import_targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, modules: set[str]) -> list[str]:
     """The package's modules one import statement names, as written (no implied parent packages)."""
     if isinstance(node, ast.Import):
         names = [alias.name for alias in node.names]
-        return [target for name in names
-                if (name == PACKAGE or name.startswith(PACKAGE + ".")) and (target := existing(name, modules))]
+        return [
+            target
+            for name in names
+            if (name == PACKAGE or name.startswith(PACKAGE + ".")) and (target := existing(name, modules))
+        ]
     if node.level:
         base = module.split(".") if is_package else module.split(".")[:-1]
-        base = base[:len(base) - (node.level - 1)] if node.level > 1 else base
+        base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
         source = ".".join(base + ([node.module] if node.module else []))
     else:
         source = node.module or ""
@@ -215,8 +233,7 @@ def cycle_violations(edges, modules: set[str]) -> list[str]:
         if len(component) == 1 and component[0] not in graph[component[0]]:
             continue
         cycle = shortest_cycle(component[0], graph, set(component))
-        line = "cycle: " + " -> ".join(cycle) + " [" + ", ".join(
-            where[(a, b)] for a, b in zip(cycle, cycle[1:])) + "]"
+        line = "cycle: " + " -> ".join(cycle) + " [" + ", ".join(where[(a, b)] for a, b in zip(cycle, cycle[1:])) + "]"
         if len(component) > len(cycle) - 1:
             line += f" (one component of {len(component)} modules: {', '.join(component)})"
         found.append(line)
@@ -224,34 +241,15 @@ def cycle_violations(edges, modules: set[str]) -> list[str]:
 
 
 def cli_violations(edges) -> list[str]:
-    return [f"{path}:{line}: imports {CLI_MODULE}"
-            for source, target, path, line, _ in edges if target == CLI_MODULE and source != CLI_MODULE]
-
-
-# ---------------------------------------------------------------------------------------------- sizes
-
-def function_violations(path: str, tree: ast.AST) -> list[str]:
-    found = []
-
-    def visit(node: ast.AST, scope: str) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                name = scope + child.name
-                length = child.end_lineno - child.lineno + 1
-                if length > MAX_FUNCTION_LINES:
-                    found.append(f"{path}:{child.lineno}: function {name} is {length} lines "
-                                 f"(max {MAX_FUNCTION_LINES})")
-                visit(child, name + ".")
-            elif isinstance(child, ast.ClassDef):
-                visit(child, scope + child.name + ".")
-            else:
-                visit(child, scope)
-
-    visit(tree, "")
-    return found
+    return [
+        f"{path}:{line}: imports {CLI_MODULE}"
+        for source, target, path, line, _ in edges
+        if target == CLI_MODULE and source != CLI_MODULE
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- environment
+
 
 def is_torchrun_variable(value: object) -> bool:
     return isinstance(value, str) and (value in TORCHRUN_VARIABLES or value.startswith(TORCHRUN_PREFIXES))
@@ -281,43 +279,60 @@ def read_positions(tree: ast.AST):
 def env_violations(path: str, tree: ast.AST) -> list[str]:
     if path == ENV_MODULE:
         return []
-    reads = {(node.lineno, node.value) for node in read_positions(tree)
-             if isinstance(node, ast.Constant) and is_torchrun_variable(node.value)}
+    reads = {
+        (node.lineno, node.value)
+        for node in read_positions(tree)
+        if isinstance(node, ast.Constant) and is_torchrun_variable(node.value)
+    }
     for loop in ast.walk(tree):  # for name in ("GROUP_RANK", ...): env_int(name, ...)
-        if not (isinstance(loop, (ast.For, ast.AsyncFor)) and isinstance(loop.target, ast.Name)
-                and isinstance(loop.iter, (ast.Tuple, ast.List, ast.Set))):
+        if not (
+            isinstance(loop, (ast.For, ast.AsyncFor))
+            and isinstance(loop.target, ast.Name)
+            and isinstance(loop.iter, (ast.Tuple, ast.List, ast.Set))
+        ):
             continue
-        names = [element for element in loop.iter.elts
-                 if isinstance(element, ast.Constant) and is_torchrun_variable(element.value)]
-        if names and any(isinstance(node, ast.Name) and node.id == loop.target.id
-                         for statement in loop.body for node in read_positions(statement)):
+        names = [
+            element
+            for element in loop.iter.elts
+            if isinstance(element, ast.Constant) and is_torchrun_variable(element.value)
+        ]
+        if names and any(
+            isinstance(node, ast.Name) and node.id == loop.target.id
+            for statement in loop.body
+            for node in read_positions(statement)
+        ):
             reads |= {(element.lineno, element.value) for element in names}
     return [f"{path}:{line}: reads {name} outside {ENV_MODULE}" for line, name in sorted(reads)]
 
 
 # ---------------------------------------------------------------------------------------------- checks
 
+
 def check(files: dict[str, str]) -> dict[str, list[str]]:
     """The violations of each rule, for {path: text} of the package's .py files."""
     trees: dict[str, ast.AST] = {}
-    result: dict[str, list[str]] = {"syntax errors": [], "cycles": [], "cli importers": [], "long files": [],
-                                    "long functions": [], "env reads": []}
+    result: dict[str, list[str]] = {
+        "syntax errors": [],
+        "cycles": [],
+        "cli importers": [],
+        "env reads": [],
+    }
     for path, text in files.items():
-        lines = len(text.splitlines())
-        if lines > MAX_FILE_LINES:
-            result["long files"].append(f"{path}: {lines} lines (max {MAX_FILE_LINES})")
         try:
             trees[path] = ast.parse(text, filename=path)
         except SyntaxError as error:
             result["syntax errors"].append(f"{path}:{error.lineno}: syntax error: {error.msg}")
     modules = {module_name(path) for path in files}
-    modules |= {module_name(str(parent) + "/__init__.py") for path in files
-                for parent in PurePosixPath(path).parents if parent.parts and parent.parts[0] == PACKAGE}
+    modules |= {
+        module_name(str(parent) + "/__init__.py")
+        for path in files
+        for parent in PurePosixPath(path).parents
+        if parent.parts and parent.parts[0] == PACKAGE
+    }
     edges = import_edges(trees, modules)
     result["cycles"] = cycle_violations(edges, modules)
     result["cli importers"] = cli_violations(edges)
     for path, tree in trees.items():
-        result["long functions"] += function_violations(path, tree)
         result["env reads"] += env_violations(path, tree)
     return result
 

@@ -36,7 +36,7 @@ def divisors(n: int) -> list[int]:
 
 
 def fmt_values(values) -> str:
-    """"1, 2, 4": the valid choices in an error message."""
+    """ "1, 2, 4": the valid choices in an error message."""
     return ", ".join(str(v) for v in values)
 
 
@@ -249,8 +249,10 @@ class CheckpointConfig:
         if not math.isfinite(self.save_interval_s):
             raise ConfigError(f"--save-interval-s {self.save_interval_s} must be a finite number")
         if self.save_every < 0 or self.save_interval_s < 0 or self.keep < 0:
-            raise ConfigError(f"checkpoint settings must be >= 0 (save_every={self.save_every}, "
-                              f"save_interval_s={self.save_interval_s}, keep={self.keep})")
+            raise ConfigError(
+                f"checkpoint settings must be >= 0 (save_every={self.save_every}, "
+                f"save_interval_s={self.save_interval_s}, keep={self.keep})"
+            )
         if self.resume not in ("auto", "never") and not Path(self.resume).is_dir():
             raise ConfigError(f"--resume {self.resume!r} is neither auto, never nor a checkpoint folder")
 
@@ -288,8 +290,9 @@ def from_dict(cls: type, values: dict[str, Any], where: str) -> Any:
     unknown = sorted(set(values) - set(names))
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} (valid: {', '.join(names)})")
-    required = [n for n, f in names.items()
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    required = [
+        n for n, f in names.items() if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
     missing = [n for n in required if n not in values]
     if missing:
         raise ConfigError(f"{where}: missing required key(s) {', '.join(missing)} (required: {', '.join(required)})")
@@ -311,17 +314,17 @@ def load_model_config(name_or_path: str) -> ModelConfig:
     if not path.suffix:
         path = configs_dir() / "models" / f"{name_or_path}.toml"
         if not path.exists():
-            raise ConfigError(
-                f"unknown model {name_or_path!r} (valid: {', '.join(model_presets()) or 'none found'})"
-            )
+            raise ConfigError(f"unknown model {name_or_path!r} (valid: {', '.join(model_presets()) or 'none found'})")
     table = read_toml(path)
     table = table.get("model", table)
     if not isinstance(table, dict):
         raise ConfigError(f"model config {str(path)!r}: [model] must be a table of model settings")
     if "preset" in table:
         if not isinstance(table["preset"], str) or Path(table["preset"]).suffix:
-            raise ConfigError(f"model config {str(path)!r}: preset={table['preset']!r} must be a preset name "
-                              f"(valid: {', '.join(model_presets())})")
+            raise ConfigError(
+                f"model config {str(path)!r}: preset={table['preset']!r} must be a preset name "
+                f"(valid: {', '.join(model_presets())})"
+            )
         base = dataclasses.asdict(load_model_config(table["preset"]))
         base.update({k: v for k, v in table.items() if k != "preset"})
         table = base
@@ -344,8 +347,9 @@ def load_run_config(path: str | os.PathLike) -> RunConfig:
     table = read_toml(path)
     unknown = sorted(set(table) - {"model", "train", "layout", "launch"})
     if unknown:
-        raise ConfigError(f"run config {str(path)!r}: unknown table(s) {', '.join(unknown)} "
-                          "(valid: model, train, layout, launch)")
+        raise ConfigError(
+            f"run config {str(path)!r}: unknown table(s) {', '.join(unknown)} (valid: model, train, layout, launch)"
+        )
     for key in ("train", "layout", "launch"):
         if not isinstance(table.get(key, {}), dict):
             raise ConfigError(f"run config {str(path)!r}: {key} must be a table ([{key}])")
@@ -353,16 +357,20 @@ def load_run_config(path: str | os.PathLike) -> RunConfig:
     check_layout_table(layout, f"run config {str(path)!r} [layout]")
     launch = dict(table.get("launch", {}))
     if set(launch) - {"schedule"}:
-        raise ConfigError(f"run config {str(path)!r} [launch]: unknown key(s) "
-                          f"{', '.join(sorted(set(launch) - {'schedule'}))} (valid: schedule)")
+        raise ConfigError(
+            f"run config {str(path)!r} [launch]: unknown key(s) "
+            f"{', '.join(sorted(set(launch) - {'schedule'}))} (valid: schedule)"
+        )
     model_entry = table.get("model")
     if model_entry is None:
-        raise ConfigError(f"run config {str(path)!r} has no model (add model = \"gpt-tiny\")")
+        raise ConfigError(f'run config {str(path)!r} has no model (add model = "gpt-tiny")')
     if isinstance(model_entry, str):
         model = load_model_config(model_entry)
     elif not isinstance(model_entry, dict):
-        raise ConfigError(f"run config {str(path)!r}: model={model_entry!r} must be a preset name, a model TOML "
-                          "file or a [model] table")
+        raise ConfigError(
+            f"run config {str(path)!r}: model={model_entry!r} must be a preset name, a model TOML "
+            "file or a [model] table"
+        )
     else:
         entry = dict(model_entry)
         if "preset" in entry:
@@ -374,8 +382,9 @@ def load_run_config(path: str | os.PathLike) -> RunConfig:
         model = from_dict(ModelConfig, entry, f"run config {str(path)!r} [model]")
     train = from_dict(TrainConfig, table.get("train", {}), f"run config {str(path)!r} [train]")
     if "schedule" in launch and not isinstance(launch["schedule"], str):
-        raise ConfigError(f"run config {str(path)!r} [launch]: schedule={launch['schedule']!r} must be a file "
-                          "or schedule name")
+        raise ConfigError(
+            f"run config {str(path)!r} [launch]: schedule={launch['schedule']!r} must be a file or schedule name"
+        )
     return RunConfig(model=model, train=train, layout=layout, launch=launch)
 
 

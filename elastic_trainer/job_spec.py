@@ -46,7 +46,7 @@ class LayoutSettings:
     """The settings that narrow the planner's search, as typed (for its errors)."""
 
     @classmethod
-    def from_json(cls, values: dict) -> "LayoutSettings":
+    def from_json(cls, values: dict) -> LayoutSettings:
         degrees = values.get("degrees")
         return cls(**{**values, "degrees": tuple(degrees) if degrees else None})
 
@@ -69,10 +69,15 @@ class PhaseSpec:
     """The plan's one line where it was made (what a single `train` process prints)."""
 
     @classmethod
-    def from_json(cls, values: dict) -> "PhaseSpec":
+    def from_json(cls, values: dict) -> PhaseSpec:
         layout, hosts = values.get("layout"), values.get("hosts")
-        return cls(**{**values, "layout": Layout.from_dict(layout) if layout else None,
-                      "hosts": tuple(hosts) if hosts else None})
+        return cls(
+            **{
+                **values,
+                "layout": Layout.from_dict(layout) if layout else None,
+                "hosts": tuple(hosts) if hosts else None,
+            }
+        )
 
 
 @dataclass(frozen=True)
@@ -108,8 +113,7 @@ class JobSpec:
         for p in self.phases:
             if p.index == index:
                 return p
-        raise ConfigError(f"the job spec has no phase {index} (phases: "
-                          f"{', '.join(str(p.index) for p in self.phases)})")
+        raise ConfigError(f"the job spec has no phase {index} (phases: {', '.join(str(p.index) for p in self.phases)})")
 
     # -- JSON ------------------------------------------------------------------------------------------
 
@@ -117,35 +121,44 @@ class JobSpec:
         return json.dumps({"version": SPEC_VERSION, **dataclasses.asdict(self)}, indent=1, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str, where: str = JOB_FILE) -> "JobSpec":
+    def from_json(cls, text: str, where: str = JOB_FILE) -> JobSpec:
         try:
             values = json.loads(text)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{where} is not JSON ({e})") from None
         if not isinstance(values, dict) or values.pop("version", None) != SPEC_VERSION:
-            raise ConfigError(f"{where} is not a version-{SPEC_VERSION} job spec (written by another version of "
-                              "elastic_trainer? start the job again with this one)")
+            raise ConfigError(
+                f"{where} is not a version-{SPEC_VERSION} job spec (written by another version of "
+                "elastic_trainer? start the job again with this one)"
+            )
         try:
             return cls._from_values(values, where)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, ConfigError):
                 raise
-            raise ConfigError(f"{where} is not a complete job spec ({type(e).__name__}: {e}); start the job again "
-                              "to write it") from None
+            raise ConfigError(
+                f"{where} is not a complete job spec ({type(e).__name__}: {e}); start the job again to write it"
+            ) from None
 
     @classmethod
-    def _from_values(cls, values: dict, where: str) -> "JobSpec":
+    def _from_values(cls, values: dict, where: str) -> JobSpec:
         hw, ckpt = values.get("hardware"), values.get("checkpoint")
         if hw is not None:
             hw = from_dict(Hardware, {**hw, "device_names": tuple(hw.get("device_names", ()))}, f"{where} hardware")
-        return cls(model=from_dict(ModelConfig, values["model"], f"{where} model"),
-                   train=from_dict(TrainConfig, values["train"], f"{where} train"),
-                   checkpoint=from_dict(CheckpointConfig, ckpt, f"{where} checkpoint") if ckpt else None,
-                   layout=LayoutSettings.from_json(values["layout"]), hardware=hw, use_gpus=values["use_gpus"],
-                   events_file=values["events_file"], stop_file=values["stop_file"],
-                   phases=tuple(PhaseSpec.from_json(p) for p in values["phases"]), built_by=values["built_by"],
-                   prepared_data=tuple(values.get("prepared_data", ())),
-                   prepared_val=tuple(values.get("prepared_val", ())))
+        return cls(
+            model=from_dict(ModelConfig, values["model"], f"{where} model"),
+            train=from_dict(TrainConfig, values["train"], f"{where} train"),
+            checkpoint=from_dict(CheckpointConfig, ckpt, f"{where} checkpoint") if ckpt else None,
+            layout=LayoutSettings.from_json(values["layout"]),
+            hardware=hw,
+            use_gpus=values["use_gpus"],
+            events_file=values["events_file"],
+            stop_file=values["stop_file"],
+            phases=tuple(PhaseSpec.from_json(p) for p in values["phases"]),
+            built_by=values["built_by"],
+            prepared_data=tuple(values.get("prepared_data", ())),
+            prepared_val=tuple(values.get("prepared_val", ())),
+        )
 
     def write(self, path: str | os.PathLike) -> Path:
         """Atomically (a reader sees the old spec or the new one, never half of one)."""
@@ -157,10 +170,12 @@ class JobSpec:
         return path
 
     @classmethod
-    def read(cls, path: str | os.PathLike) -> "JobSpec":
+    def read(cls, path: str | os.PathLike) -> JobSpec:
         try:
             text = Path(path).read_text()
         except OSError as e:
-            raise ConfigError(f"cannot read the job spec {str(path)!r} ({e.strerror}); the launcher writes it into "
-                              "its --run-dir, which every host must see") from None
+            raise ConfigError(
+                f"cannot read the job spec {str(path)!r} ({e.strerror}); the launcher writes it into "
+                "its --run-dir, which every host must see"
+            ) from None
         return cls.from_json(text, str(path))

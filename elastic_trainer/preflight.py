@@ -33,12 +33,16 @@ def check_environment() -> TorchrunEnv:
     torchrun = TorchrunEnv.read()
     start = env.get("ELASTIC_TRAINER_WORKER_START")
     if start is not None and start not in WORKER_START_VALUES:
-        raise ConfigError(f"environment variable ELASTIC_TRAINER_WORKER_START={start!r} is not one of "
-                          f"{', '.join(WORKER_START_VALUES)}")
+        raise ConfigError(
+            f"environment variable ELASTIC_TRAINER_WORKER_START={start!r} is not one of "
+            f"{', '.join(WORKER_START_VALUES)}"
+        )
     configs = env.get("ELASTIC_TRAINER_CONFIGS")
     if configs is not None and not Path(configs).is_dir():
-        raise ConfigError(f"environment variable ELASTIC_TRAINER_CONFIGS={configs!r} is not a folder "
-                          "(valid: a folder with models/, hardware/, runs/)")
+        raise ConfigError(
+            f"environment variable ELASTIC_TRAINER_CONFIGS={configs!r} is not a folder "
+            "(valid: a folder with models/, hardware/, runs/)"
+        )
     cache = env.get("ELASTIC_TRAINER_CACHE")
     if cache:
         check_dir_target(cache, "environment variable ELASTIC_TRAINER_CACHE")
@@ -91,8 +95,10 @@ def resume_meta(ckpt: CheckpointConfig) -> tuple[Path, dict] | None:
     if ckpt.resume != "auto":
         folder = Path(ckpt.resume)
         if not (folder / storage.META).is_file() or not (folder / storage.MANIFEST).is_file():
-            raise CheckpointError(f"--resume {ckpt.resume!r} is not a complete checkpoint folder (it has no "
-                                  f"{storage.META} and {storage.MANIFEST}; valid: a step-NNNNNNNN folder)")
+            raise CheckpointError(
+                f"--resume {ckpt.resume!r} is not a complete checkpoint folder (it has no "
+                f"{storage.META} and {storage.MANIFEST}; valid: a step-NNNNNNNN folder)"
+            )
         return folder, storage.read_meta(folder)
     errors = []
     for folder in storage.complete_checkpoints(ckpt.dir):
@@ -105,8 +111,9 @@ def resume_meta(ckpt: CheckpointConfig) -> tuple[Path, dict] | None:
     return None
 
 
-def check_checkpoint(ckpt: CheckpointConfig | None, model: ModelConfig, train: TrainConfig,
-                     data_id: str | None = None) -> int:
+def check_checkpoint(
+    ckpt: CheckpointConfig | None, model: ModelConfig, train: TrainConfig, data_id: str | None = None
+) -> int:
     """The checkpoint folder is usable and what this run would resume matches its model, trajectory and data
     (by content, with `data_id`); the step it would resume from (0: none)."""
     if ckpt is None:
@@ -156,8 +163,7 @@ def resume_summary(ckpt: CheckpointConfig | None) -> str:
     if ckpt is None:
         return "no --checkpoint-dir: nothing will be saved"
     found = resume_meta(ckpt)
-    return (f"resumes step {found[1]['step']} from {found[0]}" if found
-            else f"starts from the seed, saves to {ckpt.dir}")
+    return f"resumes step {found[1]['step']} from {found[0]}" if found else f"starts from the seed, saves to {ckpt.dir}"
 
 
 def train_inputs(spec: JobSpec):
@@ -171,8 +177,10 @@ def train_inputs(spec: JobSpec):
     step = check_checkpoint(ckpt, spec.model, train, known)
     until = spec.phases[0].until_step
     if until is not None and step and until < step:
-        raise ConfigError(f"--until-step {until} is before step {step}, where this run resumes "
-                          f"({ckpt.dir}); valid: a step after {step}")
+        raise ConfigError(
+            f"--until-step {until} is before step {step}, where this run resumes "
+            f"({ckpt.dir}); valid: a step after {step}"
+        )
     check_dir_target(train.data_cache or data.default_cache_dir(), "the data cache (--data-cache)")
     corpus = data.prepare_for_job(train)
     if step and known is None:  # text: its digest is known once prepared

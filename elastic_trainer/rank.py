@@ -68,11 +68,18 @@ def decide(spec: JobSpec, phase: PhaseSpec, topology: Topology, start: str) -> D
     layout = phase.layout
     hardware = spec.hardware or resolve.resolve_hardware(None)
     learned = resolve.learned(spec, hardware, topology)  # step times earlier starts measured on these hosts
-    if layout is not None and spec.hardware is not None and topology.same_hosts(phase.hosts) and \
-            topology.first(layout.world_size).within(layout.tp) and not learned:
+    if (
+        layout is not None
+        and spec.hardware is not None
+        and topology.same_hosts(phase.hosts)
+        and topology.first(layout.world_size).within(layout.tp)
+        and not learned
+    ):
         idle = held - layout.world_size
-        line = phase.plan_line or (f"[plan] as planned by {spec.built_by} for {topology.describe()}: "
-                                   f"{layout.describe()}" + (f"; {idle} of the {held} GPUs idle" if idle else ""))
+        line = phase.plan_line or (
+            f"[plan] as planned by {spec.built_by} for {topology.describe()}: "
+            f"{layout.describe()}" + (f"; {idle} of the {held} GPUs idle" if idle else "")
+        )
         return Decision(layout, line, "spec", "", start, held, hosts)
     if learned:
         reason = "with the step times and memory this job measured on these hosts"
@@ -86,8 +93,15 @@ def decide(spec: JobSpec, phase: PhaseSpec, topology: Topology, start: str) -> D
     return Decision(layout, f"{line} [{reason}]", "planned", reason, start, held, hosts)
 
 
-def run(spec: JobSpec, phase_index: int | None, env: TorchrunEnv, *, started: float = IMPORTED_AT,
-        forked: bool = False, corpus=None) -> int:
+def run(
+    spec: JobSpec,
+    phase_index: int | None,
+    env: TorchrunEnv,
+    *,
+    started: float = IMPORTED_AT,
+    forked: bool = False,
+    corpus=None,
+) -> int:
     """Join the process group, settle one layout, run the job; the exit code."""
     import torch.distributed as dist
 
@@ -118,8 +132,15 @@ def run(spec: JobSpec, phase_index: int | None, env: TorchrunEnv, *, started: fl
         decision = agree(lambda: decide(spec, phase, topology, tags["start"]))
         if rank0:
             print(decision.line, flush=True)
-        events.emit("planned", layout=decision.layout.to_dict(), hosts=list(topology.sizes), source=decision.source,
-                    reason=decision.reason, idle=decision.idle, held=decision.held)
+        events.emit(
+            "planned",
+            layout=decision.layout.to_dict(),
+            hosts=list(topology.sizes),
+            source=decision.source,
+            reason=decision.reason,
+            idle=decision.idle,
+            held=decision.held,
+        )
         if decision.idle:
             store, idle_code = _narrow(decision, device, stop)
         if idle_code is None:
@@ -180,8 +201,18 @@ def _train_releasing(spec, phase, decision, device, stop, events, tags, corpus, 
         raise
 
 
-def _train(spec: JobSpec, phase: PhaseSpec, layout: Layout, device, stop, events, tags: dict, corpus,
-           env: TorchrunEnv, hosts: tuple[int, ...] = ()) -> tuple[str, str | None]:
+def _train(
+    spec: JobSpec,
+    phase: PhaseSpec,
+    layout: Layout,
+    device,
+    stop,
+    events,
+    tags: dict,
+    corpus,
+    env: TorchrunEnv,
+    hosts: tuple[int, ...] = (),
+) -> tuple[str, str | None]:
     import torch.distributed as dist
 
     from elastic_trainer.train import MetricsLog, run_job
@@ -194,14 +225,28 @@ def _train(spec: JobSpec, phase: PhaseSpec, layout: Layout, device, stop, events
         from elastic_trainer.train.tensorboard import TensorBoardLog
 
         board = TensorBoardLog(train.tensorboard, train.metrics_file)
-    log = MetricsLog(train.metrics_file, enabled=rank0, log_every=train.log_every, total_steps=train.steps, tags=tags,
-                     board=board)
+    log = MetricsLog(
+        train.metrics_file, enabled=rank0, log_every=train.log_every, total_steps=train.steps, tags=tags, board=board
+    )
     # this start's step time, recorded before its save or hand-over: the next world may plan with it
-    on_stop = functools.partial(_record_measured, spec, layout, hosts, device_type=device.type) \
-        if rank0 and hosts else None
-    result = run_job(spec.model, train, layout, device, ckpt=spec.checkpoint, stop=stop, until=phase.until_step,
-                     log=log, events=events, tokens=corpus.train, val_tokens=corpus.val,
-                     handover=_handover(phase, env), on_stop=on_stop)
+    on_stop = (
+        functools.partial(_record_measured, spec, layout, hosts, device_type=device.type) if rank0 and hosts else None
+    )
+    result = run_job(
+        spec.model,
+        train,
+        layout,
+        device,
+        ckpt=spec.checkpoint,
+        stop=stop,
+        until=phase.until_step,
+        log=log,
+        events=events,
+        tokens=corpus.train,
+        val_tokens=corpus.val,
+        handover=_handover(phase, env),
+        on_stop=on_stop,
+    )
     log.close()
     if rank0 and train.skip_bad_records:
         from elastic_trainer.data.corpus import skipped_note
@@ -210,8 +255,9 @@ def _train(spec: JobSpec, phase: PhaseSpec, layout: Layout, device, stop, events
     return result.status, result.reason
 
 
-def _record_measured(spec: JobSpec, layout: Layout, hosts: tuple[int, ...], records: list[dict],
-                     device_type: str) -> None:
+def _record_measured(
+    spec: JobSpec, layout: Layout, hosts: tuple[int, ...], records: list[dict], device_type: str
+) -> None:
     """This start's steady step time for the job's later plans (plan/measured.py). Whatever goes wrong here
     costs the job nothing but the lesson: the training is done."""
     from elastic_trainer.resolve import record_measured
@@ -262,6 +308,7 @@ def _say_host_ranks(rank: int, world: int, env: TorchrunEnv) -> None:
 
 # -- the process's end ---------------------------------------------------------------------------------------
 
+
 def finish_worker(code: int, env: TorchrunEnv, force: bool = False) -> int:
     """A torchrun worker whose files are closed and process groups destroyed ends here without Python's
     interpreter teardown, which takes ~2 s of 8 ranks on 2 cores and delays every reconfiguration."""
@@ -294,8 +341,15 @@ def report_bad_input(error: Exception, env: TorchrunEnv, quiet: bool = False) ->
     if env.error_file:
         try:
             with open(env.error_file, "w") as f:
-                json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
-                                                                      "timestamp": str(int(time.time()))}}}, f)
+                json.dump(
+                    {
+                        "message": {
+                            "message": line,
+                            "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))},
+                        }
+                    },
+                    f,
+                )
         except OSError:
             pass
     return EXIT_BAD_INPUT

@@ -10,8 +10,17 @@ import dataclasses
 import os
 from pathlib import Path
 
-from elastic_trainer.config import (DP_MODES, CheckpointConfig, ConfigError, ModelConfig, TrainConfig, divisors,
-                                    fmt_values, load_model_config, load_run_config)
+from elastic_trainer.config import (
+    DP_MODES,
+    CheckpointConfig,
+    ConfigError,
+    ModelConfig,
+    TrainConfig,
+    divisors,
+    fmt_values,
+    load_model_config,
+    load_run_config,
+)
 from elastic_trainer.job_spec import JobSpec, LayoutSettings, PhaseSpec
 from elastic_trainer.plan import Hardware, PlanError, Request, hardware_for_device, load_hardware, plan
 from elastic_trainer.plan import measured as measured_times
@@ -22,24 +31,54 @@ from elastic_trainer.plan.use_gpus import GpuPlan, plan_gpus
 from elastic_trainer.test_hooks import count
 
 # command-line flag -> TrainConfig field, for flags that override a run config
-TRAIN_FLAGS = ("global_batch", "seq_len", "steps", "seed", "lr", "warmup_steps", "decay_steps", "dtype",
-               "metrics_file", "log_every", "data_cache", "grad_clip", "weight_decay", "skip_bad_records",
-               "text_field", "data_split", "val_fraction", "eval_every", "eval_batches", "tensorboard",
-               "profile_steps", "compile", "compile_cache")
+TRAIN_FLAGS = (
+    "global_batch",
+    "seq_len",
+    "steps",
+    "seed",
+    "lr",
+    "warmup_steps",
+    "decay_steps",
+    "dtype",
+    "metrics_file",
+    "log_every",
+    "data_cache",
+    "grad_clip",
+    "weight_decay",
+    "skip_bad_records",
+    "text_field",
+    "data_split",
+    "val_fraction",
+    "eval_every",
+    "eval_batches",
+    "tensorboard",
+    "profile_steps",
+    "compile",
+    "compile_cache",
+)
 
 
 # -- flags -> parts of the spec --------------------------------------------------------------------------
 
-def checkpoint_config(args: argparse.Namespace, directory: str | None = None,
-                      resume: str | None = None) -> CheckpointConfig | None:
+
+def checkpoint_config(
+    args: argparse.Namespace, directory: str | None = None, resume: str | None = None
+) -> CheckpointConfig | None:
     """--checkpoint-dir and its settings (`directory`, `resume`: what the launcher sets for every phase)."""
     directory, resume = directory or args.checkpoint_dir, resume or args.resume
     if not directory:
         if resume not in ("auto", "never"):
             raise ConfigError("--resume PATH needs --checkpoint-dir (where this run saves)")
         return None
-    cfg = CheckpointConfig(dir=directory, save_every=args.save_every, save_interval_s=args.save_interval_s,
-                           keep=args.keep, async_save=args.async_save, verify=not args.no_verify, resume=resume)
+    cfg = CheckpointConfig(
+        dir=directory,
+        save_every=args.save_every,
+        save_interval_s=args.save_interval_s,
+        keep=args.keep,
+        async_save=args.async_save,
+        verify=not args.no_verify,
+        resume=resume,
+    )
     if cfg.resume == "never":
         from elastic_trainer.checkpoint.storage import require_no_checkpoints
 
@@ -84,8 +123,9 @@ def layout_settings(args: argparse.Namespace, layout_table: dict) -> LayoutSetti
             fixed.append(flag if value is True else f"{flag} {value}")
         elif key in layout_table:
             fixed.append(f"[layout] {key} = {layout_table[key]!r}")
-    return LayoutSettings(degrees, micro, mode, None if recompute is None else bool(recompute), source,
-                          ", ".join(fixed))
+    return LayoutSettings(
+        degrees, micro, mode, None if recompute is None else bool(recompute), source, ", ".join(fixed)
+    )
 
 
 def resolve_hardware(name: str | None) -> Hardware:
@@ -97,9 +137,16 @@ def resolve_hardware(name: str | None) -> Hardware:
     return hardware_for_device(*accelerator())
 
 
-def describe_job(args: argparse.Namespace, *, built_by: str, detect_hardware: bool,
-                 checkpoint: tuple[str | None, str | None] = (None, None), events_file: str | None = None,
-                 stop_file: str | None = None, metrics_file: str | None = None) -> JobSpec:
+def describe_job(
+    args: argparse.Namespace,
+    *,
+    built_by: str,
+    detect_hardware: bool,
+    checkpoint: tuple[str | None, str | None] = (None, None),
+    events_file: str | None = None,
+    stop_file: str | None = None,
+    metrics_file: str | None = None,
+) -> JobSpec:
     """What every builder of a spec takes from `train`'s flags (no phases yet), its data sources checked: the
     configs, the hardware (--hardware, else this machine's when `detect_hardware`, else None: rank 0 detects
     it on the hosts), checkpoints (`checkpoint`: the directory and resume mode a launcher sets) and outputs
@@ -113,22 +160,39 @@ def describe_job(args: argparse.Namespace, *, built_by: str, detect_hardware: bo
     if train.tensorboard is not None:  # `--tensorboard` alone: beside the metrics file; every rank, one path
         from elastic_trainer.train.tensorboard import default_dir
 
-        train = dataclasses.replace(train, tensorboard=os.path.abspath(train.tensorboard or
-                                                                       default_dir(train.metrics_file)))
+        train = dataclasses.replace(
+            train, tensorboard=os.path.abspath(train.tensorboard or default_dir(train.metrics_file))
+        )
     if train.compile and (train.compile_cache or train.metrics_file):  # else inductor's own (/tmp, per user)
         from elastic_trainer.train.metrics import beside_metrics
 
-        train = dataclasses.replace(train, compile_cache=os.path.abspath(train.compile_cache or
-                                                                         beside_metrics(train.metrics_file,
-                                                                                        "compile-cache")))
+        train = dataclasses.replace(
+            train,
+            compile_cache=os.path.abspath(train.compile_cache or beside_metrics(train.metrics_file, "compile-cache")),
+        )
     hardware = resolve_hardware(args.hardware) if args.hardware or detect_hardware else None
-    return JobSpec(model, train, checkpoint_config(args, *checkpoint), layout_settings(args, table), hardware,
-                   args.use_gpus, events_file if events_file is not None else args.events_file,
-                   stop_file if stop_file is not None else args.stop_file, built_by=built_by)
+    return JobSpec(
+        model,
+        train,
+        checkpoint_config(args, *checkpoint),
+        layout_settings(args, table),
+        hardware,
+        args.use_gpus,
+        events_file if events_file is not None else args.events_file,
+        stop_file if stop_file is not None else args.stop_file,
+        built_by=built_by,
+    )
 
 
-def train_spec(args: argparse.Namespace, *, built_by: str, world_size: int | None, local_world_size: int,
-               hosts_known: bool, detect_hardware: bool = True) -> JobSpec:
+def train_spec(
+    args: argparse.Namespace,
+    *,
+    built_by: str,
+    world_size: int | None,
+    local_world_size: int,
+    hosts_known: bool,
+    detect_hardware: bool = True,
+) -> JobSpec:
     """`train`'s flags as a checked spec for `world_size` ranks (None: not known before the rendezvous) on hosts
     of `local_world_size` (`hosts_known`: one host holds them all, so the plan is made here and the ranks take
     it). Bad settings (a layout that does not fit, a micro-batch that splits no count) fail here, before any
@@ -144,8 +208,14 @@ def train_spec(args: argparse.Namespace, *, built_by: str, world_size: int | Non
     elif world_size is not None:
         topology = Topology.uniform(world_size, local_world_size)
         layout, _, line = plan_for_hosts(spec, spec.hardware or UNLIMITED, topology)
-    phase = PhaseSpec(args.phase, args.until_step, (world_size,) if hosts_known else None,
-                      layout if (hosts_known or pinned) else None, pinned, line if hosts_known else "")
+    phase = PhaseSpec(
+        args.phase,
+        args.until_step,
+        (world_size,) if hosts_known else None,
+        layout if (hosts_known or pinned) else None,
+        pinned,
+        line if hosts_known else "",
+    )
     return dataclasses.replace(spec, phases=(phase,))
 
 
@@ -156,15 +226,32 @@ memory (rank 0 plans with the real profile)."""
 
 # -- planning on a spec ----------------------------------------------------------------------------------
 
-def plan_request(spec: JobSpec, hardware: Hardware, world_size: int, gpus_per_host: int | None = None,
-                 host_sizes: tuple[int, ...] | None = None, measured: tuple = ()) -> Request:
+
+def plan_request(
+    spec: JobSpec,
+    hardware: Hardware,
+    world_size: int,
+    gpus_per_host: int | None = None,
+    host_sizes: tuple[int, ...] | None = None,
+    measured: tuple = (),
+) -> Request:
     """What the planner considers: every setting the user left open (and what this job measured)."""
     s = spec.layout
-    return Request(spec.model, world_size, spec.train.global_batch, spec.train.seq_len, hardware,
-                   hardware.gpus_per_host if gpus_per_host is None else gpus_per_host, host_sizes=host_sizes,
-                   dtype=spec.train.dtype, micro_batch=s.micro_batch, dp_modes=(s.dp_mode,) if s.dp_mode else DP_MODES,
-                   recompute=(False, True) if s.recompute is None else (s.recompute,), compiled=spec.train.compile,
-                   measured=measured)
+    return Request(
+        spec.model,
+        world_size,
+        spec.train.global_batch,
+        spec.train.seq_len,
+        hardware,
+        hardware.gpus_per_host if gpus_per_host is None else gpus_per_host,
+        host_sizes=host_sizes,
+        dtype=spec.train.dtype,
+        micro_batch=s.micro_batch,
+        dp_modes=(s.dp_mode,) if s.dp_mode else DP_MODES,
+        recompute=(False, True) if s.recompute is None else (s.recompute,),
+        compiled=spec.train.compile,
+        measured=measured,
+    )
 
 
 def _measured_key(spec: JobSpec, hardware: Hardware) -> dict:
@@ -174,12 +261,14 @@ def _measured_key(spec: JobSpec, hardware: Hardware) -> dict:
 
 def learned(spec: JobSpec, hardware: Hardware, topology: Topology) -> tuple:
     """The step times this job measured on hosts of these sizes (plan/measured.py), for its next plan."""
-    return measured_times.for_hosts(measured_times.path_for(spec.train.metrics_file), _measured_key(spec, hardware),
-                                    topology.sizes)
+    return measured_times.for_hosts(
+        measured_times.path_for(spec.train.metrics_file), _measured_key(spec, hardware), topology.sizes
+    )
 
 
-def record_measured(spec: JobSpec, layout: Layout, hosts: tuple[int, ...], records: list[dict],
-                    device_type: str) -> dict | None:
+def record_measured(
+    spec: JobSpec, layout: Layout, hosts: tuple[int, ...], records: list[dict], device_type: str
+) -> dict | None:
     """Rank 0 when a start stops training: its steady step time on these hosts (the ranks held, the key of
     later plans), beside the prediction for the ranks it used. Nothing when the job plans with a profile of
     another kind of device (--hardware h100-80g on CPU ranks): those seconds would not be that device's."""
@@ -190,8 +279,14 @@ def record_measured(spec: JobSpec, layout: Layout, hosts: tuple[int, ...], recor
         return None
     used = Topology(hosts).first(layout.world_size)  # with GPUs idle, the plan was for these
     predicted = evaluate(plan_request(spec, hardware, layout.world_size, used.largest, used.sizes), layout)
-    return measured_times.record(measured_times.path_for(spec.train.metrics_file), _measured_key(spec, hardware),
-                                 layout, hosts, records, predicted.time.total if predicted.time else None)
+    return measured_times.record(
+        measured_times.path_for(spec.train.metrics_file),
+        _measured_key(spec, hardware),
+        layout,
+        hosts,
+        records,
+        predicted.time.total if predicted.time else None,
+    )
 
 
 def naming_fixed(settings: LayoutSettings, fn, *args):
@@ -204,8 +299,9 @@ def naming_fixed(settings: LayoutSettings, fn, *args):
         raise PlanError(f"with {settings.fixed}: {err}") from None
 
 
-def plan_for_hosts(spec: JobSpec, hardware: Hardware, topology: Topology,
-                   measured: tuple = ()) -> tuple[Layout, GpuPlan, str]:
+def plan_for_hosts(
+    spec: JobSpec, hardware: Hardware, topology: Topology, measured: tuple = ()
+) -> tuple[Layout, GpuPlan, str]:
     """The layout for ranks on these hosts (on the first `used` of them when no layout fits all, or when the
     job's use_gpus prefers fewer), its GpuPlan, and one line for the log; `measured`: step times this job
     measured on these hosts (plan/measured.py)."""
@@ -245,8 +341,9 @@ def check_hosts(layout: Layout, model: ModelConfig, topology: Topology) -> None:
     """A given layout must keep every tp group on one host."""
     if not topology.within(layout.tp):
         valid = [t for t in divisors(topology.common) if model.n_heads % t == 0]
-        raise ConfigError(f"tp={layout.tp} groups would span hosts ({topology.describe()}) "
-                          f"(valid tp: {fmt_values(valid)})")
+        raise ConfigError(
+            f"tp={layout.tp} groups would span hosts ({topology.describe()}) (valid tp: {fmt_values(valid)})"
+        )
 
 
 def plan_table(args: argparse.Namespace):
@@ -255,23 +352,27 @@ def plan_table(args: argparse.Namespace):
     spec = JobSpec(model, train, None, layout_settings(args, table), resolve_hardware(args.hardware))
     req = plan_request(spec, spec.hardware, args.gpus, args.gpus_per_host)
     if getattr(args, "run_dir", None):
-        req = dataclasses.replace(req, measured=measured_times.for_hosts(measured_in(args.run_dir), _request_key(req),
-                                                                         req.topology.sizes))
+        req = dataclasses.replace(
+            req, measured=measured_times.for_hosts(measured_in(args.run_dir), _request_key(req), req.topology.sizes)
+        )
     return naming_fixed(spec.layout, plan, req)
 
 
 def _request_key(req: Request) -> dict:
     """The measured records' key of a plan request (the same as `_measured_key` of the job it plans)."""
-    return measured_times.job_key(req.model.name, req.global_batch, req.seq_len, req.dtype, req.hardware.name,
-                                  req.compiled)
+    return measured_times.job_key(
+        req.model.name, req.global_batch, req.seq_len, req.dtype, req.hardware.name, req.compiled
+    )
 
 
 def measured_in(run_dir: str) -> Path:
     """A job's record of measured step times in its run folder; a folder without one is an error."""
     path = Path(run_dir) / measured_times.FILE
     if not path.is_file():
-        raise ConfigError(f"--run-dir {run_dir}: no {measured_times.FILE} there (a job writes it in its run folder "
-                          f"once a start trained {measured_times.MIN_STEPS} steps)")
+        raise ConfigError(
+            f"--run-dir {run_dir}: no {measured_times.FILE} there (a job writes it in its run folder "
+            f"once a start trained {measured_times.MIN_STEPS} steps)"
+        )
     return path
 
 

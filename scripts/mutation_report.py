@@ -26,13 +26,37 @@ from pathlib import Path
 
 # mutmut's exit code -> status (mutmut.stats.status_by_exit_code in 3.8.1); anything else is "suspicious".
 STATUS = {
-    1: "killed", 3: "killed", 0: "survived", 5: "no tests", 2: "interrupted", None: "not checked",
-    33: "no tests", 34: "skipped", 35: "suspicious", 36: "timeout", 37: "type check",
-    -24: "timeout", 24: "timeout", 152: "timeout", 255: "timeout", -11: "crash", -9: "crash",
+    1: "killed",
+    3: "killed",
+    0: "survived",
+    5: "no tests",
+    2: "interrupted",
+    None: "not checked",
+    33: "no tests",
+    34: "skipped",
+    35: "suspicious",
+    36: "timeout",
+    37: "type check",
+    -24: "timeout",
+    24: "timeout",
+    152: "timeout",
+    255: "timeout",
+    -11: "crash",
+    -9: "crash",
 }
 KILLED = {"killed", "timeout", "crash", "type check"}
-ORDER = ["killed", "timeout", "crash", "type check", "survived", "no tests", "interrupted", "suspicious",
-         "skipped", "not checked"]
+ORDER = [
+    "killed",
+    "timeout",
+    "crash",
+    "type check",
+    "survived",
+    "no tests",
+    "interrupted",
+    "suspicious",
+    "skipped",
+    "not checked",
+]
 
 
 def status_of(code: int | None) -> str:
@@ -55,8 +79,11 @@ def stopped_by_test_timeout(root: Path) -> set[str]:
     path = root / "mutants" / "mutation-timings.tsv"
     if not path.exists():
         return set()
-    return {parts[0] for parts in (line.split("\t") for line in path.read_text().splitlines())
-            if len(parts) > 5 and parts[5].strip()}
+    return {
+        parts[0]
+        for parts in (line.split("\t") for line in path.read_text().splitlines())
+        if len(parts) > 5 and parts[5].strip()
+    }
 
 
 def load_reasons(path: Path) -> dict[str, str]:
@@ -87,8 +114,7 @@ def diff_lines(name: str, source: str) -> list[str]:
         diff = get_diff_for_mutant(name, path=source)
     except Exception as e:  # the report must not fail on a diff
         return [f"(no diff: {e})"]
-    return [line for line in diff.splitlines()
-            if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    return [line for line in diff.splitlines() if line[:1] in "+-" and not line.startswith(("+++", "---"))]
 
 
 def timings(root: Path, names: set[str]) -> dict[str, tuple[int, float, float]]:
@@ -117,8 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--diff", action="store_true", help="print each survivor's changed lines")
     ap.add_argument("--min-score", type=float, default=None, help="exit 1 when the score is below this percentage")
     ap.add_argument("--root", type=Path, default=Path("."))
-    ap.add_argument("--list-not-killed", action="store_true",
-                    help="only print the names of the mutants not killed and not set aside, one a line")
+    ap.add_argument(
+        "--list-not-killed",
+        action="store_true",
+        help="only print the names of the mutants not killed and not set aside, one a line",
+    )
     args = ap.parse_args(argv)
 
     results = load_results(args.root)
@@ -171,8 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     for source, c in rows + [("TOTAL", total)]:
         killed = sum(c[s] for s in KILLED)
         other = sum(c[s] for s in ("interrupted", "suspicious", "skipped", "not checked"))
-        print(f"{source:<{width}}  {killed:>6}/{c['all'] - c['equivalent']:<7}  {c['timeout']:>7}  "
-              f"{c['survived']:>8}  {c['no tests']:>8}  {other:>5}  {c['equivalent']:>5}  {score(c):6.1f}%")
+        print(
+            f"{source:<{width}}  {killed:>6}/{c['all'] - c['equivalent']:<7}  {c['timeout']:>7}  "
+            f"{c['survived']:>8}  {c['no tests']:>8}  {other:>5}  {c['equivalent']:>5}  {score(c):6.1f}%"
+        )
 
     if survivors:
         print(f"\nnot killed ({len(survivors)}), each with why it survives ({args.survivors}):")
@@ -197,10 +228,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{len(unexplained)} survivors have no reason in {args.survivors}")
     stale = sorted(n for n in reasons if n not in all_names or n in killed_names)
     if stale:
-        print(f"\nlisted as survivors but killed or no such mutant (stale entries in {args.survivors}): "
-              f"{', '.join(stale)}")
+        print(
+            f"\nlisted as survivors but killed or no such mutant (stale entries in {args.survivors}): "
+            f"{', '.join(stale)}"
+        )
     if total["not checked"]:
-        print(f"\nwarning: {total['not checked']} mutants not checked yet (an interrupted run); they count as not killed")
+        print(
+            f"\nwarning: {total['not checked']} mutants not checked yet (an interrupted run); they count as not killed"
+        )
 
     t = timings(args.root, {n for source, r in results.items() if selected(source, modules) for n in r})
     if t:
@@ -210,8 +245,10 @@ def main(argv: list[str] | None = None) -> int:
                 n, s, mx = t[kind]
                 print(f"  {kind:<7} {n:>5} sessions  {s:9.1f} s  mean {s / n:6.2f} s  max {mx:7.1f} s")
     final = score(total)
-    print(f"\nmutation score: {final:.1f}% ({sum(total[s] for s in KILLED)} killed of "
-          f"{total['all'] - total['equivalent']}; {total['equivalent']} equivalent set aside)")
+    print(
+        f"\nmutation score: {final:.1f}% ({sum(total[s] for s in KILLED)} killed of "
+        f"{total['all'] - total['equivalent']}; {total['equivalent']} equivalent set aside)"
+    )
     if args.min_score is not None and final < args.min_score:
         print(f"below the required {args.min_score:.1f}%", file=sys.stderr)
         return 1

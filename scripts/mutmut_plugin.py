@@ -13,15 +13,15 @@ the copy of scripts/ (`also_copy`). It does four things the distributed tests ne
    the fork; when mutmut's wall-clock timeout kills a hanging mutant's pytest process (SIGXCPU, counted as
    "timeout"), its ranks, perhaps blocked in a collective, get SIGKILL from the kernel (PR_SET_PDEATHSIG)
    instead of living on as orphans.
-3. Only the fast tests judge a mutant, and a hanging one is stopped by its test, not by the whole run's limit: a mutant runs every test that
-   reaches its function (for data/order.py that is every distributed training test, ~8 min in all), and
-   mutmut's wall-clock limit scales with that sum. Here each test of a mutant run gets pytest-timeout's limit
-   of MUTATION_TEST_TIMEOUT_MIN + MUTATION_TEST_TIMEOUT_FACTOR * its own clean duration (defaults 15 s and 4,
-   durations from mutmut's stats run); a test stopped by it fails, and the run is logged as a timeout.
-   Before that, the tests are cut to the fastest ones whose clean times add up to MUTATION_TEST_BUDGET_S
-   (default 15 s; at least one test; 0 keeps all): the survivors of a function reached by 90 tests otherwise
-   cost minutes each (the whole run was estimated at 180 h with every test). The clean run before the
-   mutants (every test of the mutants to run) is cut the same way.
+3. Only the fast tests judge a mutant, and a hanging one is stopped by its test, not by the whole run's limit: a
+   mutant runs every test that reaches its function (for data/order.py that is every distributed training test, ~8
+   min in all), and mutmut's wall-clock limit scales with that sum. Here each test of a mutant run gets
+   pytest-timeout's limit of MUTATION_TEST_TIMEOUT_MIN + MUTATION_TEST_TIMEOUT_FACTOR * its own clean duration
+   (defaults 15 s and 4, durations from mutmut's stats run); a test stopped by it fails, and the run is logged as a
+   timeout. Before that, the tests are cut to the fastest ones whose clean times add up to MUTATION_TEST_BUDGET_S
+   (default 15 s; at least one test; 0 keeps all): the survivors of a function reached by 90 tests otherwise cost
+   minutes each (the whole run was estimated at 180 h with every test). The clean run before the mutants (every test
+   of the mutants to run) is cut the same way.
 
 5. Each pytest session removes its temporary folders when it ends (a mutant's never would: see 4.'s os._exit).
 
@@ -35,8 +35,16 @@ import os
 import signal
 import time
 
-_state: dict = {"main_pid": None, "hits_file": None, "patched": False, "at_fork": False, "started": None,
-               "timings": None, "forked_at": None, "timed_out": []}
+_state: dict = {
+    "main_pid": None,
+    "hits_file": None,
+    "patched": False,
+    "at_fork": False,
+    "started": None,
+    "timings": None,
+    "forked_at": None,
+    "timed_out": [],
+}
 _NOT_A_MUTANT = ("", "stats", "fail", "list_all_tests", "mutant_generation")
 _seen: set = set()
 _PR_SET_PDEATHSIG = 1
@@ -63,7 +71,13 @@ def _after_fork_in_child() -> None:
 # Saved at import: tests monkeypatch os functions (os.listdir in test_hosts.py), and the hook below runs
 # before the test's fixtures are torn down.
 _os_open, _os_read, _os_write, _os_close, _os_ftruncate, _os_getpid = (
-    os.open, os.read, os.write, os.close, os.ftruncate, os.getpid)
+    os.open,
+    os.read,
+    os.write,
+    os.close,
+    os.ftruncate,
+    os.getpid,
+)
 
 
 def _patch_trampoline() -> None:
@@ -206,8 +220,10 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     _state["started"] = None
     try:
         with open(_state["timings"], "a") as f:
-            f.write(f"{mode or 'clean'}\t{elapsed:.3f}\t{int(exitstatus)}\t{session.testscollected}\t{since_fork:.3f}"
-                    f"\t{','.join(_state['timed_out'])}\n")
+            f.write(
+                f"{mode or 'clean'}\t{elapsed:.3f}\t{int(exitstatus)}\t{session.testscollected}\t{since_fork:.3f}"
+                f"\t{','.join(_state['timed_out'])}\n"
+            )
     except Exception:
         pass
 

@@ -17,9 +17,9 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 DAEMONS = {"slurmctld": "/usr/sbin/slurmctld", "slurmd": "/usr/sbin/slurmd", "munged": "/usr/sbin/munged"}
@@ -28,15 +28,20 @@ CPUS = 8
 
 def ensure_slurm() -> str | None:
     """None when Slurm and munge are usable (apt-installing them as root if missing), else why to skip."""
+
     def present() -> bool:
         return all(os.path.exists(p) for p in DAEMONS.values()) and all(
-            shutil.which(c) for c in ("sbatch", "scontrol", "squeue", "sinfo", "scancel"))
+            shutil.which(c) for c in ("sbatch", "scontrol", "squeue", "sinfo", "scancel")
+        )
 
     if present():
         return None
     if os.geteuid() != 0:
-        return "Slurm is not installed and the tests are not root to install it (apt-get install " + \
-            " ".join(PACKAGES) + ")"
+        return (
+            "Slurm is not installed and the tests are not root to install it (apt-get install "
+            + " ".join(PACKAGES)
+            + ")"
+        )
     if not shutil.which("apt-get"):
         return "Slurm is not installed and there is no apt-get"
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
@@ -83,8 +88,15 @@ class SlurmCluster:
         return {**os.environ, "SLURM_CONF": str(self.conf), **extra}
 
     def run(self, *argv: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
-        return subprocess.run(list(argv), env=kw.pop("env", None) or self.env(), capture_output=True, text=True,
-                              check=check, timeout=kw.pop("timeout", 60), **kw)
+        return subprocess.run(
+            list(argv),
+            env=kw.pop("env", None) or self.env(),
+            capture_output=True,
+            text=True,
+            check=check,
+            timeout=kw.pop("timeout", 60),
+            **kw,
+        )
 
     def job(self, job_id: str) -> dict[str, str]:
         """`scontrol show job` as a dict (JobState, ExitCode, Restarts, NumCPUs, ...); {} once it is gone."""
@@ -136,68 +148,92 @@ def slurm_cluster(folder: Path, nodes: tuple[str, ...] | None = None) -> Iterato
     for sub in ("state", "spool"):
         (folder / sub).mkdir()
     conf = folder / "slurm.conf"
-    conf.write_text("\n".join([
-        "ClusterName=ettest",
-        f"SlurmctldHost={node}(127.0.0.1)",
-        f"SlurmctldPort={_free_port()}",
-        *([] if multiple else [f"SlurmdPort={_free_port()}"]),
-        "SlurmUser=root",
-        "SlurmdUser=root",
-        "AuthType=auth/munge",
-        "CredType=cred/munge",
-        f"AuthInfo=socket={socket_path},cred_expire=10",
-        f"StateSaveLocation={folder / 'state'}",
-        f"SlurmdSpoolDir={folder / 'spool'}" + ("/%n" if multiple else ""),
-        f"SlurmctldPidFile={folder / 'slurmctld.pid'}",
-        f"SlurmdPidFile={folder / 'slurmd'}" + ("-%n.pid" if multiple else ".pid"),
-        f"SlurmctldLogFile={folder / 'slurmctld.log'}",
-        f"SlurmdLogFile={folder / 'slurmd'}" + ("-%n.log" if multiple else ".log"),
-        "SlurmctldDebug=info",
-        "SlurmdDebug=info",
-        "ProctrackType=proctrack/linuxproc",
-        "TaskPlugin=task/none",
-        "SchedulerType=sched/backfill",
-        "SelectType=select/cons_tres",
-        "SelectTypeParameters=CR_CPU",
-        "SlurmdParameters=config_overrides",
-        "ReturnToService=2",
-        "MpiDefault=none",
-        "JobCompType=jobcomp/none",
-        "AccountingStorageType=accounting_storage/none",
-        "JobAcctGatherType=jobacct_gather/none",
-        "KillWait=30",
-        "MinJobAge=600",
-        "InactiveLimit=0",
-        *(f"NodeName={name} NodeAddr=127.0.0.1"
-          + (f" Port={_free_port()}" if multiple else "")
-          + f" CPUs={CPUS} RealMemory={max(256, _real_memory_mb() // (2 * len(nodes)))} State=UNKNOWN"
-          for name in nodes),
-        f"PartitionName=test Nodes={','.join(nodes)} Default=YES MaxTime=INFINITE State=UP",
-        "",
-    ]))
+    conf.write_text(
+        "\n".join(
+            [
+                "ClusterName=ettest",
+                f"SlurmctldHost={node}(127.0.0.1)",
+                f"SlurmctldPort={_free_port()}",
+                *([] if multiple else [f"SlurmdPort={_free_port()}"]),
+                "SlurmUser=root",
+                "SlurmdUser=root",
+                "AuthType=auth/munge",
+                "CredType=cred/munge",
+                f"AuthInfo=socket={socket_path},cred_expire=10",
+                f"StateSaveLocation={folder / 'state'}",
+                f"SlurmdSpoolDir={folder / 'spool'}" + ("/%n" if multiple else ""),
+                f"SlurmctldPidFile={folder / 'slurmctld.pid'}",
+                f"SlurmdPidFile={folder / 'slurmd'}" + ("-%n.pid" if multiple else ".pid"),
+                f"SlurmctldLogFile={folder / 'slurmctld.log'}",
+                f"SlurmdLogFile={folder / 'slurmd'}" + ("-%n.log" if multiple else ".log"),
+                "SlurmctldDebug=info",
+                "SlurmdDebug=info",
+                "ProctrackType=proctrack/linuxproc",
+                "TaskPlugin=task/none",
+                "SchedulerType=sched/backfill",
+                "SelectType=select/cons_tres",
+                "SelectTypeParameters=CR_CPU",
+                "SlurmdParameters=config_overrides",
+                "ReturnToService=2",
+                "MpiDefault=none",
+                "JobCompType=jobcomp/none",
+                "AccountingStorageType=accounting_storage/none",
+                "JobAcctGatherType=jobacct_gather/none",
+                "KillWait=30",
+                "MinJobAge=600",
+                "InactiveLimit=0",
+                *(
+                    f"NodeName={name} NodeAddr=127.0.0.1"
+                    + (f" Port={_free_port()}" if multiple else "")
+                    + f" CPUs={CPUS} RealMemory={max(256, _real_memory_mb() // (2 * len(nodes)))} State=UNKNOWN"
+                    for name in nodes
+                ),
+                f"PartitionName=test Nodes={','.join(nodes)} Default=YES MaxTime=INFINITE State=UP",
+                "",
+            ]
+        )
+    )
     procs: dict[str, subprocess.Popen] = {}
     cluster = SlurmCluster(folder, conf, node, procs)
     try:
         procs["munged"] = subprocess.Popen(
-            ["setpriv", f"--reuid={munge.pw_uid}", f"--regid={munge.pw_gid}", "--clear-groups",
-             DAEMONS["munged"], "--foreground", f"--key-file={key}", f"--socket={socket_path}",
-             f"--pid-file={munge_dir / 'munged.pid'}", f"--log-file={munge_dir / 'munged.log'}",
-             f"--seed-file={munge_dir / 'munged.seed'}"],
-            stdout=subprocess.DEVNULL, stderr=open(folder / "munged.err", "w"))
+            [
+                "setpriv",
+                f"--reuid={munge.pw_uid}",
+                f"--regid={munge.pw_gid}",
+                "--clear-groups",
+                DAEMONS["munged"],
+                "--foreground",
+                f"--key-file={key}",
+                f"--socket={socket_path}",
+                f"--pid-file={munge_dir / 'munged.pid'}",
+                f"--log-file={munge_dir / 'munged.log'}",
+                f"--seed-file={munge_dir / 'munged.seed'}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=open(folder / "munged.err", "w"),
+        )
         _wait(lambda: socket_path.exists() or procs["munged"].poll() is not None, 30, "munged did not start")
         if procs["munged"].poll() is not None:
             raise RuntimeError(f"munged exited: {(folder / 'munged.err').read_text()[-2000:]}")
         env = cluster.env()
-        procs["slurmctld"] = subprocess.Popen([DAEMONS["slurmctld"], "-D", "-i", "-f", str(conf)], env=env,
-                                              stdout=subprocess.DEVNULL, stderr=open(folder / "slurmctld.err", "w"))
+        procs["slurmctld"] = subprocess.Popen(
+            [DAEMONS["slurmctld"], "-D", "-i", "-f", str(conf)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=open(folder / "slurmctld.err", "w"),
+        )
         time.sleep(0.5)
         for name in nodes:
             if multiple:
                 (folder / "spool" / name).mkdir()
             key_ = f"slurmd-{name}" if multiple else "slurmd"
-            procs[key_] = subprocess.Popen([DAEMONS["slurmd"], "-D", "-f", str(conf),
-                                            *(["-N", name] if multiple else [])], env=env,
-                                           stdout=subprocess.DEVNULL, stderr=open(folder / f"{key_}.err", "w"))
+            procs[key_] = subprocess.Popen(
+                [DAEMONS["slurmd"], "-D", "-f", str(conf), *(["-N", name] if multiple else [])],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=open(folder / f"{key_}.err", "w"),
+            )
 
         def node_idle() -> bool:
             for name, proc in procs.items():

@@ -10,8 +10,8 @@ import socket
 import subprocess
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import pytest
 
@@ -30,9 +30,18 @@ class SshServer:
     def ssh_options(self) -> list[str]:
         # -F /dev/null: no ~/.ssh/config nor /etc/ssh/ssh_config (so no SendEnv), and ssh won't mkdir ~/.ssh.
         # Port and identity are not in here: pass -p/-i (or use .ssh()), so a test can swap the key.
-        opts = {"UserKnownHostsFile": self.known_hosts, "GlobalKnownHostsFile": "/dev/null",
-                "StrictHostKeyChecking": "yes", "UpdateHostKeys": "no", "BatchMode": "yes", "IdentitiesOnly": "yes",
-                "IdentityAgent": "none", "PasswordAuthentication": "no", "ConnectTimeout": "5", "LogLevel": "ERROR"}
+        opts = {
+            "UserKnownHostsFile": self.known_hosts,
+            "GlobalKnownHostsFile": "/dev/null",
+            "StrictHostKeyChecking": "yes",
+            "UpdateHostKeys": "no",
+            "BatchMode": "yes",
+            "IdentitiesOnly": "yes",
+            "IdentityAgent": "none",
+            "PasswordAuthentication": "no",
+            "ConnectTimeout": "5",
+            "LogLevel": "ERROR",
+        }
         return ["-F", "/dev/null", *(x for k, v in opts.items() for x in ("-o", f"{k}={v}"))]
 
     def ssh(self, *cmd: str) -> list[str]:
@@ -128,22 +137,41 @@ def sshd(tmp_dir: str, host: str = "127.0.0.2") -> Iterator[SshServer]:
     with open(f"{d}/known_hosts", "w") as f:
         f.write(f"[{host}]:{port} {open(f'{d}/host_key.pub').read()}")
     token = uuid.uuid4().hex
-    conf = {"ListenAddress": host, "Port": port, "HostKey": f"{d}/host_key", "PidFile": f"{d}/sshd.pid",
-            "AuthorizedKeysFile": f"{d}/authorized_keys", "PubkeyAuthentication": "yes",
-            "PasswordAuthentication": "no", "KbdInteractiveAuthentication": "no",
-            "PermitRootLogin": "prohibit-password", "UsePAM": "no", "StrictModes": "no",
-            "DisableForwarding": "yes", "AllowTcpForwarding": "no", "X11Forwarding": "no",
-            "PrintMotd": "no", "PrintLastLog": "no", "PermitUserRC": "no",  # PermitUserRC: skip ~/.ssh/rc
-            "MaxStartups": "100", "MaxSessions": "100",  # many concurrent launches must not be dropped
-            "SetEnv": f"{TAG}={token}"}  # tags every remote command for cleanup
+    conf = {
+        "ListenAddress": host,
+        "Port": port,
+        "HostKey": f"{d}/host_key",
+        "PidFile": f"{d}/sshd.pid",
+        "AuthorizedKeysFile": f"{d}/authorized_keys",
+        "PubkeyAuthentication": "yes",
+        "PasswordAuthentication": "no",
+        "KbdInteractiveAuthentication": "no",
+        "PermitRootLogin": "prohibit-password",
+        "UsePAM": "no",
+        "StrictModes": "no",
+        "DisableForwarding": "yes",
+        "AllowTcpForwarding": "no",
+        "X11Forwarding": "no",
+        "PrintMotd": "no",
+        "PrintLastLog": "no",
+        "PermitUserRC": "no",  # PermitUserRC: skip ~/.ssh/rc
+        "MaxStartups": "100",
+        "MaxSessions": "100",  # many concurrent launches must not be dropped
+        "SetEnv": f"{TAG}={token}",
+    }  # tags every remote command for cleanup
     with open(f"{d}/sshd_config", "w") as f:
         f.writelines(f"{k} {v}\n" for k, v in conf.items())
     with contextlib.suppress(OSError):  # privilege-separation dir, made at boot on a real host
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
     server = SshServer(host, port, f"{d}/client_key", f"{d}/known_hosts", f"{d}/sshd.log")
     # sshd needs an absolute path (it re-execs itself); own session so terminal signals don't reach it
-    proc = subprocess.Popen([SSHD, "-D", "-f", f"{d}/sshd_config", "-E", server.log], start_new_session=True,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [SSHD, "-D", "-f", f"{d}/sshd_config", "-E", server.log],
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline, last = time.monotonic() + 20, ""
         while True:  # up only once a full login round trip works

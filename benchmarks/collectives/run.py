@@ -106,19 +106,27 @@ def main(argv=None) -> dict:
         per_rank = run_ranks(_collectives, world, group, sizes, args.repeat, timeout=900)
         for mb in sizes:
             row = {"ranks": world, "group": group, "mb": mb}
-            for name in ("all-reduce", "gloo reduce-scatter", "our reduce-scatter", "gloo all-gather",
-                         "our all-gather"):
+            for name in (
+                "all-reduce",
+                "gloo reduce-scatter",
+                "our reduce-scatter",
+                "gloo all-gather",
+                "our all-gather",
+            ):
                 key = f"{mb:g} {name}"
                 row[name] = round(max(r[key][0] for r in per_rank), 4)
                 row[name + " faults"] = max(r[key][1] for r in per_rank)
             result["collectives"].append(row)
-            print(f"[collectives] {world} ranks, groups of {group}, {mb:g} MB: all-reduce {row['all-reduce']:.3f} s; "
-                  f"reduce-scatter gloo {row['gloo reduce-scatter']:.3f} / ours {row['our reduce-scatter']:.3f} s "
-                  f"({row['gloo reduce-scatter'] / row['our reduce-scatter']:.2f}x), all-gather gloo "
-                  f"{row['gloo all-gather']:.3f} / ours {row['our all-gather']:.3f} s "
-                  f"({row['gloo all-gather'] / row['our all-gather']:.2f}x); faults per call gloo "
-                  f"{row['gloo reduce-scatter faults']:.0f} + {row['gloo all-gather faults']:.0f}, ours "
-                  f"{row['our reduce-scatter faults']:.0f} + {row['our all-gather faults']:.0f}", flush=True)
+            print(
+                f"[collectives] {world} ranks, groups of {group}, {mb:g} MB: all-reduce {row['all-reduce']:.3f} s; "
+                f"reduce-scatter gloo {row['gloo reduce-scatter']:.3f} / ours {row['our reduce-scatter']:.3f} s "
+                f"({row['gloo reduce-scatter'] / row['our reduce-scatter']:.2f}x), all-gather gloo "
+                f"{row['gloo all-gather']:.3f} / ours {row['our all-gather']:.3f} s "
+                f"({row['gloo all-gather'] / row['our all-gather']:.2f}x); faults per call gloo "
+                f"{row['gloo reduce-scatter faults']:.0f} + {row['gloo all-gather faults']:.0f}, ours "
+                f"{row['our reduce-scatter faults']:.0f} + {row['our all-gather faults']:.0f}",
+                flush=True,
+            )
     if args.steps_model != "none":
         from elastic_trainer.config import load_model_config
         from elastic_trainer.plan.layout import Layout
@@ -128,7 +136,7 @@ def main(argv=None) -> dict:
         times: dict[tuple[str, str], list[float]] = {}
         for round_ in range(args.rounds):
             for mode in ("zero1", "fsdp"):
-                for which in (("gloo", "ours") if round_ % 2 == 0 else ("ours", "gloo")):
+                for which in ("gloo", "ours") if round_ % 2 == 0 else ("ours", "gloo"):
                     layout = Layout(dp, tp, pp, micro, 8 // (dp * micro), dp_mode=mode)
                     saved = gloo_own() if which == "gloo" else None
                     try:
@@ -138,15 +146,29 @@ def main(argv=None) -> dict:
                             restore(saved)
                     steps = [max(r[i] for r in per_rank) for i in range(args.steps)][2:]
                     times.setdefault((mode, which), []).extend(steps)
-                    print(f"[steps] round {round_ + 1}, {layout.describe()}, {which} collectives: "
-                          f"{', '.join(f'{s:.3f}' for s in steps)} s", flush=True)
+                    print(
+                        f"[steps] round {round_ + 1}, {layout.describe()}, {which} collectives: "
+                        f"{', '.join(f'{s:.3f}' for s in steps)} s",
+                        flush=True,
+                    )
         for mode in ("zero1", "fsdp"):
             gloo, ours = (float(np.median(times[(mode, w)])) for w in ("gloo", "ours"))
-            result["steps"].append({"model": model.name, "layout": args.layout, "dp_mode": mode,
-                                    "gloo_s": round(gloo, 4), "ours_s": round(ours, 4),
-                                    "gloo_steps": times[(mode, "gloo")], "our_steps": times[(mode, "ours")]})
-            print(f"[steps] {model.name} dp{dp} tp{tp} pp{pp} micro {micro}, {mode}: gloo's collectives {gloo:.3f} s, "
-                  f"ours {ours:.3f} s per step ({gloo / ours:.2f}x)", flush=True)
+            result["steps"].append(
+                {
+                    "model": model.name,
+                    "layout": args.layout,
+                    "dp_mode": mode,
+                    "gloo_s": round(gloo, 4),
+                    "ours_s": round(ours, 4),
+                    "gloo_steps": times[(mode, "gloo")],
+                    "our_steps": times[(mode, "ours")],
+                }
+            )
+            print(
+                f"[steps] {model.name} dp{dp} tp{tp} pp{pp} micro {micro}, {mode}: gloo's collectives {gloo:.3f} s, "
+                f"ours {ours:.3f} s per step ({gloo / ours:.2f}x)",
+                flush=True,
+            )
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"[collectives] wrote {args.out}")
     return result

@@ -51,8 +51,12 @@ def job(rank: int, world: int, model_name: str, cfg: TrainConfig, layout: Layout
     trainer = Trainer(model, cfg, layout, build_mesh(layout, "cpu"), torch.device("cpu"), tokens=tokens)
     built = time.perf_counter() - t0
     steps = [trainer.train_step()["step_time_s"] for _ in range(cfg.steps)]
-    return {"build_s": built, "first_step_s": steps[0], "step_s": statistics.median(steps[1:]),
-            "compile": report() if cfg.compile else None}
+    return {
+        "build_s": built,
+        "first_step_s": steps[0],
+        "step_s": statistics.median(steps[1:]),
+        "compile": report() if cfg.compile else None,
+    }
 
 
 def main() -> None:
@@ -65,20 +69,36 @@ def main() -> None:
     args = p.parse_args()
     layout = Layout(args.ranks, 1, 1, 1, 1, "fsdp")
     base = TrainConfig(global_batch=args.ranks, seq_len=args.seq_len, steps=args.steps, seed=0)
-    results: dict = {"model": args.model, "ranks": args.ranks, "layout": layout.to_dict(), "seq_len": args.seq_len,
-                     "steps": args.steps, "torch": torch.__version__, "cpus": len(os.sched_getaffinity(0))}
+    results: dict = {
+        "model": args.model,
+        "ranks": args.ranks,
+        "layout": layout.to_dict(),
+        "seq_len": args.seq_len,
+        "steps": args.steps,
+        "torch": torch.__version__,
+        "cpus": len(os.sched_getaffinity(0)),
+    }
     with tempfile.TemporaryDirectory(prefix="compile-cache-") as cache:
         compiled = dataclasses.replace(base, compile=True, compile_cache=cache)
         for name, cfg in (("eager", base), ("compiled_cold", compiled), ("compiled_warm", compiled)):
             t0 = time.perf_counter()
             ranks = run_ranks(job, args.ranks, args.model, cfg, layout)
-            r = dict(ranks[0], wall_s=time.perf_counter() - t0,
-                     first_step_s=max(x["first_step_s"] for x in ranks), step_s=max(x["step_s"] for x in ranks))
+            r = dict(
+                ranks[0],
+                wall_s=time.perf_counter() - t0,
+                first_step_s=max(x["first_step_s"] for x in ranks),
+                step_s=max(x["step_s"] for x in ranks),
+            )
             results[name] = r
-            extra = (f", compiled {r['compile']['graphs']} graph(s) in {r['compile']['compile_s']:.1f} s, cache "
-                     f"{r['compile']['cache_hits']} hit(s) {r['compile']['cache_misses']} miss(es)") if r["compile"] else ""
-            print(f"{name:14s} first step {r['first_step_s']:7.2f} s, then {r['step_s']:.3f} s/step{extra}",
-                  flush=True)
+            extra = (
+                (
+                    f", compiled {r['compile']['graphs']} graph(s) in {r['compile']['compile_s']:.1f} s, cache "
+                    f"{r['compile']['cache_hits']} hit(s) {r['compile']['cache_misses']} miss(es)"
+                )
+                if r["compile"]
+                else ""
+            )
+            print(f"{name:14s} first step {r['first_step_s']:7.2f} s, then {r['step_s']:.3f} s/step{extra}", flush=True)
     model = load_model_config(args.model)
     torch.set_num_threads(1)
     speedup, seconds = measure_compiled_speedup(torch.device("cpu"), torch.float32, (model.d_model, 512))

@@ -54,8 +54,13 @@ def main() -> None:
 
     t = time.perf_counter()
     # load_dataset caps num_proc at the number of files (a warning, not an error)
-    dataset = datasets.load_dataset("json", data_files=args.files, split="train", cache_dir=args.cache_dir,
-                                    num_proc=min(args.num_proc, len(args.files)) if len(args.files) > 1 else None)
+    dataset = datasets.load_dataset(
+        "json",
+        data_files=args.files,
+        split="train",
+        cache_dir=args.cache_dir,
+        num_proc=min(args.num_proc, len(args.files)) if len(args.files) > 1 else None,
+    )
     phases["load_dataset"] = time.perf_counter() - t
     print(f"[peer] load_dataset: {len(dataset):,} documents in {phases['load_dataset']:.1f} s", flush=True)
 
@@ -74,7 +79,7 @@ def main() -> None:
     for batch_idx in range(total_batches):
         batch = tokenized.shard(num_shards=total_batches, index=batch_idx, contiguous=True).with_format("numpy")
         arr_batch = np.concatenate(batch["ids"])
-        arr[idx:idx + len(arr_batch)] = arr_batch
+        arr[idx : idx + len(arr_batch)] = arr_batch
         idx += len(arr_batch)
     arr.flush()
     phases["write"] = time.perf_counter() - t

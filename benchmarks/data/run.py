@@ -54,6 +54,7 @@ MEMORY = {"peak_tree_rss": "tree RSS", "peak_tree_pss": "tree PSS", "peak_tree_p
 
 # ----------------------------------------------------------------------------------------------- corpora
 
+
 def parse_size(label: str) -> int:
     m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMG])B?", label.strip().upper())
     if not m:
@@ -80,8 +81,7 @@ def make_corpus(folder: Path, size: int, doc_bytes: int, seed: int) -> dict:
     meta_path = folder.with_name(folder.name + ".json")  # beside the folder: a .json inside would be data
     if meta_path.exists():
         meta = json.loads(meta_path.read_text())
-        if all(meta.get(k) == v for k, v in want.items()) and all(
-                (folder / f).exists() for f in meta["files"]):
+        if all(meta.get(k) == v for k, v in want.items()) and all((folder / f).exists() for f in meta["files"]):
             return meta
     shutil.rmtree(folder, ignore_errors=True)
     meta_path.unlink(missing_ok=True)
@@ -116,9 +116,15 @@ def make_corpus(folder: Path, size: int, doc_bytes: int, seed: int) -> dict:
     finally:
         for f in files:
             f.close()
-    meta = dict(want, text_bytes=written, documents=docs, repetitions=rep, files=names,
-                file_bytes=sum((folder / n).stat().st_size for n in names),
-                seconds=round(time.perf_counter() - t0, 1))
+    meta = dict(
+        want,
+        text_bytes=written,
+        documents=docs,
+        repetitions=rep,
+        files=names,
+        file_bytes=sum((folder / n).stat().st_size for n in names),
+        seconds=round(time.perf_counter() - t0, 1),
+    )
     meta_path.write_text(json.dumps(meta, indent=1) + "\n")
     return meta
 
@@ -133,6 +139,7 @@ def drop_page_cache(paths: list[Path]) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- measuring
+
 
 def _memory(pid: int) -> dict[str, int]:
     """VmRSS from /proc/PID/status; Pss and Pss_Anon from smaps_rollup (pages shared by N processes count 1/N)."""
@@ -221,11 +228,20 @@ def measure(cmd: list[str], env: dict, log_path: Path, interval: float = 0.1) ->
     for t in threads:
         t.join()
     proc.stdout.close()
-    return {"rc": proc.returncode, "seconds": wall, "peak_tree_rss": peaks["tree_rss"],
-            "peak_tree_pss": peaks["tree_pss"], "peak_tree_pss_anon": peaks["tree_pss_anon"],
-            "max_single_rss": usage.ru_maxrss * 1024, "cpu_s": usage.ru_utime + usage.ru_stime,
-            "load_before": load_before, "load_after": os.getloadavg()[0],
-            "max_procs": peaks["procs"], "samples": peaks["samples"], "lines": lines}
+    return {
+        "rc": proc.returncode,
+        "seconds": wall,
+        "peak_tree_rss": peaks["tree_rss"],
+        "peak_tree_pss": peaks["tree_pss"],
+        "peak_tree_pss_anon": peaks["tree_pss_anon"],
+        "max_single_rss": usage.ru_maxrss * 1024,
+        "cpu_s": usage.ru_utime + usage.ru_stime,
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
+        "max_procs": peaks["procs"],
+        "samples": peaks["samples"],
+        "lines": lines,
+    }
 
 
 def stream_digest(files: list[Path]) -> str | None:
@@ -245,8 +261,14 @@ def folder_bytes(folder: Path) -> int:
 
 
 def base_env(work: Path) -> dict:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
-               HF_HOME=str(work / "hf_home"), ELASTIC_TRAINER_CACHE=str(work / "et_cache"))
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        HF_DATASETS_OFFLINE="1",
+        HF_HUB_OFFLINE="1",
+        HF_HOME=str(work / "hf_home"),
+        ELASTIC_TRAINER_CACHE=str(work / "et_cache"),
+    )
     env.pop("PYTHONPATH", None)
     return env
 
@@ -262,8 +284,17 @@ def run_peer(work: Path, label: str, corpus: Path, files: list[str], workers: in
     shutil.rmtree(run_dir, ignore_errors=True)
     cache, out = run_dir / "hf_cache", run_dir / "out"
     env = dict(base_env(work), HF_DATASETS_CACHE=str(cache))
-    cmd = [PY, str(HERE / "nanogpt_prepare.py"), "--out", str(out), "--cache-dir", str(cache),
-           "--num-proc", str(workers), *[str(corpus / f) for f in files]]
+    cmd = [
+        PY,
+        str(HERE / "nanogpt_prepare.py"),
+        "--out",
+        str(out),
+        "--cache-dir",
+        str(cache),
+        "--num-proc",
+        str(workers),
+        *[str(corpus / f) for f in files],
+    ]
     settle(corpus, [Path(f) for f in files])
     r = measure(cmd, env, work / "logs" / f"peer-{label}.log")
     r["cmd"] = cmd
@@ -283,8 +314,10 @@ def ours_tokens(out: Path, lines: list[tuple[float, str]]) -> tuple[int | None, 
         manifest = json.loads((out / "manifest.json").read_text())
     except (OSError, ValueError):
         manifest = {}
-    for where, tokens in (("tokens", manifest.get("tokens")),
-                          ("totals.tokens", (manifest.get("totals") or {}).get("tokens"))):
+    for where, tokens in (
+        ("tokens", manifest.get("tokens")),
+        ("totals.tokens", (manifest.get("totals") or {}).get("tokens")),
+    ):
         if isinstance(tokens, int) and not isinstance(tokens, bool):
             return tokens, f"manifest.json {where}"
     for _, line in reversed(lines):
@@ -316,6 +349,7 @@ def run_ours(work: Path, label: str, corpus: Path, files: list[str], workers: in
 
 # ----------------------------------------------------------------------------------------------- reporting
 
+
 def mb(n: float | None) -> str:
     return "n/a" if n is None else f"{n / 2**20:,.0f} MiB"
 
@@ -343,16 +377,29 @@ def slope(rows: list[dict], side: str, key: str) -> dict | None:
     m0, m1 = base[side][key], top[side][key]
     t0, t1 = base[side]["tokens"], top[side]["tokens"]
     per_token = (m1 - m0) / (t1 - t0)
-    return {"from": base["size"], "to": top["size"], "peak_from": m0, "peak_to": m1,
-            "growth": m1 / m0 - 1, "bytes_per_token": per_token,
-            "at_10B_tokens": m1 + max(per_token, 0.0) * (TEN_B - t1)}
+    return {
+        "from": base["size"],
+        "to": top["size"],
+        "peak_from": m0,
+        "peak_to": m1,
+        "growth": m1 / m0 - 1,
+        "bytes_per_token": per_token,
+        "at_10B_tokens": m1 + max(per_token, 0.0) * (TEN_B - t1),
+    }
 
 
 def machine() -> dict:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor())
-    mem = next(int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines()
-               if ln.startswith("MemTotal"))
+    cpu = next(
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if ln.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    mem = next(
+        int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal")
+    )
     from importlib.metadata import PackageNotFoundError, version
 
     def ver(name: str) -> str | None:
@@ -360,28 +407,42 @@ def machine() -> dict:
             return version(name)
         except PackageNotFoundError:
             return None
+
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "elastic_trainer"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.splitlines()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "elastic_trainer"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.splitlines()
         if dirty:
             commit += f" + {len(dirty)} uncommitted file(s) in elastic_trainer/"
     except OSError:
         commit = None
-    return {"nproc": os.cpu_count(), "ram_bytes": mem, "cpu": cpu, "python": platform.python_version(),
-            "datasets": ver("datasets"), "tiktoken": ver("tiktoken"), "numpy": ver("numpy"),
-            "commit": commit}
+    return {
+        "nproc": os.cpu_count(),
+        "ram_bytes": mem,
+        "cpu": cpu,
+        "python": platform.python_version(),
+        "datasets": ver("datasets"),
+        "tiktoken": ver("tiktoken"),
+        "numpy": ver("numpy"),
+        "commit": commit,
+    }
 
 
 def table(rows: list[dict]) -> list[str]:
-    out = ["| corpus | documents | tokens (ours / peer) | ours: s, tok/s, peak tree RSS | "
-           "peer: s, tok/s, peak tree RSS | tok/s ours/peer | peak RSS ours/peer | CPU s ours/peer |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| corpus | documents | tokens (ours / peer) | ours: s, tok/s, peak tree RSS | "
+        "peer: s, tok/s, peak tree RSS | tok/s ours/peer | peak RSS ours/peer | CPU s ours/peer |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         o, p = r.get("ours"), r.get("peer")
-        cells = [f"{r['size']} ({r['file_bytes'] / 1e6:,.0f} MB jsonl, {r['shards']} file{'s' * (r['shards'] > 1)})",
-                 f"{r['documents']:,}"]
+        cells = [
+            f"{r['size']} ({r['file_bytes'] / 1e6:,.0f} MB jsonl, {r['shards']} file{'s' * (r['shards'] > 1)})",
+            f"{r['documents']:,}",
+        ]
         tok_o = fmt(o and o.get("tokens"), ",") if o else "-"
         tok_p = fmt(p and p.get("tokens"), ",") if p else "-"
         same = ""
@@ -398,63 +459,95 @@ def table(rows: list[dict]) -> list[str]:
             else:
                 cells.append(f"{side['seconds']:.1f} s, {fmt(rate(side), ',.0f')}, {mb(side['peak_tree_rss'])}")
         cells.append(fmt(ratio(o and rate(o), p and rate(p))) if o and p else "-")
-        cells.append(fmt(ratio(o and not o["rc"] and o["peak_tree_rss"], p and not p["rc"] and p["peak_tree_rss"]))
-                     if o and p else "-")
+        cells.append(
+            fmt(ratio(o and not o["rc"] and o["peak_tree_rss"], p and not p["rc"] and p["peak_tree_rss"]))
+            if o and p
+            else "-"
+        )
         cells.append(fmt(ratio(o and not o["rc"] and o["cpu_s"], p and not p["rc"] and p["cpu_s"])) if o and p else "-")
         out.append("| " + " | ".join(cells) + " |")
     return out
 
 
 def memory_table(rows: list[dict]) -> list[str]:
-    out = ["| corpus | side | CPU s (tree) | load avg before/after | peak tree RSS | peak tree PSS | "
-           "peak tree PSS, anonymous | largest process (ru_maxrss) | processes | disk used | phases (s) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| corpus | side | CPU s (tree) | load avg before/after | peak tree RSS | peak tree PSS | "
+        "peak tree PSS, anonymous | largest process (ru_maxrss) | processes | disk used | phases (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         for name in ("ours", "peer"):
             s = r.get(name)
             if not s:
                 continue
             phases = ", ".join(f"{k} {v:.1f}" for k, v in s.get("phases", {}).items()) or "-"
-            out.append(f"| {r['size']} | {name} | {s['cpu_s']:.1f} | {s['load_before']:.1f} / {s['load_after']:.1f} | "
-                       f"{mb(s['peak_tree_rss'])} | {mb(s['peak_tree_pss'])} | "
-                       f"{mb(s['peak_tree_pss_anon'])} | {mb(s['max_single_rss'])} | {s['max_procs']} | "
-                       f"{s['disk_bytes'] / 1e6:,.0f} MB | {phases} |")
+            out.append(
+                f"| {r['size']} | {name} | {s['cpu_s']:.1f} | {s['load_before']:.1f} / {s['load_after']:.1f} | "
+                f"{mb(s['peak_tree_rss'])} | {mb(s['peak_tree_pss'])} | "
+                f"{mb(s['peak_tree_pss_anon'])} | {mb(s['max_single_rss'])} | {s['max_procs']} | "
+                f"{s['disk_bytes'] / 1e6:,.0f} MB | {phases} |"
+            )
     return out
 
 
 def slope_lines(slopes: dict) -> list[str]:
-    out = ["| side | memory | from -> to | peak | growth | bytes per token of growth | at 10 B tokens |",
-           "|---|---|---|---|---|---|---|"]
+    out = [
+        "| side | memory | from -> to | peak | growth | bytes per token of growth | at 10 B tokens |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for (side, key), s in slopes.items():
         if s is None:
             continue
-        out.append(f"| {side} | {MEMORY[key]} | {s['from']} -> {s['to']} | {mb(s['peak_from'])} -> "
-                   f"{mb(s['peak_to'])} | {s['growth'] * 100:+.0f}% | {s['bytes_per_token']:.3f} | "
-                   f"{s['at_10B_tokens'] / 2**30:,.1f} GiB |")
+        out.append(
+            f"| {side} | {MEMORY[key]} | {s['from']} -> {s['to']} | {mb(s['peak_from'])} -> "
+            f"{mb(s['peak_to'])} | {s['growth'] * 100:+.0f}% | {s['bytes_per_token']:.3f} | "
+            f"{s['at_10B_tokens'] / 2**30:,.1f} GiB |"
+        )
     return out
 
 
 def report(rows: list[dict], slopes: dict, info: dict, command: str, path: Path) -> str:
     m = info["machine"]
     flat = slopes.get(("ours", "peak_tree_rss"))
-    verdict = ("-" if flat is None else
-               f"ours {'holds' if flat['growth'] <= 0.20 else 'FAILS'} the flat-memory bound: "
-               f"{flat['growth'] * 100:+.0f}% from {flat['from']} to {flat['to']} (bound: within 20%)")
-    text = [f"# Data preparation: ours against nanoGPT's recipe ({info['date']})", "",
-            "```bash", command, "```", "",
-            f"Machine: {m['cpu']}, nproc {m['nproc']}, {m['ram_bytes'] / 2**30:.1f} GiB RAM; Python {m['python']}, "
-            f"datasets {m['datasets']}, tiktoken {m['tiktoken']}, numpy {m['numpy']}; commit {m['commit']}. "
-            f"Both sides get {info['workers']} workers; wall time from spawn to exit; memory sampled every 0.1 s "
-            "over the whole process tree. Ours: `" + " ".join(info["ours_cmd"]) + " CORPUS_DIR --out DIR "
-            f"--workers {info['workers']}`; peer: `benchmarks/data/nanogpt_prepare.py`.", "",
-            *table(rows), "", "CPU, memory and disk per run:", "", *memory_table(rows), "",
-            "Peak memory against corpus size (linear in tokens; 10 B tokens extrapolated from the measured slope, "
-            "never below the largest measured peak):", "", *slope_lines(slopes), "", verdict, ""]
+    verdict = (
+        "-"
+        if flat is None
+        else f"ours {'holds' if flat['growth'] <= 0.20 else 'FAILS'} the flat-memory bound: "
+        f"{flat['growth'] * 100:+.0f}% from {flat['from']} to {flat['to']} (bound: within 20%)"
+    )
+    text = [
+        f"# Data preparation: ours against nanoGPT's recipe ({info['date']})",
+        "",
+        "```bash",
+        command,
+        "```",
+        "",
+        f"Machine: {m['cpu']}, nproc {m['nproc']}, {m['ram_bytes'] / 2**30:.1f} GiB RAM; Python {m['python']}, "
+        f"datasets {m['datasets']}, tiktoken {m['tiktoken']}, numpy {m['numpy']}; commit {m['commit']}. "
+        f"Both sides get {info['workers']} workers; wall time from spawn to exit; memory sampled every 0.1 s "
+        "over the whole process tree. Ours: `" + " ".join(info["ours_cmd"]) + " CORPUS_DIR --out DIR "
+        f"--workers {info['workers']}`; peer: `benchmarks/data/nanogpt_prepare.py`.",
+        "",
+        *table(rows),
+        "",
+        "CPU, memory and disk per run:",
+        "",
+        *memory_table(rows),
+        "",
+        "Peak memory against corpus size (linear in tokens; 10 B tokens extrapolated from the measured slope, "
+        "never below the largest measured peak):",
+        "",
+        *slope_lines(slopes),
+        "",
+        verdict,
+        "",
+    ]
     path.write_text("\n".join(text))
     return "\n".join(text)
 
 
 # ----------------------------------------------------------------------------------------------- main
+
 
 def default_sizes(work: Path, candidates: list[str]) -> list[str]:
     """Those of `candidates` whose corpora and the largest run (the peer's Arrow copies and train.bin: about
@@ -471,8 +564,9 @@ def default_sizes(work: Path, candidates: list[str]) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     ap.add_argument("--sizes", help="comma-separated text sizes, e.g. 50M,200M,1G,2G (default: those that fit)")
     ap.add_argument("--quick", action="store_true", help="5M and 20M, results in the work dir (a smoke run)")
     ap.add_argument("--work-dir", default="/tmp/et-bench-data")
@@ -480,10 +574,15 @@ def main() -> None:
     ap.add_argument("--only", choices=["ours", "peer"], help="run one side")
     ap.add_argument("--doc-bytes", type=int, default=4096, help="documents join paragraphs up to this size")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--ours-cmd", default=f"{PY} -m elastic_trainer.cli prepare-data",
-                    help="the command before SOURCES --out DIR --workers N (a stand-in while developing)")
-    ap.add_argument("--results", help="results path without suffix (default benchmarks/data/results; "
-                                      "--quick: WORK_DIR/results-quick)")
+    ap.add_argument(
+        "--ours-cmd",
+        default=f"{PY} -m elastic_trainer.cli prepare-data",
+        help="the command before SOURCES --out DIR --workers N (a stand-in while developing)",
+    )
+    ap.add_argument(
+        "--results",
+        help="results path without suffix (default benchmarks/data/results; --quick: WORK_DIR/results-quick)",
+    )
     args = ap.parse_args()
     work = Path(args.work_dir).resolve()
     if args.sizes:
@@ -491,25 +590,38 @@ def main() -> None:
     else:
         sizes = ["5M", "20M"] if args.quick else default_sizes(work, ["50M", "200M", "1G", "2G"])
     sizes.sort(key=parse_size)
-    results = Path(args.results) if args.results else (
-        work / "results-quick" if args.quick else HERE / "results")
+    results = Path(args.results) if args.results else (work / "results-quick" if args.quick else HERE / "results")
     for folder in ("corpora", "runs", "logs"):
         (work / folder).mkdir(parents=True, exist_ok=True)
     ours_cmd = shlex.split(args.ours_cmd)
     sides = [args.only] if args.only else ["ours", "peer"]
     command = " ".join(shlex.quote(a) for a in [".venv/bin/python", "benchmarks/data/run.py", *sys.argv[1:]])
-    info = {"date": time.strftime("%Y-%m-%d"), "command": command, "workers": args.workers, "machine": machine(),
-            "ours_cmd": [Path(c).name if c == PY else c for c in ours_cmd], "doc_bytes": args.doc_bytes}
+    info = {
+        "date": time.strftime("%Y-%m-%d"),
+        "command": command,
+        "workers": args.workers,
+        "machine": machine(),
+        "ours_cmd": [Path(c).name if c == PY else c for c in ours_cmd],
+        "doc_bytes": args.doc_bytes,
+    }
     print(f"sizes {', '.join(sizes)}; {args.workers} workers; work dir {work}", flush=True)
 
     rows = []
     for i, label in enumerate(sizes):
         corpus = work / "corpora" / label
         meta = make_corpus(corpus, parse_size(label), args.doc_bytes, args.seed)
-        row = {"size": label, "text_bytes": meta["text_bytes"], "file_bytes": meta["file_bytes"],
-               "documents": meta["documents"], "shards": len(meta["files"])}
-        print(f"[{label}] corpus: {meta['documents']:,} documents, {meta['file_bytes'] / 1e6:,.0f} MB in "
-              f"{len(meta['files'])} file(s)", flush=True)
+        row = {
+            "size": label,
+            "text_bytes": meta["text_bytes"],
+            "file_bytes": meta["file_bytes"],
+            "documents": meta["documents"],
+            "shards": len(meta["files"]),
+        }
+        print(
+            f"[{label}] corpus: {meta['documents']:,} documents, {meta['file_bytes'] / 1e6:,.0f} MB in "
+            f"{len(meta['files'])} file(s)",
+            flush=True,
+        )
         order = sides if i % 2 == 0 else sides[::-1]  # alternate which side goes first
         for side in order:
             if side == "ours":
@@ -519,17 +631,23 @@ def main() -> None:
             lines = r.pop("lines")
             r["last_lines"] = [f"{t:.2f} {s}" for t, s in lines[-15:]]
             row[side] = r
-            print(f"[{label}] {side}: rc {r['rc']}, {r['seconds']:.1f} s, {r.get('tokens')} tokens, "
-                  f"{fmt(rate(r), ',.0f')} tok/s, peak tree RSS {mb(r['peak_tree_rss'])} "
-                  f"(PSS {mb(r['peak_tree_pss'])}, anonymous PSS {mb(r['peak_tree_pss_anon'])}, "
-                  f"largest process {mb(r['max_single_rss'])}, "
-                  f"{r['max_procs']} processes)", flush=True)
+            print(
+                f"[{label}] {side}: rc {r['rc']}, {r['seconds']:.1f} s, {r.get('tokens')} tokens, "
+                f"{fmt(rate(r), ',.0f')} tok/s, peak tree RSS {mb(r['peak_tree_rss'])} "
+                f"(PSS {mb(r['peak_tree_pss'])}, anonymous PSS {mb(r['peak_tree_pss_anon'])}, "
+                f"largest process {mb(r['max_single_rss'])}, "
+                f"{r['max_procs']} processes)",
+                flush=True,
+            )
             if r["rc"]:
                 print("\n".join(f"    {s}" for s in r["last_lines"]), flush=True)
         rows.append(row)
 
-    slopes = {(side, key): slope(rows, side, key) for side in ("ours", "peer")
-              for key in ("peak_tree_rss", "peak_tree_pss", "peak_tree_pss_anon")}
+    slopes = {
+        (side, key): slope(rows, side, key)
+        for side in ("ours", "peer")
+        for key in ("peak_tree_rss", "peak_tree_pss", "peak_tree_pss_anon")
+    }
     for row in rows:
         for side in ("ours", "peer"):
             if row.get(side):

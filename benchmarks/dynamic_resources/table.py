@@ -12,17 +12,22 @@ HERE = Path(__file__).resolve().parent
 
 def table(profile: str, entry: dict) -> str:
     common = entry["common_step"]
-    lines = [f"**{profile}** ({entry['clock']} clock; one trained step = {entry['time_scale']:g} steps of the "
-             f"target; run here in {entry['wall_s'] / 60:.1f} min)", "",
-             f"| policy | steps | ideal | steps / ideal | minutes to step {common} | downtime min | final loss | "
-             "max loss diff vs static |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"**{profile}** ({entry['clock']} clock; one trained step = {entry['time_scale']:g} steps of the "
+        f"target; run here in {entry['wall_s'] / 60:.1f} min)",
+        "",
+        f"| policy | steps | ideal | steps / ideal | minutes to step {common} | downtime min | final loss | "
+        "max loss diff vs static |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, p in entry["policies"].items():
         match = p.get("loss_vs_static")
         diff = f"{match['max_rel_diff']:.1e} ({match['steps_compared']} steps)" if match else "-"
-        lines.append(f"| {name} | {p['steps']} | {p['ideal_steps']} | {p['steps'] / p['ideal_steps']:.1%} | "
-                     f"{p['time_to_common_step_s'] / 60:.0f} | {p['downtime_s'] / 60:.1f} | {p['final_loss']:.3f} | "
-                     f"{diff} |")
+        lines.append(
+            f"| {name} | {p['steps']} | {p['ideal_steps']} | {p['steps'] / p['ideal_steps']:.1%} | "
+            f"{p['time_to_common_step_s'] / 60:.0f} | {p['downtime_s'] / 60:.1f} | {p['final_loss']:.3f} | "
+            f"{diff} |"
+        )
     return "\n".join(lines)
 
 

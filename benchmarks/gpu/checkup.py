@@ -44,8 +44,10 @@ from elastic_trainer.plan.layout import Layout  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"h100": 989.4, "h200": 989.4, "a100": 312.0, "l40s": 362.1}
 """Dense bf16 tensor-core peaks from the vendors' data sheets (SXM parts), the denominator of MFU."""
-NOT_GPU = ("NOT GPU FIGURES: this machine has no CUDA device, so the check-up ran its CPU form (gpt-tiny, fp32, "
-           "gloo ranks on the CPU cores) to exercise its code paths. Run it on a GPU machine for GPU figures.")
+NOT_GPU = (
+    "NOT GPU FIGURES: this machine has no CUDA device, so the check-up ran its CPU form (gpt-tiny, fp32, "
+    "gloo ranks on the CPU cores) to exercise its code paths. Run it on a GPU machine for GPU figures."
+)
 
 
 @dataclass(frozen=True)
@@ -83,11 +85,19 @@ def detect(args) -> Setup:
     name = torch.cuda.get_device_name(0) if gpu else "cpu"
     small = args.smoke or not gpu
     gpus = torch.cuda.device_count() if gpu else 2
-    return Setup(gpu, name, gpus,
-                 args.model or ("gpt-tiny" if small else "gpt3-xl"), args.seq_len or (32 if small else 2048),
-                 args.global_batch or math.lcm(4 if small else 8, gpus), args.steps or (3 if small else 6),
-                 "bf16" if gpu else "fp32", args.hardware or hardware_for_device("cuda" if gpu else "cpu", name).name,
-                 tuple(args.sweep) if args.sweep else (1, 2) if small else (1, 2, 4, 8), 300 if small else 900)
+    return Setup(
+        gpu,
+        name,
+        gpus,
+        args.model or ("gpt-tiny" if small else "gpt3-xl"),
+        args.seq_len or (32 if small else 2048),
+        args.global_batch or math.lcm(4 if small else 8, gpus),
+        args.steps or (3 if small else 6),
+        "bf16" if gpu else "fp32",
+        args.hardware or hardware_for_device("cuda" if gpu else "cpu", name).name,
+        tuple(args.sweep) if args.sweep else (1, 2) if small else (1, 2, 4, 8),
+        300 if small else 900,
+    )
 
 
 def cases(s: Setup) -> list[Case]:
@@ -108,8 +118,16 @@ def cases(s: Setup) -> list[Case]:
     for compiled in (False, True):
         for mb in s.sweep:
             if batch % mb == 0:
-                out.append(Case(f"1 {'GPU' if s.gpu else 'rank'} mb{mb}" + (" compiled" if compiled else ""), 1,
-                                (1, 1, 1), "fsdp", mb, compile=compiled))
+                out.append(
+                    Case(
+                        f"1 {'GPU' if s.gpu else 'rank'} mb{mb}" + (" compiled" if compiled else ""),
+                        1,
+                        (1, 1, 1),
+                        "fsdp",
+                        mb,
+                        compile=compiled,
+                    )
+                )
     return out
 
 
@@ -118,11 +136,38 @@ def run_case(case: Case, s: Setup, out: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     metrics = folder / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
-    argv = [sys.executable, "-m", "elastic_trainer.cli", "torchrun", "--standalone", "--nproc-per-node",
-            str(case.ranks), "train", "--model", s.model, "--layout", ",".join(map(str, case.layout)),
-            "--dp-mode", case.dp_mode, "--micro-batch", str(case.micro_batch), "--global-batch",
-            str(s.global_batch), "--seq-len", str(s.seq_len), "--steps", str(s.steps), "--dtype", s.dtype,
-            "--hardware", s.hardware, "--metrics-file", str(metrics), "--seed", "0"]
+    argv = [
+        sys.executable,
+        "-m",
+        "elastic_trainer.cli",
+        "torchrun",
+        "--standalone",
+        "--nproc-per-node",
+        str(case.ranks),
+        "train",
+        "--model",
+        s.model,
+        "--layout",
+        ",".join(map(str, case.layout)),
+        "--dp-mode",
+        case.dp_mode,
+        "--micro-batch",
+        str(case.micro_batch),
+        "--global-batch",
+        str(s.global_batch),
+        "--seq-len",
+        str(s.seq_len),
+        "--steps",
+        str(s.steps),
+        "--dtype",
+        s.dtype,
+        "--hardware",
+        s.hardware,
+        "--metrics-file",
+        str(metrics),
+        "--seed",
+        "0",
+    ]
     if case.compile:
         argv += ["--compile", "--compile-cache", str(out / "compile-cache")]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -136,15 +181,23 @@ def run_case(case: Case, s: Setup, out: Path) -> None:
         log, code = f"{e.stdout or ''}{e.stderr or ''}\n(timed out after {s.timeout_s} s)", None
     (folder / "log.txt").write_text(log)
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-    case.result = {"returncode": code, "wall_s": round(time.perf_counter() - t0, 2), "log": str(folder / "log.txt"),
-                   "ok": code == 0 and len(records) == s.steps}
+    case.result = {
+        "returncode": code,
+        "wall_s": round(time.perf_counter() - t0, 2),
+        "log": str(folder / "log.txt"),
+        "ok": code == 0 and len(records) == s.steps,
+    }
     if not case.result["ok"]:
         tail = [line for line in log.splitlines() if line.strip()][-3:]
         case.result["why"] = "out of memory" if "out of memory" in log.lower() else " | ".join(tail)[-300:]
     if records:
         times = [r["step_time_s"] for r in records]
-        case.result.update(first_step_s=times[0], step_s=statistics.median(times[1:] or times),
-                           final_loss=records[-1]["loss"], max_memory_gib=records[-1].get("max_memory_gib"))
+        case.result.update(
+            first_step_s=times[0],
+            step_s=statistics.median(times[1:] or times),
+            final_loss=records[-1]["loss"],
+            max_memory_gib=records[-1].get("max_memory_gib"),
+        )
     predict(case, s)
 
 
@@ -153,8 +206,9 @@ def predict(case: Case, s: Setup) -> None:
     model, hw = load_model_config(s.model), load_hardware(s.hardware)
     dp, tp, pp = case.layout
     layout = Layout(dp, tp, pp, case.micro_batch, s.global_batch // (dp * case.micro_batch), case.dp_mode)
-    request = Request(model, case.ranks, s.global_batch, s.seq_len, hw, case.ranks, dtype=s.dtype,
-                      compiled=case.compile)
+    request = Request(
+        model, case.ranks, s.global_batch, s.seq_len, hw, case.ranks, dtype=s.dtype, compiled=case.compile
+    )
     planned = evaluate(request, layout)  # what the planner ranks this layout by
     case.result["predicted_step_s"], case.result["predicted_memory_gib"] = planned.step_time_s, planned.memory_gb
     peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in s.device_name.lower()), None) if s.gpu else None
@@ -166,18 +220,32 @@ def predict(case: Case, s: Setup) -> None:
 
 def calibrate(s: Setup, out: Path) -> dict:
     profile = out / "profile.toml"
-    argv = [sys.executable, "-m", "elastic_trainer.cli", "calibrate", "--output", str(profile), "--name",
-            f"checkup-{'gpu' if s.gpu else 'cpu'}", "--ranks", "2", "--compile"]  # ranks: CPU links only
+    argv = [
+        sys.executable,
+        "-m",
+        "elastic_trainer.cli",
+        "calibrate",
+        "--output",
+        str(profile),
+        "--name",
+        f"checkup-{'gpu' if s.gpu else 'cpu'}",
+        "--ranks",
+        "2",
+        "--compile",
+    ]  # ranks: CPU links only
     if s.gpu:
         argv += ["--base", s.hardware]  # on a GPU the links are kept from the data-sheet profile
-    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=1800,
-                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc = subprocess.run(
+        argv, cwd=ROOT, capture_output=True, text=True, timeout=1800, env=dict(os.environ, PYTHONUNBUFFERED="1")
+    )
     (out / "calibrate.log").write_text(proc.stdout + proc.stderr)
     result = {"returncode": proc.returncode, "profile": str(profile) if proc.returncode == 0 else None}
     if proc.returncode == 0:
         measured, sheet = load_hardware(str(profile)), load_hardware(s.hardware)
-        result["compare"] = {k: (getattr(sheet, k), getattr(measured, k)) for k in
-                             ("tflops", "head_tflops", "layer_overhead_ms", "memory_bandwidth_gbs", "compiled_speedup")}
+        result["compare"] = {
+            k: (getattr(sheet, k), getattr(measured, k))
+            for k in ("tflops", "head_tflops", "layer_overhead_ms", "memory_bandwidth_gbs", "compiled_speedup")
+        }
     return result
 
 
@@ -186,27 +254,47 @@ def fmt(value, spec: str, missing: str = "-") -> str:
 
 
 def table(all_cases: list[Case], s: Setup) -> list[str]:
-    head = (f"{'case':22s} {'ranks':>5s} {'step s':>8s} {'planned':>8s} {'ratio':>6s} {'peak GiB':>9s} "
-            f"{'planned':>8s} {'MFU':>6s} {'1st step':>8s}  result")
+    head = (
+        f"{'case':22s} {'ranks':>5s} {'step s':>8s} {'planned':>8s} {'ratio':>6s} {'peak GiB':>9s} "
+        f"{'planned':>8s} {'MFU':>6s} {'1st step':>8s}  result"
+    )
     lines = [head, "-" * len(head)]
     for c in all_cases:
         r = c.result
         ratio = r["step_s"] / r["predicted_step_s"] if r.get("step_s") and r.get("predicted_step_s") else None
-        lines.append(f"{c.name:22s} {c.ranks:5d} {fmt(r.get('step_s'), '8.3f'):>8s} "
-                     f"{fmt(r.get('predicted_step_s'), '8.3f'):>8s} {fmt(ratio, '6.2f'):>6s} "
-                     f"{fmt(r.get('max_memory_gib'), '9.2f', 'n/a' if not s.gpu else '-'):>9s} "
-                     f"{fmt(r.get('predicted_memory_gib'), '8.2f'):>8s} {fmt(r.get('mfu'), '6.1%'):>6s} "
-                     f"{fmt(r.get('first_step_s'), '8.2f'):>8s}  {'ok' if r['ok'] else 'FAILED: ' + r['why']}")
+        lines.append(
+            f"{c.name:22s} {c.ranks:5d} {fmt(r.get('step_s'), '8.3f'):>8s} "
+            f"{fmt(r.get('predicted_step_s'), '8.3f'):>8s} {fmt(ratio, '6.2f'):>6s} "
+            f"{fmt(r.get('max_memory_gib'), '9.2f', 'n/a' if not s.gpu else '-'):>9s} "
+            f"{fmt(r.get('predicted_memory_gib'), '8.2f'):>8s} {fmt(r.get('mfu'), '6.1%'):>6s} "
+            f"{fmt(r.get('first_step_s'), '8.2f'):>8s}  {'ok' if r['ok'] else 'FAILED: ' + r['why']}"
+        )
     return lines
 
 
-def write_report(out: Path, s: Setup, done: list[Case], cal: dict | None, complete: bool,
-                 lines: list[str] | None = None) -> None:
-    report = {"setup": dataclasses.asdict(s), "gpu_figures": s.gpu, "note": None if s.gpu else NOT_GPU,
-              "complete": complete,
-              "cases": [{"name": c.name, "ranks": c.ranks, "layout": c.layout, "dp_mode": c.dp_mode,
-                         "micro_batch": c.micro_batch, "compile": c.compile, **c.result} for c in done],
-              "calibrate": cal, "table": lines if lines is not None else table(done, s)}
+def write_report(
+    out: Path, s: Setup, done: list[Case], cal: dict | None, complete: bool, lines: list[str] | None = None
+) -> None:
+    report = {
+        "setup": dataclasses.asdict(s),
+        "gpu_figures": s.gpu,
+        "note": None if s.gpu else NOT_GPU,
+        "complete": complete,
+        "cases": [
+            {
+                "name": c.name,
+                "ranks": c.ranks,
+                "layout": c.layout,
+                "dp_mode": c.dp_mode,
+                "micro_batch": c.micro_batch,
+                "compile": c.compile,
+                **c.result,
+            }
+            for c in done
+        ],
+        "calibrate": cal,
+        "table": lines if lines is not None else table(done, s),
+    }
     tmp = out / "checkup.json.tmp"
     tmp.write_text(json.dumps(report, indent=1) + "\n")
     tmp.replace(out / "checkup.json")
@@ -214,8 +302,11 @@ def write_report(out: Path, s: Setup, done: list[Case], cal: dict | None, comple
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--smoke", action="store_true", help="the small form (gpt-tiny, short sequences) on the GPUs too; "
-                                                        "without a GPU it is always the form")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the small form (gpt-tiny, short sequences) on the GPUs too; without a GPU it is always the form",
+    )
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "gpu" / "results"), help="folder for the results")
     p.add_argument("--model", help="model preset (default gpt3-xl on GPUs, gpt-tiny on CPU)")
     p.add_argument("--seq-len", type=int)
@@ -223,16 +314,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int)
     p.add_argument("--hardware", help="profile the predictions use (default: the one matching the GPU; cpu)")
     p.add_argument("--no-calibrate", action="store_true", help="skip `calibrate` (it takes minutes)")
-    p.add_argument("--sweep", type=lambda v: [int(x) for x in v.split(",")],
-                   help="micro-batch sizes of the one-device sweep (default 1,2,4,8 on GPUs; 1,2 small)")
-    p.add_argument("--only", action="append", default=[], metavar="NAME",
-                   help="run only the case of this name (repeatable; e.g. --only 'dp2 fsdp' --only '1 GPU mb2 compiled')")
+    p.add_argument(
+        "--sweep",
+        type=lambda v: [int(x) for x in v.split(",")],
+        help="micro-batch sizes of the one-device sweep (default 1,2,4,8 on GPUs; 1,2 small)",
+    )
+    p.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run only the case of this name (repeatable; e.g. --only 'dp2 fsdp' --only '1 GPU mb2 compiled')",
+    )
     args = p.parse_args(argv)
     s = detect(args)
     out = Path(args.out) / (s.device_name.replace(" ", "-") if s.gpu else "cpu-form")
     out.mkdir(parents=True, exist_ok=True)
-    print(f"[checkup] {s.gpus} x {s.device_name}: {s.model}, {s.dtype}, seq {s.seq_len}, global batch "
-          f"{s.global_batch}, {s.steps} steps per case; predictions from hardware profile {s.hardware!r}", flush=True)
+    print(
+        f"[checkup] {s.gpus} x {s.device_name}: {s.model}, {s.dtype}, seq {s.seq_len}, global batch "
+        f"{s.global_batch}, {s.steps} steps per case; predictions from hardware profile {s.hardware!r}",
+        flush=True,
+    )
     if not s.gpu:
         print(f"[checkup] {NOT_GPU}", flush=True)
     all_cases = [c for c in cases(s) if not args.only or c.name in args.only]
@@ -240,8 +342,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"no case matches --only {args.only}: the cases are {', '.join(c.name for c in cases(s))}")
     for done, case in enumerate(all_cases, 1):
         run_case(case, s, out)
-        print(f"[checkup] {case.name}: {'ok' if case.result['ok'] else 'FAILED'} in {case.result['wall_s']:.1f} s",
-              flush=True)
+        print(
+            f"[checkup] {case.name}: {'ok' if case.result['ok'] else 'FAILED'} in {case.result['wall_s']:.1f} s",
+            flush=True,
+        )
         write_report(out, s, all_cases[:done], None, complete=False)  # a killed check-up keeps what it measured
     cal = None if args.no_calibrate else calibrate(s, out)
     lines = table(all_cases, s)

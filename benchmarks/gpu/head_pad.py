@@ -61,10 +61,17 @@ def parity(model_name: str, device: torch.device, dtype: torch.dtype, batch: int
     def worst(x, y):
         return max(((x[n] - y[n]).abs().max() / y[n].abs().max().clamp_min(1e-30)).item() for n in x)
 
-    return dict(model=model_name, dtype=str(dtype).removeprefix("torch."), multiple=force,
-                loss_unpadded=a_loss, loss_padded=c_loss, loss_rerun=b_loss,
-                grad_rel_diff_padded=worst(c, a), grad_rel_diff_rerun=worst(b, a),
-                tok_emb_grad_rel_diff=worst({"w": c["tok_emb.weight"]}, {"w": a["tok_emb.weight"]}))
+    return dict(
+        model=model_name,
+        dtype=str(dtype).removeprefix("torch."),
+        multiple=force,
+        loss_unpadded=a_loss,
+        loss_padded=c_loss,
+        loss_rerun=b_loss,
+        grad_rel_diff_padded=worst(c, a),
+        grad_rel_diff_rerun=worst(b, a),
+        tok_emb_grad_rel_diff=worst({"w": c["tok_emb.weight"]}, {"w": a["tok_emb.weight"]}),
+    )
 
 
 def head_times(device: torch.device, tokens: int, vocab: int, widths: list[int], repeat: int) -> list[dict]:
@@ -75,8 +82,10 @@ def head_times(device: torch.device, tokens: int, vocab: int, widths: list[int],
         target = torch.randint(0, vocab, (tokens,), device=device)
         row = dict(width=d, tokens=tokens, vocab=vocab)
         for multiple in (1, 64):
+
             def step():
                 F.cross_entropy(gpt.project_to_vocab(x, w, multiple).float(), target).backward()
+
             step()
             s = timed(step, repeat, _sync(device))
             row[f"ms_{multiple}"] = round(s * 1e3, 4)
@@ -92,8 +101,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     gpu = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
-    out = dict(device=torch.cuda.get_device_name(0) if gpu else "cpu", torch=torch.__version__,
-               date=time.strftime("%Y-%m-%d"), parity=[], head=[])
+    out = dict(
+        device=torch.cuda.get_device_name(0) if gpu else "cpu",
+        torch=torch.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        parity=[],
+        head=[],
+    )
     if gpu:
         torch.backends.cuda.matmul.allow_tf32 = False
         for dtype in (torch.float32, torch.bfloat16):
@@ -105,9 +119,11 @@ def main(argv=None) -> int:
         out["parity"].append(parity("gpt-tiny", device, torch.float64, 2, 16, 64))
         out["head"] += head_times(device, 64, 1000, [64], 1)
     for row in out["head"]:
-        print(f"[head_pad] width {row['width']:5d} tokens {row['tokens']:6d}: {row['ms_1']:8.3f} ms "
-              f"({row['tflops_1']:7.1f} TFLOP/s) unpadded, {row['ms_64']:8.3f} ms ({row['tflops_64']:7.1f}) padded",
-              flush=True)
+        print(
+            f"[head_pad] width {row['width']:5d} tokens {row['tokens']:6d}: {row['ms_1']:8.3f} ms "
+            f"({row['tflops_1']:7.1f} TFLOP/s) unpadded, {row['ms_64']:8.3f} ms ({row['tflops_64']:7.1f}) padded",
+            flush=True,
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     return 0

@@ -54,9 +54,11 @@ def main(argv=None) -> None:
         events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
     key = (lambda e: e.self_device_time_total) if gpu else (lambda e: e.self_cpu_time_total)
     total = sum(key(e) for e in events)
-    print(f"{args.model} {args.mode} micro-batch {args.micro_batch} x {layout.num_microbatches}: "
-          f"{total / 1e3:.1f} ms of {'device' if gpu else 'CPU'} time in one step")
-    for e in sorted(events, key=key, reverse=True)[:args.top]:
+    print(
+        f"{args.model} {args.mode} micro-batch {args.micro_batch} x {layout.num_microbatches}: "
+        f"{total / 1e3:.1f} ms of {'device' if gpu else 'CPU'} time in one step"
+    )
+    for e in sorted(events, key=key, reverse=True)[: args.top]:
         print(f"  {key(e) / 1e3:8.2f} ms {100 * key(e) / total:5.1f} %  x{e.count:<5d} {e.key[:110]}")
 
 

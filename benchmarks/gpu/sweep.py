@@ -44,18 +44,30 @@ def case_list(models, modes, micro_batches, global_batch, seq_len, probe_seq) ->
     cases = []
     for model in models:
         cases += [dict(model=model, mode=mode, micro_batch=1, seq_len=probe_seq, probe=True) for mode in modes]
-        cases += [dict(model=model, mode=mode, micro_batch=mb, seq_len=seq_len, probe=False)
-                  for mb in order if global_batch % mb == 0 for mode in modes]
+        cases += [
+            dict(model=model, mode=mode, micro_batch=mb, seq_len=seq_len, probe=False)
+            for mb in order
+            if global_batch % mb == 0
+            for mode in modes
+        ]
     return cases
 
 
 def run_case(case: dict, global_batch: int, steps: int, warmup: int, device: torch.device, dtype: str) -> dict:
     layout = Layout(1, 1, 1, case["micro_batch"], global_batch // case["micro_batch"], dp_mode=case["mode"])
     r = timed_steps(load_model_config(case["model"]), layout, case["seq_len"], device, dtype, steps, warmup)
-    out = dict(case, global_batch=global_batch, num_microbatches=layout.num_microbatches, dtype=dtype,
-               parameters=r["parameters"], build_s=round(r["build_s"], 3), step_s=round(r["step_s"], 6),
-               steps_s=[round(t, 6) for t in r["steps_s"]], phases_s={k: round(v, 6) for k, v in r["phases_s"].items()},
-               loss=r["loss"])
+    out = dict(
+        case,
+        global_batch=global_batch,
+        num_microbatches=layout.num_microbatches,
+        dtype=dtype,
+        parameters=r["parameters"],
+        build_s=round(r["build_s"], 3),
+        step_s=round(r["step_s"], 6),
+        steps_s=[round(t, 6) for t in r["steps_s"]],
+        phases_s={k: round(v, 6) for k, v in r["phases_s"].items()},
+        loss=r["loss"],
+    )
     if "max_memory_gib" in r:
         out["max_memory_gib"] = round(r["max_memory_gib"], 3)
     return out
@@ -71,8 +83,12 @@ def main(argv=None) -> int:
     p.add_argument("--probe-seq", type=int, default=64)
     p.add_argument("--steps", type=int, default=4, help="measured steps per case")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps per case")
-    p.add_argument("--vocab-pad", type=int, default=None,
-                   help="pad the head's GEMMs to a multiple of this many rows (model.gpt.VOCAB_PAD_MULTIPLE; 1: off)")
+    p.add_argument(
+        "--vocab-pad",
+        type=int,
+        default=None,
+        help="pad the head's GEMMs to a multiple of this many rows (model.gpt.VOCAB_PAD_MULTIPLE; 1: off)",
+    )
     p.add_argument("--smoke", action="store_true", help="gpt-tiny on the CPU, sequence 32: checks the script")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -87,12 +103,23 @@ def main(argv=None) -> int:
             p.error("--vocab-pad must be >= 1")
         gpt.VOCAB_PAD_MULTIPLE["cuda"] = args.vocab_pad
     init_process_group(device, distributed=False)
-    cases = case_list(args.models.split(","), args.modes.split(","),
-                      [int(m) for m in args.micro_batches.split(",") if m], args.global_batch, args.seq_len,
-                      args.probe_seq)
-    header = dict(device=torch.cuda.get_device_name(0) if gpu else "cpu", torch=torch.__version__,
-                  cuda=torch.version.cuda, gpu=gpu, vocab_pad=gpt.VOCAB_PAD_MULTIPLE.get(device.type, 1),
-                  date=time.strftime("%Y-%m-%d"), cases=[])
+    cases = case_list(
+        args.models.split(","),
+        args.modes.split(","),
+        [int(m) for m in args.micro_batches.split(",") if m],
+        args.global_batch,
+        args.seq_len,
+        args.probe_seq,
+    )
+    header = dict(
+        device=torch.cuda.get_device_name(0) if gpu else "cpu",
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        gpu=gpu,
+        vocab_pad=gpt.VOCAB_PAD_MULTIPLE.get(device.type, 1),
+        date=time.strftime("%Y-%m-%d"),
+        cases=[],
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -107,9 +134,11 @@ def main(argv=None) -> int:
         header["cases"].append(result)
         out.write_text(json.dumps(header, indent=1))
         shown = f"{result['step_s']:.4f} s" if "step_s" in result else result["error"]
-        print(f"[sweep] {time.perf_counter() - t_start:6.1f}s {case['model']:12s} {case['mode']:5s} "
-              f"mb {case['micro_batch']} seq {case['seq_len']}{' probe' if case['probe'] else ''}: {shown}",
-              flush=True)
+        print(
+            f"[sweep] {time.perf_counter() - t_start:6.1f}s {case['model']:12s} {case['mode']:5s} "
+            f"mb {case['micro_batch']} seq {case['seq_len']}{' probe' if case['probe'] else ''}: {shown}",
+            flush=True,
+        )
     return 0
 
 

@@ -36,8 +36,7 @@ def fit_errors(points: dict, widths: tuple[int, ...]) -> tuple[tuple[float, floa
     """((GFLOP/s, half-rate tokens, ms per block) of calibrate's fit over `widths`, {(width, tokens): its relative
     error})."""
     tflops, half, overhead_ms = calibrate.fit_compute([v for (d, _), v in points.items() if d in widths])
-    errors = {k: (f / (tflops * 1e12) * (1 + half / n) + overhead_ms * 1e-3) / t - 1
-              for k, (f, n, t) in points.items()}
+    errors = {k: (f / (tflops * 1e12) * (1 + half / n) + overhead_ms * 1e-3) / t - 1 for k, (f, n, t) in points.items()}
     return (tflops * 1e3, half, overhead_ms), errors
 
 
@@ -55,15 +54,28 @@ def main(argv=None) -> dict:
     out = {"blocks": [[d, n, f, t] for (d, n), (f, _, t) in points.items()], "fits": [], "embedding": []}
     for widths in FITS:
         (rate, half, overhead), errors = fit_errors(points, widths)
-        print(f"fit over {widths}: {rate:.1f} GFLOP/s, half rate at {half:.1f} tokens, {overhead:.2f} ms; errors "
-              + " ".join(f"{d}x{n} {e:+.1%}" for (d, n), e in errors.items()), flush=True)
-        out["fits"].append({"widths": widths, "gflops": rate, "half_rate_tokens": half, "overhead_ms": overhead,
-                            "errors": [[d, n, e] for (d, n), e in errors.items()]})
+        print(
+            f"fit over {widths}: {rate:.1f} GFLOP/s, half rate at {half:.1f} tokens, {overhead:.2f} ms; errors "
+            + " ".join(f"{d}x{n} {e:+.1%}" for (d, n), e in errors.items()),
+            flush=True,
+        )
+        out["fits"].append(
+            {
+                "widths": widths,
+                "gflops": rate,
+                "half_rate_tokens": half,
+                "overhead_ms": overhead,
+                "errors": [[d, n, e] for (d, n), e in errors.items()],
+            }
+        )
     estimate = 2 * 4 / args.bandwidth
     for d in WIDTHS:
         ns = calibrate.measure_embedding_grad(calibrate.CPU_HEAD_VOCAB, d)
-        print(f"embedding {calibrate.CPU_HEAD_VOCAB} x {d}: {ns:.3f} ns per element and micro-batch "
-              f"(two passes at {args.bandwidth:g} GB/s: {estimate:.3f})", flush=True)
+        print(
+            f"embedding {calibrate.CPU_HEAD_VOCAB} x {d}: {ns:.3f} ns per element and micro-batch "
+            f"(two passes at {args.bandwidth:g} GB/s: {estimate:.3f})",
+            flush=True,
+        )
         out["embedding"].append([d, ns])
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))

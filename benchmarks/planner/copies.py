@@ -38,17 +38,33 @@ from elastic_trainer.plan.hardware import Hardware  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MODE_RUNS = ["modes-gpt3-small-4", "modes-gpt3-small-8", "modes-gpt3-small-4-copies", "modes-gpt3-small-8-again"]
-POOLED = {"modes-gpt3-small-4 and -4-copies": ["modes-gpt3-small-4", "modes-gpt3-small-4-copies"],
-          "modes-gpt3-small-8 and -8-again": ["modes-gpt3-small-8", "modes-gpt3-small-8-again"]}
+POOLED = {
+    "modes-gpt3-small-4 and -4-copies": ["modes-gpt3-small-4", "modes-gpt3-small-4-copies"],
+    "modes-gpt3-small-8 and -8-again": ["modes-gpt3-small-8", "modes-gpt3-small-8-again"],
+}
 """The same groups measured twice, judged as one measurement (mode_order.py --pool)."""
-MODE_PROFILES = ["results-modes-gpt3-small-4-profile.toml", "results-gpt3-small-4-accumulation-profile.toml",
-                 "results-modes-gpt3-small-8-profile.toml", "cpu", "results-modes-gpt3-small-4-copies-profile.toml",
-                 "results-gpt3-small-8-copies-profile.toml", "results-modes-gpt3-small-8-again-profile.toml"]
-FITTED_BEYOND_COPIES = {"results-modes-gpt3-small-4-copies-profile.toml", "results-gpt3-small-8-copies-profile.toml",
-                        "results-modes-gpt3-small-8-again-profile.toml"}
+MODE_PROFILES = [
+    "results-modes-gpt3-small-4-profile.toml",
+    "results-gpt3-small-4-accumulation-profile.toml",
+    "results-modes-gpt3-small-8-profile.toml",
+    "cpu",
+    "results-modes-gpt3-small-4-copies-profile.toml",
+    "results-gpt3-small-8-copies-profile.toml",
+    "results-modes-gpt3-small-8-again-profile.toml",
+]
+FITTED_BEYOND_COPIES = {
+    "results-modes-gpt3-small-4-copies-profile.toml",
+    "results-gpt3-small-8-copies-profile.toml",
+    "results-modes-gpt3-small-8-again-profile.toml",
+}
 """Profiles calibrated with the copies counted: used as they are, with no `before` (its comment says how)."""
-RUNS = gradient_sums.RUNS + ["gpt3-small-4-accumulation", "gpt3-small-4-calibrated", "gpt3-small-8-calibrated",
-                             "gpt3-medium-4-calibrated", "gpt3-medium-8-calibrated"]
+RUNS = gradient_sums.RUNS + [
+    "gpt3-small-4-accumulation",
+    "gpt3-small-4-calibrated",
+    "gpt3-small-8-calibrated",
+    "gpt3-medium-4-calibrated",
+    "gpt3-medium-8-calibrated",
+]
 COUNTED = step_time.wrapper_bytes
 
 
@@ -56,7 +72,8 @@ COUNTED = step_time.wrapper_bytes
 def copies_uncounted():
     """The model before: CPU ranks' copies not counted (a GPU's as they are)."""
     step_time.wrapper_bytes = lambda layout, dtype, cpu_ranks=False, root_share=0.0: (
-        (0.0, 0.0) if cpu_ranks else COUNTED(layout, dtype))
+        (0.0, 0.0) if cpu_ranks else COUNTED(layout, dtype)
+    )
     try:
         yield
     finally:
@@ -83,24 +100,30 @@ def refitted(hw: Hardware) -> Hardware:
     for mode in DP_MODES:
         layout = calibrate_modes.probe_layout(2, mode)
         one = dataclasses.replace(bare, **{f"{mode}_hooks_ns_per_param": 1.0})
-        per_ns = (step_time.step_time(probe, layout, seq, "fp32", one, 2).hooks
-                  - step_time.step_time(probe, layout, seq, "fp32", bare, 2).hooks)
+        per_ns = (
+            step_time.step_time(probe, layout, seq, "fp32", one, 2).hooks
+            - step_time.step_time(probe, layout, seq, "fp32", bare, 2).hooks
+        )
         with copies_uncounted():
             before = by_phase(req, layout)
         now = by_phase(req, layout)
         counted = now["forward_backward"] + now["sync"] - before["forward_backward"] - before["sync"]
         residual[mode] = (hw.hooks_ns(mode) * per_ns - counted, per_ns)
     floor = min(r for r, _ in residual.values())
-    return dataclasses.replace(hw, **{f"{m}_hooks_ns_per_param": (r - floor) / per_ns
-                                      for m, (r, per_ns) in residual.items()})
+    return dataclasses.replace(
+        hw, **{f"{m}_hooks_ns_per_param": (r - floor) / per_ns for m, (r, per_ns) in residual.items()}
+    )
 
 
 def modes_in_order(result: dict, hw: Hardware) -> tuple[int, int]:
     """(ordered pairs the profile predicts in order, ordered pairs) of a mode_order.py result."""
     predicted = mode_order.predicted_times(result, hw)
     pairs = [(g, p) for g in result["groups"] for p in g["pairs"] if p["ordered"]]
-    right = sum(predicted[(*g["degrees"], g["micro_batch"], p["faster"])]
-                < predicted[(*g["degrees"], g["micro_batch"], p["slower"])] for g, p in pairs)
+    right = sum(
+        predicted[(*g["degrees"], g["micro_batch"], p["faster"])]
+        < predicted[(*g["degrees"], g["micro_batch"], p["slower"])]
+        for g, p in pairs
+    )
     return right, len(pairs)
 
 
@@ -117,21 +140,25 @@ def before_and_now(name: str) -> tuple[Hardware, Hardware]:
 
 
 def main() -> None:
-    print("dp modes stepped in turn, ordered pairs in the predicted order, under the profiles "
-          + ", ".join(MODE_PROFILES))
+    print(
+        "dp modes stepped in turn, ordered pairs in the predicted order, under the profiles " + ", ".join(MODE_PROFILES)
+    )
     runs = {name: json.loads((HERE / f"results-{name}.json").read_text()) for name in MODE_RUNS}
     for name, parts in POOLED.items():
         runs[f"{name} pooled"] = mode_order.pooled([runs[p] for p in parts], load_hardware("cpu"))
     for name, result in runs.items():
         profiles = [before_and_now(p) for p in MODE_PROFILES]
         with copies_uncounted():
-            before = ["%d/%d" % modes_in_order(result, hw) if hw else "-" for hw, _ in profiles]
-        now = ["%d/%d" % modes_in_order(result, hw) for _, hw in profiles]
+            before = ["{}/{}".format(*modes_in_order(result, hw)) if hw else "-" for hw, _ in profiles]
+        now = ["{}/{}".format(*modes_in_order(result, hw)) for _, hw in profiles]
         print(f"{name}: before {' '.join(before)} | now {' '.join(now)}")
     for p in MODE_PROFILES:
         hw, new = before_and_now(p)
-        print(f"{p}: excess " + ", ".join(f"{m} {hw.hooks_ns(m) if hw else '-':.5} -> {new.hooks_ns(m):.3f}"
-                                          for m in DP_MODES) + " ns per parameter and collective")
+        print(
+            f"{p}: excess "
+            + ", ".join(f"{m} {hw.hooks_ns(m) if hw else '-':.5} -> {new.hooks_ns(m):.3f}" for m in DP_MODES)
+            + " ns per parameter and collective"
+        )
     print("planner runs: chosen/best screened, median error, groups, pairs (before | now)")
     for name, result, world, own in gradient_sums.committed(RUNS):
         with copies_uncounted():

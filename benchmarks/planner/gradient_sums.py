@@ -25,9 +25,17 @@ from elastic_trainer.plan import load_hardware  # noqa: E402
 from elastic_trainer.plan.layout import Layout  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-RUNS = ["gpt3-small-8-gloo", "gpt3-small-8-head-rate", "gpt3-small-8-microbatch", "gpt3-small-4-gloo",
-        "gpt3-small-4-microbatch", "gpt3-medium-4-microbatch", "gpt3-medium-8-microbatch", "bench-embedding",
-        "gpt-tiny-embedding"]
+RUNS = [
+    "gpt3-small-8-gloo",
+    "gpt3-small-8-head-rate",
+    "gpt3-small-8-microbatch",
+    "gpt3-small-4-gloo",
+    "gpt3-small-4-microbatch",
+    "gpt3-medium-4-microbatch",
+    "gpt3-medium-8-microbatch",
+    "bench-embedding",
+    "gpt-tiny-embedding",
+]
 SUMS = step_time.accumulation_bytes
 
 
@@ -40,8 +48,10 @@ def cell(result: dict, world: int, hw) -> str:
     """'chosen/best screened, median error, groups in order, pairs in order' of the run re-predicted with `hw`."""
     chosen, best, errors, orders = profiles.judged(result, world, profiles.repredicted(result, world, hw))
     pairs = [p for o in orders for p in o["apart"]]
-    return (f"{best / chosen['measured_s']:.3f} {errors['median_abs_error']:.1%} "
-            f"{sum(o['match'] for o in orders)}/{len(orders)} {sum(p['predicted'] for p in pairs)}/{len(pairs)}")
+    return (
+        f"{best / chosen['measured_s']:.3f} {errors['median_abs_error']:.1%} "
+        f"{sum(o['match'] for o in orders)}/{len(orders)} {sum(p['predicted'] for p in pairs)}/{len(pairs)}"
+    )
 
 
 def committed(names: list[str]):
@@ -63,8 +73,10 @@ def main(argv: list[str]) -> None:
         for label, charge in (("zero1 adds only", zero1_adds_only), ("sums", SUMS)):
             step_time.accumulation_bytes = charge
             try:
-                cells += [f"{label} {m}: {cell(result, world, dataclasses.replace(own, microbatch_ns_per_param=m))}"
-                          for m in per_param]
+                cells += [
+                    f"{label} {m}: {cell(result, world, dataclasses.replace(own, microbatch_ns_per_param=m))}"
+                    for m in per_param
+                ]
             finally:
                 step_time.accumulation_bytes = SUMS
         print(f"{name} {world}: " + " | ".join(cells), flush=True)

@@ -41,8 +41,10 @@ from elastic_trainer.plan.memory import stage_memories  # noqa: E402
 from elastic_trainer.train import Trainer  # noqa: E402
 
 GIB = 2**30
-NOTE = ("benchmarks/planner/heap.py: each rank's RssAnon in GiB before building (start), after building (built) and "
-        "after each step; kept_gib = the largest growth over start; planned_gib = plan/memory.py's live peak")
+NOTE = (
+    "benchmarks/planner/heap.py: each rank's RssAnon in GiB before building (start), after building (built) and "
+    "after each step; kept_gib = the largest growth over start; planned_gib = plan/memory.py's live peak"
+)
 
 
 def heap_steps(rank: int, world: int, model, cfg: TrainConfig, layout: Layout, tokens: np.ndarray) -> dict:
@@ -54,14 +56,19 @@ def heap_steps(rank: int, world: int, model, cfg: TrainConfig, layout: Layout, t
     for _ in range(cfg.steps):
         times.append(round(trainer.train_step()["step_time_s"], 3))
         after.append(round(kept_bytes() / GIB, 4))
-    return {"rank": rank, "stage": trainer.engine.coords.pp, "start": round(start, 4), "built": round(built, 4),
-            "after_step": after, "step_s": times}
+    return {
+        "rank": rank,
+        "stage": trainer.engine.coords.pp,
+        "start": round(start, 4),
+        "built": round(built, 4),
+        "after_step": after,
+        "step_s": times,
+    }
 
 
 def parse_layout(text: str) -> Layout:
     dp, tp, pp, mb, nmb, mode = text.split(",")
-    return Layout(dp=int(dp), tp=int(tp), pp=int(pp), micro_batch=int(mb), num_microbatches=int(nmb),
-                  dp_mode=mode)
+    return Layout(dp=int(dp), tp=int(tp), pp=int(pp), micro_batch=int(mb), num_microbatches=int(nmb), dp_mode=mode)
 
 
 def main(argv=None) -> dict:
@@ -79,14 +86,19 @@ def main(argv=None) -> dict:
     model, hw = load_model_config(args.model), load_hardware(args.hardware)
     layouts = [parse_layout(t) for t in args.layouts]
     if args.top:
-        req = Request(model, args.ranks, args.global_batch, args.seq_len, hw, args.ranks, dtype="fp32",
-                      recompute=(False,))
-        layouts += [c.layout for c in plan(req).candidates[:args.top]]
-    cfg = TrainConfig(global_batch=args.global_batch, seq_len=args.seq_len, steps=args.steps, seed=0, dtype="fp32",
-                      warmup_steps=1)
+        req = Request(
+            model, args.ranks, args.global_batch, args.seq_len, hw, args.ranks, dtype="fp32", recompute=(False,)
+        )
+        layouts += [c.layout for c in plan(req).candidates[: args.top]]
+    cfg = TrainConfig(
+        global_batch=args.global_batch, seq_len=args.seq_len, steps=args.steps, seed=0, dtype="fp32", warmup_steps=1
+    )
     tokens = np.random.default_rng(0).integers(0, model.vocab_size, 200_000, dtype=np.int64)
-    result = (json.loads(Path(args.out).read_text()) if args.out and Path(args.out).exists()
-              else {"note": NOTE, "layouts": []})
+    result = (
+        json.loads(Path(args.out).read_text())
+        if args.out and Path(args.out).exists()
+        else {"note": NOTE, "layouts": []}
+    )
     out = result["layouts"]
     for layout in layouts:
         planned = [m.total for m in stage_memories(model, layout, args.seq_len, "fp32")]
@@ -95,19 +107,35 @@ def main(argv=None) -> dict:
             ranks = run_ranks(heap_steps, layout.world_size, model, cfg, layout, tokens, timeout=1800)
         except RuntimeError as e:
             print(f"{layout.describe()}: FAILED {str(e).splitlines()[0]}", flush=True)
-            out.append({"model": args.model, "layout": layout.to_dict(), "steps": args.steps,
-                        "planned_gib": [round(p / GIB, 4) for p in planned], "failed": str(e).splitlines()[0]})
+            out.append(
+                {
+                    "model": args.model,
+                    "layout": layout.to_dict(),
+                    "steps": args.steps,
+                    "planned_gib": [round(p / GIB, 4) for p in planned],
+                    "failed": str(e).splitlines()[0],
+                }
+            )
             continue
         rows = []
         for r in ranks:
             grown = [a - r["start"] for a in r["after_step"]]
-            rows.append({**r, "planned_gib": round(planned[r["stage"]] / GIB, 4), "kept_gib": round(max(grown), 4),
-                         "base_gib": r["start"]})
+            rows.append(
+                {
+                    **r,
+                    "planned_gib": round(planned[r["stage"]] / GIB, 4),
+                    "kept_gib": round(max(grown), 4),
+                    "base_gib": r["start"],
+                }
+            )
         worst = max(rows, key=lambda r: r["kept_gib"] / r["planned_gib"])
-        print(f"{layout.describe()} ({time.perf_counter() - t0:.0f} s): per rank planned / kept GiB "
-              + ", ".join(f"s{r['stage']} {r['planned_gib']:.2f}/{r['kept_gib']:.2f}" for r in rows)
-              + f"; largest ratio {worst['kept_gib'] / worst['planned_gib']:.2f}; base {rows[0]['base_gib']:.2f}; "
-              f"steps {', '.join(f'{s:.1f}' for s in rows[0]['step_s'])} s", flush=True)
+        print(
+            f"{layout.describe()} ({time.perf_counter() - t0:.0f} s): per rank planned / kept GiB "
+            + ", ".join(f"s{r['stage']} {r['planned_gib']:.2f}/{r['kept_gib']:.2f}" for r in rows)
+            + f"; largest ratio {worst['kept_gib'] / worst['planned_gib']:.2f}; base {rows[0]['base_gib']:.2f}; "
+            f"steps {', '.join(f'{s:.1f}' for s in rows[0]['step_s'])} s",
+            flush=True,
+        )
         out.append({"model": args.model, "layout": layout.to_dict(), "steps": args.steps, "ranks": rows})
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1))

@@ -22,8 +22,15 @@ from elastic_trainer.config import load_model_config  # noqa: E402
 from elastic_trainer.plan import Request, load_hardware, plan  # noqa: E402
 from elastic_trainer.plan.candidates import evaluate  # noqa: E402
 
-WRONG = (("intra_host_gbs", 20), ("inter_host_gbs", 20), ("inter_host_gbs", 0.1), ("tflops", 2.0), ("tflops", 0.5),
-         ("overlap", 0.0), ("half_rate_tokens", 5))
+WRONG = (
+    ("intra_host_gbs", 20),
+    ("inter_host_gbs", 20),
+    ("inter_host_gbs", 0.1),
+    ("tflops", 2.0),
+    ("tflops", 0.5),
+    ("overlap", 0.0),
+    ("half_rate_tokens", 5),
+)
 
 
 def main() -> None:

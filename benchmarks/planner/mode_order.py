@@ -38,9 +38,8 @@ if __name__ == "__main__":  # measured as run.py measures: glibc keeping freed m
     restart_keeping_freed_memory()
 
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
 import run as bench  # noqa: E402  (this folder's run.py)
+import torch  # noqa: E402
 
 from elastic_trainer.config import ConfigError, ModelConfig, TrainConfig, load_model_config  # noqa: E402
 from elastic_trainer.parallel import build_mesh  # noqa: E402
@@ -73,12 +72,14 @@ def cycle_order(modes: int, cycle: int) -> list[int]:
     return list(range(shift, modes)) + list(range(shift))
 
 
-def interleaved_steps(rank: int, world: int, model, cfg: TrainConfig, layouts: list, tokens: np.ndarray,
-                      warmup: int, cycles: int) -> list[list[float]]:
+def interleaved_steps(
+    rank: int, world: int, model, cfg: TrainConfig, layouts: list, tokens: np.ndarray, warmup: int, cycles: int
+) -> list[list[float]]:
     """On one rank: a trainer per layout, `warmup` unmeasured steps of each, then `cycles` cycles of one step of
     each; the step times by layout."""
-    trainers = [Trainer(model, cfg, layout, build_mesh(layout, "cpu"), torch.device("cpu"), tokens=tokens)
-                for layout in layouts]
+    trainers = [
+        Trainer(model, cfg, layout, build_mesh(layout, "cpu"), torch.device("cpu"), tokens=tokens) for layout in layouts
+    ]
     for trainer in trainers:
         for _ in range(warmup):
             trainer.train_step()
@@ -87,17 +88,27 @@ def interleaved_steps(rank: int, world: int, model, cfg: TrainConfig, layouts: l
         for i in cycle_order(len(layouts), cycle):
             times[i].append(trainers[i].train_step()["step_time_s"])
         if rank == 0:  # progress: rank 0's own times (the result takes each step's slowest rank)
-            print(f"[modes]   cycle {cycle + 1}/{cycles}: " + ", ".join(
-                f"{layout.dp_mode} {t[-1]:.3f} s" for layout, t in zip(layouts, times)), flush=True)
+            print(
+                f"[modes]   cycle {cycle + 1}/{cycles}: "
+                + ", ".join(f"{layout.dp_mode} {t[-1]:.3f} s" for layout, t in zip(layouts, times)),
+                flush=True,
+            )
     return times
 
 
 def measure_group(model, args, layouts: list, tokens: np.ndarray) -> list[list[float]]:
     """The group's step times by layout: each step the slowest rank's."""
-    cfg = TrainConfig(global_batch=args.global_batch, seq_len=args.seq_len, steps=args.warmup + args.cycles,
-                      seed=0, dtype="fp32", warmup_steps=1)
-    per_rank = run_ranks(interleaved_steps, layouts[0].world_size, model, cfg, layouts, tokens, args.warmup,
-                         args.cycles, timeout=7200)
+    cfg = TrainConfig(
+        global_batch=args.global_batch,
+        seq_len=args.seq_len,
+        steps=args.warmup + args.cycles,
+        seed=0,
+        dtype="fp32",
+        warmup_steps=1,
+    )
+    per_rank = run_ranks(
+        interleaved_steps, layouts[0].world_size, model, cfg, layouts, tokens, args.warmup, args.cycles, timeout=7200
+    )
     return [[max(r[i][c] for r in per_rank) for c in range(args.cycles)] for i in range(len(layouts))]
 
 
@@ -109,10 +120,16 @@ def judge_pair(a: str, b: str, steps: dict[str, list[float]], predicted_s: dict[
     ratio = float(np.exp(np.mean(logs)))  # a over b, geometric mean over cycles
     faster, slower = (a, b) if ratio < 1 else (b, a)
     ordered = p < SIGNIFICANCE
-    return {"faster": faster, "slower": slower, "ratio": round(max(ratio, 1 / ratio), 4),
-            "faster_in_cycles": sum((x < 0) == (ratio < 1) for x in logs), "cycles": len(logs), "p": round(p, 4),
-            "ordered": ordered,
-            "predicted": (predicted_s[faster] < predicted_s[slower]) if ordered else None}
+    return {
+        "faster": faster,
+        "slower": slower,
+        "ratio": round(max(ratio, 1 / ratio), 4),
+        "faster_in_cycles": sum((x < 0) == (ratio < 1) for x in logs),
+        "cycles": len(logs),
+        "p": round(p, 4),
+        "ordered": ordered,
+        "predicted": (predicted_s[faster] < predicted_s[slower]) if ordered else None,
+    }
 
 
 def judge_group(steps: dict[str, list[float]], predicted_s: dict[str, float]) -> list[dict]:
@@ -120,22 +137,29 @@ def judge_group(steps: dict[str, list[float]], predicted_s: dict[str, float]) ->
     return [judge_pair(a, b, steps, predicted_s) for a, b in itertools.combinations(sorted(steps), 2)]
 
 
-def group_result(degrees: list[int], micro_batch: int, steps: dict[str, list[float]],
-                 predicted_s: dict[str, float]) -> dict:
+def group_result(
+    degrees: list[int], micro_batch: int, steps: dict[str, list[float]], predicted_s: dict[str, float]
+) -> dict:
     """A group's entry in a result: each mode's steps and their median, the predicted order, the judged pairs."""
-    return {"degrees": degrees, "micro_batch": micro_batch,
-            "predicted": sorted(predicted_s, key=predicted_s.get), "predicted_s": predicted_s,
-            "steps_s": {m: [round(s, 4) for s in t] for m, t in steps.items()},
-            "median_s": {m: round(float(np.median(t)), 4) for m, t in steps.items()},
-            "pairs": judge_group(steps, predicted_s)}
+    return {
+        "degrees": degrees,
+        "micro_batch": micro_batch,
+        "predicted": sorted(predicted_s, key=predicted_s.get),
+        "predicted_s": predicted_s,
+        "steps_s": {m: [round(s, 4) for s in t] for m, t in steps.items()},
+        "median_s": {m: round(float(np.median(t)), 4) for m, t in steps.items()},
+        "pairs": judge_group(steps, predicted_s),
+    }
 
 
 def counts(groups: list[dict]) -> str:
     """'K of N ordered pairs in the predicted order (T of M pairs a tie ...)'."""
     pairs = [p for g in groups for p in g["pairs"]]
     ordered = [p for p in pairs if p["ordered"]]
-    return (f"{sum(p['predicted'] for p in ordered)} of {len(ordered)} ordered pairs in the predicted order "
-            f"({len(pairs) - len(ordered)} of {len(pairs)} pairs a tie at p >= {SIGNIFICANCE})")
+    return (
+        f"{sum(p['predicted'] for p in ordered)} of {len(ordered)} ordered pairs in the predicted order "
+        f"({len(pairs) - len(ordered)} of {len(pairs)} pairs a tie at p >= {SIGNIFICANCE})"
+    )
 
 
 SHAPE = ("model", "ranks", "global_batch", "seq_len")
@@ -151,18 +175,30 @@ def result_model(result: dict, model_file: str | None = None) -> ModelConfig:
             raise
         model = load_model_config(model_file)
         if model.name != result["model"]:
-            raise ConfigError(f"the runs' model {result['model']!r} is no preset and --model {model_file} is "
-                              f"{model.name!r}: give the model file the runs used as --model") from None
+            raise ConfigError(
+                f"the runs' model {result['model']!r} is no preset and --model {model_file} is "
+                f"{model.name!r}: give the model file the runs used as --model"
+            ) from None
         return model
 
 
 def predicted_times(result: dict, hw, model_file: str | None = None) -> dict[tuple, float]:
     """The step time `hw` predicts for each layout of a result's plan, by (dp, tp, pp, micro_batch, dp_mode)."""
     model = result_model(result, model_file)
-    req = Request(model, result["ranks"], result["global_batch"], result["seq_len"], hw, result["ranks"],
-                  dtype="fp32", recompute=(False,))
-    return {(c.layout.dp, c.layout.tp, c.layout.pp, c.layout.micro_batch, c.layout.dp_mode): c.time.total
-            for c in plan(req).candidates}
+    req = Request(
+        model,
+        result["ranks"],
+        result["global_batch"],
+        result["seq_len"],
+        hw,
+        result["ranks"],
+        dtype="fp32",
+        recompute=(False,),
+    )
+    return {
+        (c.layout.dp, c.layout.tp, c.layout.pp, c.layout.micro_batch, c.layout.dp_mode): c.time.total
+        for c in plan(req).candidates
+    }
 
 
 def group_key(group: dict) -> tuple:
@@ -177,10 +213,18 @@ def pooled(results: list[dict], hw, model_file: str | None = None, sources: list
     keys = sorted(group_key(g) for g in first["groups"])
     for r in results[1:]:
         if any(r[k] != first[k] for k in SHAPE) or sorted(group_key(g) for g in r["groups"]) != keys:
-            raise ValueError("cannot pool runs of different groups: " + "; ".join(
-                ", ".join(f"{k} {x[k]}" for k in SHAPE) + ", groups " + " ".join(
-                    "%s micro %d (%s)" % (",".join(map(str, d)), mb, "/".join(m)) for d, mb, m in sorted(
-                        group_key(g) for g in x["groups"])) for x in (first, r)))
+            raise ValueError(
+                "cannot pool runs of different groups: "
+                + "; ".join(
+                    ", ".join(f"{k} {x[k]}" for k in SHAPE)
+                    + ", groups "
+                    + " ".join(
+                        f"{','.join(map(str, d))} micro {mb} ({'/'.join(m)})"
+                        for d, mb, m in sorted(group_key(g) for g in x["groups"])
+                    )
+                    for x in (first, r)
+                )
+            )
     predicted = predicted_times(first, hw, model_file)
     by_key = [{group_key(g): g for g in r["groups"]} for r in results]
     groups = []
@@ -189,13 +233,21 @@ def pooled(results: list[dict], hw, model_file: str | None = None, sources: list
         layouts = {m: (*parts[0]["degrees"], parts[0]["micro_batch"], m) for m in steps}
         missing = [m for m, layout in layouts.items() if layout not in predicted]
         if missing:
-            raise ValueError(f"profile {hw.name} plans no {' or '.join(missing)} at degrees "
-                             f"{parts[0]['degrees']} micro {parts[0]['micro_batch']}: cannot predict the group")
+            raise ValueError(
+                f"profile {hw.name} plans no {' or '.join(missing)} at degrees "
+                f"{parts[0]['degrees']} micro {parts[0]['micro_batch']}: cannot predict the group"
+            )
         predicted_s = {m: round(predicted[layout], 4) for m, layout in layouts.items()}
         groups.append(group_result(parts[0]["degrees"], parts[0]["micro_batch"], steps, predicted_s))
-    return {**{k: first[k] for k in SHAPE}, "hardware": hw.name, "pooled": sources or len(results),
-            "cycles": sum(r["cycles"] for r in results), "significance": SIGNIFICANCE,
-            "summary": counts(groups), "groups": groups}
+    return {
+        **{k: first[k] for k in SHAPE},
+        "hardware": hw.name,
+        "pooled": sources or len(results),
+        "cycles": sum(r["cycles"] for r in results),
+        "significance": SIGNIFICANCE,
+        "summary": counts(groups),
+        "groups": groups,
+    }
 
 
 def parse_args(argv=None):
@@ -210,8 +262,13 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps per mode before the cycles")
     p.add_argument("--degrees", help="only the groups of these degrees, DP,TP,PP (default: every group)")
     p.add_argument("--out", help="prefix of the .json written (default: results-modes here; with --pool, none)")
-    p.add_argument("--pool", nargs="+", metavar="RESULT", help="results of the same groups (.json this script "
-                   "wrote) judged as one measurement under --hardware; nothing is measured")
+    p.add_argument(
+        "--pool",
+        nargs="+",
+        metavar="RESULT",
+        help="results of the same groups (.json this script "
+        "wrote) judged as one measurement under --hardware; nothing is measured",
+    )
     args = p.parse_args(argv)
     if args.pool:
         return pool_args(p, args)
@@ -245,11 +302,16 @@ def pool_args(p: argparse.ArgumentParser, args):
             result = json.loads(Path(name).read_text())
         except (OSError, ValueError) as e:
             p.error(f"--pool {name}: {e}")
-        if not (isinstance(result, dict) and {*SHAPE, "cycles", "groups"} <= set(result)
-                and isinstance(result["groups"], list) and all(
-                    isinstance(g, dict) and {"degrees", "micro_batch", "steps_s"} <= set(g) for g in result["groups"])):
-            p.error(f"--pool {name}: not a finished mode_order.py result (needs {', '.join(SHAPE)}, cycles, and "
-                    "groups with degrees, micro_batch and steps_s)")
+        if not (
+            isinstance(result, dict)
+            and {*SHAPE, "cycles", "groups"} <= set(result)
+            and isinstance(result["groups"], list)
+            and all(isinstance(g, dict) and {"degrees", "micro_batch", "steps_s"} <= set(g) for g in result["groups"])
+        ):
+            p.error(
+                f"--pool {name}: not a finished mode_order.py result (needs {', '.join(SHAPE)}, cycles, and "
+                "groups with degrees, micro_batch and steps_s)"
+            )
         args.results.append(result)
     args.model_file = args.model  # used only where the runs' model is no preset (the default: the bench model)
     try:
@@ -263,13 +325,24 @@ def pool_args(p: argparse.ArgumentParser, args):
 def report(groups: list[dict]) -> None:
     """Each group's medians and its pairs' verdicts."""
     for g in groups:
-        print(f"[modes] {g['degrees']} micro {g['micro_batch']}: medians "
-              + ", ".join(f"{m} {t:.3f} s" for m, t in g["median_s"].items()), flush=True)
+        print(
+            f"[modes] {g['degrees']} micro {g['micro_batch']}: medians "
+            + ", ".join(f"{m} {t:.3f} s" for m, t in g["median_s"].items()),
+            flush=True,
+        )
         for p in g["pairs"]:
-            verdict = ("a tie" if not p["ordered"] else
-                       "in the predicted order" if p["predicted"] else "NOT in the predicted order")
-            print(f"[modes]     {p['faster']} ahead of {p['slower']} by {p['ratio'] - 1:.1%}, in "
-                  f"{p['faster_in_cycles']} of {p['cycles']} cycles (p {p['p']:.4f}): {verdict}", flush=True)
+            verdict = (
+                "a tie"
+                if not p["ordered"]
+                else "in the predicted order"
+                if p["predicted"]
+                else "NOT in the predicted order"
+            )
+            print(
+                f"[modes]     {p['faster']} ahead of {p['slower']} by {p['ratio'] - 1:.1%}, in "
+                f"{p['faster_in_cycles']} of {p['cycles']} cycles (p {p['p']:.4f}): {verdict}",
+                flush=True,
+            )
 
 
 def main(argv=None) -> dict:
@@ -279,12 +352,15 @@ def main(argv=None) -> dict:
             result = pooled(args.results, load_hardware(args.hardware), args.model_file, args.pool)
         except ValueError as e:
             print(f"mode_order.py: error: {e}", file=sys.stderr)
-            raise SystemExit(2)
+            raise SystemExit(2) from None
         report(result["groups"])
         if args.out:
             Path(args.out + ".json").write_text(json.dumps(result, indent=1) + "\n")
-        print(f"[modes] {len(args.pool)} runs pooled, {result['cycles']} cycles per group, profile "
-              f"{result['hardware']}: {result['summary']}", flush=True)
+        print(
+            f"[modes] {len(args.pool)} runs pooled, {result['cycles']} cycles per group, profile "
+            f"{result['hardware']}: {result['summary']}",
+            flush=True,
+        )
         return result
     hardware = bench.calibrated(args) if args.calibrate else args.hardware
     model, hw = load_model_config(args.model), load_hardware(hardware)
@@ -296,11 +372,17 @@ def main(argv=None) -> dict:
     groups = [g for g in every if args.wanted in (None, [g[0]["dp"], g[0]["tp"], g[0]["pp"]])]
     if not groups:
         found = sorted({",".join(str(r[k]) for k in ("dp", "tp", "pp")) for g in every for r in g[:1]})
-        print(f"mode_order.py: error: no group of dp modes at degrees {args.degrees} in this plan (groups at: "
-              f"{' '.join(found) or 'none'}); nothing measured", file=sys.stderr)
+        print(
+            f"mode_order.py: error: no group of dp modes at degrees {args.degrees} in this plan (groups at: "
+            f"{' '.join(found) or 'none'}); nothing measured",
+            file=sys.stderr,
+        )
         raise SystemExit(2)
-    print(f"[modes] {model.name}, {args.ranks} ranks, profile {hw.name}: {len(groups)} groups of dp modes, "
-          f"{args.warmup} warm-up steps and {args.cycles} cycles each", flush=True)
+    print(
+        f"[modes] {model.name}, {args.ranks} ranks, profile {hw.name}: {len(groups)} groups of dp modes, "
+        f"{args.warmup} warm-up steps and {args.cycles} cycles each",
+        flush=True,
+    )
     t0, out = time.perf_counter(), []
     for g in groups:
         t1 = time.perf_counter()
@@ -311,10 +393,21 @@ def main(argv=None) -> dict:
         print(f"[modes] group measured in {time.perf_counter() - t1:.0f} s wall", flush=True)
         report(out[-1:])
         Path(args.out + ".json").write_text(json.dumps({"groups": out}, indent=1) + "\n")  # progress kept
-    result = {"model": model.name, "ranks": args.ranks, "global_batch": args.global_batch, "seq_len": args.seq_len,
-              "hardware": hw.name, "calibrated": hardware if args.calibrate else None, "cycles": args.cycles,
-              "warmup": args.warmup, "significance": SIGNIFICANCE, "torch": torch.__version__,
-              "wall_s": round(time.perf_counter() - t0, 1), "summary": counts(out), "groups": out}
+    result = {
+        "model": model.name,
+        "ranks": args.ranks,
+        "global_batch": args.global_batch,
+        "seq_len": args.seq_len,
+        "hardware": hw.name,
+        "calibrated": hardware if args.calibrate else None,
+        "cycles": args.cycles,
+        "warmup": args.warmup,
+        "significance": SIGNIFICANCE,
+        "torch": torch.__version__,
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "summary": counts(out),
+        "groups": out,
+    }
     Path(args.out + ".json").write_text(json.dumps(result, indent=1) + "\n")
     print(f"[modes] {result['summary']} ({result['wall_s']:.0f} s)", flush=True)
     return result

@@ -19,8 +19,8 @@ import run as bench  # noqa: E402  (this folder's run.py)
 
 from elastic_trainer.config import load_model_config  # noqa: E402
 from elastic_trainer.plan import Request, load_hardware  # noqa: E402
-from elastic_trainer.plan.hardware import Hardware  # noqa: E402
 from elastic_trainer.plan.candidates import evaluate  # noqa: E402
+from elastic_trainer.plan.hardware import Hardware  # noqa: E402
 from elastic_trainer.plan.layout import Layout  # noqa: E402
 
 
@@ -46,8 +46,12 @@ def judged(result: dict, world: int, rows: list[dict]) -> tuple[dict, float, dic
     """Re-predicted rows judged as run.py judges a run: (the layout they would choose, the best screened
     seconds, the prediction errors, the dp modes' orders: by the run's mode rounds where it had them)."""
     summary = next((s for s in result.get("summary", []) if s.get("ranks") == world), None)
-    return (min(rows, key=lambda r: r["predicted_s"]), min(r["measured_s"] for r in rows),
-            bench.prediction_errors(rows), bench.mode_orders(rows, bench.remeasured_in(summary) if summary else None))
+    return (
+        min(rows, key=lambda r: r["predicted_s"]),
+        min(r["measured_s"] for r in rows),
+        bench.prediction_errors(rows),
+        bench.mode_orders(rows, bench.remeasured_in(summary) if summary else None),
+    )
 
 
 def main(argv: list[str]) -> None:
@@ -56,15 +60,20 @@ def main(argv: list[str]) -> None:
         for profile in argv[1:]:
             rows = repredicted(result, world, profile)
             chosen, best, errors, orders = judged(result, world, rows)
-            print(f"{world} ranks, {profile}: Spearman {bench.spearman([r['predicted_s'] for r in rows], [r['measured_s'] for r in rows]):.3f}"
-                  f" over {len(rows)} layouts, error median {errors['median_abs_error']:.1%} (largest "
-                  f"{errors['max_abs_error']:.1%}), dp modes in the measured order at {bench.order_counts(orders)}"
-                  f"; would choose dp{chosen['dp']} tp{chosen['tp']} pp{chosen['pp']} micro "
-                  f"{chosen['micro_batch']} {chosen['dp_mode']} (screened {chosen['measured_s']:.2f} s; best "
-                  f"screened {best:.2f} s: {best / chosen['measured_s']:.3f})")
+            print(
+                f"{world} ranks, {profile}: Spearman "
+                f"{bench.spearman([r['predicted_s'] for r in rows], [r['measured_s'] for r in rows]):.3f}"
+                f" over {len(rows)} layouts, error median {errors['median_abs_error']:.1%} (largest "
+                f"{errors['max_abs_error']:.1%}), dp modes in the measured order at {bench.order_counts(orders)}"
+                f"; would choose dp{chosen['dp']} tp{chosen['tp']} pp{chosen['pp']} micro "
+                f"{chosen['micro_batch']} {chosen['dp_mode']} (screened {chosen['measured_s']:.2f} s; best "
+                f"screened {best:.2f} s: {best / chosen['measured_s']:.3f})"
+            )
             for o in orders:
-                print(f"    {o['degrees']} micro {o['micro_batch']}: predicted {' < '.join(o['predicted'])}, "
-                      f"measured {' < '.join(o['measured'])}")
+                print(
+                    f"    {o['degrees']} micro {o['micro_batch']}: predicted {' < '.join(o['predicted'])}, "
+                    f"measured {' < '.join(o['measured'])}"
+                )
 
 
 if __name__ == "__main__":

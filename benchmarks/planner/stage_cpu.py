@@ -28,7 +28,6 @@ if __name__ == "__main__":  # measured with the allocator the trainer's CPU rank
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-
 from heap import parse_layout  # noqa: E402  (this folder's heap.py)
 
 from elastic_trainer.config import TrainConfig, load_model_config  # noqa: E402
@@ -61,8 +60,9 @@ def modelled(model, layout: Layout, seq_len: int, hw) -> tuple[float, list[float
     """(predicted step seconds, the model's core-seconds per step of a rank of each stage)."""
     t = step_time(model, layout, seq_len, "fp32", hw, layout.world_size)
     shard = layout.dp if layout.dp_mode in ("fsdp", "zero1") else 1
-    optimizer = [stage_numel(model, layout, s) / shard * hw.optimizer_ns(layout.dp_mode) * 1e-9
-                 for s in range(layout.pp)]
+    optimizer = [
+        stage_numel(model, layout, s) / shard * hw.optimizer_ns(layout.dp_mode) * 1e-9 for s in range(layout.pp)
+    ]
     return t.total, [s.compute * layout.num_microbatches + o for s, o in zip(t.stages, optimizer)]
 
 
@@ -77,21 +77,39 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--out", help="JSON file of the results")
     args = p.parse_args(argv)
     model, hw = load_model_config(args.model), load_hardware(args.hardware)
-    cfg = TrainConfig(global_batch=args.global_batch, seq_len=args.seq_len, steps=args.steps, seed=0, dtype="fp32",
-                      warmup_steps=1)
+    cfg = TrainConfig(
+        global_batch=args.global_batch, seq_len=args.seq_len, steps=args.steps, seed=0, dtype="fp32", warmup_steps=1
+    )
     tokens = np.random.default_rng(0).integers(0, model.vocab_size, 200_000, dtype=np.int64)
     out = []
     for layout in map(parse_layout, args.layouts):
         predicted, per_stage = modelled(model, layout, args.seq_len, hw)
         ranks = run_ranks(cpu_steps, layout.world_size, model, cfg, layout, tokens, timeout=1800)
         wall = statistics.median(max(r["wall_s"][i] for r in ranks) for i in range(1, cfg.steps))
-        rows = [{"rank": r["rank"], "stage": r["stage"], "cpu_s": round(statistics.median(r["cpu_s"][1:]), 3),
-                 "model_core_s": round(per_stage[r["stage"]], 3)} for r in ranks]
-        print(f"{args.model} {layout.describe()}: wall {wall:.2f} s (predicted {predicted:.2f}); CPU s per step of "
-              f"each rank (stage: measured / modelled): "
-              + ", ".join(f"s{r['stage']} {r['cpu_s']:.2f}/{r['model_core_s']:.2f}" for r in rows), flush=True)
-        out.append({"model": args.model, "layout": layout.to_dict(), "wall_s": round(wall, 3),
-                    "predicted_s": round(predicted, 3), "ranks": rows})
+        rows = [
+            {
+                "rank": r["rank"],
+                "stage": r["stage"],
+                "cpu_s": round(statistics.median(r["cpu_s"][1:]), 3),
+                "model_core_s": round(per_stage[r["stage"]], 3),
+            }
+            for r in ranks
+        ]
+        print(
+            f"{args.model} {layout.describe()}: wall {wall:.2f} s (predicted {predicted:.2f}); CPU s per step of "
+            f"each rank (stage: measured / modelled): "
+            + ", ".join(f"s{r['stage']} {r['cpu_s']:.2f}/{r['model_core_s']:.2f}" for r in rows),
+            flush=True,
+        )
+        out.append(
+            {
+                "model": args.model,
+                "layout": layout.to_dict(),
+                "wall_s": round(wall, 3),
+                "predicted_s": round(predicted, 3),
+                "ranks": rows,
+            }
+        )
     if args.out:
         Path(args.out).write_text(json.dumps({"hardware": hw.name, "steps": args.steps, "layouts": out}, indent=1))
     return out

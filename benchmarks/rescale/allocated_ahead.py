@@ -43,7 +43,7 @@ def _bench():
 
 
 def write_job(rank, world, model, folder, shm, tokens, mode):
-    from elastic_trainer.checkpoint import Checkpointer, CheckpointConfig, memory, spare
+    from elastic_trainer.checkpoint import CheckpointConfig, Checkpointer, memory, spare
     from elastic_trainer.plan.layout import Layout
     from elastic_trainer.train import heap
 
@@ -83,7 +83,7 @@ def main(argv=None) -> None:
     tokens = bench.tokens_for(load_model_config(args.model), 128)
     runs = {m: [] for m in MODES}
     for r in range(args.rounds):
-        for mode in (MODES if r % 2 == 0 else MODES[::-1]):
+        for mode in MODES if r % 2 == 0 else MODES[::-1]:
             folder, shm = Path(args.dir) / f"{r}-{mode}", f"/dev/shm/elastic-trainer-allocated-ahead-{os.getpid()}"
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir(parents=True)
@@ -92,22 +92,35 @@ def main(argv=None) -> None:
             finally:
                 shutil.rmtree(shm, ignore_errors=True)
                 shutil.rmtree(folder, ignore_errors=True)
-            runs[mode].append({"write_s": max(g["write_s"] for g in got),
-                               "prepare_s": max(g["prepare_s"] for g in got), "bytes": got[0]["bytes"]})
-            print(f"[round {r + 1}] {mode:9s} write {runs[mode][-1]['write_s']:.2f} s "
-                  f"(prepared in {runs[mode][-1]['prepare_s']:.2f} s)", flush=True)
+            runs[mode].append(
+                {
+                    "write_s": max(g["write_s"] for g in got),
+                    "prepare_s": max(g["prepare_s"] for g in got),
+                    "bytes": got[0]["bytes"],
+                }
+            )
+            print(
+                f"[round {r + 1}] {mode:9s} write {runs[mode][-1]['write_s']:.2f} s "
+                f"(prepared in {runs[mode][-1]['prepare_s']:.2f} s)",
+                flush=True,
+            )
     new = statistics.median(x["write_s"] for x in runs["new"])
-    print(f"\n{args.model}'s state, {runs['new'][0]['bytes'] / 1e9:.2f} GB from {args.ranks} ranks into /dev/shm, "
-          f"{args.rounds} rounds (medians):")
+    print(
+        f"\n{args.model}'s state, {runs['new'][0]['bytes'] / 1e9:.2f} GB from {args.ranks} ranks into /dev/shm, "
+        f"{args.rounds} rounds (medians):"
+    )
     summary = {}
     for mode in MODES:
         write = statistics.median(x["write_s"] for x in runs[mode])
         prepare = statistics.median(x["prepare_s"] for x in runs[mode])
         summary[mode] = {"write_s": write, "prepare_s": prepare, "ratio_new": new / write}
-        print(f"  {mode:9s} write {write:6.2f} s   ratio new/{mode} {new / write:5.2f}   prepared ahead in "
-              f"{prepare:5.2f} s   runs " + ", ".join(f"{x['write_s']:.2f}" for x in runs[mode]))
-    Path(args.out).write_text(json.dumps({"model": args.model, "ranks": args.ranks, "rounds": runs,
-                                          "summary": summary}, indent=1) + "\n")
+        print(
+            f"  {mode:9s} write {write:6.2f} s   ratio new/{mode} {new / write:5.2f}   prepared ahead in "
+            f"{prepare:5.2f} s   runs " + ", ".join(f"{x['write_s']:.2f}" for x in runs[mode])
+        )
+    Path(args.out).write_text(
+        json.dumps({"model": args.model, "ranks": args.ranks, "rounds": runs, "summary": summary}, indent=1) + "\n"
+    )
     print(f"wrote {args.out}")
 
 

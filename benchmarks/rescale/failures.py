@@ -72,10 +72,33 @@ def trial(folder: Path, kind: str, data_cache: str) -> dict:
     folder.mkdir(parents=True)
     (folder / "hosts.txt").write_text("127.0.0.1 slots=2\n127.0.0.2 slots=2\n")
     run_dir = folder / "run"
-    cmd = [sys.executable, "-m", "elastic_trainer.cli", "launch", "--hosts", str(folder / "hosts.txt"), "--run-dir",
-           str(run_dir), "--schedule", "none", *EXTRA, "--", "--steps", "400", "--save-every", "1", "--data-cache", data_cache]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "elastic_trainer.cli",
+        "launch",
+        "--hosts",
+        str(folder / "hosts.txt"),
+        "--run-dir",
+        str(run_dir),
+        "--schedule",
+        "none",
+        *EXTRA,
+        "--",
+        "--steps",
+        "400",
+        "--save-every",
+        "1",
+        "--data-cache",
+        data_cache,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
+    )
     try:
         metrics = run_dir / "metrics.jsonl"
         wait(lambda: any(r["step"] >= 6 for r in read_jsonl(metrics)), proc)
@@ -84,8 +107,17 @@ def trial(folder: Path, kind: str, data_cache: str) -> dict:
         killed = time.time()
         os.kill(victim, signal.SIGKILL)
         world = 4 if kind == "worker" else 2
-        first = wait(lambda: next((r for r in read_jsonl(metrics) if r["time"] > killed and r["world_size"] == world
-                                   and r["time"] - r["step_time_s"] > killed), None), proc)
+        first = wait(
+            lambda: next(
+                (
+                    r
+                    for r in read_jsonl(metrics)
+                    if r["time"] > killed and r["world_size"] == world and r["time"] - r["step_time_s"] > killed
+                ),
+                None,
+            ),
+            proc,
+        )
         (run_dir / "stop").touch()
         proc.communicate(timeout=300)
     finally:
@@ -97,13 +129,19 @@ def trial(folder: Path, kind: str, data_cache: str) -> dict:
         return pick(times) if times else None
 
     marks = [killed, at("workers_restarting"), at("rendezvous_done", max), at("processes_up"), at("state_loaded")]
-    stages = {name: (b - a if a is not None and b is not None else None)
-              for name, a, b in zip(STAGES, marks, marks[1:])}
+    stages = {
+        name: (b - a if a is not None and b is not None else None) for name, a, b in zip(STAGES, marks, marks[1:])
+    }
     loaded = next((e for e in events if e["event"] == "state_loaded"), {})
     before = max(r["step"] for r in read_jsonl(metrics) if r["time"] <= killed)
-    return {"kind": kind, "recovery_s": first["time"] - first["step_time_s"] - killed, **stages,
-            "load_s": (loaded.get("load") or {}).get("total_s"), "first_step_s": first["step_time_s"],
-            "redone": before - first["step"] + 1}
+    return {
+        "kind": kind,
+        "recovery_s": first["time"] - first["step_time_s"] - killed,
+        **stages,
+        "load_s": (loaded.get("load") or {}).get("total_s"),
+        "first_step_s": first["step_time_s"],
+        "redone": before - first["step"] + 1,
+    }
 
 
 def median(rows: list[dict], key: str) -> float | None:

@@ -33,8 +33,16 @@ from elastic_trainer.checkpoint import raw  # noqa: E402
 
 def rank_state() -> dict[str, torch.Tensor]:
     g, state = torch.Generator().manual_seed(0), {}
-    shapes = [("qkv", (1152, 768)), ("proj", (384, 768)), ("fc", (1536, 768)), ("fc2", (384, 3072)),
-              ("ln1", (768,)), ("ln2", (768,)), ("b1", (1536,)), ("b2", (384,))]
+    shapes = [
+        ("qkv", (1152, 768)),
+        ("proj", (384, 768)),
+        ("fc", (1536, 768)),
+        ("fc2", (384, 3072)),
+        ("ln1", (768,)),
+        ("ln2", (768,)),
+        ("b1", (1536,)),
+        ("b2", (384,)),
+    ]
     for i in range(12):
         for name, shape in shapes:
             for kind in ("w", "m", "v"):
@@ -61,8 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     root = Path(tempfile.mkdtemp(prefix="file-format-", dir="/dev/shm"))
     folders = {"dcp": root / "dcp", "raw": root / "raw"}
-    writers = {"dcp": lambda: FileSystemWriter(str(folders["dcp"]), sync_files=False),
-               "raw": lambda: raw.Writer(folders["raw"])}
+    writers = {
+        "dcp": lambda: FileSystemWriter(str(folders["dcp"]), sync_files=False),
+        "raw": lambda: raw.Writer(folders["raw"]),
+    }
     readers = {"dcp": FileSystemReader, "raw": raw.Reader}
 
     def fresh(path: Path):
@@ -78,16 +88,22 @@ def main(argv: list[str] | None = None) -> int:
 
     ok = True
     try:
-        print(f"[file-format] {len(state)} tensors, {nbytes / 1e9:.2f} GB, torch {torch.__version__}, "
-              f"{os.cpu_count()} CPUs")
+        print(
+            f"[file-format] {len(state)} tensors, {nbytes / 1e9:.2f} GB, torch {torch.__version__}, "
+            f"{os.cpu_count()} CPUs"
+        )
         for name in ("dcp", "raw"):
-            row(f"write {name}", best(lambda: dcp.save(state, storage_writer=writers[name](), no_dist=True),
-                                      fresh(folders[name])))
+            row(
+                f"write {name}",
+                best(lambda: dcp.save(state, storage_writer=writers[name](), no_dist=True), fresh(folders[name])),
+            )
         row("write floor (os.write, one file)", best(floor, fresh(root / "floor")))
         for name in ("dcp", "raw"):
             target = {k: torch.zeros_like(v) for k, v in state.items()}
-            row(f"read {name}", best(lambda: dcp.load(target, storage_reader=readers[name](str(folders[name])),
-                                                      no_dist=True)))
+            row(
+                f"read {name}",
+                best(lambda: dcp.load(target, storage_reader=readers[name](str(folders[name])), no_dist=True)),
+            )
             ok = ok and all(torch.equal(target[k], v) for k, v in state.items())
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -117,8 +117,13 @@ def read_case(row, name: str, state: dict, folder: Path, want: dict, pinned: boo
         cpu = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=DEV == "cuda") for k, v in state.items()}
         load_s, _ = timed(lambda: dcp.load(cpu, storage_reader=reader, no_dist=True))
         copy_s, _ = timed(lambda: to_gpu(cpu, target))
-        row(f"read {name}", load_s + copy_s, load_s=round(load_s, 3), copy_s=round(copy_s, 3),
-            exact=sums(target) == want)
+        row(
+            f"read {name}",
+            load_s + copy_s,
+            load_s=round(load_s, 3),
+            copy_s=round(copy_s, 3),
+            exact=sums(target) == want,
+        )
     else:
         seconds, _ = timed(lambda: dcp.load(target, storage_reader=reader, no_dist=True))
         row(f"read {name}", seconds, exact=sums(target) == want)
@@ -147,17 +152,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:28s} {seconds:7.2f} s  {nbytes / seconds / 1e9:7.2f} GB/s  {extra or ''}", flush=True)
 
     try:
-        print(f"[gpu-memory-path] {device_name()}, torch {torch.__version__}: "
-              f"{len(state)} tensors, {nbytes / 1e9:.2f} GB", flush=True)
+        print(
+            f"[gpu-memory-path] {device_name()}, torch {torch.__version__}: "
+            f"{len(state)} tensors, {nbytes / 1e9:.2f} GB",
+            flush=True,
+        )
         host_s, host = timed(lambda: to_pinned(state))
         row("copy GPU -> pinned host", host_s)
         back = {k: torch.empty_like(v) for k, v in state.items()}
-        row("copy pinned host -> GPU", timed(lambda: to_gpu(host, back))[0])
+        row("copy pinned host -> GPU", timed(lambda: to_gpu(host, back))[0])  # noqa: F821  (del below)
         del back
         for name, threads, staged, writer_of in (
-                ("raw", args.threads, True, RawWriter), ("dcp", 1, False, FileSystemWriter),
-                (f"dcp-threads-{args.threads}", args.threads, False, FileSystemWriter),
-                ("staged", args.threads, True, FileSystemWriter)):
+            ("raw", args.threads, True, RawWriter),
+            ("dcp", 1, False, FileSystemWriter),
+            (f"dcp-threads-{args.threads}", args.threads, False, FileSystemWriter),
+            ("staged", args.threads, True, FileSystemWriter),
+        ):
             folder = shm / name  # each case's files are removed before the next is written
             write_case(row, name, state, folder, threads, staged, writer_of)
             read_case(row, name, state, folder, want, pinned=name == "staged")
@@ -166,8 +176,13 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(folder)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
-    Path(args.out).write_text(json.dumps({"device": device_name(), "torch": torch.__version__,
-                                          "bytes": nbytes, "tensors": len(state), "rows": rows}, indent=1) + "\n")
+    Path(args.out).write_text(
+        json.dumps(
+            {"device": device_name(), "torch": torch.__version__, "bytes": nbytes, "tensors": len(state), "rows": rows},
+            indent=1,
+        )
+        + "\n"
+    )
     return 0 if all(r.get("exact", True) for r in rows) else 1
 
 

@@ -50,7 +50,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from elastic_trainer.checkpoint import Checkpointer, CheckpointConfig, memory, storage  # noqa: E402
+from elastic_trainer.checkpoint import CheckpointConfig, Checkpointer, memory, storage  # noqa: E402
 from elastic_trainer.config import TrainConfig, load_model_config  # noqa: E402
 from elastic_trainer.elastic.handover import HOST_ENV  # noqa: E402
 from elastic_trainer.parallel import build_mesh  # noqa: E402
@@ -91,10 +91,16 @@ def timed(fn):
 
 
 def make_trainer(model: str, tokens) -> Trainer:
-    cfg = TrainConfig(global_batch=LAYOUT.dp * LAYOUT.micro_batch * LAYOUT.num_microbatches, seq_len=SEQ_LEN,
-                      steps=10**6, seed=0, warmup_steps=1, grad_clip=1.0, weight_decay=0.1)
-    return Trainer(load_model_config(model), cfg, LAYOUT, build_mesh(LAYOUT, "cpu"), torch.device("cpu"),
-                   tokens=tokens)
+    cfg = TrainConfig(
+        global_batch=LAYOUT.dp * LAYOUT.micro_batch * LAYOUT.num_microbatches,
+        seq_len=SEQ_LEN,
+        steps=10**6,
+        seed=0,
+        warmup_steps=1,
+        grad_clip=1.0,
+        weight_decay=0.1,
+    )
+    return Trainer(load_model_config(model), cfg, LAYOUT, build_mesh(LAYOUT, "cpu"), torch.device("cpu"), tokens=tokens)
 
 
 def _place(rank: int, hosts: list[str], shm: str) -> None:
@@ -117,8 +123,13 @@ def old_world(rank, world, model, ckpt, shm, hosts, tokens):
     if written.server is not None:
         written.server.stop()
     ck.close()
-    return {"write_s": seconds, "bytes": written.bytes, "record": written.record, "folder": str(written.folder),
-            "fingerprints": prints}
+    return {
+        "write_s": seconds,
+        "bytes": written.bytes,
+        "record": written.record,
+        "folder": str(written.folder),
+        "fingerprints": prints,
+    }
 
 
 def new_world(rank, world, model, ckpt, shm, hosts, tokens):
@@ -160,8 +171,10 @@ def copy_files(files: list[Path], target: Path, threads: int) -> float:
         for f in files:
             shutil.copyfile(f, target / f"{f.parent.parent.name}-{f.name}")
     else:
-        workers = [threading.Thread(target=shutil.copyfile, args=(f, target / f"{f.parent.parent.name}-{f.name}"))
-                   for f in files]
+        workers = [
+            threading.Thread(target=shutil.copyfile, args=(f, target / f"{f.parent.parent.name}-{f.name}"))
+            for f in files
+        ]
         for w in workers:
             w.start()
         for w in workers:
@@ -235,9 +248,11 @@ def tcp_copy(files: list[Path], target: Path, host: str = HOST_B) -> float:
 def plain_copies(files: list[Path], scratch: Path) -> dict:
     nbytes = sum(f.stat().st_size for f in files)
     out = {}
-    for name, fn in (("copyfile_1thread", lambda: copy_files(files, scratch / "copy1", 1)),
-                     ("copyfile_threads", lambda: copy_files(files, scratch / "copyN", len(files))),
-                     ("tcp_sendfile", lambda: tcp_copy(files, scratch / "tcp"))):
+    for name, fn in (
+        ("copyfile_1thread", lambda: copy_files(files, scratch / "copy1", 1)),
+        ("copyfile_threads", lambda: copy_files(files, scratch / "copyN", len(files))),
+        ("tcp_sendfile", lambda: tcp_copy(files, scratch / "tcp")),
+    ):
         seconds = fn()
         out[name] = {"s": seconds, "gbs": nbytes / seconds / GB}
     return out
@@ -260,18 +275,29 @@ def pieces(files: list[Path]) -> dict:
     request, memory._merged)."""
     meta = next(f for f in files if f.name == ".metadata")
     sizes = [i.length for i in storage.parse_dcp_metadata(meta.read_bytes(), str(meta)).storage_data.values()]
-    return {"count": len(sizes), "under_64kb": sum(n < 64 << 10 for n in sizes),
-            "under_64kb_bytes": sum(n for n in sizes if n < 64 << 10), "largest": max(sizes)}
+    return {
+        "count": len(sizes),
+        "under_64kb": sum(n < 64 << 10 for n in sizes),
+        "under_64kb_bytes": sum(n for n in sizes if n < 64 << 10),
+        "largest": max(sizes),
+    }
 
 
 def load_once(model, ckpt, shm, tokens) -> dict:
     new = run_ranks(new_world, 2, model, str(ckpt), str(shm), [HOST_B, HOST_A], tokens, timeout=TIMEOUT)
     stats = new[0]["stats"]
-    return {"load_s": new[0]["load_s"], "bytes_total": stats["bytes_total"], "bytes_read": stats["bytes_read"],
-            "bytes_fetched": stats["bytes_fetched"], "fetch_s": stats["fetch_s"],
-            "fetch_s_max_rank": max(n["stats"]["fetch_s"] for n in new), "read_s": stats["read_s"],
-            "load_total_s": stats["total_s"], "fetch_gbs": stats["bytes_fetched"] / stats["fetch_s"] / GB,
-            "fingerprints": new[0]["fingerprints"]}
+    return {
+        "load_s": new[0]["load_s"],
+        "bytes_total": stats["bytes_total"],
+        "bytes_read": stats["bytes_read"],
+        "bytes_fetched": stats["bytes_fetched"],
+        "fetch_s": stats["fetch_s"],
+        "fetch_s_max_rank": max(n["stats"]["fetch_s"] for n in new),
+        "read_s": stats["read_s"],
+        "load_total_s": stats["total_s"],
+        "fetch_gbs": stats["bytes_fetched"] / stats["fetch_s"] / GB,
+        "fingerprints": new[0]["fingerprints"],
+    }
 
 
 def one_round(model: str, r: int, tokens, base: Path) -> dict:
@@ -287,8 +313,11 @@ def one_round(model: str, r: int, tokens, base: Path) -> dict:
         print(f"[{model} round {r + 1}] old world: write on {HOST_A}, {HOST_B} ...", flush=True)
         old = run_ranks(old_world, 2, model, str(ckpt), str(shm), [HOST_A, HOST_B], tokens, timeout=TIMEOUT)
         files = state_files(shm, old[0]["record"])
-        out = {"state_bytes": sum(f.stat().st_size for f in files), "write_s": old[0]["write_s"],
-               "pieces": pieces(files)}
+        out = {
+            "state_bytes": sum(f.stat().st_size for f in files),
+            "write_s": old[0]["write_s"],
+            "pieces": pieces(files),
+        }
         order = ["load", "copies"]
         if r % 2:
             order.reverse()
@@ -311,38 +340,58 @@ def one_round(model: str, r: int, tokens, base: Path) -> dict:
 
 
 def summarize(model: str, rounds: list[dict]) -> dict:
-    out = {"model": model, "rounds": len(rounds), "layout": LAYOUT.describe(),
-           "hosts_old": [HOST_A, HOST_B], "hosts_new": [HOST_B, HOST_A],
-           "state_bytes": rounds[0]["state_bytes"], "pieces": rounds[0]["pieces"],
-           "write_s": statistics.median(x["write_s"] for x in rounds)}
+    out = {
+        "model": model,
+        "rounds": len(rounds),
+        "layout": LAYOUT.describe(),
+        "hosts_old": [HOST_A, HOST_B],
+        "hosts_new": [HOST_B, HOST_A],
+        "state_bytes": rounds[0]["state_bytes"],
+        "pieces": rounds[0]["pieces"],
+        "write_s": statistics.median(x["write_s"] for x in rounds),
+    }
     runs = [x["load"] for x in rounds]
     out["load"] = {key: statistics.median(x[key] for x in runs) for key in runs[0] if key != "reloaded_max_rel_diff"}
     out["load"]["reloaded_max_rel_diff"] = max(x["reloaded_max_rel_diff"] for x in runs)
-    out["copies"] = {name: {"s": statistics.median(x["copies"][name]["s"] for x in rounds),
-                            "gbs": statistics.median(x["copies"][name]["gbs"] for x in rounds)}
-                     for name in rounds[0]["copies"]}
+    out["copies"] = {
+        name: {
+            "s": statistics.median(x["copies"][name]["s"] for x in rounds),
+            "gbs": statistics.median(x["copies"][name]["gbs"] for x in rounds),
+        }
+        for name in rounds[0]["copies"]
+    }
     # ratios within each round (both sides of a ratio measured minutes apart), then their median
-    out["fetch_vs_copy"] = {name: statistics.median(x["load"]["fetch_gbs"] / x["copies"][name]["gbs"] for x in rounds)
-                            for name in out["copies"]}
+    out["fetch_vs_copy"] = {
+        name: statistics.median(x["load"]["fetch_gbs"] / x["copies"][name]["gbs"] for x in rounds)
+        for name in out["copies"]
+    }
     out["per_round"] = rounds
     return out
 
 
 def report(results: dict) -> None:
     print(f"\nhand-over between two loopback hosts ({results['cpus']} CPUs), medians of the rounds")
-    print(f"{'state':<12} {'rounds':>6} {'GB':>5} {'write s':>8} {'load s':>7} {'hand-over s':>11} {'fetched GB':>10} "
-          f"{'fetch s':>7} {'fetch GB/s':>10} {'max rel diff':>12}")
+    print(
+        f"{'state':<12} {'rounds':>6} {'GB':>5} {'write s':>8} {'load s':>7} {'hand-over s':>11} {'fetched GB':>10} "
+        f"{'fetch s':>7} {'fetch GB/s':>10} {'max rel diff':>12}"
+    )
     for model, m in results["models"].items():
         x = m["load"]
-        print(f"{model:<12} {m['rounds']:6d} {m['state_bytes'] / GB:5.2f} {m['write_s']:8.2f} {x['load_s']:7.2f} "
-              f"{x['handover_s']:11.2f} {x['bytes_fetched'] / GB:10.2f} {x['fetch_s']:7.2f} {x['fetch_gbs']:10.2f} "
-              f"{x['reloaded_max_rel_diff']:12.1e}")
-    print(f"\n{'state':<12} {'pieces':>6} {'< 64 KB':>7} | plain copy of the same files, GB/s: "
-          f"{'copyfile':>8} {'copyfile x2':>11} {'TCP sendfile x2':>15}")
+        print(
+            f"{model:<12} {m['rounds']:6d} {m['state_bytes'] / GB:5.2f} {m['write_s']:8.2f} {x['load_s']:7.2f} "
+            f"{x['handover_s']:11.2f} {x['bytes_fetched'] / GB:10.2f} {x['fetch_s']:7.2f} {x['fetch_gbs']:10.2f} "
+            f"{x['reloaded_max_rel_diff']:12.1e}"
+        )
+    print(
+        f"\n{'state':<12} {'pieces':>6} {'< 64 KB':>7} | plain copy of the same files, GB/s: "
+        f"{'copyfile':>8} {'copyfile x2':>11} {'TCP sendfile x2':>15}"
+    )
     for model, m in results["models"].items():
         c, pc = m["copies"], m["pieces"]
-        print(f"{model:<12} {pc['count']:6d} {pc['under_64kb']:7d} | {'':35}{c['copyfile_1thread']['gbs']:8.2f} "
-              f"{c['copyfile_threads']['gbs']:11.2f} {c['tcp_sendfile']['gbs']:15.2f}")
+        print(
+            f"{model:<12} {pc['count']:6d} {pc['under_64kb']:7d} | {'':35}{c['copyfile_1thread']['gbs']:8.2f} "
+            f"{c['copyfile_threads']['gbs']:11.2f} {c['tcp_sendfile']['gbs']:15.2f}"
+        )
     print("\nfetch GB/s / copy GB/s (per round, then the median):")
     for model, m in results["models"].items():
         print(f"{model:<12} " + "   ".join(f"{k} {v:.3f}" for k, v in m["fetch_vs_copy"].items()))
@@ -366,8 +415,11 @@ def main(argv=None) -> None:
     results = {"torch": torch.__version__, "cpus": os.cpu_count(), "models": {}}
     base = Path(args.dir)
     for model in args.models.split(","):
-        tokens = np.random.default_rng(0).integers(0, load_model_config(model).vocab_size,
-                                                   256 * (SEQ_LEN + 1) + 1).astype(np.int64)
+        tokens = (
+            np.random.default_rng(0)
+            .integers(0, load_model_config(model).vocab_size, 256 * (SEQ_LEN + 1) + 1)
+            .astype(np.int64)
+        )
         rounds = [one_round(model, r, tokens, base) for r in range(args.rounds)]
         results["models"][model] = summarize(model, rounds)
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")

@@ -45,19 +45,45 @@ def start(folder: Path, data_cache: str) -> tuple[subprocess.Popen, Path]:
     folder.mkdir(parents=True)
     (folder / "hosts.txt").write_text("127.0.0.1 slots=2\n127.0.0.2 slots=2\n")
     run_dir = folder / "run"
-    cmd = [sys.executable, "-m", "elastic_trainer.cli", "launch", "--hosts", str(folder / "hosts.txt"), "--run-dir",
-           str(run_dir), "--schedule", "none", "--", "--steps", "600", "--save-every", "10", "--data-cache",
-           data_cache]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                                     ELASTIC_TRAINER_SHM_DIR=str(folder / "shm")))
+    cmd = [
+        sys.executable,
+        "-m",
+        "elastic_trainer.cli",
+        "launch",
+        "--hosts",
+        str(folder / "hosts.txt"),
+        "--run-dir",
+        str(run_dir),
+        "--schedule",
+        "none",
+        "--",
+        "--steps",
+        "600",
+        "--save-every",
+        "10",
+        "--data-cache",
+        data_cache,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", ELASTIC_TRAINER_SHM_DIR=str(folder / "shm")),
+    )
     return proc, run_dir
 
 
 def stepped(run_dir: Path, after: float, world: int):
     """The first step that began after `after` in a world of `world` ranks (or None)."""
-    return next((r for r in read_jsonl(run_dir / "metrics.jsonl")
-                 if r["world_size"] == world and r["time"] - r["step_time_s"] > after), None)
+    return next(
+        (
+            r
+            for r in read_jsonl(run_dir / "metrics.jsonl")
+            if r["world_size"] == world and r["time"] - r["step_time_s"] > after
+        ),
+        None,
+    )
 
 
 def reached(run_dir: Path, step: int) -> bool:
@@ -82,9 +108,16 @@ def gaps(run_dir: Path, marks: list[float]) -> list[dict]:
         a, b = segs[i - 1], segs[i]
         gap = downtime(a, b, events)
         stop = min((e["time"] for e in events if e["event"] == "stop_requested" and e["time"] >= mark), default=None)
-        rows.append({"from": a.world_size, "to": b.world_size, "downtime_s": gap["downtime_s"],
-                     **{k: gap.get(k) for k in PARTS}, "overlap_s": None if stop is None else stop - mark,
-                     "redone": a.records[-1]["step"] - b.records[0]["step"] + 1})
+        rows.append(
+            {
+                "from": a.world_size,
+                "to": b.world_size,
+                "downtime_s": gap["downtime_s"],
+                **{k: gap.get(k) for k in PARTS},
+                "overlap_s": None if stop is None else stop - mark,
+                "redone": a.records[-1]["step"] - b.records[0]["step"] + 1,
+            }
+        )
     return rows
 
 
@@ -122,8 +155,14 @@ def lost(folder: Path, data_cache: str) -> dict:
         proc.kill()
     before = max(r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["time"] <= killed)
     last_end = max(r["time"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["time"] <= killed)
-    return {"kind": "lost", "from": 4, "to": 2, "downtime_s": first["time"] - first["step_time_s"] - last_end,
-            "first_step_s": first["step_time_s"], "redone": before - first["step"] + 1}
+    return {
+        "kind": "lost",
+        "from": 4,
+        "to": 2,
+        "downtime_s": first["time"] - first["step_time_s"] - last_end,
+        "first_step_s": first["step_time_s"],
+        "redone": before - first["step"] + 1,
+    }
 
 
 def main() -> None:
@@ -139,13 +178,17 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     keys = ("downtime_s", *PARTS, "overlap_s", "redone")
-    summary = {kind: {k: median([x for x in rows if x["kind"] == kind], k) for k in keys}
-               for kind in ("notice", "join", "lost")}
+    summary = {
+        kind: {k: median([x for x in rows if x["kind"] == kind], k) for k in keys}
+        for kind in ("notice", "join", "lost")
+    }
     print(f"{'event':<8}" + "".join(f"{k:>14}" for k in keys))
     for kind, values in summary.items():
         print(f"{kind:<8}" + "".join(f"{'-' if values[k] is None else values[k]:>14}" for k in keys))
-    Path(args.out).write_text(json.dumps({"repeats": args.repeats, "cpu_count": os.cpu_count(),
-                                          "medians": summary, "runs": rows}, indent=1) + "\n")
+    Path(args.out).write_text(
+        json.dumps({"repeats": args.repeats, "cpu_count": os.cpu_count(), "medians": summary, "runs": rows}, indent=1)
+        + "\n"
+    )
     print(f"wrote {args.out}")
 
 

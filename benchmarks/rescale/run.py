@@ -36,8 +36,13 @@ WARM_STAGES = ("save_s", "wait_s", "handover_s", "setup_s", "load_s", "first_ste
 
 
 def env(worker_start: str = "fork") -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1",
-                ELASTIC_TRAINER_WORKER_START=worker_start)
+    return dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        GLOO_SOCKET_IFNAME="lo",
+        PYTHONUNBUFFERED="1",
+        ELASTIC_TRAINER_WORKER_START=worker_start,
+    )
 
 
 def used_memory() -> int:
@@ -70,8 +75,20 @@ def run_job(folder: Path, data_cache: str, worker_start: str = "fork", warm: boo
     folder.mkdir(parents=True)
     (folder / "hosts.txt").write_text("localhost slots=8\n")
     run_dir = folder / "run"
-    cmd = [sys.executable, "-m", "elastic_trainer.cli", "launch", "--hosts", str(folder / "hosts.txt"),
-           "--run-dir", str(run_dir), *([] if warm else ["--no-warm-start"]), "--", "--data-cache", data_cache]
+    cmd = [
+        sys.executable,
+        "-m",
+        "elastic_trainer.cli",
+        "launch",
+        "--hosts",
+        str(folder / "hosts.txt"),
+        "--run-dir",
+        str(run_dir),
+        *([] if warm else ["--no-warm-start"]),
+        "--",
+        "--data-cache",
+        data_cache,
+    ]
     with MemoryPeak() as memory:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env(worker_start))
     if proc.returncode != 0:
@@ -89,8 +106,20 @@ def run_job(folder: Path, data_cache: str, worker_start: str = "fork", warm: boo
 def bare_start(ranks: int) -> float:
     """Seconds from starting torchrun to its ranks' process group being formed."""
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(ranks), str(HERE / "bare_start.py")], capture_output=True, text=True, env=env())
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(ranks),
+            str(HERE / "bare_start.py"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env(),
+    )
     up = [line for line in proc.stdout.splitlines() if line.startswith("UP ")]
     if proc.returncode != 0 or not up:
         raise SystemExit(f"bare torchrun start of {ranks} ranks failed:\n{proc.stderr[-2000:]}")
@@ -100,8 +129,11 @@ def bare_start(ranks: int) -> float:
 def _medians(runs: list[list[dict]], keys) -> list[dict]:
     out = []
     for i, first in enumerate(runs[0]):
-        med = {k: statistics.median(run[i][k] for run in runs if run[i].get(k) is not None)
-               for k in keys if any(run[i].get(k) is not None for run in runs)}
+        med = {
+            k: statistics.median(run[i][k] for run in runs if run[i].get(k) is not None)
+            for k in keys
+            if any(run[i].get(k) is not None for run in runs)
+        }
         out.append({"from": first["from"], "to": first["to"], **{k: round(v, 3) for k, v in med.items()}})
     return out
 
@@ -110,8 +142,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=str(HERE / "results.json"))
-    parser.add_argument("--worker-start", choices=("fork", "spawn"), default="fork",
-                        help="how the agents start their workers (spawn: fresh interpreters, as plain torchrun)")
+    parser.add_argument(
+        "--worker-start",
+        choices=("fork", "spawn"),
+        default="fork",
+        help="how the agents start their workers (spawn: fresh interpreters, as plain torchrun)",
+    )
     args = parser.parse_args()
     warm_runs, cold_runs, peaks = [], [], {"warm": [], "restart": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -126,31 +162,53 @@ def main() -> None:
                 w["bare_start_s"] = c["bare_start_s"] = bare_start(w["to"])
                 w["ratio"], c["ratio"] = w["downtime_s"] / w["bare_start_s"], c["downtime_s"] / c["bare_start_s"]
                 w["first_step_ratio"] = w["first_step_s"] / w["steady_step_s"]
-                print(f"repeat {r + 1}: {w['from']} -> {w['to']} ranks: downtime {w['downtime_s']:.2f} s in memory, "
-                      f"{c['downtime_s']:.2f} s through a restart; bare start {w['bare_start_s']:.2f} s; first step "
-                      f"{w['first_step_s']:.2f} s (steady {w['steady_step_s']:.2f} s)", flush=True)
+                print(
+                    f"repeat {r + 1}: {w['from']} -> {w['to']} ranks: downtime {w['downtime_s']:.2f} s in memory, "
+                    f"{c['downtime_s']:.2f} s through a restart; bare start {w['bare_start_s']:.2f} s; first step "
+                    f"{w['first_step_s']:.2f} s (steady {w['steady_step_s']:.2f} s)",
+                    flush=True,
+                )
             warm_runs.append(warm)
             cold_runs.append(cold)
     warm = _medians(warm_runs, ("downtime_s", "bare_start_s", "ratio", "first_step_ratio", *WARM_STAGES))
     cold = _medians(cold_runs, ("downtime_s", "ratio", *STAGES))
     print(f"\nmedians over {args.repeats} repeats (seconds); ratio = downtime / bare start")
-    print(f"{'event':>8}  {'warm':>6}  {'restart':>7}  {'bare':>6}  {'warm/bare':>9}  {'restart/bare':>12}  "
-          f"{'first step / steady':>19}  " + "  ".join(f"{s[:-2]:>10}" for s in WARM_STAGES[:4]))
+    print(
+        f"{'event':>8}  {'warm':>6}  {'restart':>7}  {'bare':>6}  {'warm/bare':>9}  {'restart/bare':>12}  "
+        f"{'first step / steady':>19}  " + "  ".join(f"{s[:-2]:>10}" for s in WARM_STAGES[:4])
+    )
     for w, c in zip(warm, cold):
-        print(f"{w['from']:>3} -> {w['to']:<2}  {w['downtime_s']:6.2f}  {c['downtime_s']:7.2f}  {w['bare_start_s']:6.2f}  "
-              f"{w['ratio']:9.2f}  {c['ratio']:12.2f}  {w['first_step_ratio']:19.2f}  "
-              + "  ".join(f"{w.get(s, 0.0):10.2f}" for s in WARM_STAGES[:4]))
+        print(
+            f"{w['from']:>3} -> {w['to']:<2}  {w['downtime_s']:6.2f}  {c['downtime_s']:7.2f}  "
+            f"{w['bare_start_s']:6.2f}  {w['ratio']:9.2f}  {c['ratio']:12.2f}  {w['first_step_ratio']:19.2f}  "
+            + "  ".join(f"{w.get(s, 0.0):10.2f}" for s in WARM_STAGES[:4])
+        )
     ratio = statistics.median(e["ratio"] for e in warm)
     before = statistics.median(e["ratio"] for e in cold)
     gib = 1 << 30
     memory = {k: round(statistics.median(v) / gib, 3) for k, v in peaks.items()}
-    print(f"median ratio over the events: {ratio:.2f} in memory (goal <= 0.3), {before:.2f} through a restart; "
-          f"peak host memory above idle: {memory['warm']:.2f} GiB warm, {memory['restart']:.2f} GiB restart")
-    Path(args.out).write_text(json.dumps({"repeats": args.repeats, "worker_start": args.worker_start,
-                                          "cpu_count": os.cpu_count(), "median_ratio": round(ratio, 3),
-                                          "median_ratio_restart": round(before, 3), "peak_memory_gib": memory,
-                                          "events": warm, "events_restart": cold,
-                                          "runs": warm_runs, "runs_restart": cold_runs}, indent=1) + "\n")
+    print(
+        f"median ratio over the events: {ratio:.2f} in memory (goal <= 0.3), {before:.2f} through a restart; "
+        f"peak host memory above idle: {memory['warm']:.2f} GiB warm, {memory['restart']:.2f} GiB restart"
+    )
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "repeats": args.repeats,
+                "worker_start": args.worker_start,
+                "cpu_count": os.cpu_count(),
+                "median_ratio": round(ratio, 3),
+                "median_ratio_restart": round(before, 3),
+                "peak_memory_gib": memory,
+                "events": warm,
+                "events_restart": cold,
+                "runs": warm_runs,
+                "runs_restart": cold_runs,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"wrote {args.out}")
 
 

@@ -37,14 +37,14 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from elastic_trainer.checkpoint import Checkpointer, CheckpointConfig, storage  # noqa: E402
+from elastic_trainer.checkpoint import CheckpointConfig, Checkpointer, storage  # noqa: E402
 from elastic_trainer.checkpoint.state import init_optimizer_state  # noqa: E402
 from elastic_trainer.config import TrainConfig, load_model_config  # noqa: E402
 from elastic_trainer.data import load_tokens  # noqa: E402
 from elastic_trainer.parallel import build_mesh  # noqa: E402
+from elastic_trainer.parallel.local_ranks import run_ranks  # noqa: E402
 from elastic_trainer.plan.layout import Layout  # noqa: E402
 from elastic_trainer.train import Trainer  # noqa: E402
-from elastic_trainer.parallel.local_ranks import run_ranks  # noqa: E402
 
 CASES = {  # model: (save layout, load layout) as (dp, tp, pp)
     "gpt3-small": ((2, 1, 2), (1, 2, 1)),
@@ -91,8 +91,9 @@ def config() -> TrainConfig:
 def make_trainer(model: str, degrees, tokens) -> Trainer:
     dp, tp, pp = degrees
     layout = Layout(dp, tp, pp, micro_batch=4 // dp, num_microbatches=1)
-    return Trainer(load_model_config(model), config(), layout, build_mesh(layout, "cpu"), torch.device("cpu"),
-                   tokens=tokens)
+    return Trainer(
+        load_model_config(model), config(), layout, build_mesh(layout, "cpu"), torch.device("cpu"), tokens=tokens
+    )
 
 
 @torch.no_grad()
@@ -138,9 +139,13 @@ def save_job(rank, world, model, degrees, folder, tokens, stall_steps):
         during = [trainer.train_step()["step_time_s"] for _ in range(stall_steps)]
         ck.wait()
         ck.close()
-        out["stall"] = {"step_s": statistics.median(steps), "sync_stall_s": sync.stall_s,
-                        "async_stall_s": asyn.stall_s, "async_total_s": asyn.total_s,
-                        "steps_during_async_s": during}
+        out["stall"] = {
+            "step_s": statistics.median(steps),
+            "sync_stall_s": sync.stall_s,
+            "async_stall_s": asyn.stall_s,
+            "async_total_s": asyn.total_s,
+            "steps_during_async_s": during,
+        }
     fill_optimizer_state(trainer)
     ck = Checkpointer(CheckpointConfig(dir=str(folder / "ckpt")), log=lambda *a, **k: None)
     seconds, stats = timed(lambda: ck.save(trainer, blocking=True))
@@ -196,9 +201,16 @@ def run_case(model: str, folder: Path, tokens, stall_steps: int) -> dict:
     print(f"[{model}] loading {nbytes / GB:.2f} GB at dp,tp,pp={load_deg} on {world} ranks ...", flush=True)
     loaded = run_ranks(load_job, world, model, load_deg, folder, tokens, timeout=3600)
     worst = compare(merged(saved), merged(loaded))
-    result = {"save_layout": save_deg, "load_layout": load_deg, "bytes": nbytes, "save_s": saved[0]["save_s"],
-              "verify_s": loaded[0]["verify_s"], "load_s": loaded[0]["load_s"],
-              "fingerprint_max_rel_diff": worst, "stall": saved[0].get("stall")}
+    result = {
+        "save_layout": save_deg,
+        "load_layout": load_deg,
+        "bytes": nbytes,
+        "save_s": saved[0]["save_s"],
+        "verify_s": loaded[0]["verify_s"],
+        "load_s": loaded[0]["load_s"],
+        "fingerprint_max_rel_diff": worst,
+        "stall": saved[0].get("stall"),
+    }
     shutil.rmtree(folder, ignore_errors=True)
     return result
 
@@ -215,8 +227,12 @@ def main(argv=None) -> None:
     write_bw, read_bw = disk_bandwidth(folder)
     print(f"[disk] sequential write {write_bw:.2f} GB/s (with fsync), cold sequential read {read_bw:.2f} GB/s")
     tokens = load_tokens(config().data)
-    results = {"disk": {"write_GBps": write_bw, "read_GBps": read_bw}, "torch": torch.__version__,
-               "cpus": os.cpu_count(), "models": {}}
+    results = {
+        "disk": {"write_GBps": write_bw, "read_GBps": read_bw},
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "models": {},
+    }
     for model in args.models.split(","):
         r = run_case(model, folder / model, tokens, args.stall_steps if model == "gpt3-small" else 0)
         r["save_GBps"] = r["bytes"] / r["save_s"] / GB
@@ -225,18 +241,24 @@ def main(argv=None) -> None:
         r["load_vs_disk_read"] = r["load_GBps"] / read_bw
         results["models"][model] = r
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
-    print(f"\n{'model':<11} {'GB':>6} {'save':>13} {'verify (cold)':>15} {'load (cold)':>14} {'load/disk':>9} "
-          f"{'max rel diff':>12}")
+    print(
+        f"\n{'model':<11} {'GB':>6} {'save':>13} {'verify (cold)':>15} {'load (cold)':>14} {'load/disk':>9} "
+        f"{'max rel diff':>12}"
+    )
     for model, r in results["models"].items():
-        print(f"{model:<11} {r['bytes'] / GB:>6.2f} {r['save_s']:>6.1f}s {r['save_GBps']:>4.2f}GB/s "
-              f"{r['verify_s']:>6.1f}s {r['verify_GBps']:>4.2f}GB/s {r['load_s']:>5.1f}s {r['load_GBps']:>4.2f}GB/s "
-              f"{r['load_vs_disk_read']:>9.2f} {r['fingerprint_max_rel_diff']:>12.1e}")
+        print(
+            f"{model:<11} {r['bytes'] / GB:>6.2f} {r['save_s']:>6.1f}s {r['save_GBps']:>4.2f}GB/s "
+            f"{r['verify_s']:>6.1f}s {r['verify_GBps']:>4.2f}GB/s {r['load_s']:>5.1f}s {r['load_GBps']:>4.2f}GB/s "
+            f"{r['load_vs_disk_read']:>9.2f} {r['fingerprint_max_rel_diff']:>12.1e}"
+        )
     small = results["models"].get("gpt3-small", {}).get("stall")
     if small:
-        print(f"\ntraining stall (gpt3-small, step {small['step_s']:.2f} s): synchronous save "
-              f"{small['sync_stall_s']:.2f} s, asynchronous save {small['async_stall_s']:.2f} s "
-              f"(committed after {small['async_total_s']:.2f} s; steps meanwhile "
-              f"{', '.join(f'{s:.2f}' for s in small['steps_during_async_s'])} s)")
+        print(
+            f"\ntraining stall (gpt3-small, step {small['step_s']:.2f} s): synchronous save "
+            f"{small['sync_stall_s']:.2f} s, asynchronous save {small['async_stall_s']:.2f} s "
+            f"(committed after {small['async_total_s']:.2f} s; steps meanwhile "
+            f"{', '.join(f'{s:.2f}' for s in small['steps_during_async_s'])} s)"
+        )
     print(f"\nwrote {args.out}")
 
 

@@ -1,6 +1,6 @@
 """Largest logit difference between our GPT and HF GPT2LMHeadModel on the same weights (fp32, CPU).
 
-    python benchmarks/step_time/hf_parity.py [--model gpt-tiny]
+python benchmarks/step_time/hf_parity.py [--model gpt-tiny]
 """
 
 import argparse

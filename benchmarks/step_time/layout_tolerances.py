@@ -19,8 +19,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from elastic_trainer.data import load_tokens  # noqa: E402
 from elastic_trainer.plan.layout import Layout  # noqa: E402
-from tests.distributed.test_layout_invariance import (CFG, LAYOUTS, OTHER_SPLITS, make_layout,  # noqa: E402
-                                                       run, tensor_rel_diffs)
+from tests.distributed.test_layout_invariance import (
+    CFG,
+    LAYOUTS,
+    OTHER_SPLITS,
+    make_layout,  # noqa: E402
+    run,
+    tensor_rel_diffs,
+)
 
 
 def compare(result: dict, ref: dict) -> tuple[float, float, float, float, str, float]:
@@ -39,13 +45,20 @@ def main() -> None:
     ref = run(Layout(1, 1, 1, 8, 1), tokens)
     cases = [(d, "fsdp") for d in LAYOUTS] + [(d, "ddp") for d in LAYOUTS if d[0] > 1]
     cases += [(d, "fsdp") for d in OTHER_SPLITS]
-    print(f"{'dp,tp,pp':>9} {'micro x n':>9} {'mode':>5} {'loss':>9} {'grad norm':>9} {'params':>9} "
-          f"{'worst tensor':>12} {'key bias':>9}  (max relative differences against 1,1,1 over {CFG.steps} steps)")
+    print(
+        f"{'dp,tp,pp':>9} {'micro x n':>9} {'mode':>5} {'loss':>9} {'grad norm':>9} {'params':>9} "
+        f"{'worst tensor':>12} {'key bias':>9}  (max relative differences against 1,1,1 over {CFG.steps} steps)"
+    )
     for (dp, tp, pp, micro), mode in cases:
         layout = make_layout(dp, tp, pp, micro, mode)
         loss, norm, whole, worst, name, key = compare(run(layout, tokens), ref)
-        print(f"{dp},{tp},{pp}".rjust(9), f"{micro} x {layout.num_microbatches}".rjust(9), mode.rjust(5),
-              f"{loss:9.1e} {norm:9.1e} {whole:9.1e} {worst:12.1e} {key:9.1e}  {name}", flush=True)
+        print(
+            f"{dp},{tp},{pp}".rjust(9),
+            f"{micro} x {layout.num_microbatches}".rjust(9),
+            mode.rjust(5),
+            f"{loss:9.1e} {norm:9.1e} {whole:9.1e} {worst:12.1e} {key:9.1e}  {name}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ Prints a table and `ratio ours/hf` (target <= 1.0: ours is no slower); --json wr
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -65,9 +64,12 @@ def build_hf(model_cfg, train_cfg, our_state):
     model.train()
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": train_cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=train_cfg.lr, betas=(train_cfg.beta1, train_cfg.beta2), eps=train_cfg.eps)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": train_cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=train_cfg.lr,
+        betas=(train_cfg.beta1, train_cfg.beta2),
+        eps=train_cfg.eps,
+    )
     return model, opt
 
 
@@ -90,48 +92,73 @@ def main(argv=None) -> dict:
 
     model_cfg = load_model_config(args.model)
     total = args.warmup + args.steps
-    train_cfg = TrainConfig(global_batch=args.batch, seq_len=args.seq_len, steps=total, seed=0, warmup_steps=0,
-                            lr=3e-4, min_lr_ratio=1.0, dtype="fp32")
+    train_cfg = TrainConfig(
+        global_batch=args.batch,
+        seq_len=args.seq_len,
+        steps=total,
+        seed=0,
+        warmup_steps=0,
+        lr=3e-4,
+        min_lr_ratio=1.0,
+        dtype="fp32",
+    )
     tokens = load_tokens(train_cfg.data)
     ours = build_ours(model_cfg, train_cfg, tokens)
     state = {k: v.detach().cpu() for k, v in ours.engine.model.state_dict().items()}
     hf, hf_opt = build_hf(model_cfg, train_cfg, state)
-    print(f"[bench] {model_cfg.name} ({model_cfg.num_params() / 1e6:.1f} M params), batch {args.batch} x "
-          f"{args.seq_len}, fp32, {torch.get_num_threads()} threads, {args.warmup} warm-up + {args.steps} steps",
-          flush=True)
+    print(
+        f"[bench] {model_cfg.name} ({model_cfg.num_params() / 1e6:.1f} M params), batch {args.batch} x "
+        f"{args.seq_len}, fp32, {torch.get_num_threads()} threads, {args.warmup} warm-up + {args.steps} steps",
+        flush=True,
+    )
 
     times = {"ours": [], "hf": []}
     losses = {"ours": [], "hf": []}
     for step in range(total):
         # the same global samples for both sides
         _, batch = ours.samples.batch(range(step * args.batch, (step + 1) * args.batch))
-        run = {"ours": lambda: ours.train_step()["loss"],
-               "hf": lambda: hf_step(hf, hf_opt, batch, train_cfg.grad_clip)}
+        run = {"ours": lambda: ours.train_step()["loss"], "hf": lambda: hf_step(hf, hf_opt, batch, train_cfg.grad_clip)}
         took = {}
-        for side in (("ours", "hf") if step % 2 == 0 else ("hf", "ours")):  # alternate who goes first
+        for side in ("ours", "hf") if step % 2 == 0 else ("hf", "ours"):  # alternate who goes first
             t0 = time.perf_counter()
             losses[side].append(run[side]())
             took[side] = time.perf_counter() - t0
             if step >= args.warmup:
                 times[side].append(took[side])
-        print(f"  step {step + 1}/{total}: ours {took['ours']:.3f} s (loss {losses['ours'][-1]:.4f}), "
-              f"hf {took['hf']:.3f} s (loss {losses['hf'][-1]:.4f})", flush=True)
+        print(
+            f"  step {step + 1}/{total}: ours {took['ours']:.3f} s (loss {losses['ours'][-1]:.4f}), "
+            f"hf {took['hf']:.3f} s (loss {losses['hf'][-1]:.4f})",
+            flush=True,
+        )
 
     tokens_per_step = args.batch * args.seq_len
-    result = {"model": model_cfg.name, "batch": args.batch, "seq_len": args.seq_len, "steps": args.steps,
-              "threads": torch.get_num_threads(), "device": "cpu", "torch": torch.__version__}
+    result = {
+        "model": model_cfg.name,
+        "batch": args.batch,
+        "seq_len": args.seq_len,
+        "steps": args.steps,
+        "threads": torch.get_num_threads(),
+        "device": "cpu",
+        "torch": torch.__version__,
+    }
     for side in ("ours", "hf"):
         med = statistics.median(times[side])
-        result[side] = {"median_step_s": med, "tokens_per_s": tokens_per_step / med,
-                        "step_s": times[side], "losses": losses[side]}
+        result[side] = {
+            "median_step_s": med,
+            "tokens_per_s": tokens_per_step / med,
+            "step_s": times[side],
+            "losses": losses[side],
+        }
     result["ratio"] = result["ours"]["median_step_s"] / result["hf"]["median_step_s"]
     result["max_loss_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(losses["ours"], losses["hf"]))
 
     print(f"\n{'side':<6} {'median s/step':>14} {'tokens/s':>10}")
     for side in ("ours", "hf"):
         print(f"{side:<6} {result[side]['median_step_s']:>14.4f} {result[side]['tokens_per_s']:>10.1f}")
-    print(f"ratio ours/hf = {result['ratio']:.3f} (target <= 1.0); "
-          f"max loss relative difference {result['max_loss_rel_diff']:.2e}")
+    print(
+        f"ratio ours/hf = {result['ratio']:.3f} (target <= 1.0); "
+        f"max loss relative difference {result['max_loss_rel_diff']:.2e}"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     import torch.distributed as dist

@@ -35,6 +35,7 @@ def _timed(times: dict, name: str, fn):
         out = fn(*args, **kwargs)
         times.setdefault(name, []).append(time.perf_counter() - t0)
         return out
+
     return call
 
 
@@ -67,10 +68,13 @@ def main(argv=None) -> None:
     dp, tp, pp = (int(x) for x in args.layout.split(","))
     layout = Layout(dp, tp, pp, args.micro_batch, args.global_batch // (dp * args.micro_batch), dp_mode=args.mode)
     tokens = bench.tokens_for(load_model_config(args.model), args.seq_len)
-    results = run_ranks(job, layout.world_size, args.model, layout, args.seq_len, args.steps, args.warmup, tokens,
-                        timeout=bench.TIMEOUT)
-    print(f"{args.model}, {layout.describe()}, batch {args.global_batch} x {args.seq_len}: seconds per step, "
-          f"median over {args.steps} steps of each rank, then the range over ranks")
+    results = run_ranks(
+        job, layout.world_size, args.model, layout, args.seq_len, args.steps, args.warmup, tokens, timeout=bench.TIMEOUT
+    )
+    print(
+        f"{args.model}, {layout.describe()}, batch {args.global_batch} x {args.seq_len}: seconds per step, "
+        f"median over {args.steps} steps of each rank, then the range over ranks"
+    )
     order = ["step", "forward+backward", "  of which reduce-scatter", "clip", "adamw", "all-gather"]
     for phase in [p for p in order if p in results[0]]:
         medians = [statistics.median(r[phase]) for r in results]

@@ -56,7 +56,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from elastic_trainer.checkpoint import Checkpointer, CheckpointConfig, memory, storage  # noqa: E402
+from elastic_trainer.checkpoint import CheckpointConfig, Checkpointer, memory, storage  # noqa: E402
 from elastic_trainer.config import ModelConfig, TrainConfig, load_model_config  # noqa: E402
 from elastic_trainer.parallel import build_mesh  # noqa: E402
 from elastic_trainer.parallel.local_ranks import run_ranks  # noqa: E402
@@ -99,8 +99,15 @@ def timed(fn):
 
 
 def train_cfg(global_batch: int, seq_len: int) -> TrainConfig:
-    return TrainConfig(global_batch=global_batch, seq_len=seq_len, steps=10**6, seed=SEED, warmup_steps=1,
-                       grad_clip=1.0, weight_decay=0.1)
+    return TrainConfig(
+        global_batch=global_batch,
+        seq_len=seq_len,
+        steps=10**6,
+        seed=SEED,
+        warmup_steps=1,
+        grad_clip=1.0,
+        weight_decay=0.1,
+    )
 
 
 def tokens_for(model: ModelConfig, seq_len: int, samples: int = 256) -> np.ndarray:
@@ -110,8 +117,16 @@ def tokens_for(model: ModelConfig, seq_len: int, samples: int = 256) -> np.ndarr
 # -- DeepSpeed's side -------------------------------------------------------------------------------------------
 
 
-def ds_engine(model_name: str, world_dp: int, stage: int, *, micro: int = 1, gas: int = 1, pipeline: int = 0,
-              extra: dict | None = None):
+def ds_engine(
+    model_name: str,
+    world_dp: int,
+    stage: int,
+    *,
+    micro: int = 1,
+    gas: int = 1,
+    pipeline: int = 0,
+    extra: dict | None = None,
+):
     """A DeepSpeed engine over our GPT (our initialization for SEED), torch AdamW with our decay groups."""
     import deepspeed
 
@@ -130,13 +145,25 @@ def ds_engine(model_name: str, world_dp: int, stage: int, *, micro: int = 1, gas
         pipeline_gpt.copy_weights_into_pipeline(gpt, module)
         del gpt
     params = [p for p in module.parameters()]
-    optimizer = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
-                                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-                                  lr=6e-4, betas=(0.9, 0.95), eps=1e-8)
-    config = {"train_batch_size": world_dp * micro * gas, "train_micro_batch_size_per_gpu": micro,
-              "gradient_accumulation_steps": gas, "zero_optimization": {"stage": stage},
-              "zero_allow_untested_optimizer": True, "gradient_clipping": 1.0, "steps_per_print": 10**9,
-              **(extra or {})}
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=6e-4,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
+    config = {
+        "train_batch_size": world_dp * micro * gas,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": gas,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        **(extra or {}),
+    }
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
     return engine
 
@@ -160,9 +187,11 @@ def ds_fingerprints(engine) -> dict[str, list]:
 
     out = {}
     for name, p in engine.module.named_parameters():
-        for key, get in (("param", lambda: safe_get_full_fp32_param(p)),
-                         ("exp_avg", lambda: safe_get_full_optimizer_state(p, "exp_avg")),
-                         ("exp_avg_sq", lambda: safe_get_full_optimizer_state(p, "exp_avg_sq"))):
+        for key, get in (
+            ("param", lambda: safe_get_full_fp32_param(p)),
+            ("exp_avg", lambda: safe_get_full_optimizer_state(p, "exp_avg")),
+            ("exp_avg_sq", lambda: safe_get_full_optimizer_state(p, "exp_avg_sq")),
+        ):
             t = get().double()
             sums = [t] if t.ndim == 1 else [t.sum(dim=1), t.sum(dim=0)]
             out[f"{key}/{name}"] = [s.tolist() for s in sums]
@@ -181,8 +210,9 @@ def ds_save_job(rank, world, model, folder):
 def ds_load_job(rank, world, model, folder):
     quiet()
     engine = ds_engine(model, world, 1, extra={"checkpoint": {"load_universal": True}})
-    seconds, (path, _) = timed(lambda: engine.load_checkpoint(str(folder), tag=f"{TAG}_universal",
-                                                              load_module_strict=True))
+    seconds, (path, _) = timed(
+        lambda: engine.load_checkpoint(str(folder), tag=f"{TAG}_universal", load_module_strict=True)
+    )
     assert path is not None, "DeepSpeed loaded nothing"
     engine.optimizer._lazy_init_hp_params_optimizer_state()  # link the loaded state to the parameters (no-op if done)
     return {"load_s": seconds, "fingerprints": ds_fingerprints(engine)}
@@ -191,11 +221,20 @@ def ds_load_job(rank, world, model, folder):
 def ds_convert(folder: Path) -> dict:
     """ds_to_universal as its documentation runs it; the interpreter start + DeepSpeed import measured apart."""
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import deepspeed.checkpoint.ds_to_universal"], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, "-c", "import deepspeed.checkpoint.ds_to_universal"], check=True, capture_output=True
+    )
     startup = time.perf_counter() - t0
-    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(folder / TAG),
-           "--output_folder", str(folder / f"{TAG}_universal"), "--inject_missing_state"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder",
+        str(folder / TAG),
+        "--output_folder",
+        str(folder / f"{TAG}_universal"),
+        "--inject_missing_state",
+    ]
     t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True)
     total = time.perf_counter() - t0
@@ -208,9 +247,14 @@ def ds_convert(folder: Path) -> dict:
 
 
 def our_trainer(model: str, layout: Layout, seq_len: int, tokens) -> Trainer:
-    return Trainer(load_model_config(model), train_cfg(layout.dp * layout.micro_batch * layout.num_microbatches,
-                                                       seq_len), layout, build_mesh(layout, "cpu"),
-                   torch.device("cpu"), tokens=tokens)
+    return Trainer(
+        load_model_config(model),
+        train_cfg(layout.dp * layout.micro_batch * layout.num_microbatches, seq_len),
+        layout,
+        build_mesh(layout, "cpu"),
+        torch.device("cpu"),
+        tokens=tokens,
+    )
 
 
 def ours_save_job(rank, world, model, folder, tokens):
@@ -252,9 +296,14 @@ def ours_memory_write_job(rank, world, model, folder, shm, tokens):
     if written.server is not None:
         written.server.stop()
     ck.close()
-    return {"write_s": seconds, "persist_s": persist_s, "durable": durable.path, "bytes": written.bytes,
-            "allocate_s": (written.ahead or {}).get("allocate_s") or 0.0,
-            "fingerprints": prints}
+    return {
+        "write_s": seconds,
+        "persist_s": persist_s,
+        "durable": durable.path,
+        "bytes": written.bytes,
+        "allocate_s": (written.ahead or {}).get("allocate_s") or 0.0,
+        "fingerprints": prints,
+    }
 
 
 def ours_memory_load_job(rank, world, model, folder, shm, tokens):
@@ -273,8 +322,12 @@ def ours_memory_load_job(rank, world, model, folder, shm, tokens):
 
     seconds, (_, stats) = timed(load)
     ck.close()
-    return {"load_s": seconds, "bytes_read": stats.bytes_read, "bytes_fetched": stats.bytes_fetched,
-            "fingerprints": fingerprints(trainer)}
+    return {
+        "load_s": seconds,
+        "bytes_read": stats.bytes_read,
+        "bytes_fetched": stats.bytes_fetched,
+        "fingerprints": fingerprints(trainer),
+    }
 
 
 # -- comparisons --------------------------------------------------------------------------------------------------
@@ -303,14 +356,18 @@ def ours_reconfig(model: str, folder: Path, save_world: int, load_world: int, to
     saved = run_ranks(ours_save_job, save_world, model, folder, tokens, timeout=TIMEOUT)
     loaded = run_ranks(ours_load_job, load_world, model, folder, tokens, timeout=TIMEOUT)
     nbytes = sum(f.stat().st_size for f in Path(saved[0]["path"]).iterdir())
-    return {"save_s": saved[0]["save_s"], "load_s": loaded[0]["load_s"], "bytes": nbytes,
-            "saved": merged(saved), "loaded": merged(loaded)}
+    return {
+        "save_s": saved[0]["save_s"],
+        "load_s": loaded[0]["load_s"],
+        "bytes": nbytes,
+        "saved": merged(saved),
+        "loaded": merged(loaded),
+    }
 
 
 def ours_memory_reconfig(model: str, folder: Path, save_world: int, load_world: int, tokens) -> dict:
     """Our planned path: write_memory on save_world ranks (then persist, apart), load_memory on load_world."""
-    print(f"[reconfig {model}] ours through memory: write on {save_world} ranks, load on {load_world} ...",
-          flush=True)
+    print(f"[reconfig {model}] ours through memory: write on {save_world} ranks, load on {load_world} ...", flush=True)
     shm = Path("/dev/shm") / f"elastic-trainer-vs-deepspeed-{os.getpid()}"
     shutil.rmtree(shm, ignore_errors=True)
     try:
@@ -319,22 +376,38 @@ def ours_memory_reconfig(model: str, folder: Path, save_world: int, load_world: 
     finally:
         shutil.rmtree(shm, ignore_errors=True)
     durable = sum(f.stat().st_size for f in Path(saved[0]["durable"]).iterdir())
-    return {"write_s": saved[0]["write_s"], "load_s": loaded[0]["load_s"], "persist_s": saved[0]["persist_s"],
-            "allocate_s": max(x["allocate_s"] for x in saved),
-            "bytes": saved[0]["bytes"], "durable_bytes": durable, "bytes_fetched": loaded[0]["bytes_fetched"],
-            "saved": merged(saved), "loaded": merged(loaded)}
+    return {
+        "write_s": saved[0]["write_s"],
+        "load_s": loaded[0]["load_s"],
+        "persist_s": saved[0]["persist_s"],
+        "allocate_s": max(x["allocate_s"] for x in saved),
+        "bytes": saved[0]["bytes"],
+        "durable_bytes": durable,
+        "bytes_fetched": loaded[0]["bytes_fetched"],
+        "saved": merged(saved),
+        "loaded": merged(loaded),
+    }
 
 
 def ds_reconfig(model: str, folder: Path, save_world: int, load_world: int) -> dict:
     """DeepSpeed's documented path, back to back: save_checkpoint, ds_to_universal, load_universal."""
-    print(f"[reconfig {model}] DeepSpeed: save on {save_world} ranks, ds_to_universal, load_universal on "
-          f"{load_world} ...", flush=True)
+    print(
+        f"[reconfig {model}] DeepSpeed: save on {save_world} ranks, ds_to_universal, load_universal on "
+        f"{load_world} ...",
+        flush=True,
+    )
     saved = run_ranks(ds_save_job, save_world, model, folder, timeout=TIMEOUT)
     nbytes = sum(f.stat().st_size for f in (folder / TAG).iterdir())
     conv = ds_convert(folder)
     loaded = run_ranks(ds_load_job, load_world, model, folder, timeout=TIMEOUT)
-    return {"save_s": saved[0]["save_s"], **conv, "load_s": loaded[0]["load_s"], "bytes": nbytes,
-            "saved": merged(saved), "loaded": merged(loaded)}
+    return {
+        "save_s": saved[0]["save_s"],
+        **conv,
+        "load_s": loaded[0]["load_s"],
+        "bytes": nbytes,
+        "saved": merged(saved),
+        "loaded": merged(loaded),
+    }
 
 
 def reconfiguration(model: str, scratch: Path, save_world: int, load_world: int, tokens, rounds: int) -> dict:
@@ -343,9 +416,11 @@ def reconfiguration(model: str, scratch: Path, save_world: int, load_world: int,
     other's work in between. Per side the median of the totals and of each phase is reported (with two rounds:
     their means)."""
     runs = {"ours": [], "ours_memory": [], "deepspeed": []}
-    sides = {"ours": lambda: ours_reconfig(model, scratch, save_world, load_world, tokens),
-             "ours_memory": lambda: ours_memory_reconfig(model, scratch, save_world, load_world, tokens),
-             "deepspeed": lambda: ds_reconfig(model, scratch, save_world, load_world)}
+    sides = {
+        "ours": lambda: ours_reconfig(model, scratch, save_world, load_world, tokens),
+        "ours_memory": lambda: ours_memory_reconfig(model, scratch, save_world, load_world, tokens),
+        "deepspeed": lambda: ds_reconfig(model, scratch, save_world, load_world),
+    }
     for r in range(rounds):
         order = list(sides) if r % 2 == 0 else list(reversed(sides))
         for side in order:
@@ -364,19 +439,38 @@ def reconfiguration(model: str, scratch: Path, save_world: int, load_world: int,
     ds_phases = ("save_s", "convert_s", "convert_with_startup_s", "startup_s", "load_s")
     m_phases = ("write_s", "load_s", "persist_s", "allocate_s")
     ours_s, memory_s, ds_s = statistics.median(o_tot), statistics.median(m_tot), statistics.median(d_tot)
-    return {"model": model, "save_ranks": save_world, "load_ranks": load_world, "rounds": rounds,
-            "ours_bytes": o["bytes"], "deepspeed_bytes": d["bytes"],
-            "ours": {**{k: statistics.median(x[k] for x in o_runs) for k in phases}, "totals_s": o_tot,
-                     "reloaded_max_rel_diff": max(max_rel_diff(x["saved"], x["loaded"]) for x in o_runs)},
-            "ours_memory": {**{k: statistics.median(x[k] for x in m_runs) for k in m_phases}, "totals_s": m_tot,
-                            "bytes": m_runs[0]["bytes"], "durable_bytes": m_runs[0]["durable_bytes"],
-                            "bytes_fetched": max(x["bytes_fetched"] for x in m_runs),
-                            "reloaded_max_rel_diff": max(max_rel_diff(x["saved"], x["loaded"]) for x in m_runs)},
-            "deepspeed": {**{k: statistics.median(x[k] for x in d_runs) for k in ds_phases}, "totals_s": d_tot,
-                          "reloaded_max_rel_diff": max(max_rel_diff(x["saved"], x["loaded"]) for x in d_runs)},
-            "initial_weights_max_rel_diff": same_init,
-            "ours_s": ours_s, "deepspeed_s": ds_s, "ratio": ds_s / ours_s,
-            "ours_memory_s": memory_s, "ratio_memory": ds_s / memory_s}
+    return {
+        "model": model,
+        "save_ranks": save_world,
+        "load_ranks": load_world,
+        "rounds": rounds,
+        "ours_bytes": o["bytes"],
+        "deepspeed_bytes": d["bytes"],
+        "ours": {
+            **{k: statistics.median(x[k] for x in o_runs) for k in phases},
+            "totals_s": o_tot,
+            "reloaded_max_rel_diff": max(max_rel_diff(x["saved"], x["loaded"]) for x in o_runs),
+        },
+        "ours_memory": {
+            **{k: statistics.median(x[k] for x in m_runs) for k in m_phases},
+            "totals_s": m_tot,
+            "bytes": m_runs[0]["bytes"],
+            "durable_bytes": m_runs[0]["durable_bytes"],
+            "bytes_fetched": max(x["bytes_fetched"] for x in m_runs),
+            "reloaded_max_rel_diff": max(max_rel_diff(x["saved"], x["loaded"]) for x in m_runs),
+        },
+        "deepspeed": {
+            **{k: statistics.median(x[k] for x in d_runs) for k in ds_phases},
+            "totals_s": d_tot,
+            "reloaded_max_rel_diff": max(max_rel_diff(x["saved"], x["loaded"]) for x in d_runs),
+        },
+        "initial_weights_max_rel_diff": same_init,
+        "ours_s": ours_s,
+        "deepspeed_s": ds_s,
+        "ratio": ds_s / ours_s,
+        "ours_memory_s": memory_s,
+        "ratio_memory": ds_s / memory_s,
+    }
 
 
 # -- step time --------------------------------------------------------------------------------------------------
@@ -406,7 +500,7 @@ def ds_steps_job(rank, world, model, kind, seq_len, global_batch, micro, steps, 
     times = []
     for i in range(warmup + steps):
         start = (i * global_batch + dp_rank * micro * gas) % (len(samples) - micro * gas)
-        batch = samples[start:start + micro * gas]
+        batch = samples[start : start + micro * gas]
         micro_batches = [(b[:, :-1], b[:, 1:]) for b in batch.split(micro)]
 
         def step():
@@ -432,8 +526,17 @@ STEP_CASES = {  # name: (our layout degrees (dp, tp, pp), our dp mode, DeepSpeed
 }
 
 
-def step_time(model: str, seq_len: int, global_batch: int, micro: int, steps: int, warmup: int, rounds: int,
-              tokens, cases: list[str] | None = None) -> dict:
+def step_time(
+    model: str,
+    seq_len: int,
+    global_batch: int,
+    micro: int,
+    steps: int,
+    warmup: int,
+    rounds: int,
+    tokens,
+    cases: list[str] | None = None,
+) -> dict:
     out = {}
     for name, ((dp, tp, pp), mode, kind) in STEP_CASES.items():
         if cases and name not in cases:
@@ -444,11 +547,19 @@ def step_time(model: str, seq_len: int, global_batch: int, micro: int, steps: in
             print(f"[step {name}] round {r + 1}/{rounds}: ours ...", flush=True)
             ours += run_ranks(ours_steps_job, 4, model, layout, seq_len, steps, warmup, tokens, timeout=TIMEOUT)[0]
             print(f"[step {name}] round {r + 1}/{rounds}: DeepSpeed ...", flush=True)
-            theirs += run_ranks(ds_steps_job, 4, model, kind, seq_len, global_batch, micro, steps, warmup, tokens,
-                                timeout=TIMEOUT)[0]
+            theirs += run_ranks(
+                ds_steps_job, 4, model, kind, seq_len, global_batch, micro, steps, warmup, tokens, timeout=TIMEOUT
+            )[0]
         o, d = statistics.median(ours), statistics.median(theirs)
-        out[name] = {"layout": layout.describe(), "deepspeed": kind, "ours_steps_s": ours, "deepspeed_steps_s": theirs,
-                     "ours_s": o, "deepspeed_s": d, "ratio": d / o}
+        out[name] = {
+            "layout": layout.describe(),
+            "deepspeed": kind,
+            "ours_steps_s": ours,
+            "deepspeed_steps_s": theirs,
+            "ours_s": o,
+            "deepspeed_s": d,
+            "ratio": d / o,
+        }
     return out
 
 
@@ -464,8 +575,10 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=3, help="measured steps per run")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--rounds", type=int, default=2, help="alternations of the two systems per step case")
-    p.add_argument("--step-cases", help="comma-separated names of STEP_CASES to run (default: all), e.g. 'dp4: "
-                                        "replicated (ddp) vs ZeRO-1'")
+    p.add_argument(
+        "--step-cases",
+        help="comma-separated names of STEP_CASES to run (default: all), e.g. 'dp4: replicated (ddp) vs ZeRO-1'",
+    )
     p.add_argument("--dir", default="/tmp/elastic-trainer-vs-deepspeed", help="scratch folder")
     p.add_argument("--out", default=str(Path(__file__).with_name("results.json")))
     args = p.parse_args(argv)
@@ -480,19 +593,38 @@ def main(argv=None) -> None:
     if args.only in (None, "reconfig"):
         results.setdefault("reconfiguration", {})
         for model in args.reconfig_models.split(","):
-            r = reconfiguration(model, Path(args.dir) / model, 4, 2,
-                                tokens_for(load_model_config(model), args.seq_len), args.reconfig_rounds)
+            r = reconfiguration(
+                model,
+                Path(args.dir) / model,
+                4,
+                2,
+                tokens_for(load_model_config(model), args.seq_len),
+                args.reconfig_rounds,
+            )
             results["reconfiguration"][model] = r
             out_path.write_text(json.dumps(results, indent=1) + "\n")
     if args.only in (None, "step"):
         model = load_model_config(args.step_model)
         previous = results.get("step_time", {})
-        settings = {"model": args.step_model, "seq_len": args.seq_len, "global_batch": args.global_batch,
-                    "micro_batch": args.micro_batch}
+        settings = {
+            "model": args.step_model,
+            "seq_len": args.seq_len,
+            "global_batch": args.global_batch,
+            "micro_batch": args.micro_batch,
+        }
         kept = previous.get("cases", {}) if all(previous.get(k) == v for k, v in settings.items()) else {}
         wanted = args.step_cases.split(",") if args.step_cases else None
-        cases = step_time(args.step_model, args.seq_len, args.global_batch, args.micro_batch, args.steps,
-                          args.warmup, args.rounds, tokens_for(model, args.seq_len), wanted)
+        cases = step_time(
+            args.step_model,
+            args.seq_len,
+            args.global_batch,
+            args.micro_batch,
+            args.steps,
+            args.warmup,
+            args.rounds,
+            tokens_for(model, args.seq_len),
+            wanted,
+        )
         results["step_time"] = {**settings, "cases": {**kept, **cases}}
         out_path.write_text(json.dumps(results, indent=1) + "\n")
     report(results)
@@ -506,29 +638,42 @@ def _runs(side: dict) -> str:
 def report(results: dict) -> None:
     for model, r in results.get("reconfiguration", {}).items():
         o, d = r["ours"], r["deepspeed"]
-        print(f"\nreconfiguration {model}: {r['save_ranks']} ranks -> {r['load_ranks']} ranks, "
-              f"ours {r['ours_bytes'] / 1e9:.2f} GB, DeepSpeed {r['deepspeed_bytes'] / 1e9:.2f} GB")
-        print(f"  ours       save {o['save_s']:6.1f} s                          load {o['load_s']:6.1f} s"
-              f"   total {r['ours_s']:6.1f} s {_runs(o)}  reloaded max rel diff {o['reloaded_max_rel_diff']:.1e}")
+        print(
+            f"\nreconfiguration {model}: {r['save_ranks']} ranks -> {r['load_ranks']} ranks, "
+            f"ours {r['ours_bytes'] / 1e9:.2f} GB, DeepSpeed {r['deepspeed_bytes'] / 1e9:.2f} GB"
+        )
+        print(
+            f"  ours       save {o['save_s']:6.1f} s                          load {o['load_s']:6.1f} s"
+            f"   total {r['ours_s']:6.1f} s {_runs(o)}  reloaded max rel diff {o['reloaded_max_rel_diff']:.1e}"
+        )
         m = r.get("ours_memory")
         if m:
-            print(f"  ours mem   write {m['write_s']:5.1f} s                          load {m['load_s']:6.1f} s"
-                  f"   total {r['ours_memory_s']:6.1f} s {_runs(m)}  reloaded max rel diff "
-                  f"{m['reloaded_max_rel_diff']:.1e}   (off the critical path: files allocated ahead "
-                  f"{m['allocate_s']:.1f} s, persist {m['persist_s']:.1f} s)")
-        print(f"  DeepSpeed  save {d['save_s']:6.1f} s  ds_to_universal {d['convert_s']:6.1f} s "
-              f"(+{d['startup_s']:.1f} s start)  load {d['load_s']:6.1f} s   total {r['deepspeed_s']:6.1f} s {_runs(d)}  "
-              f"reloaded max rel diff {d['reloaded_max_rel_diff']:.1e}")
-        print(f"  ratio deepspeed/ours {r['ratio']:.2f}"
-              + (f", deepspeed/ours through memory {r['ratio_memory']:.2f}" if "ratio_memory" in r else "")
-              + f"   (same initial weights: max rel diff {r['initial_weights_max_rel_diff']:.1e})")
+            print(
+                f"  ours mem   write {m['write_s']:5.1f} s                          load {m['load_s']:6.1f} s"
+                f"   total {r['ours_memory_s']:6.1f} s {_runs(m)}  reloaded max rel diff "
+                f"{m['reloaded_max_rel_diff']:.1e}   (off the critical path: files allocated ahead "
+                f"{m['allocate_s']:.1f} s, persist {m['persist_s']:.1f} s)"
+            )
+        print(
+            f"  DeepSpeed  save {d['save_s']:6.1f} s  ds_to_universal {d['convert_s']:6.1f} s "
+            f"(+{d['startup_s']:.1f} s start)  load {d['load_s']:6.1f} s   total {r['deepspeed_s']:6.1f} s {_runs(d)}  "
+            f"reloaded max rel diff {d['reloaded_max_rel_diff']:.1e}"
+        )
+        print(
+            f"  ratio deepspeed/ours {r['ratio']:.2f}"
+            + (f", deepspeed/ours through memory {r['ratio_memory']:.2f}" if "ratio_memory" in r else "")
+            + f"   (same initial weights: max rel diff {r['initial_weights_max_rel_diff']:.1e})"
+        )
     st = results.get("step_time")
     if st:
-        print(f"\nstep time {st['model']}, global batch {st['global_batch']} x {st['seq_len']} tokens, "
-              f"micro-batch {st['micro_batch']}, 4 ranks (medians)")
+        print(
+            f"\nstep time {st['model']}, global batch {st['global_batch']} x {st['seq_len']} tokens, "
+            f"micro-batch {st['micro_batch']}, 4 ranks (medians)"
+        )
         for name, c in st["cases"].items():
-            print(f"  {name:<44} ours {c['ours_s']:6.2f} s   DeepSpeed {c['deepspeed_s']:6.2f} s   "
-                  f"ratio {c['ratio']:.2f}")
+            print(
+                f"  {name:<44} ours {c['ours_s']:6.2f} s   DeepSpeed {c['deepspeed_s']:6.2f} s   ratio {c['ratio']:.2f}"
+            )
 
 
 if __name__ == "__main__":

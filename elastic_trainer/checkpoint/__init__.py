@@ -3,8 +3,7 @@ integrity checks, retention, asynchronous saving, and safe (allowlisted) loading
 state without a Trainer or a process group (for importers of other formats, `elastic_trainer.interop`)."""
 
 from elastic_trainer.checkpoint.manager import Checkpointer, LoadStats, SaveStats
-from elastic_trainer.config import CheckpointConfig
 from elastic_trainer.checkpoint.storage import complete_checkpoints
-from elastic_trainer.config import CheckpointError
+from elastic_trainer.config import CheckpointConfig, CheckpointError
 
 __all__ = ["CheckpointConfig", "Checkpointer", "LoadStats", "SaveStats", "CheckpointError", "complete_checkpoints"]

@@ -25,14 +25,14 @@ def fault(point: str, step: int) -> None:
         where, _, rest = spec.partition(":")
         at, _, marker = rest.partition(":")
         if where not in FAULT_POINTS or not at.isdigit() or not marker:
-            raise ConfigError(f"{FAULT_ENV}: {spec!r} is not POINT:STEP:MARKER with POINT one of "
-                              f"{', '.join(FAULT_POINTS)}")
+            raise ConfigError(
+                f"{FAULT_ENV}: {spec!r} is not POINT:STEP:MARKER with POINT one of {', '.join(FAULT_POINTS)}"
+            )
         if where != point or int(at) != step:
             continue
         try:
             os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
         except FileExistsError:
             continue
-        print(f"[checkpoint] {FAULT_ENV}: killing this process at {point!r} in the commit of step {step}",
-              flush=True)
+        print(f"[checkpoint] {FAULT_ENV}: killing this process at {point!r} in the commit of step {step}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)

@@ -27,9 +27,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from elastic_trainer.checkpoint import memory, planned, raw, spare
+from elastic_trainer.checkpoint import hashing, memory, planned, raw, spare, storage
 from elastic_trainer.checkpoint import state as ckpt_state
-from elastic_trainer.checkpoint import hashing, storage
 from elastic_trainer.checkpoint.storage import first_failure as _first_failure
 from elastic_trainer.config import CheckpointConfig
 from elastic_trainer.test_hooks import count
@@ -119,8 +118,16 @@ class Checkpointer:
         self._last_save_time = time.monotonic()
         return stats
 
-    def _finish(self, upload, tmp: Path, meta: dict, stats: SaveStats, t0: float,
-                written: dict[str, dict] | None = None, keep: str | None = None) -> None:
+    def _finish(
+        self,
+        upload,
+        tmp: Path,
+        meta: dict,
+        stats: SaveStats,
+        t0: float,
+        written: dict[str, dict] | None = None,
+        keep: str | None = None,
+    ) -> None:
         if upload is not None:
             upload.result()  # this rank's files are written
         mine = sorted(p.name for p in tmp.glob(f"__{self.rank}_*.distcp"))
@@ -136,8 +143,10 @@ class Checkpointer:
                 removed = storage.remove_old(self.root, self.cfg.keep)
                 outcome = [str(final)]
                 note = f", removed {', '.join(p.name for p in removed)}" if removed else ""
-                self.log(f"[checkpoint] step {meta['step']} saved to {final} in "
-                         f"{time.perf_counter() - t0:.2f} s{note}", flush=True)
+                self.log(
+                    f"[checkpoint] step {meta['step']} saved to {final} in {time.perf_counter() - t0:.2f} s{note}",
+                    flush=True,
+                )
             except Exception as e:  # whatever it is, every rank must hear it: they wait in the broadcast below
                 outcome = [f"error: {e}" if isinstance(e, OSError) else f"error: {type(e).__name__}: {e}"]
         dist.broadcast_object_list(outcome, src=0, group=self.pg)
@@ -157,8 +166,7 @@ class Checkpointer:
         except (Exception, CheckpointException) as e:  # noqa: BLE001  (DCP raises on every rank alike)
             self._prepared = None
             why = _first_failure(e) if isinstance(e, CheckpointException) else repr(e)
-            self.log(f"[checkpoint] planning the hand-over's write failed ({why}); DCP will plan it then",
-                     flush=True)
+            self.log(f"[checkpoint] planning the hand-over's write failed ({why}); DCP will plan it then", flush=True)
 
     def allocate_memory(self, wait: bool = False) -> bool:
         """Start allocating the planned hand-over's files in this host's memory (a thread; checkpoint/spare.py),
@@ -185,8 +193,7 @@ class Checkpointer:
         spares, self._spares = self._spares, None
         files, waited = spares.take() if spares is not None else ({}, 0.0)
         try:
-            written = memory.write(self.pg, trainer, self.cfg.dir, self.run_id, prepared, say=self.log,
-                                   spares=files)
+            written = memory.write(self.pg, trainer, self.cfg.dir, self.run_id, prepared, say=self.log, spares=files)
         finally:
             if spares is not None:
                 spares.remove()  # what the write did not take (a plan gone stale, a failure)
@@ -204,8 +211,9 @@ class Checkpointer:
         os.makedirs(tmp, exist_ok=True)
         digests = raw.to_durable(self.pg, written.folder, written.pieces, tmp)
         stats = SaveStats(step=step, stall_s=0.0)
-        self._finish(None, tmp, written.record["meta"], stats, t0, digests,
-                     keep=None if release else written.record["name"])
+        self._finish(
+            None, tmp, written.record["meta"], stats, t0, digests, keep=None if release else written.record["name"]
+        )
         self.history.append(stats)
         self.last_saved_step = step
         return stats
@@ -225,11 +233,22 @@ class Checkpointer:
         ckpt_state.check_compatible(meta, trainer.model_cfg, trainer.cfg, where, ckpt_state.data_id_of(trainer))
         stats = memory.load(self.pg, trainer, found, self.cfg.dir, self.run_id)
         self.last_saved_step = found.step
-        self.log(f"[checkpoint] resumed step {found.step} from memory ({stats.bytes_read / 1e6:.1f} MB read, "
-                 f"{stats.bytes_fetched / 1e6:.1f} MB of it from other hosts; saved with dp={meta['layout']['dp']} "
-                 f"tp={meta['layout']['tp']} pp={meta['layout']['pp']}) in {stats.total_s:.2f} s", flush=True)
-        return LoadStats(found.step, f"memory:{found.name}", meta["layout"], 0.0, stats.fetch_s + stats.read_s,
-                         0.0, stats.total_s, meta), stats
+        self.log(
+            f"[checkpoint] resumed step {found.step} from memory ({stats.bytes_read / 1e6:.1f} MB read, "
+            f"{stats.bytes_fetched / 1e6:.1f} MB of it from other hosts; saved with dp={meta['layout']['dp']} "
+            f"tp={meta['layout']['tp']} pp={meta['layout']['pp']}) in {stats.total_s:.2f} s",
+            flush=True,
+        )
+        return LoadStats(
+            found.step,
+            f"memory:{found.name}",
+            meta["layout"],
+            0.0,
+            stats.fetch_s + stats.read_s,
+            0.0,
+            stats.total_s,
+            meta,
+        ), stats
 
     def wait(self) -> None:
         """Join an in-flight asynchronous save (re-raising its error)."""
@@ -276,8 +295,9 @@ class Checkpointer:
         """Reshard the newest good checkpoint of `source` into `trainer` (None if there is none)."""
         return self.load_first(trainer, self.candidates(source), strict=source != "auto", verify=verify)
 
-    def load_first(self, trainer, folders: list[Path], strict: bool = False,
-                   verify: bool | None = None) -> LoadStats | None:
+    def load_first(
+        self, trainer, folders: list[Path], strict: bool = False, verify: bool | None = None
+    ) -> LoadStats | None:
         """Load the first of `folders` that passes verification; with `strict` a failing one is an error
         instead of being skipped. `verify` overrides the config's checksum verification."""
         checksums = self.cfg.verify if verify is None else verify
@@ -293,14 +313,19 @@ class Checkpointer:
                 skipped.append(error)
                 continue
             meta = storage.read_meta(folder)
-            ckpt_state.check_compatible(meta, trainer.model_cfg, trainer.cfg, str(folder),
-                                        ckpt_state.data_id_of(trainer))
+            ckpt_state.check_compatible(
+                meta, trainer.model_cfg, trainer.cfg, str(folder), ckpt_state.data_id_of(trainer)
+            )
             t1 = time.perf_counter()
             state = ckpt_state.tensor_state(trainer)
             try:
                 known = self._metadata[1] if self._metadata and self._metadata[0] == folder else None
-                dcp.load(state, storage_reader=storage.SafeReader(str(folder), metadata=known),
-                         planner=storage.SafeLoadPlanner(), process_group=self.pg)
+                dcp.load(
+                    state,
+                    storage_reader=storage.SafeReader(str(folder), metadata=known),
+                    planner=storage.SafeLoadPlanner(),
+                    process_group=self.pg,
+                )
             except CheckpointException as e:  # a BaseException carrying every rank's error
                 raise storage.CheckpointError(f"loading {folder.name} failed: {_first_failure(e)}") from None
             t2 = time.perf_counter()
@@ -310,8 +335,11 @@ class Checkpointer:
             t3 = time.perf_counter()
             stats = LoadStats(meta["step"], str(folder), meta["layout"], t1 - t0, t2 - t1, t3 - t2, t3 - t0, meta)
             saved = meta["layout"]
-            self.log(f"[checkpoint] resumed step {meta['step']} from {folder} (saved with dp={saved['dp']} "
-                     f"tp={saved['tp']} pp={saved['pp']}) in {stats.total_s:.2f} s", flush=True)
+            self.log(
+                f"[checkpoint] resumed step {meta['step']} from {folder} (saved with dp={saved['dp']} "
+                f"tp={saved['tp']} pp={saved['pp']}) in {stats.total_s:.2f} s",
+                flush=True,
+            )
             return stats
         if skipped:
             raise storage.none_resumable(folders[0].parent, skipped)

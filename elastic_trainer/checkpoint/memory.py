@@ -42,9 +42,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic_trainer.checkpoint import faults, host_folders, planned, raw, spare, staging, storage
 from elastic_trainer.checkpoint import state as ckpt_state
+from elastic_trainer.checkpoint.host_folders import SHM_ENV, host_root  # noqa: F401 (SHM_ENV: for callers of memory)
 from elastic_trainer.checkpoint.transfer import Server, fetch_file, gather_pieces
 from elastic_trainer.config import CheckpointError
-from elastic_trainer.checkpoint.host_folders import SHM_ENV, host_root  # noqa: F401 (SHM_ENV: for callers of memory)
 from elastic_trainer.elastic.handover import host_name
 
 STATE_FILE = "state.json"
@@ -84,8 +84,15 @@ class Written:
         return self.record["step"]
 
 
-def write(pg, trainer, checkpoint_dir: str, run_id: str, prepared: planned.Prepared | None = None,
-          say=print, spares: dict[str, Path] | None = None) -> Written:
+def write(
+    pg,
+    trainer,
+    checkpoint_dir: str,
+    run_id: str,
+    prepared: planned.Prepared | None = None,
+    say=print,
+    spares: dict[str, Path] | None = None,
+) -> Written:
     """Write `trainer`'s state into each rank's host memory (a collective of `pg`); rank 0 records it.
     `prepared`: the write planned ahead (`prepare`), used when it still fits the state; `spares`: its files,
     allocated ahead (spare.py)."""
@@ -118,11 +125,21 @@ def write(pg, trainer, checkpoint_dir: str, run_id: str, prepared: planned.Prepa
     dist.gather_object((mine, address, late), second, dst=0, group=pg)
     outcome = [None]
     if rank == 0:  # the record, made and written here, reaches every rank through the broadcast
-        files = {f: {"bytes": size, "host": hosts[r]} for r, (got, _, _) in enumerate(second)
-                 for f, size in got.items()}
-        outcome = [{"format": FORMAT, "name": name, "step": trainer.step, "token": token,
-                    "meta": ckpt_state.build_meta(trainer), "files": files,
-                    "servers": {hosts[r]: a for r, (_, a, _) in enumerate(second) if a}, "written": time.time()}]
+        files = {
+            f: {"bytes": size, "host": hosts[r]} for r, (got, _, _) in enumerate(second) for f, size in got.items()
+        }
+        outcome = [
+            {
+                "format": FORMAT,
+                "name": name,
+                "step": trainer.step,
+                "token": token,
+                "meta": ckpt_state.build_meta(trainer),
+                "files": files,
+                "servers": {hosts[r]: a for r, (_, a, _) in enumerate(second) if a},
+                "written": time.time(),
+            }
+        ]
         try:
             if late is not None:  # planned: the metadata is completed and written here
                 done = planned.metadata(prepared, [got for _, _, got in second], raw.Writer(folder).storage_meta())
@@ -152,6 +169,7 @@ def prepare(pg, trainer) -> planned.Prepared:
 
 
 # -- the next world: find and load -----------------------------------------------------------------------
+
 
 @dataclass
 class Found:
@@ -213,8 +231,10 @@ def discover(pg, checkpoint_dir: str, live: dict | None = None) -> list[Found]:
         if record.get("format") not in READERS:  # written by a version whose files this one cannot read
             continue
         serving = record["servers"] if live and name == live["name"] else {}  # the stopping world's, still up
-        if all(present.get(name, {}).get(f, {}).get(info["host"]) == info["bytes"] or info["host"] in serving
-               for f, info in record["files"].items()):
+        if all(
+            present.get(name, {}).get(f, {}).get(info["host"]) == info["bytes"] or info["host"] in serving
+            for f, info in record["files"].items()
+        ):
             # this world's hosts serve their own files (load starts their servers); the stopping world's
             # servers are asked only for the files of hosts this world has no rank on
             found.append(Found(record, hosts, {h: a for h, a in serving.items() if h not in hosts}))
@@ -261,8 +281,12 @@ def load(pg, trainer, found: Found, checkpoint_dir: str, run_id: str) -> Handove
     state = ckpt_state.tensor_state(trainer)
     planner = _PlannedOnce()
     planner.set_up_planner(state, metadata, rank == 0)
-    ranges = sorted({(i.relative_path, i.offset, i.length) for i in
-                     (metadata.storage_data[item.storage_index] for item in planner.create_local_plan().items)})
+    ranges = sorted(
+        {
+            (i.relative_path, i.offset, i.length)
+            for i in (metadata.storage_data[item.storage_index] for item in planner.create_local_plan().items)
+        }
+    )
     folder = root / f"{LOAD_PREFIX}{found.name}-{run_id}"
     folder.mkdir(parents=True, exist_ok=True)
     t1 = time.perf_counter()
@@ -287,9 +311,17 @@ def load(pg, trainer, found: Found, checkpoint_dir: str, run_id: str) -> Handove
     ckpt_state.apply_tensor_state(trainer, state)
     trainer.restore(record["step"], ckpt_state.resumed_config(record["meta"], trainer.cfg))
     t3 = time.perf_counter()
-    return HandoverStats(record["step"], found.name, sum(f["bytes"] for f in record["files"].values()),
-                         sum(t[0] for t in totals), sum(t[1] for t in totals), t2 - t1, t3 - t2, t3 - t0,
-                         len(set(hosts)))
+    return HandoverStats(
+        record["step"],
+        found.name,
+        sum(f["bytes"] for f in record["files"].values()),
+        sum(t[0] for t in totals),
+        sum(t[1] for t in totals),
+        t2 - t1,
+        t3 - t2,
+        t3 - t0,
+        len(set(hosts)),
+    )
 
 
 class _PlannedOnce(storage.SafeLoadPlanner):
@@ -328,6 +360,7 @@ def _metadata(pg, found: Found, hosts: list[str], root: Path):
 
 
 # -- removal ---------------------------------------------------------------------------------------------
+
 
 def drop(checkpoint_dir: str, up_to_step: int, keep: str | None = None) -> list[str]:
     """Remove this host's in-memory states of steps <= `up_to_step` (a durable checkpoint holds them) and the

@@ -21,8 +21,10 @@ def resolve(path: str | Path) -> tuple[Path, list[Path]]:
     """(the checkpoint folder to read, all complete checkpoints) for a checkpoint folder or a root."""
     path = Path(path)
     if not path.exists():
-        raise storage.CheckpointError(f"{str(path)!r} does not exist (valid: a checkpoint folder or a checkpoint "
-                                      "root such as runs/default/checkpoints)")
+        raise storage.CheckpointError(
+            f"{str(path)!r} does not exist (valid: a checkpoint folder or a checkpoint "
+            "root such as runs/default/checkpoints)"
+        )
     if not path.is_dir():
         raise storage.CheckpointError(f"{str(path)!r} is a file, not a checkpoint folder or root")
     if (path / storage.META).exists():
@@ -55,11 +57,21 @@ def summarize(folder: Path, verify: bool = True) -> dict:
             integrity = f"ok ({len(files)} files, {storage.HASH} checksums match)"
         except storage.CheckpointError as e:
             integrity = f"FAILED: {e}"
-    return {"path": str(folder), "step": meta["step"], "consumed_samples": meta.get("consumed_samples", 0),
-            "saved_at": meta.get("saved_at"), "layout": meta["layout"], "world_size": meta.get("world_size"),
-            "model": meta["model"], "train": meta["train"], "versions": meta.get("versions", {}),
-            "state": groups, "files": len(files), "file_bytes": sum(f["bytes"] for f in files.values()),
-            "integrity": integrity}
+    return {
+        "path": str(folder),
+        "step": meta["step"],
+        "consumed_samples": meta.get("consumed_samples", 0),
+        "saved_at": meta.get("saved_at"),
+        "layout": meta["layout"],
+        "world_size": meta.get("world_size"),
+        "model": meta["model"],
+        "train": meta["train"],
+        "versions": meta.get("versions", {}),
+        "state": groups,
+        "files": len(files),
+        "file_bytes": sum(f["bytes"] for f in files.values()),
+        "integrity": integrity,
+    }
 
 
 def format_summary(s: dict, others: list[Path]) -> str:
@@ -76,11 +88,13 @@ def format_summary(s: dict, others: list[Path]) -> str:
         f"schedule {t['schedule_steps']} steps, data {', '.join(t['data'])}",
     ]
     for name, g in sorted(s["state"].items()):
-        lines.append(f"{name:<12} {g['tensors']} tensors, {g['elements']:,} elements, "
-                     f"{g['bytes'] / 1e9:.3f} GB" + (f", {g['other']} other values" if g["other"] else ""))
+        lines.append(
+            f"{name:<12} {g['tensors']} tensors, {g['elements']:,} elements, "
+            f"{g['bytes'] / 1e9:.3f} GB" + (f", {g['other']} other values" if g["other"] else "")
+        )
     lines.append(f"files        {s['files']} files, {s['file_bytes'] / 1e9:.3f} GB")
     lines.append(f"integrity    {s['integrity']}")
-    lines.append(f"versions     " + ", ".join(f"{k} {v}" for k, v in s["versions"].items()))
+    lines.append("versions     " + ", ".join(f"{k} {v}" for k, v in s["versions"].items()))
     if len(others) > 1:
         lines.append("complete     " + ", ".join(p.name for p in others))
     return "\n".join(lines)
@@ -97,8 +111,7 @@ def load_model_weights(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tenso
     state = {"model": {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in shapes.items()}}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, storage_reader=storage.SafeReader(str(folder)), planner=storage.SafeLoadPlanner(),
-                 no_dist=True)
+        dcp.load(state, storage_reader=storage.SafeReader(str(folder)), planner=storage.SafeLoadPlanner(), no_dist=True)
     return cfg, state["model"]
 
 
@@ -108,8 +121,10 @@ def export_hf(source: str | Path, out: str | Path) -> Path:
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise storage.CheckpointError(f"output {str(out)!r} is {'a file' if not out.is_dir() else 'a folder that is not empty'}"
-                                      " (valid: a new or empty folder)")
+        raise storage.CheckpointError(
+            f"output {str(out)!r} is {'a file' if not out.is_dir() else 'a folder that is not empty'}"
+            " (valid: a new or empty folder)"
+        )
     from elastic_trainer.preflight import check_dir_target
 
     check_dir_target(out, "output")

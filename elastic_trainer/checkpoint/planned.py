@@ -74,8 +74,15 @@ def sizes(prepared: Prepared) -> dict[str, int]:
     return out
 
 
-def write_files(pg, state: dict, threads: int, folder: Path, prepared: Prepared | None, say=print,
-                spares: dict[str, Path] | None = None):
+def write_files(
+    pg,
+    state: dict,
+    threads: int,
+    folder: Path,
+    prepared: Prepared | None,
+    say=print,
+    spares: dict[str, Path] | None = None,
+):
     """Each rank's files of `state` in `folder`: as `prepared` says when it fits every rank's state (then the
     places of the non-tensor items, which complete the metadata on rank 0), else through DCP's save (then
     None: DCP has written the metadata); and this rank's pieces. `spares`: files allocated for the planned
@@ -95,8 +102,11 @@ def write_files(pg, state: dict, threads: int, folder: Path, prepared: Prepared 
             raise CheckpointError(f"writing the state to memory failed ({failed[0]})")
         if not any(statuses):
             return late, pieces
-        say(f"[checkpoint] the planned hand-over does not fit the state "
-            f"({next(why for _, why in filter(None, statuses))}); planning it now", flush=True)
+        say(
+            f"[checkpoint] the planned hand-over does not fit the state "
+            f"({next(why for _, why in filter(None, statuses))}); planning it now",
+            flush=True,
+        )
         for stale in [*folder.glob(f"__{dist.get_rank()}_*{raw.SUFFIX}"), *(spares or {}).values()]:
             stale.unlink(missing_ok=True)  # before DCP writes the state again
     writer = raw.Writer(folder, thread_count=threads)
@@ -104,8 +114,9 @@ def write_files(pg, state: dict, threads: int, folder: Path, prepared: Prepared 
     return None, writer.pieces
 
 
-def write(prepared: Prepared, state: dict, folder, spares: dict[str, Path] | None = None
-          ) -> tuple[list[tuple[str, int, int]], dict]:
+def write(
+    prepared: Prepared, state: dict, folder, spares: dict[str, Path] | None = None
+) -> tuple[list[tuple[str, int, int]], dict]:
     """This rank's part of `state` into `folder` as `prepared` says: the (file, offset, length) of each of its
     non-tensor items in `prepared.late`'s order, and its pieces (`raw.Writer.pieces`). raw.StalePlan when the
     plan does not fit the state."""
@@ -116,8 +127,11 @@ def write(prepared: Prepared, state: dict, folder, spares: dict[str, Path] | Non
         raise raw.StalePlan(f"the state's items changed since it was planned ({len(changed)}, e.g. {changed[0]})")
     writer = raw.Writer(folder, thread_count=prepared.threads, spares=spares)
     results = writer.write_data(prepared.plan, planner).value()
-    late = [(r.storage_data.relative_path, r.storage_data.offset, r.storage_data.length) for r in results
-            if writer.pieces[r.index].is_bytes]
+    late = [
+        (r.storage_data.relative_path, r.storage_data.offset, r.storage_data.length)
+        for r in results
+        if writer.pieces[r.index].is_bytes
+    ]
     return late, writer.pieces
 
 
@@ -149,15 +163,19 @@ class _Dry(raw.Writer):
         self.plan, self.keys = plan, frozenset(planner.state_dict)
         files = raw.files_of(plan, self.thread_count)
         places = raw.tensor_places(files)
-        results = [WriteResult(index=item.index, size_in_bytes=0,
-                               storage_data=places.get(item.index, _StorageInfo(name, -1, -1)))
-                   for name, items in files for item in items]
+        results = [
+            WriteResult(
+                index=item.index, size_in_bytes=0, storage_data=places.get(item.index, _StorageInfo(name, -1, -1))
+            )
+            for name, items in files
+            for item in items
+        ]
         return raw.done_future(results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.version = CURRENT_DCP_VERSION  # what DCP's FileSystemWriter.finish records
         self.late = [[r.index for r in rank if r.storage_data.offset < 0] for rank in results]
-        metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank
-                                 if r.storage_data.offset >= 0}
+        metadata.storage_data = {
+            r.index: r.storage_data for rank in results for r in rank if r.storage_data.offset >= 0
+        }
         self.metadata = metadata
-

@@ -90,8 +90,10 @@ def files_of(plan, threads: int) -> list[tuple[str, list]]:
     left empty), each with its items in the order they are written: tensors first, whose places follow from
     their sizes alone (`tensor_places`), then the non-tensor items, whose sizes are known once serialized."""
     groups = [g for g in _split_by_size_and_type(threads, list(plan.items)) if g]
-    return [(f"{plan.storage_data.prefix}{n}{SUFFIX}", sorted(g, key=lambda i: i.type == WriteItemType.BYTE_IO))
-            for n, g in enumerate(groups)]
+    return [
+        (f"{plan.storage_data.prefix}{n}{SUFFIX}", sorted(g, key=lambda i: i.type == WriteItemType.BYTE_IO))
+        for n, g in enumerate(groups)
+    ]
 
 
 def tensor_places(files: list[tuple[str, list]]) -> dict[MetadataIndex, _StorageInfo]:
@@ -144,7 +146,7 @@ class Writer(FileSystemWriter):
                 results.append(WriteResult(index=index, size_in_bytes=piece.info.length, storage_data=piece.info))
         return done_future(results)
 
-    def _write_file(self, name: str, items: list, serialized: "_Serialized") -> list[tuple[MetadataIndex, Piece]]:
+    def _write_file(self, name: str, items: list, serialized: _Serialized) -> list[tuple[MetadataIndex, Piece]]:
         out, offset, end = [], 0, 0
         path, spare = os.path.join(self.path, name), self.spares.pop(name, None)
         try:
@@ -162,8 +164,10 @@ class Writer(FileSystemWriter):
                     data = serialized.planner.resolve_data(item)
                     want = item.tensor_data
                     if data.dtype != want.properties.dtype or tuple(data.shape) != tuple(want.chunk.sizes):
-                        raise StalePlan(f"{item.index.fqn}: planned {want.properties.dtype} "
-                                        f"{tuple(want.chunk.sizes)}, the state holds {data.dtype} {tuple(data.shape)}")
+                        raise StalePlan(
+                            f"{item.index.fqn}: planned {want.properties.dtype} "
+                            f"{tuple(want.chunk.sizes)}, the state holds {data.dtype} {tuple(data.shape)}"
+                        )
                     raw, dtype, shape = _host_bytes(data), data.dtype, tuple(data.shape)
                 _write_all(fd, raw, offset)
                 out.append((item.index, Piece(_StorageInfo(name, offset, len(raw)), dtype, shape)))
@@ -186,8 +190,10 @@ def _check_tensor(item, value) -> None:
     if isinstance(value, DTensor):
         offsets = tuple(compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)[1])
     if tuple(value.shape) != tuple(want.size) or offsets != tuple(want.chunk.offsets):
-        raise StalePlan(f"{item.index.fqn}: planned {tuple(want.size)} from {tuple(want.chunk.offsets)}, the state "
-                        f"holds {tuple(value.shape)} from {offsets}")
+        raise StalePlan(
+            f"{item.index.fqn}: planned {tuple(want.size)} from {tuple(want.chunk.offsets)}, the state "
+            f"holds {tuple(value.shape)} from {offsets}"
+        )
 
 
 class _Serialized:
@@ -236,17 +242,20 @@ class Reader(storage.SafeReader):
     def _read_one(self, req, planner, mapped) -> None:
         info = self.storage_data[req.storage_index]
         if req.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(req, io.BytesIO(mapped[info.offset:info.offset + info.length] if mapped else b""))
+            planner.load_bytes(req, io.BytesIO(mapped[info.offset : info.offset + info.length] if mapped else b""))
             return
         dtype, shape = self._chunks[(req.storage_index.fqn, tuple(req.storage_index.offset))]
         target = planner.resolve_tensor(req).detach()
         count = info.length // dtype.itemsize
         if count:
-            part = narrow_tensor_by_index(_view(mapped, dtype, count, info.offset).view(shape), req.storage_offsets,
-                                          req.lengths)
+            part = narrow_tensor_by_index(
+                _view(mapped, dtype, count, info.offset).view(shape), req.storage_offsets, req.lengths
+            )
             if part.shape != target.shape:  # copy_ would broadcast a smaller piece without a word
-                raise CheckpointError(f"{req.storage_index.fqn}: a stored part of shape {tuple(part.shape)} "
-                                      f"for a target of shape {tuple(target.shape)}")
+                raise CheckpointError(
+                    f"{req.storage_index.fqn}: a stored part of shape {tuple(part.shape)} "
+                    f"for a target of shape {tuple(target.shape)}"
+                )
             target.copy_(part)
             del part  # the mapping closes only once no tensor views it
         planner.commit_tensor(req, target)
@@ -268,8 +277,10 @@ def _chunk_shapes(metadata: Metadata) -> dict:
 
 # -- the durable copy ---------------------------------------------------------------------------------------
 
-def to_dcp(source: str | os.PathLike, target: str | os.PathLike, pieces: dict[MetadataIndex, Piece],
-           on_file) -> dict[MetadataIndex, _StorageInfo]:
+
+def to_dcp(
+    source: str | os.PathLike, target: str | os.PathLike, pieces: dict[MetadataIndex, Piece], on_file
+) -> dict[MetadataIndex, _StorageInfo]:
     """Write this rank's pieces (`pieces`, from its Writer) from the files in `source` into files of the same
     names in `target` as DCP stores them (`torch.save` per tensor), each file fsynced and its digest reported
     through `on_file(name, nbytes, digest)`; the pieces' places in the new files (for the metadata)."""
@@ -295,11 +306,12 @@ def _store(stream, mapped: mmap.mmap | None, piece: Piece) -> None:
     """One piece from the mapped file into `stream` as DCP stores it: bytes as they are, a tensor `torch.save`d."""
     info = piece.info
     if piece.is_bytes:
-        stream.write(mapped[info.offset:info.offset + info.length] if mapped else b"")
+        stream.write(mapped[info.offset : info.offset + info.length] if mapped else b"")
         return
     count = info.length // piece.dtype.itemsize
-    tensor = (_view(mapped, piece.dtype, count, info.offset) if count
-              else torch.empty(0, dtype=piece.dtype)).view(piece.shape)
+    tensor = (_view(mapped, piece.dtype, count, info.offset) if count else torch.empty(0, dtype=piece.dtype)).view(
+        piece.shape
+    )
     torch.save(tensor, stream)
 
 

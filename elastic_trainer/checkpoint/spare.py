@@ -43,7 +43,7 @@ class Spares:
         self.error: str | None = None
         self._thread = threading.Thread(target=self._allocate, name="spare-memory", daemon=True)
 
-    def start(self) -> "Spares":
+    def start(self) -> Spares:
         self._thread.start()
         return self
 
@@ -89,7 +89,7 @@ def fill(fd: int, size: int) -> None:
     zeros = memoryview(bytes(min(size, CHUNK)))
     done = 0
     while done < size:  # the GIL is released in each pwrite
-        done += os.pwrite(fd, zeros[:min(len(zeros), size - done)], done)
+        done += os.pwrite(fd, zeros[: min(len(zeros), size - done)], done)
 
 
 def sweep(root: Path) -> list[str]:

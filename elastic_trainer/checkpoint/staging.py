@@ -60,6 +60,9 @@ def for_writing(state: dict, local_ranks: int, say=print) -> tuple[dict, int]:
     try:
         return to_host(state), writer_threads(local_ranks)
     except (RuntimeError, ImportError) as e:  # torch.cuda.OutOfMemoryError too; helpers a torch has moved
-        say(f"[checkpoint] the state could not be staged in pinned host memory ({str(e).splitlines()[0]}); "
-            "writing it from the GPU, more slowly", flush=True)
+        say(
+            f"[checkpoint] the state could not be staged in pinned host memory ({str(e).splitlines()[0]}); "
+            "writing it from the GPU, more slowly",
+            flush=True,
+        )
         return state, 1

@@ -26,8 +26,21 @@ from elastic_trainer.config import ConfigError, ModelConfig, TrainConfig
 FORMAT = 1
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 # Training settings that define the loss trajectory: a resumed run must use the checkpoint's values.
-TRAJECTORY_FIELDS = ("global_batch", "seq_len", "seed", "lr", "min_lr_ratio", "warmup_steps", "weight_decay",
-                     "beta1", "beta2", "eps", "grad_clip", "data", "val_fraction")
+TRAJECTORY_FIELDS = (
+    "global_batch",
+    "seq_len",
+    "seed",
+    "lr",
+    "min_lr_ratio",
+    "warmup_steps",
+    "weight_decay",
+    "beta1",
+    "beta2",
+    "eps",
+    "grad_clip",
+    "data",
+    "val_fraction",
+)
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -42,8 +55,11 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         on_device = group.get("capturable") or group.get("fused")
         for p in group["params"]:
             state = optimizer.state[p]
-            state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if on_device
-                             else torch.tensor(0.0, dtype=torch.get_default_dtype()))
+            state["step"] = (
+                torch.zeros((), dtype=torch.float32, device=p.device)
+                if on_device
+                else torch.tensor(0.0, dtype=torch.get_default_dtype())
+            )
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             if group.get("amsgrad"):
@@ -77,14 +93,23 @@ def apply_tensor_state(trainer, state: dict) -> None:
         trainer.engine.sync_params()
         return
     with keep_implementation(trainer.optimizer):
-        set_state_dict(trainer.engine.model, trainer.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"], options=OPTIONS)
+        set_state_dict(
+            trainer.engine.model,
+            trainer.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=OPTIONS,
+        )
 
 
 def train_dict(cfg: TrainConfig) -> dict:
     """The training config as meta.json stores it (JSON types, and the schedule length it resolves to)."""
-    return {**dataclasses.asdict(cfg), "data": list(cfg.data), "val_data": list(cfg.val_data),
-            "schedule_steps": cfg.schedule_steps}
+    return {
+        **dataclasses.asdict(cfg),
+        "data": list(cfg.data),
+        "val_data": list(cfg.val_data),
+        "schedule_steps": cfg.schedule_steps,
+    }
 
 
 def data_id_of(trainer) -> str | None:
@@ -93,12 +118,26 @@ def data_id_of(trainer) -> str | None:
 
 
 def build_meta(trainer) -> dict:
-    return meta_of(trainer.model_cfg, trainer.cfg, trainer.step, trainer.layout.to_dict(), len(trainer.samples),
-                   data_id_of(trainer), getattr(trainer, "data_files_id", None))
+    return meta_of(
+        trainer.model_cfg,
+        trainer.cfg,
+        trainer.step,
+        trainer.layout.to_dict(),
+        len(trainer.samples),
+        data_id_of(trainer),
+        getattr(trainer, "data_files_id", None),
+    )
 
 
-def meta_of(model_cfg: ModelConfig, cfg: TrainConfig, step: int, layout: dict, num_samples: int,
-            data_id: str | None = None, files_id: str | None = None) -> dict:
+def meta_of(
+    model_cfg: ModelConfig,
+    cfg: TrainConfig,
+    step: int,
+    layout: dict,
+    num_samples: int,
+    data_id: str | None = None,
+    files_id: str | None = None,
+) -> dict:
     """meta.json of a checkpoint after `step` steps, saved by `layout` (Layout.to_dict()) from a sample order
     of `num_samples` samples of the data whose content digest is `data_id` (`files_id`: data_files_id(cfg),
     taken here when not given)."""
@@ -110,14 +149,16 @@ def meta_of(model_cfg: ModelConfig, cfg: TrainConfig, step: int, layout: dict, n
         "train": train_dict(cfg),
         "layout": layout,
         "world_size": layout["dp"] * layout["tp"] * layout["pp"],
-        "data": {"num_samples": num_samples, "seq_len": cfg.seq_len,
-                 "files_id": files_id or data_files_id(cfg),
-                 "id": data_id},
+        "data": {
+            "num_samples": num_samples,
+            "seq_len": cfg.seq_len,
+            "files_id": files_id or data_files_id(cfg),
+            "id": data_id,
+        },
         "rng": {"scheme": "reseed every step from (seed, step, stage, dp rank)", "seed": cfg.seed},
         "time": time.time(),
         "saved_at": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-        "versions": {"elastic_trainer": __version__, "torch": torch.__version__,
-                     "python": platform.python_version()},
+        "versions": {"elastic_trainer": __version__, "torch": torch.__version__, "python": platform.python_version()},
     }
 
 
@@ -133,8 +174,9 @@ def data_files_id(cfg: TrainConfig) -> str | None:
     return hashlib.sha256("\0".join(str(p) for p in files).encode()).hexdigest()[:20]
 
 
-def check_compatible(meta: dict, model_cfg: ModelConfig, cfg: TrainConfig, where: str,
-                     data_id: str | None = None) -> None:
+def check_compatible(
+    meta: dict, model_cfg: ModelConfig, cfg: TrainConfig, where: str, data_id: str | None = None
+) -> None:
     """Raise ConfigError (one line) if resuming `meta` with these configs would change the trajectory. With
     `data_id` (the content digest of this run's data) the data is compared by content: the same tokens under
     another path resume, changed tokens under the same path do not."""
@@ -148,25 +190,30 @@ def check_compatible(meta: dict, model_cfg: ModelConfig, cfg: TrainConfig, where
         raise ConfigError(f"{where} holds a different model: {detail}")
     saved, current = meta["train"], train_dict(cfg)
     defaults = train_dict(TrainConfig())  # fields newer than the checkpoint have their default there
-    differ = [(k, current[k], saved.get(k, defaults[k])) for k in TRAJECTORY_FIELDS
-              if current[k] != saved.get(k, defaults[k])]
+    differ = [
+        (k, current[k], saved.get(k, defaults[k])) for k in TRAJECTORY_FIELDS if current[k] != saved.get(k, defaults[k])
+    ]
     saved_data = meta["data"] if isinstance(meta.get("data"), dict) else {}
     saved_id, files_id = saved_data.get("id"), saved_data.get("files_id")
     if saved_id and data_id:  # by content: the same tokens under another path resume
         differ = [d for d in differ if d[0] != "data"]
         if saved_id.split(":")[0] != data_id.split(":")[0]:  # (a held-out fraction differs: val_fraction says so)
-            raise ConfigError(f"{where} was trained on other data: the content digest of --data "
-                              f"{' '.join(cfg.data)} is {data_id[:12]}, the checkpoint's {saved_id[:12]}; resuming "
-                              "would change the loss trajectory (use the checkpoint's data or another "
-                              "--checkpoint-dir)")
+            raise ConfigError(
+                f"{where} was trained on other data: the content digest of --data "
+                f"{' '.join(cfg.data)} is {data_id[:12]}, the checkpoint's {saved_id[:12]}; resuming "
+                "would change the loss trajectory (use the checkpoint's data or another "
+                "--checkpoint-dir)"
+            )
     elif files_id and any(k == "data" for k, _, _ in differ) and data_files_id(cfg) == files_id:
         differ = [d for d in differ if d[0] != "data"]  # the same files, named from another folder
     if cfg.decay_steps is not None and cfg.schedule_steps != saved.get("schedule_steps"):
         differ.append(("decay_steps", cfg.decay_steps, saved.get("schedule_steps")))
     if differ:
         detail = ", ".join(f"{k}={ours!r} (checkpoint: {theirs!r})" for k, ours, theirs in differ)
-        raise ConfigError(f"{where} was trained with other settings: {detail}; resuming would change the "
-                          "loss trajectory (use the checkpoint's values or another --checkpoint-dir)")
+        raise ConfigError(
+            f"{where} was trained with other settings: {detail}; resuming would change the "
+            "loss trajectory (use the checkpoint's values or another --checkpoint-dir)"
+        )
 
 
 def resumed_config(meta: dict, cfg: TrainConfig) -> TrainConfig:

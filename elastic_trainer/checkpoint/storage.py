@@ -49,8 +49,14 @@ LATEST = "latest"
 
 _METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING",
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
@@ -84,8 +90,16 @@ def parse_dcp_metadata(data: bytes, where: str) -> Metadata:
     """DCP metadata from its bytes through the allowlisted unpickler (`where` names it in errors)."""
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, ImportError, IndexError, TypeError,
-            KeyError) as e:
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        AttributeError,
+        ValueError,
+        ImportError,
+        IndexError,
+        TypeError,
+        KeyError,
+    ) as e:
         raise CheckpointError(f"unsafe or corrupted checkpoint metadata {where}: {e}") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{where} does not hold DCP metadata")
@@ -125,8 +139,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             try:
                 seen[payload] = torch.load(io.BytesIO(payload), weights_only=True)
             except pickle.UnpicklingError as e:
-                raise CheckpointError(f"refusing unsafe item {read_item.dest_index.fqn!r} in checkpoint: "
-                                      f"{_refusal_reason(e)}") from None
+                raise CheckpointError(
+                    f"refusing unsafe item {read_item.dest_index.fqn!r} in checkpoint: {_refusal_reason(e)}"
+                ) from None
         obj = copy.deepcopy(seen[payload])
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
@@ -144,6 +159,7 @@ def _refusal_reason(error: Exception) -> str:
 
 
 # -- integrity ------------------------------------------------------------------------------------
+
 
 def file_digest(path: str | os.PathLike, chunk: int = 16 << 20) -> str:
     import xxhash
@@ -188,12 +204,15 @@ def verify(folder: Path, rank: int = 0, world: int = 1) -> None:
             raise CheckpointError(f"{folder.name}: file {name} is missing")
         size = path.stat().st_size
         if size != expected["bytes"]:
-            raise CheckpointError(f"{folder.name}: file {name} has {size} bytes, expected {expected['bytes']} (truncated?)")
+            raise CheckpointError(
+                f"{folder.name}: file {name} has {size} bytes, expected {expected['bytes']} (truncated?)"
+            )
         if file_digest(path) != expected[HASH]:
             raise CheckpointError(f"{folder.name}: file {name} fails its {HASH} checksum (corrupted)")
 
 
 # -- atomic commit, discovery, retention ----------------------------------------------------------
+
 
 def step_dirname(step: int) -> str:
     return f"step-{step:08d}"
@@ -261,17 +280,21 @@ def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
 def none_resumable(root: str | os.PathLike, errors: list[str]) -> CheckpointError:
     """The error for a folder whose every checkpoint is damaged (`errors`, newest first): starting over would
     bury them under new saves, and --keep would delete them."""
-    return CheckpointError(f"no checkpoint in --checkpoint-dir {root} can be resumed ({len(errors)} damaged; "
-                           f"newest: {errors[0]}); repair them, move them away or pass another --checkpoint-dir "
-                           "to start over")
+    return CheckpointError(
+        f"no checkpoint in --checkpoint-dir {root} can be resumed ({len(errors)} damaged; "
+        f"newest: {errors[0]}); repair them, move them away or pass another --checkpoint-dir "
+        "to start over"
+    )
 
 
 def require_no_checkpoints(root: str | os.PathLike) -> None:
     """For `--resume never`: ConfigError when root already holds complete checkpoints."""
     existing = complete_checkpoints(root)
     if existing:
-        raise ConfigError(f"--checkpoint-dir {root} already holds checkpoints ({existing[0].name}, ...); "
-                          "resume them (--resume auto) or use an empty folder")
+        raise ConfigError(
+            f"--checkpoint-dir {root} already holds checkpoints ({existing[0].name}, ...); "
+            "resume them (--resume auto) or use an empty folder"
+        )
 
 
 def remove_old(root: Path, keep: int) -> list[Path]:
@@ -306,8 +329,10 @@ def read_meta(folder: Path) -> dict:
         raise CheckpointError(f"{str(path)!r} is not a JSON object")
     for key, kind in META_FIELDS.items():
         if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
-            raise CheckpointError(f"{str(path)!r}: {key!r} is missing or not {'an integer' if kind is int else 'an object'}"
-                                  " (a damaged or foreign meta.json)")
+            raise CheckpointError(
+                f"{str(path)!r}: {key!r} is missing or not {'an integer' if kind is int else 'an object'}"
+                " (a damaged or foreign meta.json)"
+            )
     if meta["step"] < 0:
         raise CheckpointError(f"{str(path)!r}: step {meta['step']} is negative")
     for key in ("dp", "tp", "pp"):

@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from elastic_trainer.checkpoint import state as ckpt_state
 from elastic_trainer.checkpoint import hashing, storage
+from elastic_trainer.checkpoint import state as ckpt_state
 from elastic_trainer.config import ConfigError, ModelConfig, TrainConfig
 from elastic_trainer.train.optim import implementation
 
@@ -65,8 +65,10 @@ def save_train_state(root: str | os.PathLike, state: TrainState) -> Path:
     tensors = tensor_state_of(state)  # checked before anything is written
     existing = storage.complete_checkpoints(root)
     if existing:
-        raise ConfigError(f"{str(root)!r} already holds checkpoints ({existing[0].name}, ...): a train state is "
-                          "saved into a new or empty folder")
+        raise ConfigError(
+            f"{str(root)!r} already holds checkpoints ({existing[0].name}, ...): a train state is "
+            "saved into a new or empty folder"
+        )
     meta = ckpt_state.meta_of(state.model_cfg, state.cfg, state.step, whole_layout(state.cfg), state.num_samples)
     root.mkdir(parents=True, exist_ok=True)
     storage.remove_abandoned(root)
@@ -97,8 +99,9 @@ def tensor_state_of(state: TrainState) -> dict:
     if state.step < 0:
         raise ConfigError(f"a train state's step must be 0 or more, not {state.step}")
     if state.cfg.seq_len > state.model_cfg.context_length:
-        raise ConfigError(f"seq_len={state.cfg.seq_len} exceeds the model's context_length="
-                          f"{state.model_cfg.context_length}")
+        raise ConfigError(
+            f"seq_len={state.cfg.seq_len} exceeds the model's context_length={state.model_cfg.context_length}"
+        )
     specs = gpt_params(state.model_cfg)
     check_names(state.params, specs)
     model = {n: _global(state.params[n].weight, n, "weight", *specs[n]) for n in specs}
@@ -130,8 +133,10 @@ def check_names(params: dict, specs: dict) -> None:
     extra = [n for n in params if n not in specs]
     if missing or extra:
         first = f"lacks {missing[0]!r}" if missing else f"has {extra[0]!r}, which the GPT lacks"
-        raise ConfigError(f"a train state must hold every parameter of the GPT and nothing else: it {first} "
-                          f"({len(missing)} missing, {len(extra)} extra)")
+        raise ConfigError(
+            f"a train state must hold every parameter of the GPT and nothing else: it {first} "
+            f"({len(missing)} missing, {len(extra)} extra)"
+        )
 
 
 def adamw_groups(cfg: TrainConfig, specs: dict) -> list[tuple[dict, list[str]]]:
@@ -144,8 +149,13 @@ def adamw_groups(cfg: TrainConfig, specs: dict) -> list[tuple[dict, list[str]]]:
 
 def _adamw_settings(cfg: TrainConfig, weight_decay: float) -> dict:
     zero = torch.zeros(())
-    probe = torch.optim.AdamW([{"params": [zero], "weight_decay": weight_decay}], lr=cfg.lr,
-                              betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **implementation([zero]))
+    probe = torch.optim.AdamW(
+        [{"params": [zero], "weight_decay": weight_decay}],
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        **implementation([zero]),
+    )
     return {k: v for k, v in probe.param_groups[0].items() if k != "params"}
 
 

@@ -122,8 +122,7 @@ class Client:
             self._socks[address] = (sock, sock.makefile("rb"))
         return self._socks[address]
 
-    def fetch_into(self, address: str, token: str, state: str, name: str, offset: int, length: int,
-                   fd: int) -> None:
+    def fetch_into(self, address: str, token: str, state: str, name: str, offset: int, length: int, fd: int) -> None:
         """Write bytes [offset, offset + length) of `state/name` on the server at `address` into the open
         file `fd` at the same offset."""
         request = {"token": token, "state": state, "file": name, "offset": offset, "length": length}
@@ -132,14 +131,18 @@ class Client:
             sock.sendall((json.dumps(request) + "\n").encode())
             (size,) = HEADER.unpack(reader.read(HEADER.size))
             if size < 0:
-                raise CheckpointError(f"the hand-over server at {address} refused {name}: "
-                                      f"{reader.readline().decode(errors='replace').strip()}")
+                raise CheckpointError(
+                    f"the hand-over server at {address} refused {name}: "
+                    f"{reader.readline().decode(errors='replace').strip()}"
+                )
             done = 0
             while done < size:
                 block = reader.read(min(CHUNK, size - done))
                 if not block:
-                    raise CheckpointError(f"the hand-over server at {address} closed the connection after "
-                                          f"{done} of {size} bytes of {name}")
+                    raise CheckpointError(
+                        f"the hand-over server at {address} closed the connection after "
+                        f"{done} of {size} bytes of {name}"
+                    )
                 os.pwrite(fd, block, offset + done)
                 done += len(block)
         except (OSError, struct.error) as e:
@@ -154,6 +157,7 @@ class Client:
 
 
 # -- a world's pieces --------------------------------------------------------------------------------------
+
 
 def fetch_file(address: str, record: dict, name: str, path: Path) -> None:
     """The whole file `name` of the state `record` from the server at `address`, into `path`."""
@@ -201,8 +205,9 @@ def gather_pieces(pg, record: dict, ranges, hosts: list[str], servers: dict, her
             try:
                 for start in range(offset, offset + length, PIECE_BYTES):
                     n = min(PIECE_BYTES, offset + length - start)
-                    client.fetch_into(servers[record["files"][name]["host"]], record["token"], record["name"],
-                                      name, start, n, fd)
+                    client.fetch_into(
+                        servers[record["files"][name]["host"]], record["token"], record["name"], name, start, n, fd
+                    )
                     fetched += n
             finally:
                 os.close(fd)

@@ -19,10 +19,15 @@ def _accumulating(inner: type[torch.optim.Optimizer]) -> type[GradientAccumulati
         GradientAccumulation.__init__(self, inner(params, *args, **kwargs), steps)
 
     name = inner.__name__
-    doc = (f"`torch.optim.{name}(params, *args, **kwargs)` updating once every `steps` calls of `step()` "
-           f"with the averaged gradients (see GradientAccumulation).")
-    return type(name, (GradientAccumulation,), {"__init__": __init__, "__doc__": doc,
-                                                "__module__": __name__, "__qualname__": name})
+    doc = (
+        f"`torch.optim.{name}(params, *args, **kwargs)` updating once every `steps` calls of `step()` "
+        f"with the averaged gradients (see GradientAccumulation)."
+    )
+    return type(
+        name,
+        (GradientAccumulation,),
+        {"__init__": __init__, "__doc__": doc, "__module__": __name__, "__qualname__": name},
+    )
 
 
 SGD = _accumulating(torch.optim.SGD)

@@ -8,7 +8,8 @@ as one batch of steps * b samples.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -19,7 +20,7 @@ STATE_KEY = "grad_accumulation"
 
 
 def _delegate(name: str) -> Callable:
-    def method(self: "GradientAccumulation", *args: Any, **kwargs: Any) -> Any:
+    def method(self: GradientAccumulation, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.optimizer, name)(*args, **kwargs)
 
     method.__name__ = name
@@ -149,10 +150,14 @@ class GradientAccumulation(torch.optim.Optimizer):
 
 def _check_inner(optimizer: object) -> None:
     if isinstance(optimizer, GradientAccumulation):
-        raise ConfigError(f"optimizer already accumulates over {optimizer.steps} steps "
-                          f"(valid: wrap its inner {type(optimizer.optimizer).__name__} once)")
+        raise ConfigError(
+            f"optimizer already accumulates over {optimizer.steps} steps "
+            f"(valid: wrap its inner {type(optimizer.optimizer).__name__} once)"
+        )
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"optimizer={type(optimizer).__name__} is not a torch.optim.Optimizer")
     if isinstance(optimizer, torch.optim.LBFGS):
-        raise ConfigError("LBFGS re-evaluates its closure within a step, which cannot be accumulated "
-                          "(valid: single-evaluation optimizers such as SGD, Adam, AdamW)")
+        raise ConfigError(
+            "LBFGS re-evaluates its closure within a step, which cannot be accumulated "
+            "(valid: single-evaluation optimizers such as SGD, Adam, AdamW)"
+        )

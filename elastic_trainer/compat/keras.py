@@ -24,7 +24,8 @@ Install with the `keras` extra: `pip install elastic-trainer[keras]`.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import keras
 
@@ -46,7 +47,7 @@ class PerUpdateSchedule(keras.optimizers.schedules.LearningRateSchedule):
         return {"schedule": keras.saving.serialize_keras_object(self.schedule), "steps": self.steps}
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "PerUpdateSchedule":
+    def from_config(cls, config: dict[str, Any]) -> PerUpdateSchedule:
         return cls(keras.saving.deserialize_keras_object(config["schedule"]), config["steps"])
 
 
@@ -71,14 +72,19 @@ def _check_unused(optimizer: object) -> None:
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise ConfigError(f"optimizer={type(optimizer).__name__} is not a keras.optimizers.Optimizer")
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        raise ConfigError("optimizer is a LossScaleOptimizer (valid: accumulate on its inner optimizer, then "
-                          "wrap that in the LossScaleOptimizer)")
+        raise ConfigError(
+            "optimizer is a LossScaleOptimizer (valid: accumulate on its inner optimizer, then "
+            "wrap that in the LossScaleOptimizer)"
+        )
     if optimizer.built:
-        raise ConfigError(f"optimizer {optimizer.name!r} is already built (valid: wrap it before its first "
-                          f"step or compile)")
+        raise ConfigError(
+            f"optimizer {optimizer.name!r} is already built (valid: wrap it before its first step or compile)"
+        )
     if optimizer.gradient_accumulation_steps:
-        raise ConfigError(f"optimizer {optimizer.name!r} already accumulates over "
-                          f"{optimizer.gradient_accumulation_steps} steps (valid: wrap a plain optimizer once)")
+        raise ConfigError(
+            f"optimizer {optimizer.name!r} already accumulates over "
+            f"{optimizer.gradient_accumulation_steps} steps (valid: wrap a plain optimizer once)"
+        )
 
 
 def _accumulating(inner: type[keras.optimizers.Optimizer]) -> Callable[..., keras.optimizers.Optimizer]:
@@ -86,8 +92,10 @@ def _accumulating(inner: type[keras.optimizers.Optimizer]) -> Callable[..., kera
         return GradientAccumulation(inner(*args, **kwargs), steps)
 
     build.__name__ = build.__qualname__ = inner.__name__
-    build.__doc__ = (f"`keras.optimizers.{inner.__name__}(*args, **kwargs)` accumulating over `steps` calls; "
-                     f"`steps` is keyword-only (Keras's first position is learning_rate).")
+    build.__doc__ = (
+        f"`keras.optimizers.{inner.__name__}(*args, **kwargs)` accumulating over `steps` calls; "
+        f"`steps` is keyword-only (Keras's first position is learning_rate)."
+    )
     return build
 
 
@@ -100,6 +108,7 @@ Adadelta = _accumulating(keras.optimizers.Adadelta)
 Adamax = _accumulating(keras.optimizers.Adamax)
 Nadam = _accumulating(keras.optimizers.Nadam)
 
+
 class Model:
     """A Keras model trained with the global batch of an `ElasticConfig` (compat.runai.init) on this device:
     `compile(optimizer=...)` accumulates over `config.steps` batches (any optimizer, or its name), `fit` takes
@@ -110,27 +119,41 @@ class Model:
         if not isinstance(model, keras.Model):
             raise ConfigError(f"model={type(model).__name__} is not a keras.Model")
         if config.world_size > 1:
-            raise ConfigError(f"the Keras wrapper trains on one device; init() found {config.world_size} "
-                              "(Keras's data-parallel distribution needs its JAX backend, which this project does "
-                              "not test): pass world_size=1, or train with elastic-trainer")
+            raise ConfigError(
+                f"the Keras wrapper trains on one device; init() found {config.world_size} "
+                "(Keras's data-parallel distribution needs its JAX backend, which this project does "
+                "not test): pass world_size=1, or train with elastic-trainer"
+            )
         self.model, self.config = model, config
 
     def compile(self, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> None:
-        self.model.compile(GradientAccumulation(keras.optimizers.get(optimizer), self.config.steps), *args,
-                           **kwargs)
+        self.model.compile(GradientAccumulation(keras.optimizers.get(optimizer), self.config.steps), *args, **kwargs)
 
     def fit(self, *args: Any, batch_size: int | None = None, **kwargs: Any) -> Any:
         """Keras's fit with the per-device batch; `batch_size`, when given, must be the global batch (what it
         means without accumulation) or the per-device one."""
         allowed = (self.config.global_batch_size, self.config.batch_size)
         if batch_size is not None and batch_size not in allowed:
-            raise ConfigError(f"fit(batch_size={batch_size}) is neither the global batch {allowed[0]} nor the "
-                              f"per-device batch {allowed[1]} of init(); leave it out")
+            raise ConfigError(
+                f"fit(batch_size={batch_size}) is neither the global batch {allowed[0]} nor the "
+                f"per-device batch {allowed[1]} of init(); leave it out"
+            )
         return self.model.fit(*args, batch_size=self.config.batch_size, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
 
 
-__all__ = ["Model", "GradientAccumulation", "PerUpdateSchedule", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad",
-           "Adadelta", "Adamax", "Nadam"]
+__all__ = [
+    "Model",
+    "GradientAccumulation",
+    "PerUpdateSchedule",
+    "SGD",
+    "Adam",
+    "AdamW",
+    "RMSprop",
+    "Adagrad",
+    "Adadelta",
+    "Adamax",
+    "Nadam",
+]

@@ -71,8 +71,9 @@ def _check_global_batch(value: object, world: int) -> None:
     hint = f"(nearest feasible: {' or '.join(str(v) for v in nearest_feasible(value, world))})"
     if valid_type and value > 0:
         raise ConfigError(f"global batch {value} is not divisible by {world} GPUs {hint}")
-    raise ConfigError(f"global_batch_size={value!r} must be a positive integer divisible by the world size "
-                      f"{world} {hint}")
+    raise ConfigError(
+        f"global_batch_size={value!r} must be a positive integer divisible by the world size {world} {hint}"
+    )
 
 
 def nearest_feasible(value: object, world: int) -> list[int]:

@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import importlib
 
-_NAMES = {"load_tokens": "corpus", "SampleOrder": "order", "TokenSamples": "order", "microbatch_slices": "order",
-          "samples_for": "order", "TokenStream": "stream"}
+_NAMES = {
+    "load_tokens": "corpus",
+    "SampleOrder": "order",
+    "TokenSamples": "order",
+    "microbatch_slices": "order",
+    "samples_for": "order",
+    "TokenStream": "stream",
+}
 
 __all__ = list(_NAMES)
 

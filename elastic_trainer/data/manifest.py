@@ -33,9 +33,13 @@ def build(planned, shard_records, settings, dtype, skip_bad) -> dict:
     return {
         "format": FORMAT,
         "digest": h.hexdigest(),
-        "tokenizer": {"name": tokenizer.NAME, "vocab_size": tokenizer.VOCAB_SIZE, "eot": tokenizer.EOT_ID,
-                      "encoder_json_sha256": tokenizer.ENCODER_JSON_SHA256,
-                      "vocab_bpe_sha256": tokenizer.VOCAB_BPE_SHA256},
+        "tokenizer": {
+            "name": tokenizer.NAME,
+            "vocab_size": tokenizer.VOCAB_SIZE,
+            "eot": tokenizer.EOT_ID,
+            "encoder_json_sha256": tokenizer.ENCODER_JSON_SHA256,
+            "vocab_bpe_sha256": tokenizer.VOCAB_BPE_SHA256,
+        },
         "dtype": dtype.name,
         "settings": settings.key(),
         "text_field": settings.text_field,
@@ -52,7 +56,7 @@ def build(planned, shard_records, settings, dtype, skip_bad) -> dict:
 def remove_stale(shards: Path, keep: set[str]) -> int:
     removed = 0
     for path in shards.glob("*.json"):
-        name = path.name[:-len(".json")]
+        name = path.name[: -len(".json")]
         if name not in keep:
             for ext in ("json", "bin", "idx"):
                 (shards / f"{name}.{ext}").unlink(missing_ok=True)
@@ -70,8 +74,10 @@ def check_length(manifest: dict, min_tokens: int, sources) -> None:
 
 def too_short(tokens: int, min_tokens: int, sources) -> str:
     """Data with fewer tokens than one sample needs, in one line."""
-    return (f"the data has {tokens} tokens ({_names(sources)}); one sample of --seq-len {min_tokens - 1} needs "
-            f"{min_tokens} (valid: more text or a shorter --seq-len)")
+    return (
+        f"the data has {tokens} tokens ({_names(sources)}); one sample of --seq-len {min_tokens - 1} needs "
+        f"{min_tokens} (valid: more text or a shorter --seq-len)"
+    )
 
 
 def _names(files) -> str:

@@ -47,7 +47,7 @@ class SampleOrder:
         while pos < stop:
             epoch, offset = divmod(pos, self.num_samples)
             take = min(stop - pos, self.num_samples - offset)
-            out[pos - start:pos - start + take] = self.permutation(epoch)[offset:offset + take]
+            out[pos - start : pos - start + take] = self.permutation(epoch)[offset : offset + take]
             pos += take
         return out
 
@@ -86,4 +86,4 @@ class TokenSamples:
 def sample_rows(tokens, seq_len: int, ids) -> torch.Tensor:
     """Samples `ids` of a token stream (sample i is tokens [i * T, i * T + T + 1)) as int64 rows."""
     T = seq_len
-    return torch.from_numpy(np.stack([np.asarray(tokens[i * T:i * T + T + 1], dtype=np.int64) for i in ids]))
+    return torch.from_numpy(np.stack([np.asarray(tokens[i * T : i * T + T + 1], dtype=np.int64) for i in ids]))

@@ -85,7 +85,7 @@ def _find_cut(f, target: int, size: int, kind: str, after: int) -> int | None:
         else:
             for match in _TXT_CUT.finditer(window, 1):
                 at = match.start()
-                if window[at:at + 1] == b"\n" and window[at - 1:at] == b"\r":
+                if window[at : at + 1] == b"\n" and window[at - 1 : at] == b"\r":
                     at -= 1  # before the whole CRLF
                 if pos + at > after:
                     return pos + at
@@ -123,12 +123,14 @@ def _byte_pieces(path: Path, size: int, kind: str, chunk: int) -> tuple[list[Pie
     for count in counts:
         lines.append(lines[-1] + count)
     last = len(cuts) - 2
-    return [Piece(str(path), kind, a, b, lines[i], kind != "txt" or i == last)
-            for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))], h.hexdigest()
+    return [
+        Piece(str(path), kind, a, b, lines[i], kind != "txt" or i == last)
+        for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))
+    ], h.hexdigest()
 
 
 def _byte_kind(path: Path) -> str | None:
-    """"txt" or "jsonl" for a file cut at byte offsets (a .json of one object per line is JSON lines), else None."""
+    """ "txt" or "jsonl" for a file cut at byte offsets (a .json of one object per line is JSON lines), else None."""
     if not path.is_file():
         return None
     kind = records.kind_of(path)
@@ -170,8 +172,9 @@ def plan_source(path: Path, settings: Settings) -> list[Piece]:
         groups = meta.num_row_groups
         if groups == 0:
             return [Piece(str(path), "parquet", 0, -1)]
-        return _row_pieces(path, "parquet", list(range(groups + 1)),
-                           [meta.row_group(g).total_byte_size for g in range(groups)], chunk)
+        return _row_pieces(
+            path, "parquet", list(range(groups + 1)), [meta.row_group(g).total_byte_size for g in range(groups)], chunk
+        )
     return [Piece(str(path), kind)]
 
 
@@ -203,8 +206,15 @@ def plan(sources: list[Path], settings: Settings, previous: dict | None, say) ->
         else:
             content, pieces = hash_files(_source_files(path)), plan_source(path, settings)
         hashed_bytes += size
-        planned.append({"path": str(path), "size": size, "mtime_ns": mtime, "digest": content,
-                        "pieces": [p.to_dict() | {"shard": _shard_name(content, p, settings)} for p in pieces]})
+        planned.append(
+            {
+                "path": str(path),
+                "size": size,
+                "mtime_ns": mtime,
+                "digest": content,
+                "pieces": [p.to_dict() | {"shard": _shard_name(content, p, settings)} for p in pieces],
+            }
+        )
         if time.monotonic() - t0 > PROGRESS_EVERY_S:
             say(f"planning: {i + 1}/{len(sources)} sources read ({hashed_bytes / 1e6:,.0f} MB)")
             t0 = time.monotonic()

@@ -130,11 +130,19 @@ def tokenize_piece(task: tuple) -> dict:
                 if pending_chars >= BATCH_CHARS:
                     flush()
             flush()
-        indexed.write_index(tmp["idx"], dtype, np.asarray(lengths, dtype=np.int64),
-                            np.arange(len(lengths) + 1, dtype=np.int64))
-        record = {"name": name, "tokens": tokens, "sequences": len(lengths),
-                  "documents": len(lengths) if piece.ends_document else max(len(lengths) - 1, 0),
-                  "chars": chars, "digest": h.hexdigest(), "bad_records": bad.count, "first_bad_records": bad.first}
+        indexed.write_index(
+            tmp["idx"], dtype, np.asarray(lengths, dtype=np.int64), np.arange(len(lengths) + 1, dtype=np.int64)
+        )
+        record = {
+            "name": name,
+            "tokens": tokens,
+            "sequences": len(lengths),
+            "documents": len(lengths) if piece.ends_document else max(len(lengths) - 1, 0),
+            "chars": chars,
+            "digest": h.hexdigest(),
+            "bad_records": bad.count,
+            "first_bad_records": bad.first,
+        }
         tmp["json"].write_text(json.dumps(record, sort_keys=True) + "\n")
         os.replace(tmp["bin"], folder / f"{name}.bin")
         os.replace(tmp["idx"], folder / f"{name}.idx")
@@ -146,6 +154,7 @@ def tokenize_piece(task: tuple) -> dict:
 
 
 # -- the whole run -------------------------------------------------------------------------------------------
+
 
 class Progress:
     """Progress lines on stderr at most every PROGRESS_EVERY_S seconds, and the summary at the end. The first
@@ -183,8 +192,10 @@ class Progress:
         rate = chars / max(now - self.t0, 1e-9)
         left = max(self.total_bytes - chars, 0)
         eta = f"{left / rate:,.0f} s" if rate > 0 else "?"
-        self.say(f"{self.done}/{self.total_shards} shards | {docs:,} documents | {toks / 1e6:,.1f} M tokens | "
-                 f"{rate / 1e6:,.1f} MB/s | ETA {eta}")
+        self.say(
+            f"{self.done}/{self.total_shards} shards | {docs:,} documents | {toks / 1e6:,.1f} M tokens | "
+            f"{rate / 1e6:,.1f} MB/s | ETA {eta}"
+        )
 
 
 def _previous_manifest(folder: Path) -> dict | None:
@@ -193,8 +204,9 @@ def _previous_manifest(folder: Path) -> dict | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
-        raise DataError(f"{folder}/manifest.json cannot be read ({e}); delete the folder and prepare it again") \
-            from None
+        raise DataError(
+            f"{folder}/manifest.json cannot be read ({e}); delete the folder and prepare it again"
+        ) from None
 
 
 def _cleanup_tmp(shards: Path) -> None:
@@ -202,9 +214,18 @@ def _cleanup_tmp(shards: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def prepare(sources: list[Path], out: Path, *, text_field: str = "text", skip_bad: bool = False,
-            workers: int | None = None, chunk_bytes: int = CHUNK_BYTES, quiet: bool = False, announce: bool = False,
-            min_tokens: int = 1) -> dict:
+def prepare(
+    sources: list[Path],
+    out: Path,
+    *,
+    text_field: str = "text",
+    skip_bad: bool = False,
+    workers: int | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+    quiet: bool = False,
+    announce: bool = False,
+    min_tokens: int = 1,
+) -> dict:
     """Prepare `sources` (text files and save_to_disk folders, sorted) into the folder `out`; returns the
     manifest. Bad input (a bad record, fewer than `min_tokens` tokens) raises DataError (one line) and leaves no
     folder it created. Two callers on one folder prepare it once: the second waits on the lock, then finds it
@@ -212,8 +233,9 @@ def prepare(sources: list[Path], out: Path, *, text_field: str = "text", skip_ba
     out = Path(out)
     created = [p for p in (out, *out.parents) if not p.exists()]
     try:
-        return _prepare_locked(sources, out, Settings(text_field, chunk_bytes), skip_bad, workers,
-                               Progress(quiet, announce), min_tokens)
+        return _prepare_locked(
+            sources, out, Settings(text_field, chunk_bytes), skip_bad, workers, Progress(quiet, announce), min_tokens
+        )
     except (DataError, ConfigError):
         for folder in created:  # nothing of a failed first build stays (shared parents only when empty)
             if folder == out:
@@ -235,8 +257,10 @@ def _prepare_locked(sources, out, settings, skip_bad, workers, progress, min_tok
         shards.mkdir(parents=True, exist_ok=True)
         lock = open(out / ".lock", "w")
     except OSError as e:
-        raise DataError(f"cannot write the prepared data {out} ({e.strerror or e}): put --data-cache (or "
-                        "prepare-data --out) on writable storage every host sees") from None
+        raise DataError(
+            f"cannot write the prepared data {out} ({e.strerror or e}): put --data-cache (or "
+            "prepare-data --out) on writable storage every host sees"
+        ) from None
     with lock:
         _wait_for(lock, out, progress)
         previous = _previous_manifest(out)
@@ -262,8 +286,9 @@ def _wait_for(lock, out: Path, progress: Progress) -> None:
             time.sleep(0.2)
 
 
-def _usable(previous: dict | None, out: Path, sources: list[Path], settings: Settings, skip_bad: bool,
-            min_tokens: int) -> bool:
+def _usable(
+    previous: dict | None, out: Path, sources: list[Path], settings: Settings, skip_bad: bool, min_tokens: int
+) -> bool:
     """The folder already holds these sources prepared (DataError when it does but they are bad input)."""
     if not (previous and _fresh(previous, out, sources, settings)):
         return False
@@ -285,8 +310,11 @@ def _fresh(manifest: dict, out: Path, sources: list[Path], settings: Settings) -
         return False
     itemsize, shards = np.dtype(manifest["dtype"]).itemsize, out / "shards"
     try:
-        return all((shards / f"{s['name']}.bin").stat().st_size == s["tokens"] * itemsize
-                   and (shards / f"{s['name']}.json").is_file() for s in manifest["shards"])
+        return all(
+            (shards / f"{s['name']}.bin").stat().st_size == s["tokens"] * itemsize
+            and (shards / f"{s['name']}.json").is_file()
+            for s in manifest["shards"]
+        )
     except OSError:
         return False
 
@@ -310,8 +338,10 @@ def _run(sources, out, shards, settings, skip_bad, workers, previous, progress, 
     given_workers = workers
     workers = max(1, min(workers or os.cpu_count() or 1, len(todo) or 1))
     if todo:
-        progress.say(f"{len(todo)} of {len(pieces)} shards to write ({todo_bytes / 1e6:,.1f} MB of text, "
-                     f"{reused} already prepared) with {workers} worker(s) -> {out}")
+        progress.say(
+            f"{len(todo)} of {len(pieces)} shards to write ({todo_bytes / 1e6:,.1f} MB of text, "
+            f"{reused} already prepared) with {workers} worker(s) -> {out}"
+        )
     tasks = [(p, str(shards), p["shard"], settings.text_field, skip_bad, dtype.name) for p in todo]
     processes = given_workers is not None or todo_bytes >= THREADS_BELOW_BYTES
     if processes:
@@ -325,8 +355,10 @@ def _run(sources, out, shards, settings, skip_bad, workers, previous, progress, 
             done[record["name"]] = record
     except KeyboardInterrupt:
         _cleanup_tmp(shards)
-        raise Interrupted(f"interrupted; {len(done)} of {len(pieces)} shards of {out} are complete and kept, run "
-                          "the same command again to continue") from None
+        raise Interrupted(
+            f"interrupted; {len(done)} of {len(pieces)} shards of {out} are complete and kept, run "
+            "the same command again to continue"
+        ) from None
     manifest = manifests.build(planned, [done[p["shard"]] for p, _ in pieces], settings, dtype, skip_bad)
     manifests.check_length(manifest, min_tokens, sources)
     tmp = out / f"manifest.json.tmp{os.getpid()}"
@@ -336,9 +368,12 @@ def _run(sources, out, shards, settings, skip_bad, workers, previous, progress, 
     seconds = time.monotonic() - t0
     written = {t[2] for t in tasks}
     rate = sum(r["chars"] for r in done.values() if r["name"] in written) / max(seconds, 1e-9)
-    progress.say(summary=True, message=f"done: {manifest['tokens']:,} tokens, {manifest['documents']:,} documents in "
-                 f"{len(pieces)} shards ({len(todo)} written, {reused} reused, {removed} stale removed) in "
-                 f"{seconds:,.1f} s ({rate / 1e6:,.1f} MB/s) -> {out}")
+    progress.say(
+        summary=True,
+        message=f"done: {manifest['tokens']:,} tokens, {manifest['documents']:,} documents in "
+        f"{len(pieces)} shards ({len(todo)} written, {reused} reused, {removed} stale removed) in "
+        f"{seconds:,.1f} s ({rate / 1e6:,.1f} MB/s) -> {out}",
+    )
     return manifest
 
 
@@ -371,8 +406,9 @@ def _map(tasks, workers: int, processes: bool, counters, progress):
 
     global _COUNTERS
     if processes:
-        pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
-                                   initargs=(counters,))
+        pool = ProcessPoolExecutor(
+            workers, mp_context=mp.get_context("spawn"), initializer=_init_worker, initargs=(counters,)
+        )
     else:
         _COUNTERS, pool = counters, ThreadPoolExecutor(workers)
     try:

@@ -3,13 +3,29 @@ file's start (`sample`), by format (`records` for text and JSON, `tables` for Pa
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from elastic_trainer.data import tables
-from elastic_trainer.data.records import (SAMPLE_BYTES, SAMPLE_LINES, Bad, DataError, Piece, byte_lines, decoded,
-                                          json_lines, open_file, read_json_lines, read_json_list, read_text, size_of,
-                                          is_json_list, kind_of, open_decompressed)
+from elastic_trainer.data.records import (
+    SAMPLE_BYTES,
+    SAMPLE_LINES,
+    Bad,
+    DataError,
+    Piece,
+    byte_lines,
+    decoded,
+    is_json_list,
+    json_lines,
+    kind_of,
+    open_decompressed,
+    open_file,
+    read_json_lines,
+    read_json_list,
+    read_text,
+    size_of,
+)
+
 
 def documents(piece: Piece, bad: Bad, skip: bool, text_field: str = "text") -> Iterator[str]:
     """The non-empty documents of one piece, in order."""
@@ -32,8 +48,9 @@ def sample(files: list[Path], skip: bool = False, text_field: str = "text") -> N
     here in one line."""
     if files and sum(size_of(p) for p in files) == 0:
         names = ", ".join(str(p) for p in files[:3]) + (" ..." if len(files) > 3 else "")
-        raise DataError(f"the data is empty: {names} {'holds' if len(files) == 1 else 'hold'} no text (valid: files "
-                        "with documents)")
+        raise DataError(
+            f"the data is empty: {names} {'holds' if len(files) == 1 else 'hold'} no text (valid: files with documents)"
+        )
     bad = Bad()
     for path in files:
         kind = kind_of(path)
@@ -59,5 +76,4 @@ def sample(files: list[Path], skip: bool = False, text_field: str = "text") -> N
             if size_of(path) <= SAMPLE_BYTES:
                 list(read_json_list(str(path), bad, skip, text_field))
         else:
-            list(json_lines(byte_lines(str(path), 0, -1), str(path), 1, bad, skip, text_field,
-                             limit=SAMPLE_LINES))
+            list(json_lines(byte_lines(str(path), 0, -1), str(path), 1, bad, skip, text_field, limit=SAMPLE_LINES))

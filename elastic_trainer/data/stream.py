@@ -85,7 +85,7 @@ class TokenStream:
             k = int(key) + (len(self) if key < 0 else 0)
             if not 0 <= k < len(self):
                 raise IndexError(f"token {key} of a stream of {len(self)}")
-            return self[k:k + 1][0]
+            return self[k : k + 1][0]
         if not isinstance(key, slice) or key.step not in (None, 1):
             raise TypeError("a TokenStream takes an index or a contiguous slice")
         start, stop, _ = key.indices(len(self))
@@ -96,13 +96,13 @@ class TokenStream:
             number, first, length = self.segments[seg]
             offset = pos - self.starts[seg]
             take = min(stop - pos, length - offset)
-            out[pos - start:pos - start + take] = self._file(int(number))[first + offset:first + offset + take]
+            out[pos - start : pos - start + take] = self._file(int(number))[first + offset : first + offset + take]
             pos += take
             seg += 1
         return out
 
     def __array__(self, dtype=None, copy=None):
-        array = self[0:len(self)]
+        array = self[0 : len(self)]
         return array if dtype is None else array.astype(dtype)
 
     def document_spans(self):
@@ -115,8 +115,10 @@ class TokenStream:
                 np.cumsum(index.lengths, out=seq_starts[1:])
                 docs = np.asarray(index.documents, dtype=np.int64)
                 if not len(docs) or docs[-1] != len(index.lengths) or np.any(np.diff(docs) < 0):
-                    raise DataError(f"{f.index}: its document indices do not cover its {len(index.lengths)} "
-                                    "sequences in order; not a valid Megatron index")
+                    raise DataError(
+                        f"{f.index}: its document indices do not cover its {len(index.lengths)} "
+                        "sequences in order; not a valid Megatron index"
+                    )
                 bounds = seq_starts[docs]
             else:
                 bounds = _eot_bounds(self._file(number))
@@ -127,7 +129,7 @@ def _eot_bounds(tokens: np.ndarray, block: int = 1 << 24) -> np.ndarray:
     """Document bounds of a stream where every document ends with <|endoftext|> (read in blocks)."""
     ends = [np.zeros(1, dtype=np.int64)]
     for start in range(0, len(tokens), block):
-        ends.append(np.flatnonzero(np.asarray(tokens[start:start + block]) == tokenizer.EOT_ID) + start + 1)
+        ends.append(np.flatnonzero(np.asarray(tokens[start : start + block]) == tokenizer.EOT_ID) + start + 1)
     bounds = np.concatenate(ends)
     if bounds[-1] != len(tokens):
         bounds = np.append(bounds, len(tokens))
@@ -145,7 +147,7 @@ def _mix(values: np.ndarray) -> np.ndarray:
 def split_documents(stream: TokenStream, fraction: float) -> tuple[TokenStream, TokenStream]:
     """(train, validation): document d (counted over the whole stream) is held out when the hash of d falls in
     the first `fraction` of the range. The choice depends on the documents' order only, not on the seed."""
-    threshold = np.uint64(min(int(fraction * 2.0 ** 64), 2 ** 64 - 1))
+    threshold = np.uint64(min(int(fraction * 2.0**64), 2**64 - 1))
     train, held, counted, carried = [], [], 0, False
     for number, spans in stream.document_spans():
         n = len(spans)
@@ -175,25 +177,37 @@ def _runs(number: int, spans: np.ndarray, mask: np.ndarray) -> list[tuple[int, i
 
 # -- opening what --data names --------------------------------------------------------------------------------
 
+
 def read_manifest(folder: Path) -> dict:
     path = folder / MANIFEST
     try:
         manifest = json.loads(path.read_text())
     except FileNotFoundError:
-        raise DataError(f"{folder}: no {MANIFEST}; a prepared dataset is not visible here (put --data-cache on "
-                        "storage every host sees, or run prepare-data on this host)") from None
+        raise DataError(
+            f"{folder}: no {MANIFEST}; a prepared dataset is not visible here (put --data-cache on "
+            "storage every host sees, or run prepare-data on this host)"
+        ) from None
     except (OSError, ValueError) as e:
         raise DataError(f"{path} cannot be read ({e}); prepare the dataset again") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise DataError(f"{path}: format {manifest.get('format') if isinstance(manifest, dict) else None!r}, not "
-                        f"{FORMAT!r}; prepare the dataset again with this version")
-    ours = {"name": tokenizer.NAME, "vocab_size": tokenizer.VOCAB_SIZE, "eot": tokenizer.EOT_ID,
-            "encoder_json_sha256": tokenizer.ENCODER_JSON_SHA256, "vocab_bpe_sha256": tokenizer.VOCAB_BPE_SHA256}
+        raise DataError(
+            f"{path}: format {manifest.get('format') if isinstance(manifest, dict) else None!r}, not "
+            f"{FORMAT!r}; prepare the dataset again with this version"
+        )
+    ours = {
+        "name": tokenizer.NAME,
+        "vocab_size": tokenizer.VOCAB_SIZE,
+        "eot": tokenizer.EOT_ID,
+        "encoder_json_sha256": tokenizer.ENCODER_JSON_SHA256,
+        "vocab_bpe_sha256": tokenizer.VOCAB_BPE_SHA256,
+    }
     theirs = manifest.get("tokenizer") or {}
     differ = [k for k in ours if theirs.get(k) != ours[k]]
     if differ:
-        raise DataError(f"{path}: prepared with another tokenizer ({differ[0]}={theirs.get(differ[0])!r}, ours "
-                        f"{ours[differ[0]]!r}); prepare it again with this version's GPT-2 BPE")
+        raise DataError(
+            f"{path}: prepared with another tokenizer ({differ[0]}={theirs.get(differ[0])!r}, ours "
+            f"{ours[differ[0]]!r}); prepare it again with this version's GPT-2 BPE"
+        )
     return manifest
 
 
@@ -210,17 +224,31 @@ def prepared_files(folder: Path, manifest: dict | None = None, verify: str | Non
         try:
             st = path.stat()
         except OSError:
-            raise DataError(f"{path}: missing from the prepared dataset {folder} (prepare it again: only missing "
-                            "shards are written)") from None
+            raise DataError(
+                f"{path}: missing from the prepared dataset {folder} (prepare it again: only missing "
+                "shards are written)"
+            ) from None
         if st.st_size != shard["tokens"] * dtype.itemsize:
-            raise DataError(f"{path}: {st.st_size} bytes, its manifest says {shard['tokens']} tokens of "
-                            f"{dtype.name}; the dataset is damaged (delete the shard and prepare it again)")
-        if (verify == "all" or (verify == "changed" and st.st_mtime_ns > written)) \
-                and hash_files([path]) != shard["digest"]:
-            raise DataError(f"{path}: its content digest does not match {folder}/{MANIFEST}; the shard changed "
-                            "after it was prepared (delete it and prepare the dataset again)")
-        files.append(TokenFile(path, dtype, shard["tokens"], path.with_suffix(".idx"),
-                               shard.get("sequences", 0) > shard.get("documents", 0)))
+            raise DataError(
+                f"{path}: {st.st_size} bytes, its manifest says {shard['tokens']} tokens of "
+                f"{dtype.name}; the dataset is damaged (delete the shard and prepare it again)"
+            )
+        if (verify == "all" or (verify == "changed" and st.st_mtime_ns > written)) and hash_files([path]) != shard[
+            "digest"
+        ]:
+            raise DataError(
+                f"{path}: its content digest does not match {folder}/{MANIFEST}; the shard changed "
+                "after it was prepared (delete it and prepare the dataset again)"
+            )
+        files.append(
+            TokenFile(
+                path,
+                dtype,
+                shard["tokens"],
+                path.with_suffix(".idx"),
+                shard.get("sequences", 0) > shard.get("documents", 0),
+            )
+        )
     return files
 
 
@@ -232,8 +260,10 @@ def token_file(source: TokenSource) -> TokenFile:
         return TokenFile(indexed.bin_path(source.path), index.dtype, index.tokens, index.path)
     size = source.path.stat().st_size
     if size % 2:
-        raise DataError(f"{source.path}: {size} bytes, not a multiple of 2; a nanoGPT .bin holds uint16 GPT-2 tokens "
-                        "(a Megatron .bin needs its .idx beside it)")
+        raise DataError(
+            f"{source.path}: {size} bytes, not a multiple of 2; a nanoGPT .bin holds uint16 GPT-2 tokens "
+            "(a Megatron .bin needs its .idx beside it)"
+        )
     return TokenFile(source.path, np.dtype(np.uint16), size // 2)
 
 

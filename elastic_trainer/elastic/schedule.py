@@ -1,14 +1,13 @@
 """Schedules: the GPU count a job holds over time, as phases.
 
-A schedule file is JSON: a list of phases, or {"phases": [...]}; each phase is {"gpus": N, "steps": K}
-(the phase ends after K more optimizer steps) or {"gpus": N, "duration_s": S} (it ends S seconds after it
-was launched, as a cluster allocation would), all phases of one kind. A phase may pin its layout, `"layout": "DP,TP,PP"` (and `"micro_batch": M`), as a
-hand-written layout table does; without one every start re-plans. A time phase of `"gpus": 0` holds no GPUs:
-the job is stopped for its duration (a policy that cannot run on what it was given waits); in a steps
-schedule `{"gpus": 0, "steps": 0}` stops the job and starts it again. Steps phases have
-absolute boundaries:
-phase i covers global steps [sum of the steps before it, that plus its own), so a resumed job finds its
-phase from the checkpoint's step. `configs/schedules/NAME.json` can be named by NAME.
+A schedule file is JSON: a list of phases, or {"phases": [...]}; each phase is {"gpus": N, "steps": K} (the phase ends
+after K more optimizer steps) or {"gpus": N, "duration_s": S} (it ends S seconds after it was launched, as a cluster
+allocation would), all phases of one kind. A phase may pin its layout, `"layout": "DP,TP,PP"` (and `"micro_batch":
+M`), as a hand-written layout table does; without one every start re-plans. A time phase of `"gpus": 0` holds no GPUs:
+the job is stopped for its duration (a policy that cannot run on what it was given waits); in a steps schedule
+`{"gpus": 0, "steps": 0}` stops the job and starts it again. Steps phases have absolute boundaries: phase i covers
+global steps [sum of the steps before it, that plus its own), so a resumed job finds its phase from the checkpoint's
+step. `configs/schedules/NAME.json` can be named by NAME.
 """
 
 from __future__ import annotations
@@ -64,7 +63,7 @@ def _pinned(entry: dict, gpus: int, where: str) -> dict:
     out: dict = {}
     if "layout" in entry:
         if not isinstance(entry["layout"], str):
-            raise ConfigError(f"{where}: layout={entry['layout']!r} must be a string \"DP,TP,PP\"")
+            raise ConfigError(f'{where}: layout={entry["layout"]!r} must be a string "DP,TP,PP"')
         dp, tp, pp = out["layout"] = parse_degrees(entry["layout"], f"{where}: layout")
         if dp * tp * pp != gpus:
             raise ConfigError(f"{where}: layout {entry['layout']} has {dp * tp * pp} GPUs, the phase {gpus}")
@@ -77,12 +76,12 @@ def _pinned(entry: dict, gpus: int, where: str) -> dict:
 
 def _phase(entry, where: str) -> Phase:
     if not isinstance(entry, dict):
-        raise ConfigError(f"{where} must be an object like {{\"gpus\": 8, \"steps\": 100}}, not {entry!r}")
+        raise ConfigError(f'{where} must be an object like {{"gpus": 8, "steps": 100}}, not {entry!r}')
     unknown = sorted(set(entry) - set(KEYS))
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))} (valid: {', '.join(KEYS)})")
     if "gpus" not in entry or ("steps" in entry) == ("duration_s" in entry):
-        raise ConfigError(f"{where} needs \"gpus\" and exactly one of \"steps\" or \"duration_s\"")
+        raise ConfigError(f'{where} needs "gpus" and exactly one of "steps" or "duration_s"')
     gpus = _int(entry["gpus"], f"{where}: gpus", minimum=0)
     if gpus == 0 and "layout" in entry:
         raise ConfigError(f"{where}: a phase of 0 GPUs (the job waits) has no layout")
@@ -90,12 +89,13 @@ def _phase(entry, where: str) -> Phase:
     if "steps" in entry:
         steps = _int(entry["steps"], f"{where}: steps", minimum=0)
         if (gpus == 0) != (steps == 0):
-            raise ConfigError(f"{where}: a steps phase of 0 GPUs (the job stops and starts again) has steps=0, "
-                              f"and only such a phase: gpus={gpus}, steps={steps}")
+            raise ConfigError(
+                f"{where}: a steps phase of 0 GPUs (the job stops and starts again) has steps=0, "
+                f"and only such a phase: gpus={gpus}, steps={steps}"
+            )
         return Phase(gpus, steps=steps, **pinned)
     seconds = entry["duration_s"]
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
-            or seconds <= 0:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds <= 0:
         raise ConfigError(f"{where}: duration_s={seconds!r} must be a positive number of seconds")
     return Phase(gpus, duration_s=float(seconds), **pinned)
 
@@ -107,10 +107,10 @@ def parse_schedule(data, source: str = "schedule") -> list[Phase]:
         unknown = sorted(set(data) - {"phases", "comment"})
         raise ConfigError(f"{source}: unknown key(s) {', '.join(map(repr, unknown))} (valid: phases, comment)")
     if not isinstance(entries, list) or not entries:
-        raise ConfigError(f"{source}: expected a non-empty list of phases (or {{\"phases\": [...]}})")
+        raise ConfigError(f'{source}: expected a non-empty list of phases (or {{"phases": [...]}})')
     phases = [_phase(e, f"{source}: phase {i + 1}") for i, e in enumerate(entries)]
     if len({p.steps is None for p in phases}) > 1:
-        raise ConfigError(f"{source}: phases mix \"steps\" and \"duration_s\"; use one kind")
+        raise ConfigError(f'{source}: phases mix "steps" and "duration_s"; use one kind')
     if all(p.waits for p in phases):
         raise ConfigError(f"{source}: every phase has 0 GPUs; nothing would train")
     return phases
@@ -118,8 +118,11 @@ def parse_schedule(data, source: str = "schedule") -> list[Phase]:
 
 def dump_schedule(phases: list[Phase], comment: str = "") -> str:
     """A schedule file's text (readable by `load_schedule`)."""
-    data = {"comment": comment, "phases": [p.to_dict() for p in phases]} if comment else \
-        {"phases": [p.to_dict() for p in phases]}
+    data = (
+        {"comment": comment, "phases": [p.to_dict() for p in phases]}
+        if comment
+        else {"phases": [p.to_dict() for p in phases]}
+    )
     return json.dumps(data, indent=1) + "\n"
 
 
@@ -150,8 +153,9 @@ def load_schedule(name_or_path: str) -> list[Phase]:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         presets = sorted(p.stem for p in (configs_dir() / "schedules").glob("*.json"))
-        raise ConfigError(f"schedule {name_or_path!r} does not exist (a JSON file, or one of: "
-                          f"{', '.join(presets) or 'none'})") from None
+        raise ConfigError(
+            f"schedule {name_or_path!r} does not exist (a JSON file, or one of: {', '.join(presets) or 'none'})"
+        ) from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"schedule {str(path)!r} cannot be read: {e}") from None
     except json.JSONDecodeError as e:

@@ -10,7 +10,7 @@ waiting a minute for its state wrote 120 such lines per rank into its host's log
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 HANDOVER_POLL_S = 0.05
 """How often a rank asks for a hand-over's keys: at most 50 ms on the critical path (the state's write takes

@@ -8,8 +8,8 @@ WORLD_SIZE, ranks in range, a port, an address); `preflight` calls it before any
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from elastic_trainer.config import ConfigError
 
@@ -43,34 +43,48 @@ class TorchrunEnv:
         return self.run_id is not None
 
     @classmethod
-    def read(cls, env: Mapping[str, str] | None = None) -> "TorchrunEnv":
+    def read(cls, env: Mapping[str, str] | None = None) -> TorchrunEnv:
         """The variables of `env` (default os.environ), checked."""
         env = os.environ if env is None else env
         if ("RANK" in env) != ("WORLD_SIZE" in env):
             given, missing = ("RANK", "WORLD_SIZE") if "RANK" in env else ("WORLD_SIZE", "RANK")
-            raise ConfigError(f"environment variable {given} is set but {missing} is not (torchrun sets both; "
-                              f"unset {given} to train as one process)")
+            raise ConfigError(
+                f"environment variable {given} is set but {missing} is not (torchrun sets both; "
+                f"unset {given} to train as one process)"
+            )
         world = _int(env, "WORLD_SIZE", 1, 1)
         local_world = _int(env, "LOCAL_WORLD_SIZE", world if "RANK" in env else 1, 1)
         rank, local_rank = _int(env, "RANK", 0, 0), _int(env, "LOCAL_RANK", 0, 0)
         if rank >= world:
             raise ConfigError(f"environment variable RANK={rank} must be below WORLD_SIZE={world}")
         if "RANK" in env and local_rank >= local_world:
-            raise ConfigError(f"environment variable LOCAL_RANK={local_rank} must be below "
-                              f"LOCAL_WORLD_SIZE={local_world}")
+            raise ConfigError(
+                f"environment variable LOCAL_RANK={local_rank} must be below LOCAL_WORLD_SIZE={local_world}"
+            )
         if "RANK" in env:
             port = _int(env, "MASTER_PORT", 29500, 1)
             if port > 65535:
                 raise ConfigError(f"environment variable MASTER_PORT={port} is not a port (valid: 1-65535)")
             if not env.get("MASTER_ADDR", "localhost").strip():
-                raise ConfigError("environment variable MASTER_ADDR is empty (valid: the rank-0 host's name or address)")
+                raise ConfigError(
+                    "environment variable MASTER_ADDR is empty (valid: the rank-0 host's name or address)"
+                )
         group = _int(env, "GROUP_RANK", 0, 0) if "GROUP_RANK" in env else None
         restarts = _int(env, "TORCHELASTIC_RESTART_COUNT", 0, 0) if "TORCHELASTIC_RESTART_COUNT" in env else None
-        return cls(rank, world, local_rank, local_world, group, restarts, env.get("TORCHELASTIC_RUN_ID"),
-                   env.get("TORCHELASTIC_ERROR_FILE") or None, "RANK" in env)
+        return cls(
+            rank,
+            world,
+            local_rank,
+            local_world,
+            group,
+            restarts,
+            env.get("TORCHELASTIC_RUN_ID"),
+            env.get("TORCHELASTIC_ERROR_FILE") or None,
+            "RANK" in env,
+        )
 
     @classmethod
-    def lenient(cls) -> "TorchrunEnv":
+    def lenient(cls) -> TorchrunEnv:
         """The environment for code that only reports (which host prints a line): defaults where it is bad."""
         try:
             return cls.read()

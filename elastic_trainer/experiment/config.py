@@ -10,8 +10,8 @@ from pathlib import Path
 
 from elastic_trainer.config import DP_MODES, ConfigError, ModelConfig, load_model_config, read_toml
 from elastic_trainer.elastic.schedule import Phase, load_schedule
-from elastic_trainer.plan.layout import parse_degrees
 from elastic_trainer.experiment.policy import DP_ONLY_FROZEN, POLICIES, TENPLEX_TABLE, Policy
+from elastic_trainer.plan.layout import parse_degrees
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = PROJECT_ROOT / "benchmarks" / "dynamic_resources" / "experiment.toml"
@@ -65,10 +65,15 @@ def _job(table: dict, where: str) -> JobSpec:
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}")
     try:
-        return JobSpec(load_model_config(table["model"]), int(table["seq_len"]), int(table["global_batch"]),
-                       float(table.get("lr", 1e-3)), int(table.get("warmup_steps", 0)),
-                       int(table["seed"]) if "seed" in table else None,
-                       _mode(table.get("dp_mode"), where))
+        return JobSpec(
+            load_model_config(table["model"]),
+            int(table["seq_len"]),
+            int(table["global_batch"]),
+            float(table.get("lr", 1e-3)),
+            int(table.get("warmup_steps", 0)),
+            int(table["seed"]) if "seed" in table else None,
+            _mode(table.get("dp_mode"), where),
+        )
     except KeyError as e:
         raise ConfigError(f"{where}: missing key {e.args[0]!r} (model, seq_len, global_batch)") from None
     except (TypeError, ValueError) as e:
@@ -93,8 +98,12 @@ def _table(raw: dict, where: str) -> dict[int, tuple[int, int, int]]:
     return out
 
 
-def load_experiment(path: str | Path | None = None, schedule: str | None = None,
-                    policies: list[str] | None = None, profiles: list[str] | None = None) -> Experiment:
+def load_experiment(
+    path: str | Path | None = None,
+    schedule: str | None = None,
+    policies: list[str] | None = None,
+    profiles: list[str] | None = None,
+) -> Experiment:
     """The experiment file (default: the shipped one), with the schedule, policies and profiles overridable."""
     path = Path(path or DEFAULT_CONFIG)
     if not path.is_file():
@@ -104,8 +113,10 @@ def load_experiment(path: str | Path | None = None, schedule: str | None = None,
     sched = schedule or str((path.parent / raw.get("schedule", "schedule.json")).resolve())
     phases = load_schedule(sched)
     if any(p.duration_s is None or p.layout is not None for p in phases):
-        raise ConfigError(f"{sched}: the experiment needs time phases ({{\"gpus\": N, \"duration_s\": S}}) "
-                          "without pinned layouts: the policies choose the layouts")
+        raise ConfigError(
+            f'{sched}: the experiment needs time phases ({{"gpus": N, "duration_s": S}}) '
+            "without pinned layouts: the policies choose the layouts"
+        )
     pol = raw.get("policies", {})
     names = tuple(policies or pol.get("names", POLICIES))
     for name in names:
@@ -115,8 +126,18 @@ def load_experiment(path: str | Path | None = None, schedule: str | None = None,
     profs = tuple(profiles or raw.get("profiles", ("h100-80g", "v100-16g")))
     if not profs:
         raise ConfigError(f"{where}: no hardware profiles")
-    return Experiment(where, sched, phases, _job(raw.get("target", {}), f"{where} [target]"),
-                      _job(raw.get("small", {}), f"{where} [small]"), int(raw.get("gpus_per_host", 8)), profs,
-                      names, _table(pol.get("tenplex_table", {str(k): ",".join(map(str, v))
-                                                              for k, v in TENPLEX_TABLE.items()}),
-                                    f"{where}: policies.tenplex_table"), frozen)
+    return Experiment(
+        where,
+        sched,
+        phases,
+        _job(raw.get("target", {}), f"{where} [target]"),
+        _job(raw.get("small", {}), f"{where} [small]"),
+        int(raw.get("gpus_per_host", 8)),
+        profs,
+        names,
+        _table(
+            pol.get("tenplex_table", {str(k): ",".join(map(str, v)) for k, v in TENPLEX_TABLE.items()}),
+            f"{where}: policies.tenplex_table",
+        ),
+        frozen,
+    )

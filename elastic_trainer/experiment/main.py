@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elastic_trainer.config import ConfigError
-from elastic_trainer.experiment.simclock import simulate
 from elastic_trainer.experiment import results
 from elastic_trainer.experiment.config import Experiment
 from elastic_trainer.experiment.profile import ProfilePlan, plan_profile
 from elastic_trainer.experiment.results import choice_text
 from elastic_trainer.experiment.runner import run_real, run_simulated
+from elastic_trainer.experiment.simclock import simulate
 
 
 @dataclass
@@ -37,27 +37,32 @@ def describe(exp: Experiment, plan: ProfilePlan) -> list[str]:
     """The plan of one profile: each policy's choice per GPU count, steps, ideal and downtime."""
     r = plan.reconfiguration
     handover = ", ".join(f"{k} GPUs {v:.1f} s" for k, v in r["handover_s"].items())
-    lines = [f"{plan.profile}: {exp.target.model.name}, global batch {exp.target.global_batch} x "
-             f"{exp.target.seq_len}; one simulated step = {plan.scale:.1f} target steps; a reconfiguration hands "
-             f"{r['state_gb']} GB over through host memory: write at {r['shm_write_gbs_per_rank']:g} GB/s per rank + "
-             f"exchange between hosts at {r['inter_host_gbs']:g} GB/s + read at {r['shm_read_gbs_per_rank']:g} GB/s "
-             f"per rank + {r['handover_setup_s']:g} s set-up ({handover or 'none'}); after a wait: save + "
-             f"{r['restart_s']:g} s restart + load at {r['storage_gbs_per_host']:g} GB/s per host (about "
-             f"{r['typical_restart_s']:g} s)"]
+    lines = [
+        f"{plan.profile}: {exp.target.model.name}, global batch {exp.target.global_batch} x "
+        f"{exp.target.seq_len}; one simulated step = {plan.scale:.1f} target steps; a reconfiguration hands "
+        f"{r['state_gb']} GB over through host memory: write at {r['shm_write_gbs_per_rank']:g} GB/s per rank + "
+        f"exchange between hosts at {r['inter_host_gbs']:g} GB/s + read at {r['shm_read_gbs_per_rank']:g} GB/s "
+        f"per rank + {r['handover_setup_s']:g} s set-up ({handover or 'none'}); after a wait: save + "
+        f"{r['restart_s']:g} s restart + load at {r['storage_gbs_per_host']:g} GB/s per host (about "
+        f"{r['typical_restart_s']:g} s)"
+    ]
     for name, p in plan.policies.items():
         seen = {}
         for c in p.choices:
             seen.setdefault(c.held, c)
         per = "; ".join(f"{held}: {c.describe()}" for held, c in sorted(seen.items(), reverse=True))
-        lines.append(f"  {name}: {p.timeline.count} steps (ideal {p.ideal.count}), downtime "
-                     f"{p.timeline.downtime_s:.0f} s | {per}")
+        lines.append(
+            f"  {name}: {p.timeline.count} steps (ideal {p.ideal.count}), downtime "
+            f"{p.timeline.downtime_s:.0f} s | {per}"
+        )
     return lines
 
 
 def _simulated(exp: Experiment, plan: ProfilePlan, opts: Options, say) -> tuple[dict, dict, dict]:
     walls = run_simulated(exp, plan, opts.work / plan.profile, opts.train_args, say=say)
-    rows = {n: results.simulated_rows(opts.work / plan.profile / n, p.choices, p.timeline)
-            for n, p in plan.policies.items()}
+    rows = {
+        n: results.simulated_rows(opts.work / plan.profile / n, p.choices, p.timeline) for n, p in plan.policies.items()
+    }
     ideal = {n: p.ideal.count for n, p in plan.policies.items()}
     return rows, ideal, walls
 
@@ -94,7 +99,9 @@ def measured_ideal(durations: list[float], policy, rows: list[dict]) -> int:
     """Steps the policy's choices would run with instant reconfiguration at the step times measured for them
     (the median per layout; the planner's prediction for a layout that never ran)."""
     measured = measured_step_times(rows)
-    return simulate(durations, policy.choices, 1.0, step_time=lambda c: measured.get(choice_text(c), c.step_time_s)).count
+    return simulate(
+        durations, policy.choices, 1.0, step_time=lambda c: measured.get(choice_text(c), c.step_time_s)
+    ).count
 
 
 def step_time_sources(policy, rows: list[dict], clock: str) -> dict[str, dict]:
@@ -108,9 +115,12 @@ def step_time_sources(policy, rows: list[dict], clock: str) -> dict[str, dict]:
             continue
         text = choice_text(c)
         got = measured.get(text)
-        out[text] = {"plan_s": round(c.step_time_s, 6), "plan_source": c.candidate.source,
-                     "measured_s": None if got is None else round(got, 6),
-                     "used": "measured" if got is not None else "predicted"}
+        out[text] = {
+            "plan_s": round(c.step_time_s, 6),
+            "plan_source": c.candidate.source,
+            "measured_s": None if got is None else round(got, 6),
+            "used": "measured" if got is not None else "predicted",
+        }
     return out
 
 
@@ -131,16 +141,29 @@ def run_profile(exp: Experiment, profile: str, opts: Options, say=print) -> dict
         entry["wall_s"] = round(walls[name], 1)
         entry["step_times"] = step_time_sources(plan.policies[name], rows[name], opts.clock)
         used = [v["used"] for v in entry["step_times"].values()]
-        say(f"[experiment] {profile} {name}: step times of {used.count('measured')} layout(s) measured in this run, "
-            f"{used.count('predicted')} predicted by the planner")
+        say(
+            f"[experiment] {profile} {name}: step times of {used.count('measured')} layout(s) measured in this run, "
+            f"{used.count('predicted')} predicted by the planner"
+        )
         if "static" in rows and name != "static":
             entry["loss_vs_static"] = results.loss_match(rows[name], rows["static"])
-    results.plot(opts.out / f"{profile}.png", f"{exp.target.model.name} on {profile} ({opts.clock} clock)", rows,
-                 clock_durations(exp, opts), exp.gpus)
+    results.plot(
+        opts.out / f"{profile}.png",
+        f"{exp.target.model.name} on {profile} ({opts.clock} clock)",
+        rows,
+        clock_durations(exp, opts),
+        exp.gpus,
+    )
     say(f"[experiment] {profile}: done in {time.time() - t0:.0f} s; results in {opts.out}")
-    return {"clock": opts.clock, "hardware": profile, "time_scale": round(plan.scale, 3) if opts.clock == "simulated"
-            else opts.time_scale or 1.0, "common_step": results.common_step(rows), "reconfiguration_model": plan.reconfiguration,
-            "wall_s": round(time.time() - t0, 1), "policies": policies}
+    return {
+        "clock": opts.clock,
+        "hardware": profile,
+        "time_scale": round(plan.scale, 3) if opts.clock == "simulated" else opts.time_scale or 1.0,
+        "common_step": results.common_step(rows),
+        "reconfiguration_model": plan.reconfiguration,
+        "wall_s": round(time.time() - t0, 1),
+        "policies": policies,
+    }
 
 
 def check_hosts(exp: Experiment, opts: Options) -> None:

@@ -54,8 +54,10 @@ class Choice:
         if self.candidate is None:
             return f"waits ({self.note})"
         c = self.candidate
-        text = (f"dp{c.dp} tp{c.tp} pp{c.pp} micro {c.micro_batch} x {c.num_microbatches} {c.dp_mode}"
-                f"{' recompute' if c.recompute else ''}: {c.step_time_s:.3f} s/step")
+        text = (
+            f"dp{c.dp} tp{c.tp} pp{c.pp} micro {c.micro_batch} x {c.num_microbatches} {c.dp_mode}"
+            f"{' recompute' if c.recompute else ''}: {c.step_time_s:.3f} s/step"
+        )
         return text + (f" ({self.note})" if self.note else "")
 
 

@@ -10,13 +10,12 @@ from dataclasses import dataclass
 
 from elastic_trainer.config import ConfigError
 from elastic_trainer.elastic.schedule import Phase, same_run
-from elastic_trainer.experiment.simclock import (STATE_BYTES_PER_PARAM, Timeline, auto_scale, reconfiguration_s,
-                                                 simulate)
 from elastic_trainer.experiment.config import Experiment, JobSpec
-from elastic_trainer.plan import Hardware, Request, load_hardware
-from elastic_trainer.plan.memory import stage_numel
-from elastic_trainer.plan.layout import Layout
 from elastic_trainer.experiment.policy import Choice, choices
+from elastic_trainer.experiment.simclock import STATE_BYTES_PER_PARAM, Timeline, auto_scale, reconfiguration_s, simulate
+from elastic_trainer.plan import Hardware, Request, load_hardware
+from elastic_trainer.plan.layout import Layout
+from elastic_trainer.plan.memory import stage_numel
 
 
 @dataclass
@@ -69,8 +68,10 @@ def plan_profile(exp: Experiment, profile: str, scale: float | None = None, targ
     def downtime(before: Choice, after: Choice, warm: bool) -> float:
         return reconfiguration_s(n_params, hw, before, after, warm)
 
-    plans = {name: PolicyPlan(name, c, simulate(exp.durations, c, scale, downtime), simulate(exp.durations, c, scale))
-             for name, c in picked.items()}
+    plans = {
+        name: PolicyPlan(name, c, simulate(exp.durations, c, scale, downtime), simulate(exp.durations, c, scale))
+        for name, c in picked.items()
+    }
     model = reconfiguration_model(n_params, hw, reference)
     return ProfilePlan(profile, hw, scale, model, plans)
 
@@ -84,14 +85,21 @@ def reconfiguration_model(n_params: int, hw: Hardware, reference: list[Choice]) 
             handover.setdefault(f"{a.used}->{b.used}", round(reconfiguration_s(n_params, hw, a, b), 2))
     runs = [c for c in reference if not c.waits]
     restart = reconfiguration_s(n_params, hw, runs[0], runs[-1], warm=False) if runs else 0.0
-    return {"state_gb": round(n_params * STATE_BYTES_PER_PARAM / 1e9, 2), "shm_write_gbs_per_rank": hw.shm_write_gbs,
-            "shm_read_gbs_per_rank": hw.shm_read_gbs, "inter_host_gbs": hw.inter_host_gbs,
-            "handover_setup_s": hw.handover_setup_s, "handover_s": handover,
-            "formula": "state / (old ranks x shm_write_gbs) + exchange / inter_host_gbs + state / (new ranks x "
-                       "shm_read_gbs) + handover_setup_s; exchange: the GB the busiest host receives or sends",
-            "storage_gbs_per_host": hw.storage_gbs, "restart_s": hw.restart_s, "typical_restart_s": round(restart, 1),
-            "restart_formula": "after a phase without GPUs: state / (old hosts x storage_gbs) + restart_s + "
-                               "state / (new hosts x storage_gbs)"}
+    return {
+        "state_gb": round(n_params * STATE_BYTES_PER_PARAM / 1e9, 2),
+        "shm_write_gbs_per_rank": hw.shm_write_gbs,
+        "shm_read_gbs_per_rank": hw.shm_read_gbs,
+        "inter_host_gbs": hw.inter_host_gbs,
+        "handover_setup_s": hw.handover_setup_s,
+        "handover_s": handover,
+        "formula": "state / (old ranks x shm_write_gbs) + exchange / inter_host_gbs + state / (new ranks x "
+        "shm_read_gbs) + handover_setup_s; exchange: the GB the busiest host receives or sends",
+        "storage_gbs_per_host": hw.storage_gbs,
+        "restart_s": hw.restart_s,
+        "typical_restart_s": round(restart, 1),
+        "restart_formula": "after a phase without GPUs: state / (old hosts x storage_gbs) + restart_s + "
+        "state / (new hosts x storage_gbs)",
+    }
 
 
 def small_layout(small: JobSpec, choice: Choice) -> tuple[tuple[int, int, int], int]:
@@ -100,9 +108,11 @@ def small_layout(small: JobSpec, choice: Choice) -> tuple[tuple[int, int, int], 
     c = choice.candidate
     model = small.model
     if model.n_heads % c.tp or c.pp > model.n_layers or small.global_batch % c.dp:
-        raise ConfigError(f"the small model {model.name} (n_heads={model.n_heads}, n_layers={model.n_layers}, "
-                          f"global batch {small.global_batch}) cannot run dp{c.dp} tp{c.tp} pp{c.pp}; give "
-                          "[small] a model with more heads or layers, or a global batch dp divides")
+        raise ConfigError(
+            f"the small model {model.name} (n_heads={model.n_heads}, n_layers={model.n_layers}, "
+            f"global batch {small.global_batch}) cannot run dp{c.dp} tp{c.tp} pp{c.pp}; give "
+            "[small] a model with more heads or layers, or a global batch dp divides"
+        )
     share = small.global_batch // c.dp
     return c.degrees, share // math.gcd(c.num_microbatches, share)
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from elastic_trainer.config import ConfigError
 from elastic_trainer.elastic.events import EVENTS_FILE, read_jsonl
 from elastic_trainer.elastic.report import effective, segments
-from elastic_trainer.plan.layout import Layout
 from elastic_trainer.experiment.policy import Choice
+from elastic_trainer.plan.layout import Layout
 
 COLUMNS = ("time_s", "step", "loss", "gpus", "ranks", "layout", "ran_as", "downtime_s", "measured_downtime_s")
 
@@ -51,12 +51,24 @@ def simulated_rows(run_dir: Path, choices: list[Choice], timeline) -> list[dict]
     for s in timeline.steps:
         r = records.get(s.step)
         if r is None:
-            raise ConfigError(f"{run_dir}: step {s.step} was not trained (the run's last is "
-                              f"{max(records, default=0)}); see {run_dir / 'launch.log'}")
+            raise ConfigError(
+                f"{run_dir}: step {s.step} was not trained (the run's last is "
+                f"{max(records, default=0)}); see {run_dir / 'launch.log'}"
+            )
         c = choices[s.phase]
-        rows.append({"time_s": round(s.time_s, 3), "step": s.step, "loss": r["loss"], "gpus": c.held, "ranks": c.used,
-                     "layout": choice_text(c), "ran_as": Layout.from_dict(r["layout"]).compact(),
-                     "downtime_s": round(s.downtime_s, 3), "measured_downtime_s": measured.get(s.step, 0.0)})
+        rows.append(
+            {
+                "time_s": round(s.time_s, 3),
+                "step": s.step,
+                "loss": r["loss"],
+                "gpus": c.held,
+                "ranks": c.used,
+                "layout": choice_text(c),
+                "ran_as": Layout.from_dict(r["layout"]).compact(),
+                "downtime_s": round(s.downtime_s, 3),
+                "measured_downtime_s": measured.get(s.step, 0.0),
+            }
+        )
     return rows
 
 
@@ -69,15 +81,25 @@ def real_rows(run_dir: Path, choices: list[Choice], durations: list[float]) -> l
     if not launched or not records:
         raise ConfigError(f"{run_dir}: the run trained nothing; see {run_dir / 'launch.log'}")
     t0 = min(launched)
-    ends = [sum(durations[:i + 1]) for i in range(len(durations))]
+    ends = [sum(durations[: i + 1]) for i in range(len(durations))]
     rows = []
     for step in sorted(records):
         r = records[step]
         at = r["time"] - t0
         c = choices[next((i for i, end in enumerate(ends) if at < end), len(ends) - 1)]
-        rows.append({"time_s": round(at, 3), "step": step, "loss": r["loss"], "gpus": c.held,
-                     "ranks": r["world_size"], "layout": choice_text(c), "ran_as": Layout.from_dict(r["layout"]).compact(),
-                     "downtime_s": measured.get(step, 0.0), "measured_downtime_s": measured.get(step, 0.0)})
+        rows.append(
+            {
+                "time_s": round(at, 3),
+                "step": step,
+                "loss": r["loss"],
+                "gpus": c.held,
+                "ranks": r["world_size"],
+                "layout": choice_text(c),
+                "ran_as": Layout.from_dict(r["layout"]).compact(),
+                "downtime_s": measured.get(step, 0.0),
+                "measured_downtime_s": measured.get(step, 0.0),
+            }
+        )
     return rows
 
 
@@ -90,8 +112,13 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 
 def read_csv(path: Path) -> list[dict]:
     with open(path, newline="") as f:
-        return [{k: (v if k in ("layout", "ran_as") else float(v) if "." in v or "e" in v else int(v))
-                 for k, v in row.items()} for row in csv.DictReader(f)]
+        return [
+            {
+                k: (v if k in ("layout", "ran_as") else float(v) if "." in v or "e" in v else int(v))
+                for k, v in row.items()
+            }
+            for row in csv.DictReader(f)
+        ]
 
 
 def common_step(rows: dict[str, list[dict]]) -> int:
@@ -105,11 +132,15 @@ def summarize(rows: dict[str, list[dict]], ideal: dict[str, int], clock: str) ->
     out = {}
     for name, r in rows.items():
         at = next((row["time_s"] for row in r if row["step"] == common), None)
-        out[name] = {"steps": r[-1]["step"] if r else 0, "ideal_steps": ideal[name],
-                     "time_to_common_step_s": at if common else None,
-                     "downtime_s": round(sum(row["downtime_s"] for row in r), 3),
-                     "final_loss": r[-1]["loss"] if r else None, "clock": clock,
-                     "measured_downtime_s": round(sum(row["measured_downtime_s"] for row in r), 3)}
+        out[name] = {
+            "steps": r[-1]["step"] if r else 0,
+            "ideal_steps": ideal[name],
+            "time_to_common_step_s": at if common else None,
+            "downtime_s": round(sum(row["downtime_s"] for row in r), 3),
+            "final_loss": r[-1]["loss"] if r else None,
+            "clock": clock,
+            "measured_downtime_s": round(sum(row["measured_downtime_s"] for row in r), 3),
+        }
     return out
 
 
@@ -129,8 +160,13 @@ def plot(path: Path, title: str, rows: dict[str, list[dict]], durations: list[fl
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     for name, r in rows.items():
-        top.plot([row["time_s"] / 60 for row in r], [row["loss"] for row in r], label=f"{name} ({r[-1]['step'] if r else 0} steps)",
-                 marker="." if len(r) < 60 else None, lw=1.3)
+        top.plot(
+            [row["time_s"] / 60 for row in r],
+            [row["loss"] for row in r],
+            label=f"{name} ({r[-1]['step'] if r else 0} steps)",
+            marker="." if len(r) < 60 else None,
+            lw=1.3,
+        )
     edges = [0.0]
     for d in durations:
         edges.append(edges[-1] + d)

@@ -23,22 +23,56 @@ from elastic_trainer.experiment.profile import PolicyPlan, ProfilePlan, runtime_
 
 
 def train_args(job: JobSpec, steps: int) -> list[str]:
-    return ["--seq-len", str(job.seq_len), "--global-batch", str(job.global_batch), "--steps", str(steps),
-            "--lr", repr(job.lr), "--warmup-steps", str(job.warmup_steps), "--log-every", "10",
-            *(["--seed", str(job.seed)] if job.seed is not None else []),
-            *(["--dp-mode", job.dp_mode] if job.dp_mode else [])]
+    return [
+        "--seq-len",
+        str(job.seq_len),
+        "--global-batch",
+        str(job.global_batch),
+        "--steps",
+        str(steps),
+        "--lr",
+        repr(job.lr),
+        "--warmup-steps",
+        str(job.warmup_steps),
+        "--log-every",
+        "10",
+        *(["--seed", str(job.seed)] if job.seed is not None else []),
+        *(["--dp-mode", job.dp_mode] if job.dp_mode else []),
+    ]
 
 
-def launch(run_dir: Path, hosts: str, model: str, schedule: list[Phase], args: list[str],
-           launch_args: tuple[str, ...] = (), say=print) -> float:
+def launch(
+    run_dir: Path,
+    hosts: str,
+    model: str,
+    schedule: list[Phase],
+    args: list[str],
+    launch_args: tuple[str, ...] = (),
+    say=print,
+) -> float:
     """One run of the runtime from scratch in `run_dir`; its wall seconds. Raises ConfigError when it fails."""
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     sched = run_dir / "schedule.json"
     sched.write_text(dump_schedule(schedule))
-    argv = [sys.executable, "-m", "elastic_trainer.cli", "launch", "--hosts", hosts, "--run-dir", str(run_dir),
-            "--schedule", str(sched), "--model", model, *launch_args, "--", *args]
+    argv = [
+        sys.executable,
+        "-m",
+        "elastic_trainer.cli",
+        "launch",
+        "--hosts",
+        hosts,
+        "--run-dir",
+        str(run_dir),
+        "--schedule",
+        str(sched),
+        "--model",
+        model,
+        *launch_args,
+        "--",
+        *args,
+    ]
     t0 = time.time()
     with open(run_dir / "experiment.log", "w") as log:
         code = subprocess.call(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -48,8 +82,9 @@ def launch(run_dir: Path, hosts: str, model: str, schedule: list[Phase], args: l
     return time.time() - t0
 
 
-def run_simulated(exp: Experiment, plan: ProfilePlan, work: Path, extra: tuple[str, ...] = (),
-                  say=print) -> dict[str, float]:
+def run_simulated(
+    exp: Experiment, plan: ProfilePlan, work: Path, extra: tuple[str, ...] = (), say=print
+) -> dict[str, float]:
     """Train the small model through every policy's runtime schedule; wall seconds per policy."""
     ranks = max(max((c.used for c in p.choices), default=1) for p in plan.policies.values())
     hosts = work / "hosts.txt"
@@ -58,10 +93,13 @@ def run_simulated(exp: Experiment, plan: ProfilePlan, work: Path, extra: tuple[s
     walls = {}
     for name, policy in plan.policies.items():
         schedule = runtime_schedule(exp.small, policy)
-        say(f"[experiment] {plan.profile} / {name}: {policy.timeline.count} steps in "
-            f"{sum(1 for p in schedule if p.gpus)} phase(s) on up to {ranks} ranks")
-        walls[name] = launch(work / name, str(hosts), exp.small.model.name, schedule,
-                             [*train_args(exp.small, plan.cap), *extra], say=say)
+        say(
+            f"[experiment] {plan.profile} / {name}: {policy.timeline.count} steps in "
+            f"{sum(1 for p in schedule if p.gpus)} phase(s) on up to {ranks} ranks"
+        )
+        walls[name] = launch(
+            work / name, str(hosts), exp.small.model.name, schedule, [*train_args(exp.small, plan.cap), *extra], say=say
+        )
         say(f"[experiment] {plan.profile} / {name}: done in {walls[name]:.0f} s")
     return walls
 
@@ -81,8 +119,16 @@ def real_schedule(policy: PolicyPlan, durations: list[float]) -> list[Phase]:
     return out
 
 
-def run_real(exp: Experiment, plan: ProfilePlan, work: Path, hosts: str, durations: list[float], steps: int,
-             extra: tuple[str, ...] = (), say=print) -> dict[str, float]:
+def run_real(
+    exp: Experiment,
+    plan: ProfilePlan,
+    work: Path,
+    hosts: str,
+    durations: list[float],
+    steps: int,
+    extra: tuple[str, ...] = (),
+    say=print,
+) -> dict[str, float]:
     """The target job through every policy on the hosts file's GPUs, phases of `durations` wall seconds."""
     walls = {}
     for name, policy in plan.policies.items():
@@ -90,7 +136,6 @@ def run_real(exp: Experiment, plan: ProfilePlan, work: Path, hosts: str, duratio
         args = [*train_args(exp.target, steps), "--hardware", plan.profile, *extra]
         if name == "ours":
             args += ["--use-gpus", "fastest"]
-        walls[name] = launch(work / name, hosts, exp.target.model.name, real_schedule(policy, durations), args,
-                             say=say)
+        walls[name] = launch(work / name, hosts, exp.target.model.name, real_schedule(policy, durations), args, say=say)
         say(f"[experiment] {plan.profile} / {name}: done in {walls[name]:.0f} s")
     return walls

@@ -15,11 +15,11 @@ stay at full scale, so every ratio is kept. Pure Python.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
-from elastic_trainer.plan.hardware import Hardware
 from elastic_trainer.experiment.policy import Choice
+from elastic_trainer.plan.hardware import Hardware
 
 STATE_BYTES_PER_PARAM = 12
 """What a checkpoint holds per parameter: fp32 master weights and AdamW's two fp32 moments."""
@@ -101,9 +101,13 @@ def reconfiguration_s(n_params: int, hw: Hardware, before: Choice | None, after:
     return cold_restart_s(state, hw, before, after)
 
 
-def simulate(durations: list[float], choices: list[Choice], scale: float,
-             downtime: Callable[[Choice, Choice, bool], float] | None = None,
-             step_time: Callable[[Choice], float] | None = None) -> Timeline:
+def simulate(
+    durations: list[float],
+    choices: list[Choice],
+    scale: float,
+    downtime: Callable[[Choice, Choice, bool], float] | None = None,
+    step_time: Callable[[Choice], float] | None = None,
+) -> Timeline:
     """Steps of a run through phases of `durations` seconds, the policy's `choices` per phase; `downtime`
     (the choice whose state is handed on, the next choice, whether the job ran up to the change (False: a
     phase without GPUs stopped it)) -> seconds, None: instant reconfiguration (the ideal);

@@ -29,8 +29,12 @@ from elastic_trainer.elastic.exit_codes import ERROR_MARK, EXIT_BAD_INPUT, FINAL
 from elastic_trainer.elastic.handover import CONTROL_ENV
 from elastic_trainer.elastic.lifetime import die_with_parent
 from elastic_trainer.launch.allocator import restart_keeping_freed_memory
-from elastic_trainer.launch.forked import (NVML_CHECK_ENV, START_ENV, refuse_poisoned_cuda,  # noqa: F401
-                                          signals_as_after_exec)
+from elastic_trainer.launch.forked import (
+    NVML_CHECK_ENV,
+    START_ENV,
+    refuse_poisoned_cuda,  # noqa: F401
+    signals_as_after_exec,
+)
 
 WORKER_MODULE = "elastic_trainer.rank"
 LAUNCHER_GONE = signal.SIGUSR2
@@ -46,8 +50,8 @@ def preload() -> None:
     import torch.distributed.pipelining  # noqa: F401  (torch._dynamo)
 
     import elastic_trainer.data  # noqa: F401
-    import elastic_trainer.rank  # noqa: F401
     import elastic_trainer.parallel.agree  # noqa: F401
+    import elastic_trainer.rank  # noqa: F401
     import elastic_trainer.train  # noqa: F401
 
 
@@ -131,8 +135,11 @@ def _agent_class() -> None:
 
             why = live_hosts.from_environment(spec.rdzv_handler, _rdzv_endpoint)
             if why:
-                print(f"[agent] warning: the rendezvous waits its last call after a lost host: {why}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[agent] warning: the rendezvous waits its last call after a lost host: {why}",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
         def _restarts(self) -> int:
             return self._worker_group.spec.max_restarts - self._remaining_restarts
@@ -140,7 +147,8 @@ def _agent_class() -> None:
         def _monitor_workers(self, worker_group):
             result = super()._monitor_workers(worker_group)
             if result.state == WorkerState.FAILED and any(
-                    f.exitcode == EXIT_BAD_INPUT for f in result.failures.values()):
+                f.exitcode == EXIT_BAD_INPUT for f in result.failures.values()
+            ):
                 self._remaining_restarts = 0
             return result
 
@@ -153,8 +161,13 @@ def _agent_class() -> None:
         def _rendezvous(self, worker_group):
             began = time.time()
             super()._rendezvous(worker_group)
-            _emit("rendezvous_done", began=began, hosts=worker_group.group_world_size,
-                  group_rank=worker_group.group_rank, restart=self._restarts())
+            _emit(
+                "rendezvous_done",
+                began=began,
+                hosts=worker_group.group_world_size,
+                group_rank=worker_group.group_rank,
+                restart=self._restarts(),
+            )
 
     launcher_api.LocalElasticAgent = Agent
     # TorchElastic logs a failed worker with the traceback of its own exit-code check; for bad input the
@@ -187,8 +200,10 @@ def _failure_line(error, workers_print: bool = True) -> tuple[int, str | None]:
     # rank 0 did not fail the same way (the first failure is whichever rank's error file came first). Local
     # rank 0 writes its error file after printing, so a line in it was printed even when the agent stopped
     # rank 0 (after another rank failed) before it could exit with the code.
-    printed = any(f.local_rank == 0 and (f.exitcode == EXIT_BAD_INPUT or _message(f).startswith(ERROR_MARK))
-                  for f in error.failures.values())
+    printed = any(
+        f.local_rank == 0 and (f.exitcode == EXIT_BAD_INPUT or _message(f).startswith(ERROR_MARK))
+        for f in error.failures.values()
+    )
     return EXIT_BAD_INPUT, (_message(failure) or None) if not printed else None
 
 
@@ -200,8 +215,12 @@ def _rendezvous_defaults(args) -> None:
 
     from torch.distributed.run import parse_min_max_nnodes
 
-    single_host = args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None and \
-        parse_min_max_nnodes(args.nnodes)[1] == 1
+    single_host = (
+        args.rdzv_backend == "static"
+        and not args.rdzv_endpoint
+        and args.master_port is None
+        and parse_min_max_nnodes(args.nnodes)[1] == 1
+    )
     if args.standalone or single_host:
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     if args.master_port is None:
@@ -270,8 +289,11 @@ def run_agent(configured) -> int:
         # signal again (a scheduler cancelling the step sends its own) must not interrupt the rest of the exit.
         signal.signal(e.sigval, signal.SIG_IGN)
         name = signal.Signals(e.sigval).name
-        print(f"[agent] stopped by {name}: the ranks were asked to save after their current step",
-              file=sys.stderr, flush=True)
+        print(
+            f"[agent] stopped by {name}: the ranks were asked to save after their current step",
+            file=sys.stderr,
+            flush=True,
+        )
         return 128 + int(e.sigval)
     except ChildFailedError as e:
         code, line = _failure_line(e, workers_print=entrypoint is not worker)
@@ -294,10 +316,12 @@ def run_torchrun(argv: list[str]) -> int:
     from elastic_trainer.cli_parser import UsageError, train_args
 
     if "train" not in argv:
-        raise UsageError("elastic-trainer torchrun needs `train` and its flags after torchrun's flags (for example "
-                         "elastic-trainer torchrun --standalone --nproc-per-node 4 train --model gpt-tiny)")
+        raise UsageError(
+            "elastic-trainer torchrun needs `train` and its flags after torchrun's flags (for example "
+            "elastic-trainer torchrun --standalone --nproc-per-node 4 train --model gpt-tiny)"
+        )
     split = argv.index("train")
-    flags, train_argv = argv[:split], argv[split + 1:]
+    flags, train_argv = argv[:split], argv[split + 1 :]
     if any(f in ("-m", "--module", "--no-python", "--no_python") for f in flags):
         raise UsageError("elastic-trainer torchrun runs `train` itself: drop -m/--no-python and the script")
     folder = tempfile.mkdtemp(prefix="elastic-trainer-job-")
@@ -308,17 +332,25 @@ def run_torchrun(argv: list[str]) -> int:
         per_host, fixed = int(config.nproc_per_node), config.min_nodes == config.max_nodes
         args = train_args(train_argv)
         # no hardware detection here: it would initialize CUDA in the agent, and its forked workers could not
-        spec = resolve.train_spec(args, built_by="torchrun", world_size=per_host * config.max_nodes if fixed else None,
-                                  local_world_size=per_host, hosts_known=config.max_nodes == 1, detect_hardware=False)
+        spec = resolve.train_spec(
+            args,
+            built_by="torchrun",
+            world_size=per_host * config.max_nodes if fixed else None,
+            local_world_size=per_host,
+            hosts_known=config.max_nodes == 1,
+            detect_hardware=False,
+        )
         from elastic_trainer.data.corpus import say, with_data
 
         corpus = preflight.train_inputs(spec)
         say(corpus)
         spec = with_data(spec, corpus)
         if args.check:
-            print(f"[check] inputs are valid: {spec.model.name} on {per_host} rank(s) per host, "
-                  f"{config.min_nodes}..{config.max_nodes} host(s); {corpus.describe()}; "
-                  f"{preflight.resume_summary(spec.checkpoint)}; nothing was started")
+            print(
+                f"[check] inputs are valid: {spec.model.name} on {per_host} rank(s) per host, "
+                f"{config.min_nodes}..{config.max_nodes} host(s); {corpus.describe()}; "
+                f"{preflight.resume_summary(spec.checkpoint)}; nothing was started"
+            )
             return 0
         spec.write(job)
         return run_agent((config, entrypoint, entry_args))
@@ -363,8 +395,7 @@ def main(argv: list[str] | None = None) -> None:
 
     relay = start_relay()  # under the launcher: the ranks' output outlives the launcher
     if relay is not None and relay.log_error:
-        print(f"[agent] warning: {relay.log_error}; the output goes to the launcher only", file=sys.stderr,
-              flush=True)
+        print(f"[agent] warning: {relay.log_error}; the output goes to the launcher only", file=sys.stderr, flush=True)
     try:
         code = run_agent(agent_config(argv))
     except ConfigError as e:

@@ -48,8 +48,11 @@ def check_switch() -> None:
     if switch and switch not in SWITCH_VALUES:
         from elastic_trainer.elastic.exit_codes import ERROR_MARK, EXIT_BAD_INPUT
 
-        print(f"{ERROR_MARK}{SWITCH_ENV}={switch!r} is not valid (valid: {', '.join(SWITCH_VALUES)})",
-              file=sys.stderr, flush=True)
+        print(
+            f"{ERROR_MARK}{SWITCH_ENV}={switch!r} is not valid (valid: {', '.join(SWITCH_VALUES)})",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.exit(EXIT_BAD_INPUT)
 
 

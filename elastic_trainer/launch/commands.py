@@ -10,6 +10,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from elastic_trainer.config import positive_int
+from elastic_trainer.elastic.handover import HOST_ENV  # noqa: F401  (the host's name, set per host)
 from elastic_trainer.launch.hosts import Host, HostsError
 
 # c10d rendezvous settings: the launcher hosts the store (no agent is its host, so losing any host leaves the
@@ -19,16 +20,22 @@ from elastic_trainer.launch.hosts import Host, HostsError
 # (benchmarks/rescale/failures.py). A heartbeat comes from an agent's own thread, which woke at most 0.6 ms
 # late with 8 ranks training on 2 cores; a live host taken for dead costs nothing until the next restart.
 # last_call_timeout only matters when a phase's host is slow to start and alive.
-RDZV_CONF = {"is_host": "false", "join_timeout": "600", "last_call_timeout": "10", "keep_alive_interval": "1",
-             "keep_alive_max_attempt": "2"}
+RDZV_CONF = {
+    "is_host": "false",
+    "join_timeout": "600",
+    "last_call_timeout": "10",
+    "keep_alive_interval": "1",
+    "keep_alive_max_attempt": "2",
+}
 # torch >= 2.4 shares one store across rendezvous rounds without a per-round prefix, so restarted workers can
 # read a dead peer's address and fail once more (measured: one wasted restart, 15 s); opt out.
 # TorchElastic gives stopping workers 30 s before SIGKILL; a stop (the launcher gone, a scheduler's SIGTERM)
 # must leave time to finish the step and write a large model's checkpoint to shared storage.
-AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1",
-             "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "300"}
-
-from elastic_trainer.elastic.handover import HOST_ENV  # noqa: F401  (the host's name, set per host)
+AGENT_ENV = {
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    "PYTHONUNBUFFERED": "1",
+    "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "300",
+}
 
 
 @dataclass(frozen=True)
@@ -77,11 +84,30 @@ def agent_argv(python: str, spec: AgentSpec, placement: Placement) -> list[str]:
     """The agent of one host: torchrun's own entry (wrapped so the agent dies with its parent) running
     `python -m elastic_trainer.rank` on its ranks."""
     conf = ",".join(f"{k}={v}" for k, v in spec.rdzv_conf.items())
-    return [python, "-m", "elastic_trainer.launch.agent",
-            "--nnodes", f"{spec.min_nodes}:{spec.max_nodes}", "--nproc-per-node", str(placement.nproc),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", spec.endpoint, "--rdzv-id", spec.run_id,
-            "--rdzv-conf", conf, "--max-restarts", str(spec.max_restarts), "--local-addr", placement.host.name,
-            "-m", "elastic_trainer.rank", *spec.worker_argv]
+    return [
+        python,
+        "-m",
+        "elastic_trainer.launch.agent",
+        "--nnodes",
+        f"{spec.min_nodes}:{spec.max_nodes}",
+        "--nproc-per-node",
+        str(placement.nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        spec.endpoint,
+        "--rdzv-id",
+        spec.run_id,
+        "--rdzv-conf",
+        conf,
+        "--max-restarts",
+        str(spec.max_restarts),
+        "--local-addr",
+        placement.host.name,
+        "-m",
+        "elastic_trainer.rank",
+        *spec.worker_argv,
+    ]
 
 
 def remote_argv(remote_root: str, env: dict[str, str], argv: list[str]) -> list[str]:
@@ -113,8 +139,16 @@ def ssh_argv(host: Host, remote: list[str], ssh: SshSettings) -> list[str]:
     return [*cmd, host.name, "--", shlex.join(remote)]
 
 
-def host_command(placement: Placement, spec: AgentSpec, env: dict[str, str], *, python: str, remote_root: str,
-                 remote_python: str, ssh: SshSettings) -> tuple[list[str], dict[str, str]]:
+def host_command(
+    placement: Placement,
+    spec: AgentSpec,
+    env: dict[str, str],
+    *,
+    python: str,
+    remote_root: str,
+    remote_python: str,
+    ssh: SshSettings,
+) -> tuple[list[str], dict[str, str]]:
     """(argv to run on this machine, environment additions) for one host: the agent itself when the host is
     this machine, else ssh with the agent as its remote command (ssh forwards no environment: it goes in
     the command)."""

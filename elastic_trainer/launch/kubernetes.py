@@ -46,12 +46,18 @@ class PyTorchJobSpec:
         if not self.image or any(c.isspace() for c in self.image):
             raise ConfigError(f"--image must be a container image reference without spaces, got {self.image!r}")
         if not _DNS1035.match(self.name):
-            raise ConfigError(f"--name {self.name!r} is not a valid PyTorchJob name (lower-case letters, digits and "
-                              "'-', starting with a letter, at most 63 characters)")
+            raise ConfigError(
+                f"--name {self.name!r} is not a valid PyTorchJob name (lower-case letters, digits and "
+                "'-', starting with a letter, at most 63 characters)"
+            )
         if not _DNS1123_SUBDOMAIN.match(self.checkpoint_claim):
             raise ConfigError(f"--checkpoint-claim {self.checkpoint_claim!r} is not a valid claim name")
-        for what, value in (("--min-replicas", self.min_replicas), ("--max-replicas", self.max_replicas),
-                            ("--gpus-per-replica", self.gpus_per_replica), ("--grace-s", self.grace_s)):
+        for what, value in (
+            ("--min-replicas", self.min_replicas),
+            ("--max-replicas", self.max_replicas),
+            ("--gpus-per-replica", self.gpus_per_replica),
+            ("--grace-s", self.grace_s),
+        ):
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{what} must be a positive integer, got {value!r}")
         if not isinstance(self.rdzv_port, int) or not 1 <= self.rdzv_port <= 65535:
@@ -65,8 +71,10 @@ class PyTorchJobSpec:
             raise ConfigError(f"--mount-path must be absolute, got {self.mount_path!r}")
         owned = [a for a in self.train_args if a.split("=", 1)[0] in OWNED_FLAGS]
         if owned:
-            raise ConfigError(f"{owned[0].split('=', 1)[0]} is set by the PyTorchJob (checkpoints on the claim, "
-                              "resume auto, a layout planned for each size); drop it from the train arguments")
+            raise ConfigError(
+                f"{owned[0].split('=', 1)[0]} is set by the PyTorchJob (checkpoints on the claim, "
+                "resume auto, a layout planned for each size); drop it from the train arguments"
+            )
 
     @property
     def start_replicas(self) -> int:
@@ -78,19 +86,38 @@ class PyTorchJobSpec:
 
     def command(self) -> list[str]:
         """The container's command: our torchrun (its settings from the operator's PET_* variables) and train."""
-        return ["python", "-m", "elastic_trainer.cli", "torchrun", "train", "--checkpoint-dir", self.checkpoint_dir,
-                "--resume", "auto", *self.train_args]
+        return [
+            "python",
+            "-m",
+            "elastic_trainer.cli",
+            "torchrun",
+            "train",
+            "--checkpoint-dir",
+            self.checkpoint_dir,
+            "--resume",
+            "auto",
+            *self.train_args,
+        ]
 
 
 def render(spec: PyTorchJobSpec, template: Path = TEMPLATE) -> str:
     """The manifest as YAML text (ConfigError on a bad setting)."""
     spec.check()
-    values = {"NAME": spec.name, "MIN_REPLICAS": spec.min_replicas, "MAX_REPLICAS": spec.max_replicas,
-              "MAX_RESTARTS": spec.max_restarts, "RDZV_PORT": spec.rdzv_port,
-              "NPROC_PER_NODE": str(spec.gpus_per_replica),
-              "GPUS_PER_REPLICA": spec.gpus_per_replica, "REPLICAS": spec.start_replicas, "GRACE_S": spec.grace_s,
-              "IMAGE": spec.image, "COMMAND": spec.command(), "MOUNT_PATH": spec.mount_path,
-              "CHECKPOINT_CLAIM": spec.checkpoint_claim}
+    values = {
+        "NAME": spec.name,
+        "MIN_REPLICAS": spec.min_replicas,
+        "MAX_REPLICAS": spec.max_replicas,
+        "MAX_RESTARTS": spec.max_restarts,
+        "RDZV_PORT": spec.rdzv_port,
+        "NPROC_PER_NODE": str(spec.gpus_per_replica),
+        "GPUS_PER_REPLICA": spec.gpus_per_replica,
+        "REPLICAS": spec.start_replicas,
+        "GRACE_S": spec.grace_s,
+        "IMAGE": spec.image,
+        "COMMAND": spec.command(),
+        "MOUNT_PATH": spec.mount_path,
+        "CHECKPOINT_CLAIM": spec.checkpoint_claim,
+    }
     text = template.read_text()
     try:
         return string.Template(text).substitute({k: json.dumps(v) for k, v in values.items()})

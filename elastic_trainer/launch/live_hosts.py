@@ -37,11 +37,13 @@ def host_store(job, say):
     from elastic_trainer.config import ConfigError
 
     try:
-        store = TCPStore(job.endpoint_host() if job.iface else "0.0.0.0", job.opts.rdzv_port, is_master=True,
-                         wait_for_workers=False)
+        store = TCPStore(
+            job.endpoint_host() if job.iface else "0.0.0.0", job.opts.rdzv_port, is_master=True, wait_for_workers=False
+        )
     except (RuntimeError, OSError) as e:
-        raise ConfigError(f"cannot host the rendezvous on port {job.opts.rdzv_port} ({e}); "
-                          "choose another with --rdzv-port") from None
+        raise ConfigError(
+            f"cannot host the rendezvous on port {job.opts.rdzv_port} ({e}); choose another with --rdzv-port"
+        ) from None
     say(f"rendezvous: {job.endpoint_host()}:{store.port} (c10d, hosted by this launcher)")
     return store
 
@@ -68,8 +70,9 @@ class LiveHosts:
         from torch.distributed import TCPStore
 
         host, _, port = endpoint.rpartition(":")
-        self._store = TCPStore(host.strip("[]"), int(port), is_master=False, wait_for_workers=False,
-                               timeout=timedelta(seconds=timeout_s))
+        self._store = TCPStore(
+            host.strip("[]"), int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+        )
         self._key = f"{prefix}/hosts"
         started = int(self._store.get(f"{prefix}/started"))
         if self._store.add(f"{prefix}/claims", 1) > started:  # not one of the launcher's: count it in
@@ -114,13 +117,15 @@ def follow(handler, endpoint: str, prefix: str, timeout_s: float = 10.0) -> str 
     """Make `handler` (TorchElastic's c10d rendezvous handler of this agent) follow the launcher's count; None
     when it does, else why not (the rendezvous then stays as it is)."""
     try:
-        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (DynamicRendezvousHandler,
-                                                                            RendezvousSettings)
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousSettings
     except ImportError as e:
         return f"no dynamic rendezvous in this torch ({e})"
     settings = getattr(handler, "_settings", None)
-    if not isinstance(handler, DynamicRendezvousHandler) or type(settings) is not RendezvousSettings \
-            or not isinstance(settings.__dict__.get("max_nodes"), int):
+    if (
+        not isinstance(handler, DynamicRendezvousHandler)
+        or type(settings) is not RendezvousSettings
+        or not isinstance(settings.__dict__.get("max_nodes"), int)
+    ):
         return f"the rendezvous handler is a {type(handler).__name__}, not torch's c10d one"
     try:
         live = LiveHosts(endpoint, prefix, timeout_s)

@@ -109,8 +109,9 @@ class Notices:
         before = {h.name for h in self._file}
         left, joined = sorted(before - names), [h.name for h in listed if h.name not in before]
         self._file = listed
-        return ([f"{', '.join(left)} left the hosts file"] if left else []) + \
-            ([f"{', '.join(joined)} joined the hosts file"] if joined else [])
+        return ([f"{', '.join(left)} left the hosts file"] if left else []) + (
+            [f"{', '.join(joined)} joined the hosts file"] if joined else []
+        )
 
 
 def take_sigterm_as_notice(config, stop_signal: int) -> None:
@@ -143,8 +144,12 @@ def take_sigterm_as_notice(config, stop_signal: int) -> None:
         if not notify():
             _terminate_process_handler(signum, frame)  # raises: TorchElastic stops the workers
         noticed.append(time.time())
-        print(f"[agent] SIGTERM: the launcher was told that {host_name()} goes away and re-forms the job without "
-              f"it; the ranks here stop by themselves in {grace / 2:g} s otherwise", file=sys.stderr, flush=True)
+        print(
+            f"[agent] SIGTERM: the launcher was told that {host_name()} goes away and re-forms the job without "
+            f"it; the ranks here stop by themselves in {grace / 2:g} s otherwise",
+            file=sys.stderr,
+            flush=True,
+        )
         timer = threading.Timer(grace / 2, os.kill, (os.getpid(), signal.SIGTERM))
         timer.daemon = True
         timer.start()

@@ -73,7 +73,7 @@ class Relay:
             try:
                 view = memoryview(chunk)
                 while view:
-                    view = view[os.write(self._out, view):]
+                    view = view[os.write(self._out, view) :]
             except OSError:  # EPIPE (reader gone) or EIO (a hung-up terminal)
                 self.reader_gone = True
 
@@ -104,8 +104,12 @@ def whole_lines() -> None:
             old.flush()
         except (OSError, ValueError):
             pass
-        stream = io.TextIOWrapper(io.BufferedWriter(io.FileIO(fd, "w", closefd=False)), encoding=old.encoding,
-                                  errors=old.errors, line_buffering=True)
+        stream = io.TextIOWrapper(
+            io.BufferedWriter(io.FileIO(fd, "w", closefd=False)),
+            encoding=old.encoding,
+            errors=old.errors,
+            line_buffering=True,
+        )
         setattr(sys, name, stream)
 
 

@@ -50,8 +50,9 @@ class MemoryNeed:
         return self.total <= self.available and self.state <= self.shm_free
 
 
-def world_bytes(model: ModelConfig, layout: Layout | None, ranks: int, seq_len: int, on_cpu: bool,
-                hardware: Hardware | None = None) -> int:
+def world_bytes(
+    model: ModelConfig, layout: Layout | None, ranks: int, seq_len: int, on_cpu: bool, hardware: Hardware | None = None
+) -> int:
     """Host memory of a world's ranks on one host: the processes, and on CPU their model state and
     activations as the planner's memory model counts them (the largest stage, for every rank) times the heap
     a CPU rank keeps over that (`hardware`'s `kept_heap` figures; the `cpu` profile's by default)."""
@@ -84,17 +85,28 @@ def available_bytes() -> tuple[int, int]:
     return available, stat.f_bavail * stat.f_frsize
 
 
-def memory_need(model: ModelConfig, current: tuple[Layout | None, int], following: tuple[Layout | None, int],
-                seq_len: int, on_cpu: bool, hardware: Hardware | None = None) -> MemoryNeed:
+def memory_need(
+    model: ModelConfig,
+    current: tuple[Layout | None, int],
+    following: tuple[Layout | None, int],
+    seq_len: int,
+    on_cpu: bool,
+    hardware: Hardware | None = None,
+) -> MemoryNeed:
     """What the busiest host needs while both worlds live: (layout, ranks on that host) of each."""
     state = model.num_params() * STATE_BYTES_PER_PARAM
-    return MemoryNeed(world_bytes(model, current[0], current[1], seq_len, on_cpu, hardware),
-                      world_bytes(model, following[0], following[1], seq_len, on_cpu, hardware),
-                      state, *available_bytes(), staging=0 if on_cpu else state)
+    return MemoryNeed(
+        world_bytes(model, current[0], current[1], seq_len, on_cpu, hardware),
+        world_bytes(model, following[0], following[1], seq_len, on_cpu, hardware),
+        state,
+        *available_bytes(),
+        staging=0 if on_cpu else state,
+    )
 
 
-def device_fits(model: ModelConfig, current: Layout | None, following: Layout | None, seq_len: int, dtype: str,
-                usable_bytes: float) -> bool:
+def device_fits(
+    model: ModelConfig, current: Layout | None, following: Layout | None, seq_len: int, dtype: str, usable_bytes: float
+) -> bool:
     """Whether a GPU holds the busiest rank of both worlds at once (the planner's memory model): if not, the
     next world waits for the state before it allocates its model (it starts, connects and plans early, and
     builds after the old world has released the device)."""
@@ -110,17 +122,20 @@ def device_fits(model: ModelConfig, current: Layout | None, following: Layout | 
 
 def refusal(need: MemoryNeed, phase: int, host: str) -> str:
     gib = 1 << 30
-    return (f"phase {phase + 1}: no warm start: the current world (~{need.current / gib:.1f} GiB), the next one "
-            f"(~{need.following / gib:.1f} GiB) and the state in memory (~{need.state / gib:.1f} GiB"
-            f"{f', twice while it is staged from the GPUs' if need.staging else ''}) need "
-            f"~{need.total / gib:.1f} GiB on {host}, which has {need.available / gib:.1f} GiB available "
-            f"({need.shm_free / gib:.1f} GiB in its shared-memory folder); the "
-            "next world starts after the current one has saved and exited")
+    return (
+        f"phase {phase + 1}: no warm start: the current world (~{need.current / gib:.1f} GiB), the next one "
+        f"(~{need.following / gib:.1f} GiB) and the state in memory (~{need.state / gib:.1f} GiB"
+        f"{', twice while it is staged from the GPUs' if need.staging else ''}) need "
+        f"~{need.total / gib:.1f} GiB on {host}, which has {need.available / gib:.1f} GiB available "
+        f"({need.shm_free / gib:.1f} GiB in its shared-memory folder); the "
+        "next world starts after the current one has saved and exited"
+    )
 
 
 def warm_refusal(job, current: int, following: int) -> str | None:
     """The line refusing to start phase `following`'s world beside `current`'s (`job`: the launcher's
     JobSetup) for lack of host memory on its busiest host, or None."""
+
     def busiest(index: int) -> tuple:
         placements = job.placements(job.phases[index])
         top = max(placements, key=lambda p: p.nproc)
@@ -140,5 +155,11 @@ def builds_early(job, current: int, following: int) -> bool:
         return True
     if measured_file_exists(job.train.metrics_file):
         return False  # rank 0 re-plans with the job's measurements: not necessarily the layouts checked here
-    return device_fits(job.model, job.plans[current][0].layout, job.plans[following][0].layout,
-                       job.train.seq_len, hardware.compute_dtype, hardware.usable_bytes)
+    return device_fits(
+        job.model,
+        job.plans[current][0].layout,
+        job.plans[following][0].layout,
+        job.train.seq_len,
+        hardware.compute_dtype,
+        hardware.usable_bytes,
+    )

@@ -99,8 +99,14 @@ class Processes:
 
     def spawn(self, host: str, argv: list[str], env: dict[str, str]) -> Agent:
         # stdin stays an open pipe: a remote host's bootstrap stops its agent when the pipe closes
-        proc = subprocess.Popen(argv, env={**os.environ, **env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            env={**os.environ, **env},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         pump = threading.Thread(target=self.out.pump, args=(host, proc.stdout), daemon=True)
         pump.start()
         return Agent(host, proc, pump)

@@ -17,14 +17,17 @@ from elastic_trainer.config import ConfigError
 from elastic_trainer.model.gpt import project_to_vocab
 
 
-def check(prompt_tokens: int, max_new_tokens: int, temperature: float, top_k: int | None,
-          context_length: int | None = None) -> None:
+def check(
+    prompt_tokens: int, max_new_tokens: int, temperature: float, top_k: int | None, context_length: int | None = None
+) -> None:
     """One-line errors for what cannot be generated (against the model's context once it is known)."""
     if prompt_tokens == 0:
         raise ConfigError("--prompt is empty (valid: some text)")
     if context_length is not None and prompt_tokens + max_new_tokens > context_length:
-        raise ConfigError(f"the prompt ({prompt_tokens} tokens) and --max-new-tokens {max_new_tokens} exceed the "
-                          f"model's context of {context_length} tokens (valid: at most {context_length} together)")
+        raise ConfigError(
+            f"the prompt ({prompt_tokens} tokens) and --max-new-tokens {max_new_tokens} exceed the "
+            f"model's context of {context_length} tokens (valid: at most {context_length} together)"
+        )
     if max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {max_new_tokens} must be >= 1")
     if not temperature >= 0:
@@ -53,8 +56,9 @@ def _forward(model, ids: torch.Tensor, start: int, cache: list) -> torch.Tensor:
 
 
 @torch.no_grad()
-def generate(model, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
-             seed: int = 0) -> list[int]:
+def generate(
+    model, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None, seed: int = 0
+) -> list[int]:
     """`max_new_tokens` token ids after `prompt` from `model` (our GPT, whole, in eval mode)."""
     cfg = model.config
     check(len(prompt), max_new_tokens, temperature, top_k, cfg.context_length)

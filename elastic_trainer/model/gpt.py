@@ -51,8 +51,9 @@ def project_to_vocab(h: torch.Tensor, weight: torch.Tensor, multiple: int | None
     return F.linear(h, F.pad(weight, (0, 0, 0, pad)))[..., :vocab]
 
 
-def _drop(x: torch.Tensor, p: float, keys: torch.Tensor | None, site: str, training: bool,
-          offset: int = 0) -> torch.Tensor:
+def _drop(
+    x: torch.Tensor, p: float, keys: torch.Tensor | None, site: str, training: bool, offset: int = 0
+) -> torch.Tensor:
     """Dropout at one site: keyed (layout-independent) when its layer's keys (dropout.layer_keys) are given,
     else torch's own."""
     if not training or p == 0.0:

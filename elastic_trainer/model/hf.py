@@ -30,8 +30,12 @@ _BLOCK_TRANSPOSED = {  # ours -> HF Conv1D weights, stored transposed
     "mlp.fc.weight": "mlp.c_fc.weight",
     "mlp.proj.weight": "mlp.c_proj.weight",
 }
-_TOP = {"tok_emb.weight": "transformer.wte.weight", "pos_emb.weight": "transformer.wpe.weight",
-        "ln_f.weight": "transformer.ln_f.weight", "ln_f.bias": "transformer.ln_f.bias"}
+_TOP = {
+    "tok_emb.weight": "transformer.wte.weight",
+    "pos_emb.weight": "transformer.wpe.weight",
+    "ln_f.weight": "transformer.ln_f.weight",
+    "ln_f.bias": "transformer.ln_f.bias",
+}
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -52,22 +56,41 @@ def config_from_hf(hf: dict) -> ModelConfig:
             raise ConfigError(f"GPT-2 config {key}={value!r} is not supported (valid: {valid})")
     dropouts = {hf.get(k, 0.0) for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}
     return ModelConfig(
-        n_layers=hf["n_layer"], d_model=d, n_heads=hf["n_head"], vocab_size=hf["vocab_size"],
-        context_length=hf["n_positions"], dropout=max(dropouts),
-        layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5), name=hf.get("_name_or_path") or "gpt2-import",
+        n_layers=hf["n_layer"],
+        d_model=d,
+        n_heads=hf["n_head"],
+        vocab_size=hf["vocab_size"],
+        context_length=hf["n_positions"],
+        dropout=max(dropouts),
+        layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        name=hf.get("_name_or_path") or "gpt2-import",
     )
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
     return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "vocab_size": cfg.vocab_size, "n_positions": cfg.context_length, "n_ctx": cfg.context_length,
-        "n_embd": cfg.d_model, "n_layer": cfg.n_layers, "n_head": cfg.n_heads, "n_inner": None,
-        "activation_function": "gelu_new", "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout,
-        "attn_pdrop": cfg.dropout, "layer_norm_epsilon": cfg.layer_norm_eps, "initializer_range": 0.02,
-        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-        "reorder_and_upcast_attn": False, "tie_word_embeddings": True,
-        "bos_token_id": 50256, "eos_token_id": 50256, "torch_dtype": "float32",
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.context_length,
+        "n_ctx": cfg.context_length,
+        "n_embd": cfg.d_model,
+        "n_layer": cfg.n_layers,
+        "n_head": cfg.n_heads,
+        "n_inner": None,
+        "activation_function": "gelu_new",
+        "resid_pdrop": cfg.dropout,
+        "embd_pdrop": cfg.dropout,
+        "attn_pdrop": cfg.dropout,
+        "layer_norm_epsilon": cfg.layer_norm_eps,
+        "initializer_range": 0.02,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": True,
+        "bos_token_id": 50256,
+        "eos_token_id": 50256,
+        "torch_dtype": "float32",
     }
 
 

@@ -32,8 +32,13 @@ def narrow(used: int, start: str, device: torch.device):
     rank = dist.get_rank()
     dist.destroy_process_group()
     if rank < used:
-        dist.init_process_group(backend_for(device), store=dist.PrefixStore(_key(start), store), rank=rank,
-                                world_size=used, device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend_for(device),
+            store=dist.PrefixStore(_key(start), store),
+            rank=rank,
+            world_size=used,
+            device_id=device if device.type == "cuda" else None,
+        )
     return store
 
 

@@ -9,8 +9,9 @@ first learn the real topology (which host each rank is on), then rank 0 decides 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import torch.distributed as dist
 

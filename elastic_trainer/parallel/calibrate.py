@@ -34,7 +34,7 @@ import itertools
 import os
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -97,8 +97,9 @@ def _sync(device: torch.device) -> Callable[[], None]:
     return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
-def measure_blocks(device: torch.device, dtype: torch.dtype, shapes, repeat: int = 3,
-                   compiled: bool = False, seq_len: int = SEQ_LEN) -> list[tuple[float, int, float]]:
+def measure_blocks(
+    device: torch.device, dtype: torch.dtype, shapes, repeat: int = 3, compiled: bool = False, seq_len: int = SEQ_LEN
+) -> list[tuple[float, int, float]]:
     """[(forward+backward FLOPs, tokens, seconds)] of one block per (d_model, tokens) shape, in sequences of
     `seq_len`; `compiled`: under torch.compile (its first call, which compiles, is not timed)."""
     out = []
@@ -109,7 +110,7 @@ def measure_blocks(device: torch.device, dtype: torch.dtype, shapes, repeat: int
             block.compile()
         x = torch.randn(tokens // seq_len, seq_len, d, device=device, dtype=dtype, requires_grad=True)
         grad = torch.randn_like(x)
-        seconds = timed(lambda: block(x).backward(grad), repeat, _sync(device))
+        seconds = timed(lambda: block(x).backward(grad), repeat, _sync(device))  # noqa: F821  (del below)
         out.append((3 * block_flops(cfg, tokens, seq_len, 1), tokens, seconds))
         del block, x, grad
     return out
@@ -156,8 +157,7 @@ Unpadded, 50257 ran the head's GEMMs in alignment-1 kernels, ~120 TFLOP/s on an 
 (benchmarks/gpu/profile_step.py, head-vocab.txt, 2026-11-27)."""
 
 
-def measure_head(device: torch.device, dtype: torch.dtype, tokens: int = 4096,
-                 repeat: int = 3) -> tuple[float, float]:
+def measure_head(device: torch.device, dtype: torch.dtype, tokens: int = 4096, repeat: int = 3) -> tuple[float, float]:
     """(head TFLOP/s, ns per logit) of head GEMM + softmax cross-entropy, forward + backward, at GPU_HEAD_SHAPES:
     a fit of t = 6 * tokens * d * vocab / H + tokens * vocab * l."""
     rows, ys = [], []
@@ -165,8 +165,9 @@ def measure_head(device: torch.device, dtype: torch.dtype, tokens: int = 4096,
         x = torch.randn(tokens, d, device=device, dtype=dtype, requires_grad=True)
         w = (torch.randn(vocab, d, device=device, dtype=dtype) * 0.02).requires_grad_()
         target = torch.randint(0, vocab, (tokens,), device=device)
-        ys.append(timed(lambda: F.cross_entropy(project_to_vocab(x, w).float(), target).backward(), repeat,
-                        _sync(device)))
+        ys.append(
+            timed(lambda: F.cross_entropy(project_to_vocab(x, w).float(), target).backward(), repeat, _sync(device))
+        )
         rows.append([6.0 * tokens * d * vocab, float(tokens * vocab)])
     inv_rate, per_logit = fit_nonneg(rows, ys)
     if inv_rate <= 0:
@@ -174,8 +175,9 @@ def measure_head(device: torch.device, dtype: torch.dtype, tokens: int = 4096,
     return 1e-12 / inv_rate, per_logit * 1e9
 
 
-def measure_cpu_head(dtype: torch.dtype, widths: tuple[int, ...] | None = None, vocab: int | None = None,
-                     repeat: int = 3) -> tuple[float, float, float]:
+def measure_cpu_head(
+    dtype: torch.dtype, widths: tuple[int, ...] | None = None, vocab: int | None = None, repeat: int = 3
+) -> tuple[float, float, float]:
     """(head TFLOP/s, half-rate tokens, ns per logit) on the CPU, each part timed alone: softmax cross-entropy of
     fp32 logits (CPU_LOGIT_TOKENS x vocab) forward + backward, per logit; the head's three GEMMs at each width
     and each of CPU_HEAD_TOKENS, fitted as t = F / H + (F / tokens) * h / H (default CPU_HEAD_WIDTHS, _VOCAB)."""
@@ -281,8 +283,9 @@ def _share_times(rank: int, world: int, sizes: list[int], repeat: int) -> list[t
     return out
 
 
-def measure_collective_shares(worlds: list[int], sizes: list[int] = SHARE_SIZES,
-                              repeat: int = 3) -> tuple[float, float]:
+def measure_collective_shares(
+    worlds: list[int], sizes: list[int] = SHARE_SIZES, repeat: int = 3
+) -> tuple[float, float]:
     """(all-gather, reduce-scatter) seconds as shares of an all-reduce's of the same bytes on the same ranks: the
     median over `worlds` and `sizes` of the slowest rank's ratios. A ring's are 0.5 each; gloo_comms' read
     0.44-0.46 and 0.97-1.02 on two ranks of the 2-core machine (2026-11-28; gloo's own: 1.2-1.9 and 1.9-2.0)."""
@@ -312,15 +315,23 @@ def measure_links(worlds: list[int], sizes: list[int], repeat: int = 3) -> tuple
     return 1e-9 / inv_bw, latency * 1e6
 
 
-def calibrate(base: Hardware, name: str, worlds: list[int], device: torch.device,
-              say: Callable[[str], None] = print, compiled: bool = False,
-              model: ModelConfig | None = None) -> Hardware:
+def calibrate(
+    base: Hardware,
+    name: str,
+    worlds: list[int],
+    device: torch.device,
+    say: Callable[[str], None] = print,
+    compiled: bool = False,
+    model: ModelConfig | None = None,
+) -> Hardware:
     """Measure this machine; the fields not measured come from `base` (`compiled_speedup` too, unless
     `compiled`); `model`: the job's model, whose width and vocabulary the CPU head and embedding are timed at."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    hw = dataclasses.replace(base, name=name, device=device.type, compute_dtype="bf16" if device.type == "cuda" else "fp32")
+    hw = dataclasses.replace(
+        base, name=name, device=device.type, compute_dtype="bf16" if device.type == "cuda" else "fp32"
+    )
     gpu = device.type == "cuda"
     if gpu:  # clocks up and cuBLAS's choices made before anything is timed: on an H100 the first, smallest
         measure_blocks(device, dtype, GPU_SHAPES[-1:], repeat=20, seq_len=GPU_SEQ_LEN)  # shape took longer
@@ -328,20 +339,22 @@ def calibrate(base: Hardware, name: str, worlds: list[int], device: torch.device
     else:
         points = measure_blocks(device, dtype, CPU_SHAPES, repeat=3)
     for f, n, t in points:
-        say(f"[calibrate] block fwd+bwd {f / 1e9:8.2f} GFLOP, {n:5d} tokens: {t * 1e3:8.2f} ms "
-            f"({f / t / 1e9:.1f} GFLOP/s)")
+        say(
+            f"[calibrate] block fwd+bwd {f / 1e9:8.2f} GFLOP, {n:5d} tokens: {t * 1e3:8.2f} ms "
+            f"({f / t / 1e9:.1f} GFLOP/s)"
+        )
     if gpu:
         tflops, half, activation, overhead = fit_device(GPU_SHAPES, points)
-        hw = dataclasses.replace(hw, tflops=tflops, half_rate_tokens=half, activation_ns=activation,
-                                 layer_overhead_ms=overhead)
+        hw = dataclasses.replace(
+            hw, tflops=tflops, half_rate_tokens=half, activation_ns=activation, layer_overhead_ms=overhead
+        )
     else:
         tflops, half, overhead = fit_compute(points)
         hw = dataclasses.replace(hw, tflops=tflops, half_rate_tokens=half, layer_overhead_ms=overhead)
     if compiled:
         shape = (GPU_SHAPES if device.type == "cuda" else CPU_SHAPES)[-1]
         speedup, seconds = measure_compiled_speedup(device, dtype, shape)
-        say(f"[calibrate] block fwd+bwd compiled, {shape[1]:5d} tokens: {seconds * 1e3:8.2f} ms "
-            f"({speedup:.2f}x eager)")
+        say(f"[calibrate] block fwd+bwd compiled, {shape[1]:5d} tokens: {seconds * 1e3:8.2f} ms ({speedup:.2f}x eager)")
         hw = dataclasses.replace(hw, compiled_speedup=round(speedup, 3))
     head_half = embedding = 0.0  # on a GPU the embedding's gradient is charged at the memory bandwidth
     if gpu:
@@ -350,22 +363,32 @@ def calibrate(base: Hardware, name: str, worlds: list[int], device: torch.device
         vocab, widths = (model.vocab_size, (model.d_model,)) if model else (CPU_HEAD_VOCAB, CPU_HEAD_WIDTHS)
         head_tflops, head_half, logit_ns = measure_cpu_head(dtype, widths, vocab)
         embedding = measure_embedding_grad(vocab, widths[-1])
-    hw = dataclasses.replace(hw, head_tflops=head_tflops, head_half_rate_tokens=head_half, logit_ns=logit_ns,
-                             embedding_grad_ns=embedding,
-                             memory_bandwidth_gbs=measure_memory_bandwidth(device),
-                             optimizer_ns_per_param=measure_optimizer(device))
+    hw = dataclasses.replace(
+        hw,
+        head_tflops=head_tflops,
+        head_half_rate_tokens=head_half,
+        logit_ns=logit_ns,
+        embedding_grad_ns=embedding,
+        memory_bandwidth_gbs=measure_memory_bandwidth(device),
+        optimizer_ns_per_param=measure_optimizer(device),
+    )
     if device.type == "cpu":
         hw = _cpu_host(hw, worlds)
-    say(f"[calibrate] {hw.tflops * 1e3:.1f} GFLOP/s per rank (half rate at {hw.half_rate_tokens:.0f} tokens, "
+    say(
+        f"[calibrate] {hw.tflops * 1e3:.1f} GFLOP/s per rank (half rate at {hw.half_rate_tokens:.0f} tokens, "
         f"{hw.layer_overhead_ms:.2f} ms per block"
         f"{f', {hw.activation_ns:.4f} ns per token and width' if hw.activation_ns else ''}), "
         f"{hw.memory_bandwidth_gbs:.1f} GB/s memory, "
         f"{hw.optimizer_ns_per_param:.2f} ns/param optimizer, head {hw.head_tflops * 1e3:.1f} GFLOP/s"
         f"{f' (half rate at {hw.head_half_rate_tokens:.0f} tokens)' if hw.head_half_rate_tokens else ''} + "
         f"{hw.logit_ns:.3f} ns/logit{f', embedding {embedding:.3f} ns/element' if embedding else ''}, "
-        f"links {hw.intra_host_gbs:.2f} GB/s + {hw.intra_host_latency_us:.0f} us" + (
+        f"links {hw.intra_host_gbs:.2f} GB/s + {hw.intra_host_latency_us:.0f} us"
+        + (
             f" (all-gather {hw.all_gather_share:.2f}, reduce-scatter {hw.reduce_scatter_share:.2f} of an all-reduce)"
-            if hw.shared_host else ""))
+            if hw.shared_host
+            else ""
+        )
+    )
     return hw
 
 
@@ -392,9 +415,18 @@ def _cpu_host(hw: Hardware, worlds: list[int]) -> Hardware:
     if not hw.shared_host:  # a base from elsewhere: the heap CPU ranks keep, as measured on the reference machine
         hw = dataclasses.replace(hw, **CPU_KEPT_HEAP)
     return dataclasses.replace(
-        hw, shared_host=True, compute_units=round(measure_parallel_units(cores), 2), memory_gb=round(memory, 1),
+        hw,
+        shared_host=True,
+        compute_units=round(measure_parallel_units(cores), 2),
+        memory_gb=round(memory, 1),
         reserved_gb=4.0,
-        gpus_per_host=max(8, max(worlds)), overlap=0.0, ring_latency=True,
-        all_gather_share=round(gather_share, 3), reduce_scatter_share=round(scatter_share, 3),
-        intra_host_gbs=gbs, inter_host_gbs=gbs,
-        intra_host_latency_us=latency, inter_host_latency_us=latency)
+        gpus_per_host=max(8, max(worlds)),
+        overlap=0.0,
+        ring_latency=True,
+        all_gather_share=round(gather_share, 3),
+        reduce_scatter_share=round(scatter_share, 3),
+        intra_host_gbs=gbs,
+        inter_host_gbs=gbs,
+        intra_host_latency_us=latency,
+        inter_host_latency_us=latency,
+    )

@@ -55,8 +55,9 @@ def probe_trainer(model: ModelConfig, layout: Layout, seq_len: int, device: torc
     benchmarks/gpu/sweep.py and profile_step.py time. This rank must be in a process group of the layout's size."""
     from elastic_trainer.train.loop import Trainer
 
-    cfg = TrainConfig(global_batch=layout.global_batch, seq_len=seq_len, steps=steps, seed=0, dtype=dtype,
-                      warmup_steps=1)
+    cfg = TrainConfig(
+        global_batch=layout.global_batch, seq_len=seq_len, steps=steps, seed=0, dtype=dtype, warmup_steps=1
+    )
     tokens = np.random.default_rng(0).integers(0, model.vocab_size, 4 * cfg.global_batch * (seq_len + 1))
     return Trainer(model, cfg, layout, build_mesh(layout, device.type), device, tokens=tokens.astype(np.int64))
 
@@ -77,8 +78,9 @@ def probe_model(model: ModelConfig) -> ModelConfig:
     return dataclasses.replace(model, n_layers=min(LAYERS, model.n_layers), name=f"{model.name}-probe")
 
 
-def measure_modes(model: ModelConfig, seq_len: int, ranks: int = 2,
-                  modes: tuple[str, ...] = DP_MODES) -> dict[str, tuple[dict, int]]:
+def measure_modes(
+    model: ModelConfig, seq_len: int, ranks: int = 2, modes: tuple[str, ...] = DP_MODES
+) -> dict[str, tuple[dict, int]]:
     """{mode: (the slowest rank's fastest phases, its local parameters)} of the probe at `model`'s shapes (the
     rank whose phases add up to the most)."""
     out = {}
@@ -94,8 +96,9 @@ needs to issue it."""
 HOST_PROBE_MICROBATCHES = 8
 
 
-def timed_steps(model: ModelConfig, layout: Layout, seq_len: int, device: torch.device, dtype: str,
-                steps: int = 3, warmup: int = 2) -> dict:
+def timed_steps(
+    model: ModelConfig, layout: Layout, seq_len: int, device: torch.device, dtype: str, steps: int = 3, warmup: int = 2
+) -> dict:
     """The trainer's own steps of `model` under `layout` in this process (a process group of one, made here
     if there is none): {"step_s": median seconds, each step ended by a device synchronization, "phases_s":
     the median of each phase as the host timed it, "build_s", "parameters", "loss", and on a GPU
@@ -114,8 +117,10 @@ def timed_steps(model: ModelConfig, layout: Layout, seq_len: int, device: torch.
     t0 = time.perf_counter()
     trainer = probe_trainer(model, layout, seq_len, device, dtype, warmup + steps)
     sync()
-    out = {"build_s": time.perf_counter() - t0,
-           "parameters": sum(local_tensor(t).numel() for _, t in trainer.engine.trained_params())}
+    out = {
+        "build_s": time.perf_counter() - t0,
+        "parameters": sum(local_tensor(t).numel() for _, t in trainer.engine.trained_params()),
+    }
     times, phases = [], []
     for i in range(warmup + steps):
         t0 = time.perf_counter()  # the device is idle: synchronized after the build and after every step
@@ -124,8 +129,12 @@ def timed_steps(model: ModelConfig, layout: Layout, seq_len: int, device: torch.
         if i >= warmup:
             times.append(time.perf_counter() - t0)
             phases.append(record["phases_s"])
-    out.update(step_s=statistics.median(times), steps_s=times, loss=record["loss"],
-               phases_s={k: statistics.median(p[k] for p in phases) for k in phases[0]})
+    out.update(
+        step_s=statistics.median(times),
+        steps_s=times,
+        loss=record["loss"],
+        phases_s={k: statistics.median(p[k] for p in phases) for k in phases[0]},
+    )
     if gpu:
         out["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     del trainer, record
@@ -140,16 +149,20 @@ def host_probe_model(model: ModelConfig, free_bytes: float | None) -> ModelConfi
     and AdamW moments (all of them when `free_bytes` is None), at least one."""
     if free_bytes is None:
         return model
-    per_block = 12 * model.d_model ** 2 * 18  # weights, fp32 gradient and moments, bf16 copy
+    per_block = 12 * model.d_model**2 * 18  # weights, fp32 gradient and moments, bf16 copy
     head = model.vocab_size * model.d_model * 18
     fits = int(max(0.0, free_bytes / 2 - head) // per_block)
     layers = max(1, min(model.n_layers, fits))
-    return model if layers == model.n_layers else dataclasses.replace(model, n_layers=layers,
-                                                                      name=f"{model.name}-host-probe")
+    return (
+        model
+        if layers == model.n_layers
+        else dataclasses.replace(model, n_layers=layers, name=f"{model.name}-host-probe")
+    )
 
 
-def measure_host(model: ModelConfig, device: torch.device, modes: tuple[str, ...] = DP_MODES,
-                 steps: int = 3, warmup: int = 2) -> dict[str, float]:
+def measure_host(
+    model: ModelConfig, device: torch.device, modes: tuple[str, ...] = DP_MODES, steps: int = 3, warmup: int = 2
+) -> dict[str, float]:
     """{mode: milliseconds the host takes to issue one block's forward and backward for one micro-batch}: the
     job's model (cut to what fits the device) trained in this process at sequence HOST_PROBE_SEQ, micro-batch 1
     x HOST_PROBE_MICROBATCHES, in each mode on a group of one; the host's forward-and-backward phase per
@@ -170,8 +183,9 @@ def host_block_ms(phases: dict[str, float], probe: ModelConfig) -> float:
     return phases["forward_backward"] / HOST_PROBE_MICROBATCHES / probe.n_layers * 1e3
 
 
-def fitted(hw: Hardware, model: ModelConfig, seq_len: int, measured: dict[str, tuple[dict, int]],
-           ranks: int = 2) -> Hardware:
+def fitted(
+    hw: Hardware, model: ModelConfig, seq_len: int, measured: dict[str, tuple[dict, int]], ranks: int = 2
+) -> Hardware:
     """`hw` with each measured mode's optimizer and hooks figures (see the module's docstring)."""
     from elastic_trainer.plan.candidates import Request
     from elastic_trainer.plan.explain import by_phase
@@ -187,8 +201,10 @@ def fitted(hw: Hardware, model: ModelConfig, seq_len: int, measured: dict[str, t
         copies = step_time(probe, layout, seq_len, "fp32", base, ranks).hooks  # the counted copies, per step
         fields[f"{mode}_optimizer_ns_per_param"] = (phases["clip"] + phases["optimizer"]) / per_ns.optimizer
         predicted = by_phase(Request(probe, ranks, ranks, seq_len, base, ranks, dtype="fp32"), layout)
-        residual[mode] = (phases["forward_backward"] + phases["sync"]
-                          - predicted["forward_backward"] - predicted["sync"]), per_ns.hooks - copies
+        residual[mode] = (
+            (phases["forward_backward"] + phases["sync"] - predicted["forward_backward"] - predicted["sync"]),
+            per_ns.hooks - copies,
+        )
     floor = min(r for r, _ in residual.values())
     for mode, (r, per_ns) in residual.items():
         fields[f"{mode}_hooks_ns_per_param"] = (r - floor) / per_ns

@@ -35,8 +35,10 @@ def compiler_problem(device_type: str) -> str | None:
     if device_type == "cpu":
         names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "clang++"]
         if not any(shutil.which(n) for n in names):
-            return (f"--compile on CPU needs a C++ compiler ({' or '.join(names)} on PATH; "
-                    "e.g. apt install g++), or leave --compile out")
+            return (
+                f"--compile on CPU needs a C++ compiler ({' or '.join(names)} on PATH; "
+                "e.g. apt install g++), or leave --compile out"
+            )
         return None
     try:
         import triton  # noqa: F401
@@ -74,11 +76,17 @@ def report() -> dict:
         spent = {}
     seconds = spent.get("_compile.compile_inner", 0.0) + spent.get("compile_fx.<locals>.bw_compiler", 0.0)
     inductor = counters["inductor"]
-    return {"graphs": int(counters["stats"]["unique_graphs"]), "compile_s": round(seconds, 2),
-            "cache_hits": int(inductor["fxgraph_cache_hit"]), "cache_misses": int(inductor["fxgraph_cache_miss"])}
+    return {
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "compile_s": round(seconds, 2),
+        "cache_hits": int(inductor["fxgraph_cache_hit"]),
+        "cache_misses": int(inductor["fxgraph_cache_miss"]),
+    }
 
 
 def report_line(r: dict, blocks: int) -> str:
-    return (f"[compile] rank 0's {blocks} blocks as {r['graphs']} graph(s) in {r['compile_s']:.1f} s "
-            f"(compile cache: {r['cache_hits']} hit(s), {r['cache_misses']} miss(es) in "
-            f"{os.environ.get(CACHE_ENV) or 'inductor default'})")
+    return (
+        f"[compile] rank 0's {blocks} blocks as {r['graphs']} graph(s) in {r['compile_s']:.1f} s "
+        f"(compile cache: {r['cache_hits']} hit(s), {r['cache_misses']} miss(es) in "
+        f"{os.environ.get(CACHE_ENV) or 'inductor default'})"
+    )

@@ -23,9 +23,11 @@ def apply_data_parallel(
 ) -> None:
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     if mode == "fsdp":
+
         def wrap(module: nn.Module, reshard: bool) -> None:
             fully_shard(module, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     elif mode == "ddp":
+
         def wrap(module: nn.Module, reshard: bool) -> None:
             replicate(module, mesh=dp_mesh, mp_policy=mp)
     else:

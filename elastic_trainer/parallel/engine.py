@@ -57,9 +57,20 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class Engine:
     """This rank's stage of the model and the collectives around it."""
 
-    def __init__(self, model_cfg: ModelConfig, layout: Layout, mesh: DeviceMesh, device: torch.device,
-                 *, seed: int, global_batch: int, seq_len: int, param_dtype: torch.dtype = torch.float32,
-                 initialize: bool = True, compile: bool = False):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        layout: Layout,
+        mesh: DeviceMesh,
+        device: torch.device,
+        *,
+        seed: int,
+        global_batch: int,
+        seq_len: int,
+        param_dtype: torch.dtype = torch.float32,
+        initialize: bool = True,
+        compile: bool = False,
+    ):
         layout.validate(mesh.size(), model_cfg, global_batch)
         self.layout, self.mesh, self.device = layout, mesh, device
         self.coords = Coords.of(mesh)
@@ -76,8 +87,9 @@ class Engine:
         self._groups: dict[int, list[nn.Parameter]] | None = None
         self.schedule = None
         if layout.pp > 1:
-            self.schedule = build_schedule(self.model, self.coords.pp, layout, mesh.get_group("pp"),
-                                           device, self.loss_fn)
+            self.schedule = build_schedule(
+                self.model, self.coords.pp, layout, mesh.get_group("pp"), device, self.loss_fn
+            )
         self._eval_schedule = None
         """The forward-only schedule of `eval_loss` (pp > 1), built at the first evaluation."""
 
@@ -100,8 +112,9 @@ class Engine:
             return model
         if layout.dp > 1 or param_dtype != torch.float32:
             # With pp > 1 every micro-batch runs forward then backward later: keep blocks gathered.
-            apply_data_parallel(model, self.mesh["dp"], layout.dp_mode, param_dtype,
-                                reshard_after_forward=layout.pp == 1)
+            apply_data_parallel(
+                model, self.mesh["dp"], layout.dp_mode, param_dtype, reshard_after_forward=layout.pp == 1
+            )
         return materialize(model, self.device, self.seed, initialize)
 
     def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -149,7 +162,7 @@ class Engine:
         else:
             run(return_outputs=False, **kwargs)
         if losses:
-            return torch.stack([l.detach() for l in losses]).sum()
+            return torch.stack([loss.detach() for loss in losses]).sum()
         return torch.zeros((), device=self.device)
 
     @torch.no_grad()
@@ -184,8 +197,9 @@ class Engine:
         (a real forward, and backward, of one micro-batch on every stage) at each switch between eval() and
         step(), twice per evaluation."""
         if self._eval_schedule is None:
-            self._eval_schedule = build_schedule(self.model, self.coords.pp, self.layout,
-                                                 self.mesh.get_group("pp"), self.device, self.loss_fn)
+            self._eval_schedule = build_schedule(
+                self.model, self.coords.pp, self.layout, self.mesh.get_group("pp"), self.device, self.loss_fn
+            )
         return self._pipelined(tokens, {}, self._eval_schedule.eval)
 
     # -- after backward -------------------------------------------------------------------------------
@@ -267,4 +281,3 @@ class Engine:
         value = value.clone()
         dist.all_reduce(value)
         return float(value)
-

@@ -36,11 +36,15 @@ def is_gloo(group: dist.ProcessGroup | None) -> bool:
 
 
 def _chunk(flat: torch.Tensor, index: int, n: int) -> torch.Tensor:
-    return flat[index * n:(index + 1) * n]
+    return flat[index * n : (index + 1) * n]
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None,
-                   op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    op: dist.ReduceOp = dist.ReduceOp.SUM,
+) -> None:
     """`output` (contiguous, 1/size of `input`) = this rank's chunk of `input` reduced over `group`. `input`
     is overwritten with the whole reduction."""
     flat = input.view(-1)
@@ -53,8 +57,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
     flat, n = output.view(-1), input.numel()
     _chunk(flat, dist.get_rank(group), n).copy_(input.reshape(-1))
     for k in range(dist.get_world_size(group)):
-        dist.broadcast(_chunk(flat, k, n), src=dist.get_global_rank(group, k) if group is not None else k,
-                       group=group)
+        dist.broadcast(_chunk(flat, k, n), src=dist.get_global_rank(group, k) if group is not None else k, group=group)
 
 
 class _Allocate:
@@ -65,16 +68,23 @@ class _Allocate:
 class GlooAllGather(_Allocate, AllGather):
     """FSDP2's all-gather as `all_gather` (synchronous: returns no work to wait for)."""
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 async_op: bool = False) -> None:
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ) -> None:
         all_gather(output_tensor, input_tensor, group)
 
 
 class GlooReduceScatter(_Allocate, ReduceScatter):
     """FSDP2's reduce-scatter as `reduce_scatter` (its input is a temporary FSDP2 drops afterwards)."""
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 op=dist.ReduceOp.SUM, async_op: bool = False) -> None:
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op=dist.ReduceOp.SUM,
+        async_op: bool = False,
+    ) -> None:
         reduce_scatter(output_tensor, input_tensor, group, op)
 
 

@@ -13,7 +13,8 @@ import os
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,8 +23,7 @@ import torch.distributed as dist
 def _child(fn: Callable, rank: int, world: int, tmp: str, args: tuple, kwargs: dict) -> None:
     code = 1
     try:
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                          LOCAL_WORLD_SIZE=str(world))
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         torch.set_num_threads(1)
         store = dist.FileStore(os.path.join(tmp, "store"), world)
@@ -44,8 +44,7 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 300, **kwar
     """fn(rank, world, *args, **kwargs) on `world` forked ranks; returns the results by rank."""
     ctx = mp.get_context("fork")
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_child, args=(fn, r, world, tmp, args, kwargs), daemon=True)
-                 for r in range(world)]
+        procs = [ctx.Process(target=_child, args=(fn, r, world, tmp, args, kwargs), daemon=True) for r in range(world)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
@@ -76,8 +75,9 @@ def _failure_report(tmp: str, world: int, codes: dict[int, int]) -> str:
     signalled = [r for r, c in codes.items() if c < 0]
     culprit = signalled[0] if signalled else next(r for r, c in codes.items() if c != 0)
     code = codes[culprit]
-    lines = [f"rank {culprit} of {world} failed with exit code {code}"
-             + (f" (killed by signal {-code})" if code < 0 else "")]
+    lines = [
+        f"rank {culprit} of {world} failed with exit code {code}" + (f" (killed by signal {-code})" if code < 0 else "")
+    ]
     for r in sorted(codes, key=lambda r: r != culprit):
         path = os.path.join(tmp, f"error{r}.txt")
         if os.path.exists(path):

@@ -42,7 +42,7 @@ class Coords:
     tp: int
 
     @classmethod
-    def of(cls, mesh: DeviceMesh) -> "Coords":
+    def of(cls, mesh: DeviceMesh) -> Coords:
         return cls(*(mesh.get_local_rank(d) for d in MESH_DIMS))
 
 

@@ -9,7 +9,7 @@ head only on the last. The head is tied to the token embedding, so the last stag
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -34,8 +34,12 @@ def split_stage(model: GPT, layers: range, first: bool, last: bool) -> GPT:
 
 
 def build_schedule(
-    stage_module: torch.nn.Module, stage_index: int, layout: Layout, pp_group: dist.ProcessGroup,
-    device: torch.device, loss_fn: Callable,
+    stage_module: torch.nn.Module,
+    stage_index: int,
+    layout: Layout,
+    pp_group: dist.ProcessGroup,
+    device: torch.device,
+    loss_fn: Callable,
 ):
     """1F1B (at most pp micro-batches in flight) when there are enough micro-batches, else GPipe."""
     # imported here: it pulls in torch._dynamo (0.6 s per process), which a layout with pp = 1 never needs

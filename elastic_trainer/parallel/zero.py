@@ -83,8 +83,12 @@ class _Slot:
             n = self.rows_on(r)
             if n:
                 start = r * shard + self.offset
-                out.append((buffer[start:start + n * self.row_numel].view(n, *self.rest),
-                            slice(r * self.chunk, r * self.chunk + n)))
+                out.append(
+                    (
+                        buffer[start : start + n * self.row_numel].view(n, *self.rest),
+                        slice(r * self.chunk, r * self.chunk + n),
+                    )
+                )
         return out
 
 
@@ -134,7 +138,7 @@ class Zero1:
             p.register_post_accumulate_grad_hook(lambda p, i=i: me()._accumulate(i, p))
 
     def _mine(self, flat: torch.Tensor, slot: _Slot) -> torch.Tensor:
-        return flat[slot.offset:slot.offset + slot.mine * slot.row_numel].view(slot.mine, *slot.rest)
+        return flat[slot.offset : slot.offset + slot.mine * slot.row_numel].view(slot.mine, *slot.rest)
 
     # -- setup and checkpoints ------------------------------------------------------------------------
 
@@ -143,7 +147,7 @@ class Zero1:
         """The master shard from the (fp32, initialized) parameters."""
         for slot, master in zip(self.slots, self.masters):
             lo = self.rank * slot.chunk
-            master.copy_(local_tensor(slot.param)[lo:lo + slot.mine])
+            master.copy_(local_tensor(slot.param)[lo : lo + slot.mine])
 
     def _submesh(self, dims: tuple[str, ...]):
         """The mesh's sub-mesh of `dims`, made once (slicing a DeviceMesh is not free: ~1 ms a call)."""
@@ -157,8 +161,11 @@ class Zero1:
         param = slot.param
         if isinstance(param, DTensor):
             tp_place = param.placements[0]
-            dp_place = (_StridedShard(0, split_factor=self.tp) if isinstance(tp_place, Shard) and tp_place.dim == 0
-                        else Shard(0))
+            dp_place = (
+                _StridedShard(0, split_factor=self.tp)
+                if isinstance(tp_place, Shard) and tp_place.dim == 0
+                else Shard(0)
+            )
             mesh, placements = self._submesh(("dp", "tp")), (dp_place, tp_place)
         else:
             mesh, placements = self._submesh(("dp",)), (Shard(0),)
@@ -204,7 +211,7 @@ class Zero1:
             shard, whole, pieces = self.master, self.buffer, self._whole
         else:
             shard = self.master.to(self.param_dtype)
-            whole = self.buffer.view(self.param_dtype)[:self.buffer.numel()]
+            whole = self.buffer.view(self.param_dtype)[: self.buffer.numel()]
             if self._whole_compute is None:
                 self._whole_compute = [s.pieces(whole, self.dp, self.shard) for s in self.slots]
             pieces = self._whole_compute

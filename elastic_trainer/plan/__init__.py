@@ -8,5 +8,18 @@ from elastic_trainer.plan.hardware import Hardware, hardware_for_device, load_ha
 from elastic_trainer.plan.layout import Layout, LayoutError, factorizations, split_batch, stage_layers
 from elastic_trainer.plan.planner import Plan, plan
 
-__all__ = ["Layout", "LayoutError", "factorizations", "split_batch", "stage_layers", "Candidate", "PlanError",
-           "Request", "Hardware", "hardware_for_device", "load_hardware", "Plan", "plan"]
+__all__ = [
+    "Layout",
+    "LayoutError",
+    "factorizations",
+    "split_batch",
+    "stage_layers",
+    "Candidate",
+    "PlanError",
+    "Request",
+    "Hardware",
+    "hardware_for_device",
+    "load_hardware",
+    "Plan",
+    "plan",
+]

@@ -60,11 +60,13 @@ class Request:
         if self.micro_batch is not None:
             positive_int("micro_batch", self.micro_batch, PlanError)
         if self.host_sizes is not None and sum(self.host_sizes) != self.world_size:
-            raise PlanError(f"hosts with {'+'.join(map(str, self.host_sizes))} ranks do not hold "
-                            f"world_size={self.world_size}")
+            raise PlanError(
+                f"hosts with {'+'.join(map(str, self.host_sizes))} ranks do not hold world_size={self.world_size}"
+            )
         if self.seq_len > self.model.context_length:
-            raise PlanError(f"seq_len={self.seq_len} exceeds {self.model.name}'s context_length="
-                            f"{self.model.context_length}")
+            raise PlanError(
+                f"seq_len={self.seq_len} exceeds {self.model.name}'s context_length={self.model.context_length}"
+            )
 
     @property
     def topology(self) -> Topology:
@@ -116,8 +118,15 @@ class Candidate:
 
     @property
     def layout(self) -> Layout:
-        return Layout(self.dp, self.tp, self.pp, self.micro_batch, self.num_microbatches,
-                      dp_mode=self.dp_mode, recompute=self.recompute)
+        return Layout(
+            self.dp,
+            self.tp,
+            self.pp,
+            self.micro_batch,
+            self.num_microbatches,
+            dp_mode=self.dp_mode,
+            recompute=self.recompute,
+        )
 
     @property
     def memory_gb(self) -> float:
@@ -137,14 +146,25 @@ class Candidate:
     def memory_source(self) -> str:
         """Where the memory this candidate was admitted or rejected by comes from: measured, corrected or
         predicted."""
-        return ("measured" if self.measured_memory_gib is not None
-                else "corrected" if self.memory_correction != 1.0 else "predicted")
+        return (
+            "measured"
+            if self.measured_memory_gib is not None
+            else "corrected"
+            if self.memory_correction != 1.0
+            else "predicted"
+        )
 
     def rank_key(self) -> tuple:
         """Fastest first; ties go to less memory, then fewer pipeline and tensor-parallel ranks, no recompute,
         then the data-parallel mode in DP_MODES' order (fsdp, ddp, zero1)."""
-        return (round(self.step_time_s, 12), self.memory.total, self.pp, self.tp, self.recompute,
-                DP_MODES.index(self.dp_mode))
+        return (
+            round(self.step_time_s, 12),
+            self.memory.total,
+            self.pp,
+            self.tp,
+            self.recompute,
+            DP_MODES.index(self.dp_mode),
+        )
 
 
 def degree_reason(req: Request, dp: int, tp: int, pp: int) -> str | None:
@@ -171,14 +191,32 @@ def evaluate(req: Request, layout: Layout) -> Candidate:
     hw = req.hardware
     stages = stage_memories(req.model, layout, req.seq_len, dtype)
     memory = max(stages, key=lambda m: m.total)
-    time = step_time(req.model, layout, req.seq_len, dtype, hw, req.topology,
-                     block_speedup=hw.compiled_speedup if req.compiled else 1.0)
-    return Candidate(layout.dp, layout.tp, layout.pp, layout.micro_batch, layout.num_microbatches,
-                     layout.dp_mode, layout.recompute, memory, time, memory_reason(req, layout, stages))
+    time = step_time(
+        req.model,
+        layout,
+        req.seq_len,
+        dtype,
+        hw,
+        req.topology,
+        block_speedup=hw.compiled_speedup if req.compiled else 1.0,
+    )
+    return Candidate(
+        layout.dp,
+        layout.tp,
+        layout.pp,
+        layout.micro_batch,
+        layout.num_microbatches,
+        layout.dp_mode,
+        layout.recompute,
+        memory,
+        time,
+        memory_reason(req, layout, stages),
+    )
 
 
-def memory_reason(req: Request, layout: Layout, stages: list[StageMemory], scale: float = 1.0,
-                  how: str = "") -> str | None:
+def memory_reason(
+    req: Request, layout: Layout, stages: list[StageMemory], scale: float = 1.0, how: str = ""
+) -> str | None:
     """Why `layout` does not fit when its stages take `scale` times the memory model's bytes (`how` says where
     the scale came from); None when it fits."""
     hw = req.hardware
@@ -212,8 +250,12 @@ def candidates_for(req: Request, dp: int, tp: int, pp: int) -> list[Candidate]:
         modes = req.dp_modes
     else:
         modes = [m for m in req.dp_modes if m != "zero1"][:1] or req.dp_modes[:1]
-    return [evaluate(req, Layout(dp, tp, pp, m, share // m, dp_mode=mode, recompute=rc))
-            for m in micros for mode in modes for rc in req.recompute]
+    return [
+        evaluate(req, Layout(dp, tp, pp, m, share // m, dp_mode=mode, recompute=rc))
+        for m in micros
+        for mode in modes
+        for rc in req.recompute
+    ]
 
 
 def enumerate_candidates(req: Request) -> list[Candidate]:

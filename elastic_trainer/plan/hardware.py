@@ -13,8 +13,15 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from elastic_trainer.config import (DP_MODES, ConfigError, check_field_types, configs_dir, from_dict, positive_int,
-                                    read_toml)
+from elastic_trainer.config import (
+    DP_MODES,
+    ConfigError,
+    check_field_types,
+    configs_dir,
+    from_dict,
+    positive_int,
+    read_toml,
+)
 from elastic_trainer.plan.layout import Layout
 
 GIB = 2**30
@@ -160,14 +167,25 @@ class Hardware:
         if self.compiled_speedup <= 0:
             raise ConfigError(f"hardware {self.name}: compiled_speedup={self.compiled_speedup} must be positive")
         if self.reserved_gb >= self.memory_gb:
-            raise ConfigError(f"hardware {self.name}: reserved_gb={self.reserved_gb} must be below "
-                              f"memory_gb={self.memory_gb}")
+            raise ConfigError(
+                f"hardware {self.name}: reserved_gb={self.reserved_gb} must be below memory_gb={self.memory_gb}"
+            )
         if self.device not in ("cuda", "cpu"):
             raise ConfigError(f"hardware {self.name}: device={self.device!r} is not one of cuda, cpu")
         if self.compute_dtype not in ("bf16", "fp32"):
             raise ConfigError(f"hardware {self.name}: compute_dtype={self.compute_dtype!r} is not one of bf16, fp32")
-        for key in ("memory_gb", "tflops", "memory_bandwidth_gbs", "intra_host_gbs", "inter_host_gbs", "storage_gbs",
-                    "shm_write_gbs", "shm_read_gbs", "all_gather_share", "reduce_scatter_share"):
+        for key in (
+            "memory_gb",
+            "tflops",
+            "memory_bandwidth_gbs",
+            "intra_host_gbs",
+            "inter_host_gbs",
+            "storage_gbs",
+            "shm_write_gbs",
+            "shm_read_gbs",
+            "all_gather_share",
+            "reduce_scatter_share",
+        ):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"hardware {self.name}: {key}={getattr(self, key)} must be positive")
         positive_int(f"hardware {self.name}: gpus_per_host", self.gpus_per_host)
@@ -176,11 +194,15 @@ class Hardware:
         if self.restart_s < 0:
             raise ConfigError(f"hardware {self.name}: restart_s={self.restart_s} must not be negative")
         if self.kept_heap < 1:
-            raise ConfigError(f"hardware {self.name}: kept_heap={self.kept_heap} must be at least 1 (a rank keeps "
-                              "at least its live peak)")
+            raise ConfigError(
+                f"hardware {self.name}: kept_heap={self.kept_heap} must be at least 1 (a rank keeps "
+                "at least its live peak)"
+            )
         if 0 < self.kept_heap_unpipelined < 1:
-            raise ConfigError(f"hardware {self.name}: kept_heap_unpipelined={self.kept_heap_unpipelined} must be "
-                              "at least 1 (or 0: kept_heap) (a rank keeps at least its live peak)")
+            raise ConfigError(
+                f"hardware {self.name}: kept_heap_unpipelined={self.kept_heap_unpipelined} must be "
+                "at least 1 (or 0: kept_heap) (a rank keeps at least its live peak)"
+            )
         if self.shared_host and self.compute_units < 1:
             raise ConfigError(f"hardware {self.name}: shared_host needs compute_units >= 1, got {self.compute_units}")
 
@@ -256,14 +278,17 @@ def load_hardware(name_or_path: str | os.PathLike) -> Hardware:
     if not path.suffix:
         path = configs_dir() / "hardware" / f"{name_or_path}.toml"
         if not path.exists():
-            raise ConfigError(f"unknown hardware {str(name_or_path)!r} "
-                              f"(valid: {', '.join(hardware_presets()) or 'none found'})")
+            raise ConfigError(
+                f"unknown hardware {str(name_or_path)!r} (valid: {', '.join(hardware_presets()) or 'none found'})"
+            )
     table = dict(read_toml(path))
     table.setdefault("name", path.stem)
     legacy = table.pop("reduce_scatter_as_all_reduce", False)  # profiles written before 2026-11-28's shares
     if not isinstance(legacy, bool):
-        raise ConfigError(f"hardware profile {str(path)!r}: reduce_scatter_as_all_reduce={legacy!r} must be true or "
-                          "false (or give reduce_scatter_share)")
+        raise ConfigError(
+            f"hardware profile {str(path)!r}: reduce_scatter_as_all_reduce={legacy!r} must be true or "
+            "false (or give reduce_scatter_share)"
+        )
     if legacy:
         table.setdefault("reduce_scatter_share", 1.0)
     if isinstance(table.get("device_names"), list):
@@ -283,6 +308,8 @@ def hardware_for_device(device_type: str, device_name: str | None = None) -> Har
         if hw.device == device_type and hits:
             matches.append((max(hits), preset, hw))
     if not matches:
-        raise ConfigError(f"no hardware profile matches GPU {device_name!r}: pass --hardware NAME "
-                          f"(valid: {', '.join(hardware_presets())}) or write one with `elastic-trainer calibrate`")
+        raise ConfigError(
+            f"no hardware profile matches GPU {device_name!r}: pass --hardware NAME "
+            f"(valid: {', '.join(hardware_presets())}) or write one with `elastic-trainer calibrate`"
+        )
     return max(matches, key=lambda m: (m[0], m[1]))[2]

@@ -17,8 +17,7 @@ class LayoutError(ConfigError):
 
 def factorizations(world_size: int) -> list[tuple[int, int, int]]:
     """Every (dp, tp, pp) with dp * tp * pp == world_size."""
-    return [(world_size // (tp * pp), tp, pp)
-            for tp in divisors(world_size) for pp in divisors(world_size // tp)]
+    return [(world_size // (tp * pp), tp, pp) for tp in divisors(world_size) for pp in divisors(world_size // tp)]
 
 
 def stage_layers(n_layers: int, pp: int) -> list[range]:
@@ -79,7 +78,7 @@ class Layout:
         """Samples per step on one data-parallel rank."""
         return self.micro_batch * self.num_microbatches
 
-    def validate(self, world_size: int, model: ModelConfig, global_batch: int | None = None) -> "Layout":
+    def validate(self, world_size: int, model: ModelConfig, global_batch: int | None = None) -> Layout:
         """Raise LayoutError unless this layout runs `model` on `world_size` ranks; return self."""
         if self.world_size != world_size:
             valid = " ".join(f"{d},{t},{p}" for d, t, p in factorizations(world_size))
@@ -105,8 +104,10 @@ class Layout:
 
     def describe(self) -> str:
         mode = self.dp_mode + ("+recompute" if self.recompute else "")
-        return (f"dp={self.dp} tp={self.tp} pp={self.pp} micro_batch={self.micro_batch} "
-                f"num_microbatches={self.num_microbatches} ({mode})")
+        return (
+            f"dp={self.dp} tp={self.tp} pp={self.pp} micro_batch={self.micro_batch} "
+            f"num_microbatches={self.num_microbatches} ({mode})"
+        )
 
     def compact(self) -> str:
         """'dp2 tp1 pp2, 2x2 fsdp': degrees, micro-batch x micro-batches, mode (for tables)."""
@@ -117,7 +118,7 @@ class Layout:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict) -> "Layout":
+    def from_dict(cls, values: dict) -> Layout:
         try:
             return cls(**values)
         except TypeError as e:
@@ -140,8 +141,7 @@ def split_batch(global_batch: int, dp: int, micro_batch: int | None = None) -> t
     """
     if global_batch % dp:
         raise LayoutError(
-            f"global batch {global_batch} is not divisible by dp={dp} "
-            f"(valid dp: {fmt_values(divisors(global_batch))})"
+            f"global batch {global_batch} is not divisible by dp={dp} (valid dp: {fmt_values(divisors(global_batch))})"
         )
     share = global_batch // dp
     if micro_batch is None:

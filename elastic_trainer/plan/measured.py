@@ -69,22 +69,36 @@ def measured_file_exists(metrics_file: str | None) -> bool:
 
 def job_key(model: str, global_batch: int, seq_len: int, dtype: str, hardware: str, compiled: bool) -> dict:
     """What must match for a measurement to count: the model, batch, precision, compile and the hardware."""
-    return {"model": model, "global_batch": global_batch, "seq_len": seq_len, "dtype": dtype, "hardware": hardware,
-            "compile": compiled}
+    return {
+        "model": model,
+        "global_batch": global_batch,
+        "seq_len": seq_len,
+        "dtype": dtype,
+        "hardware": hardware,
+        "compile": compiled,
+    }
 
 
-def record(path: Path | None, key: dict, layout: Layout, hosts: tuple[int, ...], records: list[dict],
-           predicted_s: float | None) -> dict | None:
+def record(
+    path: Path | None, key: dict, layout: Layout, hosts: tuple[int, ...], records: list[dict], predicted_s: float | None
+) -> dict | None:
     """Append this start's steady step time and peak memory to `path`; None when it trained too few
     steps to say."""
     if path is None or len(records) < MIN_STEPS:
         return None
     times = [r["step_time_s"] for r in records[1:]]
-    entry = {**key, "layout": layout.to_dict(), "hosts": list(hosts), "step_s": statistics.median(times),
-             "steps": len(times), "predicted_s": predicted_s,
-             "peak_memory_gib": records[-1].get("max_memory_gib"),
-             "kept_memory_gib": max((r["kept_memory_gib"] for r in records if r.get("kept_memory_gib") is not None),
-                                    default=None)}
+    entry = {
+        **key,
+        "layout": layout.to_dict(),
+        "hosts": list(hosts),
+        "step_s": statistics.median(times),
+        "steps": len(times),
+        "predicted_s": predicted_s,
+        "peak_memory_gib": records[-1].get("max_memory_gib"),
+        "kept_memory_gib": max(
+            (r["kept_memory_gib"] for r in records if r.get("kept_memory_gib") is not None), default=None
+        ),
+    }
     split = [r["phases_s"] for r in records[1:] if isinstance(r.get("phases_s"), dict)]
     if split:  # rank 0's time in each phase of the step (train/loop.py PHASES), the median of each
         entry["phases_s"] = {name: round(statistics.median(p.get(name, 0.0) for p in split), 6) for name in split[0]}
@@ -133,8 +147,11 @@ def for_hosts(path: Path | None, key: dict, hosts: tuple[int, ...]) -> tuple[Mea
     for layout, entries in seen.items():
         sized = [(peak, e) for e in entries if (peak := peak_gib(e)) is not None]
         steps = max((_steps(e) for _, e in sized), default=0)
-        out.append(Measurement(layout, statistics.median(e["step_s"] for e in entries),
-                               max((p for p, _ in sized), default=None), steps))
+        out.append(
+            Measurement(
+                layout, statistics.median(e["step_s"] for e in entries), max((p for p, _ in sized), default=None), steps
+            )
+        )
     return tuple(out)
 
 

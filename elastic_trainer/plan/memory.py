@@ -69,12 +69,18 @@ def block_shapes(model: ModelConfig, layer: int, tp: int) -> list[tuple[str, Sha
     d = model.d_model
     p = f"layers.{layer}."
     return [
-        (p + "ln_1.weight", (d,)), (p + "ln_1.bias", (d,)),
-        (p + "attn.qkv_proj.weight", (3 * d // tp, d)), (p + "attn.qkv_proj.bias", (3 * d // tp,)),
-        (p + "attn.o_proj.weight", (d, d // tp)), (p + "attn.o_proj.bias", (d,)),
-        (p + "ln_2.weight", (d,)), (p + "ln_2.bias", (d,)),
-        (p + "mlp.fc.weight", (4 * d // tp, d)), (p + "mlp.fc.bias", (4 * d // tp,)),
-        (p + "mlp.proj.weight", (d, 4 * d // tp)), (p + "mlp.proj.bias", (d,)),
+        (p + "ln_1.weight", (d,)),
+        (p + "ln_1.bias", (d,)),
+        (p + "attn.qkv_proj.weight", (3 * d // tp, d)),
+        (p + "attn.qkv_proj.bias", (3 * d // tp,)),
+        (p + "attn.o_proj.weight", (d, d // tp)),
+        (p + "attn.o_proj.bias", (d,)),
+        (p + "ln_2.weight", (d,)),
+        (p + "ln_2.bias", (d,)),
+        (p + "mlp.fc.weight", (4 * d // tp, d)),
+        (p + "mlp.fc.bias", (4 * d // tp,)),
+        (p + "mlp.proj.weight", (d, 4 * d // tp)),
+        (p + "mlp.proj.bias", (d,)),
     ]
 
 
@@ -112,10 +118,10 @@ class StateBytes:
     def total(self) -> int:
         return self.params + self.grads + self.optimizer
 
-    def __add__(self, other: "StateBytes") -> "StateBytes":
+    def __add__(self, other: StateBytes) -> StateBytes:
         return StateBytes(self.params + other.params, self.grads + other.grads, self.optimizer + other.optimizer)
 
-    def __mul__(self, k: int) -> "StateBytes":
+    def __mul__(self, k: int) -> StateBytes:
         return StateBytes(self.params * k, self.grads * k, self.optimizer * k)
 
 
@@ -142,6 +148,7 @@ def zero1_state(shapes: list[tuple[str, Shape]], dp: int, rank: int, dtype: str)
 def state_bytes(model: ModelConfig, layout: Layout, stage: int, dp_rank: int = 0, dtype: str = "fp32") -> StateBytes:
     """Parameter, gradient and AdamW bytes held by data-parallel rank `dp_rank` of `stage` (any tp rank);
     `dtype`, the compute dtype, matters only to zero1's whole parameters."""
+
     def state(shapes: list[tuple[str, Shape]]) -> StateBytes:
         if layout.dp_mode == "zero1":
             return zero1_state(shapes, layout.dp, dp_rank, dtype)
@@ -224,24 +231,26 @@ def in_flight(layout: Layout, stage: int) -> int:
     return layout.num_microbatches  # GPipe: every forward before any backward
 
 
-def block_activation_bytes(model: ModelConfig, micro_batch: int, seq_len: int, tp: int, dtype: str,
-                           recompute: bool = False) -> int:
+def block_activation_bytes(
+    model: ModelConfig, micro_batch: int, seq_len: int, tp: int, dtype: str, recompute: bool = False
+) -> int:
     """Bytes one block keeps for backward per micro-batch (compute dtype; statistics in fp32)."""
     e = DTYPE_BYTES[dtype]
     tokens = micro_batch * seq_len
     if recompute:
         return tokens * model.d_model * e
     d, heads = model.d_model, model.n_heads // tp
-    kept = (tokens * (4 * d + 12 * (d // tp)) * e  # tp divides n_heads, hence d
-            + 2 * 2 * tokens * 4)                  # two LayerNorms' mean and rstd
+    kept = (
+        tokens * (4 * d + 12 * (d // tp)) * e  # tp divides n_heads, hence d
+        + 2 * 2 * tokens * 4
+    )  # two LayerNorms' mean and rstd
     if model.dropout > 0:  # keyed dropout materializes the attention probabilities (model/dropout.py)
         probs = micro_batch * heads * seq_len * seq_len
         return kept + probs * (4 + 1 + e) + 2 * tokens * d  # fp32 softmax, keep mask, dropped copy; 2 masks
     return kept + tokens * heads * 4  # the fused kernel's log-sum-exp
 
 
-def head_activation_bytes(model: ModelConfig, micro_batch: int, seq_len: int, dtype: str,
-                          pipelined: bool) -> int:
+def head_activation_bytes(model: ModelConfig, micro_batch: int, seq_len: int, dtype: str, pipelined: bool) -> int:
     """Bytes the last stage keeps per micro-batch for the final LayerNorm, head and loss."""
     e = DTYPE_BYTES[dtype]
     tokens = micro_batch * seq_len
@@ -298,12 +307,17 @@ def stage_memory(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, s
     if layout.pp > 1:
         transient += 2 * hidden  # receive buffers for activations and their gradients
     transient += accumulation_bytes(model, layout, stage)
-    return StageMemory(stage, state_bytes(model, layout, stage, dtype=dtype),
-                       working_bytes(model, layout, stage, dtype), in_flight(layout, stage) * per_mb, transient,
-                       optimizer_step_bytes(model, layout, stage), end_of_backward_bytes(model, layout, dtype))
+    return StageMemory(
+        stage,
+        state_bytes(model, layout, stage, dtype=dtype),
+        working_bytes(model, layout, stage, dtype),
+        in_flight(layout, stage) * per_mb,
+        transient,
+        optimizer_step_bytes(model, layout, stage),
+        end_of_backward_bytes(model, layout, dtype),
+    )
 
 
 def stage_memories(model: ModelConfig, layout: Layout, seq_len: int, dtype: str) -> list[StageMemory]:
     """Peak memory of a rank of every stage (dp rank 0, which holds the largest FSDP shards)."""
     return [stage_memory(model, layout, seq_len, dtype, s) for s in range(layout.pp)]
-

@@ -6,8 +6,15 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, replace
 
-from elastic_trainer.plan.candidates import (Candidate, PlanError, Request, degree_reason, enumerate_candidates,
-                                             memory_reason, rank_peak_bytes)
+from elastic_trainer.plan.candidates import (
+    Candidate,
+    PlanError,
+    Request,
+    degree_reason,
+    enumerate_candidates,
+    memory_reason,
+    rank_peak_bytes,
+)
 from elastic_trainer.plan.hardware import GIB
 from elastic_trainer.plan.layout import Layout, divisors, factorizations
 from elastic_trainer.plan.measured import ADMIT_STEPS, Measurement, family
@@ -92,8 +99,13 @@ def learned_memory(req: Request, candidates: list[Candidate], peaks: dict[Layout
             c = _ran(req, c, peaks[c.layout], own[c.layout])
         elif c.valid and ratios.get(family(c.layout), 1.0) > 1.0:
             ratio = ratios[family(c.layout)]
-            reason = memory_reason(req, c.layout, _stages(req, c.layout), ratio,
-                                   f" (the model's bytes x{ratio:.2f}, as its family measured)")
+            reason = memory_reason(
+                req,
+                c.layout,
+                _stages(req, c.layout),
+                ratio,
+                f" (the model's bytes x{ratio:.2f}, as its family measured)",
+            )
             c = replace(c, memory_correction=ratio, reason=reason)
         out.append(c)
     return out
@@ -103,8 +115,10 @@ def _ran(req: Request, c: Candidate, ran: Measurement, ratio: float) -> Candidat
     """A layout this job ran, checked at its measured peak (see `learned_memory`)."""
     reason = memory_reason(req, c.layout, _stages(req, c.layout), ratio, " (as an earlier start measured)")
     if reason is None and not c.valid and ran.memory_steps < ADMIT_STEPS:
-        reason = (f"{c.reason} (an earlier start ran it for {ran.memory_steps} steps: {ADMIT_STEPS} are needed "
-                  "to admit it on its measured peak)")
+        reason = (
+            f"{c.reason} (an earlier start ran it for {ran.memory_steps} steps: {ADMIT_STEPS} are needed "
+            "to admit it on its measured peak)"
+        )
     return replace(c, measured_memory_gib=ran.memory_gib, reason=reason)
 
 
@@ -157,7 +171,8 @@ def nearest_world(req: Request, limit: int) -> int | None:
         return None  # the fixed micro-batch splits no dp share of the global batch: no GPU count helps
     n = min(req.world_size, limit)
     return first_world_with_plan(
-        req, (m for k in range(limit) for m in ((n,) if k == 0 else (n - k, n + k)) if 1 <= m <= limit))
+        req, (m for k in range(limit) for m in ((n,) if k == 0 else (n - k, n + k)) if 1 <= m <= limit)
+    )
 
 
 def nearest_batch(req: Request) -> int | None:
@@ -181,14 +196,20 @@ def why_no_plan(req: Request, rejected: tuple[Candidate, ...]) -> str:
     sized = [c for c in rejected if c.memory is not None]
     if sized:
         small = min(sized, key=lambda c: c.memory.total)
-        why = (f"no layout of {n} GPU(s) fits in memory: the smallest (dp={small.dp} tp={small.tp} pp={small.pp} "
-               f"micro_batch={small.micro_batch}{' recompute' if small.recompute else ''}) {small.reason}")
+        why = (
+            f"no layout of {n} GPU(s) fits in memory: the smallest (dp={small.dp} tp={small.tp} pp={small.pp} "
+            f"micro_batch={small.micro_batch}{' recompute' if small.recompute else ''}) {small.reason}"
+        )
         bigger = first_world_with_plan(req, range(n + 1, limit + 1))
-        return why + (f"; {bigger} GPUs would work" if bigger else "; use devices with more memory or a shorter sequence")
+        return why + (
+            f"; {bigger} GPUs would work" if bigger else "; use devices with more memory or a shorter sequence"
+        )
     if n > limit:
-        why = (f"{n} GPUs are more than {model.name} with global batch {req.global_batch} can use: at most "
-               f"dp={dp} x tp={tp} x pp={pp} = {limit} (dp divides the global batch, tp divides n_heads="
-               f"{model.n_heads} and the hosts' sizes ({req.topology.describe()}), pp <= n_layers={model.n_layers})")
+        why = (
+            f"{n} GPUs are more than {model.name} with global batch {req.global_batch} can use: at most "
+            f"dp={dp} x tp={tp} x pp={pp} = {limit} (dp divides the global batch, tp divides n_heads="
+            f"{model.n_heads} and the hosts' sizes ({req.topology.describe()}), pp <= n_layers={model.n_layers})"
+        )
     else:
         reasons = "; ".join(f"{c.dp},{c.tp},{c.pp}: {c.reason}" for c in rejected[:4])
         why = f"no DP,TP,PP of {n} GPUs is valid ({reasons}{'; ...' if len(rejected) > 4 else ''})"

@@ -46,8 +46,15 @@ def orders(pp: int, a: int) -> list[list[Op]]:
 
 
 @functools.lru_cache(maxsize=4096)
-def makespan(per_mb: tuple[float, ...], a: int, copies: float, cores: float, forward_share: float = 1 / 3,
-             head: tuple[float, ...] = (), tail: tuple[float, ...] = ()) -> float:
+def makespan(
+    per_mb: tuple[float, ...],
+    a: int,
+    copies: float,
+    cores: float,
+    forward_share: float = 1 / 3,
+    head: tuple[float, ...] = (),
+    tail: tuple[float, ...] = (),
+) -> float:
     """Seconds for `a` micro-batches through stages taking `per_mb[s]` core-seconds each (forward
     `forward_share` of it, backward the rest), with `copies` ranks of every stage on the host (its dp x tp
     ranks, running the same schedule) sharing `cores`; stage s first does `head[s]` core-seconds of work and
@@ -55,10 +62,17 @@ def makespan(per_mb: tuple[float, ...], a: int, copies: float, cores: float, for
     pp = len(per_mb)
     ops, nxt, done = orders(pp, a), [0] * pp, set()
     for s in range(pp):
-        ops[s] = ([("H", 0)] if s < len(head) and head[s] > 0 else []) + ops[s] + (
-            [("T", 0)] if s < len(tail) and tail[s] > 0 else [])
-    work = {"F": lambda s: per_mb[s] * forward_share, "B": lambda s: per_mb[s] * (1 - forward_share),
-            "H": lambda s: head[s], "T": lambda s: tail[s]}
+        ops[s] = (
+            ([("H", 0)] if s < len(head) and head[s] > 0 else [])
+            + ops[s]
+            + ([("T", 0)] if s < len(tail) and tail[s] > 0 else [])
+        )
+    work = {
+        "F": lambda s: per_mb[s] * forward_share,
+        "B": lambda s: per_mb[s] * (1 - forward_share),
+        "H": lambda s: head[s],
+        "T": lambda s: tail[s],
+    }
     scale = max(max(per_mb), *head, *tail, 0.0) or 1.0
     running: dict[int, float] = {}  # stage -> core-seconds left of its current operation
     now = 0.0

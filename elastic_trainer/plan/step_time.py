@@ -108,7 +108,7 @@ class Link:
     def send(self, nbytes: float) -> float:
         return nbytes / (self.gbs * 1e9) + self.latency_us * 1e-6
 
-    def slowed(self, factor: float) -> "Link":
+    def slowed(self, factor: float) -> Link:
         """This link `factor` times slower in bandwidth and latency."""
         return dataclasses.replace(self, gbs=self.gbs / factor, latency_us=self.latency_us * factor)
 
@@ -128,7 +128,7 @@ class Links:
     pp: Link
 
     @classmethod
-    def of(cls, layout: Layout, hw: Hardware, hosts: Topology, idle: bool = False) -> "Links":
+    def of(cls, layout: Layout, hw: Hardware, hosts: Topology, idle: bool = False) -> Links:
         """`idle`: as `calibrate` measured them, on ranks with a core each (not slowed for a shared host)."""
         shares = {"gather_share": hw.all_gather_share, "scatter_share": hw.reduce_scatter_share}
         intra = Link(hw.intra_host_gbs, hw.intra_host_latency_us, hw.ring_latency, **shares)
@@ -171,8 +171,16 @@ class StageTime:
         return self.compute + self.tp_comm + self.p2p
 
 
-def stage_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw: Hardware, links: Links,
-               stage: int, block_speedup: float = 1.0) -> StageTime:
+def stage_time(
+    model: ModelConfig,
+    layout: Layout,
+    seq_len: int,
+    dtype: str,
+    hw: Hardware,
+    links: Links,
+    stage: int,
+    block_speedup: float = 1.0,
+) -> StageTime:
     """Forward + backward of one micro-batch on `stage`; the blocks' compute `block_speedup` times faster
     (compiled)."""
     tokens = layout.micro_batch * seq_len
@@ -181,9 +189,11 @@ def stage_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw:
     n_blocks = len(stage_layers(model.n_layers, layout.pp)[stage])
     passes = 4 if layout.recompute else 3  # forward, backward (2x), recomputed forward
     host = hw.host_block_ms(layout.dp_mode) * 1e-3 * passes / 3  # issuing a block (0: not measured)
-    block = (passes * block_flops(model, tokens, seq_len, layout.tp) / rate
-             + passes / 3 * tokens * model.d_model / layout.tp * hw.activation_ns * 1e-9
-             + (0.0 if host else hw.layer_overhead_ms * 1e-3))
+    block = (
+        passes * block_flops(model, tokens, seq_len, layout.tp) / rate
+        + passes / 3 * tokens * model.d_model / layout.tp * hw.activation_ns * 1e-9
+        + (0.0 if host else hw.layer_overhead_ms * 1e-3)
+    )
     root, block_params, _ = stage_elements(model, layout, stage)
     params = root + block_params * n_blocks
     weights = params * hw.microbatch_ns_per_param * 1e-9
@@ -216,8 +226,9 @@ def _per_unit(collective, root: int, block: int, n: int, nbytes: int) -> float:
     return (collective(root * nbytes) if root else 0.0) + n * collective(block * nbytes)
 
 
-def zero1_comm(model: ModelConfig, layout: Layout, dtype: str, hw: Hardware, links: Links,
-               stage: int) -> tuple[float, float]:
+def zero1_comm(
+    model: ModelConfig, layout: Layout, dtype: str, hw: Hardware, links: Links, stage: int
+) -> tuple[float, float]:
     """zero1's per-step seconds on one stage: (the gradient reduce-scatter at the end of backward, the
     all-gather of the updated weights after the optimizer step with their copy into the parameters): one
     collective each way over the whole stage, none of it overlapping compute."""
@@ -227,8 +238,9 @@ def zero1_comm(model: ModelConfig, layout: Layout, dtype: str, hw: Hardware, lin
     return links.dp.reduce_scatter(whole * MASTER_BYTES, layout.dp), links.dp.gather(whole * e, layout.dp) + copy
 
 
-def dp_comm_time(model: ModelConfig, layout: Layout, dtype: str, hw: Hardware, links: Links, stage: int,
-                 t_mb: float) -> float:
+def dp_comm_time(
+    model: ModelConfig, layout: Layout, dtype: str, hw: Hardware, links: Links, stage: int, t_mb: float
+) -> float:
     """Exposed data-parallel communication of one stage per step; t_mb is its time per micro-batch."""
     root, block, n = stage_elements(model, layout, stage)
     a, dp, e = layout.num_microbatches, layout.dp, DTYPE_BYTES[dtype]
@@ -247,8 +259,9 @@ def dp_comm_time(model: ModelConfig, layout: Layout, dtype: str, hw: Hardware, l
     return _exposed(gather, t_mb / 3, hw.overlap) + scatter
 
 
-def scheduled_comm(model: ModelConfig, layout: Layout, dtype: str, hw: Hardware, idle: Links,
-                   stage: int) -> tuple[float, float]:
+def scheduled_comm(
+    model: ModelConfig, layout: Layout, dtype: str, hw: Hardware, idle: Links, stage: int
+) -> tuple[float, float]:
     """On a shared host, a pipelined stage's data-parallel collectives that run within its schedule, in seconds
     on idle links (`shared_cores.makespan` shares the cores among them and the other stages' compute): (before
     its first forward: fsdp's all-gather; after its last backward: fsdp's and zero1's reduce-scatter, ddp's
@@ -261,8 +274,10 @@ def scheduled_comm(model: ModelConfig, layout: Layout, dtype: str, hw: Hardware,
         return 0.0, zero1_comm(model, layout, dtype, hw, idle, stage)[0]
     if layout.dp_mode == "ddp":
         return 0.0, _per_unit(lambda b: idle.dp.all_reduce(b, dp), root, block, n, 4)
-    return (_per_unit(lambda b: idle.dp.gather(b, dp), root, block, n, e),
-            _per_unit(lambda b: idle.dp.reduce_scatter(b, dp), root, block, n, 4))
+    return (
+        _per_unit(lambda b: idle.dp.gather(b, dp), root, block, n, e),
+        _per_unit(lambda b: idle.dp.reduce_scatter(b, dp), root, block, n, 4),
+    )
 
 
 @dataclass(frozen=True)
@@ -293,8 +308,15 @@ class StepTime:
         return self.pipeline + self.dp_comm + self.optimizer + self.hooks
 
 
-def step_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw: Hardware,
-              hosts: Topology | int, block_speedup: float = 1.0) -> StepTime:
+def step_time(
+    model: ModelConfig,
+    layout: Layout,
+    seq_len: int,
+    dtype: str,
+    hw: Hardware,
+    hosts: Topology | int,
+    block_speedup: float = 1.0,
+) -> StepTime:
     """`hosts`: the ranks on each host, or a number of ranks per host that they fill in turn; `block_speedup`:
     the blocks' compute is that many times faster (compiled, Hardware.compiled_speedup)."""
     if not isinstance(hosts, Topology):
@@ -325,8 +347,17 @@ def step_time(model: ModelConfig, layout: Layout, seq_len: int, dtype: str, hw: 
         shared = makespan(tuple(t.compute for t in stages), a, copies, cores, 1 / passes, heads, tails)
         pipeline = max(pipeline, shared + a * max(t.tp_comm + t.p2p for t in stages))
         optimizer = sum(local) * copies * hw.optimizer_ns(layout.dp_mode) * 1e-9 / cores
-    return StepTime(pipeline, dp, optimizer, (layout.pp - 1) / (a + layout.pp - 1), tuple(stages), pipeline - alone,
-                    tied, after, hooks_time(model, layout, hw, hosts, dtype))
+    return StepTime(
+        pipeline,
+        dp,
+        optimizer,
+        (layout.pp - 1) / (a + layout.pp - 1),
+        tuple(stages),
+        pipeline - alone,
+        tied,
+        after,
+        hooks_time(model, layout, hw, hosts, dtype),
+    )
 
 
 def collectives(layout: Layout) -> int:

@@ -26,7 +26,7 @@ class Topology:
             positive_int("ranks per host", size)
 
     @classmethod
-    def uniform(cls, world_size: int, per_host: int) -> "Topology":
+    def uniform(cls, world_size: int, per_host: int) -> Topology:
         """`world_size` ranks filling hosts of `per_host` ranks (the last one possibly partly)."""
         full, rest = divmod(world_size, per_host)
         return cls((per_host,) * full + ((rest,) if rest else ()))
@@ -53,7 +53,7 @@ class Topology:
         """Whether every aligned group of `size` consecutive ranks stays on one host."""
         return self.common % size == 0
 
-    def first(self, ranks: int) -> "Topology":
+    def first(self, ranks: int) -> Topology:
         """The hosts of the first `ranks` ranks (hosts in rank order, the last one possibly in part)."""
         sizes, left = [], ranks
         for n in self.sizes:

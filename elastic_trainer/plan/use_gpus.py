@@ -91,6 +91,11 @@ def plan_gpus(req: Request, use: str = "all") -> GpuPlan:
         for used in smaller_counts(req):
             other = plan_or_none(sized(req, used)) if used != best.used else None
             if other is not None and other.chosen.step_time_s < best.plan.chosen.step_time_s * (1 - 1e-9):
-                best = GpuPlan(req.world_size, used, other, f"predicted faster than {best.used} "
-                               f"({other.chosen.step_time_s:.3f} vs {best.plan.chosen.step_time_s:.3f} s/step)")
+                best = GpuPlan(
+                    req.world_size,
+                    used,
+                    other,
+                    f"predicted faster than {best.used} "
+                    f"({other.chosen.step_time_s:.3f} vs {best.plan.chosen.step_time_s:.3f} s/step)",
+                )
     return best

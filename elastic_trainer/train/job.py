@@ -28,14 +28,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from elastic_trainer.checkpoint import Checkpointer, CheckpointError, LoadStats, SaveStats
-from elastic_trainer.checkpoint import storage
+from elastic_trainer.checkpoint import Checkpointer, CheckpointError, LoadStats, SaveStats, storage
 from elastic_trainer.config import CheckpointConfig, ModelConfig, TrainConfig
 from elastic_trainer.elastic.events import EventLog
 from elastic_trainer.elastic.exit_codes import PEER_REASON
 from elastic_trainer.elastic.handover import HOSTS_CHANGE, PHASE_END, Handover
 from elastic_trainer.elastic.stop import StopRequest
-from elastic_trainer.parallel.compile import report as compile_report, report_line
+from elastic_trainer.parallel.compile import report as compile_report
+from elastic_trainer.parallel.compile import report_line
 from elastic_trainer.parallel.mesh import build_mesh
 from elastic_trainer.plan.layout import Layout
 from elastic_trainer.train import heap
@@ -72,10 +72,22 @@ def _quiet(*args, **kwargs) -> None:
 
 
 class Job:
-    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, layout: Layout, device: torch.device, *,
-                 ckpt: CheckpointConfig | None = None, tokens: np.ndarray | None = None, val_tokens=None,
-                 log: MetricsLog | None = None, events: EventLog | None = None, handover: Handover | None = None,
-                 stop: StopRequest | None = None, on_stop=None):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        train_cfg: TrainConfig,
+        layout: Layout,
+        device: torch.device,
+        *,
+        ckpt: CheckpointConfig | None = None,
+        tokens: np.ndarray | None = None,
+        val_tokens=None,
+        log: MetricsLog | None = None,
+        events: EventLog | None = None,
+        handover: Handover | None = None,
+        stop: StopRequest | None = None,
+        on_stop=None,
+    ):
         """`val_tokens`: the validation token stream (as `tokens`), or None for no validation loss. `handover`:
         the launcher's channel for a planned reconfiguration (a warm world waits on it for its state after it is
         built, before it loads; `stop` ends that wait). `on_stop(records)`: called with this start's step
@@ -89,18 +101,25 @@ class Job:
         self.loaded, self.checkpointer, self.trainer = None, None, None
         self.cancelled = False
         """A warm world asked to stop before it got a state, or a restart after the hand-over: it trains nothing."""
-        self.log.info(f"[train] {model_cfg.name} ({model_cfg.num_params() / 1e6:.1f} M parameters) on "
-                      f"{layout.world_size} rank(s), {device.type}: {layout.describe()}; global batch "
-                      f"{train_cfg.global_batch} x {train_cfg.seq_len} tokens, until step {train_cfg.steps}")
+        self.log.info(
+            f"[train] {model_cfg.name} ({model_cfg.num_params() / 1e6:.1f} M parameters) on "
+            f"{layout.world_size} rank(s), {device.type}: {layout.describe()}; global batch "
+            f"{train_cfg.global_batch} x {train_cfg.seq_len} tokens, until step {train_cfg.steps}"
+        )
         if self._handed_over(handover):
             return
         mesh = build_mesh(layout, device.type)
-        self.profiler = StepProfiler(train_cfg.profile_steps, train_cfg.metrics_file,
-                                     dist.get_rank() if dist.is_initialized() else 0, device.type)
+        self.profiler = StepProfiler(
+            train_cfg.profile_steps,
+            train_cfg.metrics_file,
+            dist.get_rank() if dist.is_initialized() else 0,
+            device.type,
+        )
         self.checkpointer = Checkpointer(ckpt, log=print if self.log.enabled else _quiet) if ckpt else None
         resume = ckpt.resume if ckpt else "never"
-        build = functools.partial(Trainer, model_cfg, train_cfg, layout, mesh, device, tokens=tokens,
-                                  val_tokens=val_tokens)
+        build = functools.partial(
+            Trainer, model_cfg, train_cfg, layout, mesh, device, tokens=tokens, val_tokens=val_tokens
+        )
         live = None
         if handover is not None and handover.warm:
             if not handover.late:
@@ -121,8 +140,10 @@ class Job:
         if self.loaded is None and found:
             self.loaded = self.checkpointer.load_first(self.trainer, found, strict=resume != "auto")
         if self.loaded is None and in_memory:  # never train on weights that were only allocated
-            raise RuntimeError(f"the in-memory state {in_memory[0].name} could not be read and there is no "
-                               "durable checkpoint; a restart will find the one its writer is saving")
+            raise RuntimeError(
+                f"the in-memory state {in_memory[0].name} could not be read and there is no "
+                "durable checkpoint; a restart will find the one its writer is saving"
+            )
         if self.checkpointer is not None:
             self.checkpointer.prepare_fresh_run(resume if self.trainer.step == 0 else "auto")
         self._settle(rebuilt, bool(in_memory))
@@ -146,8 +167,11 @@ class Job:
             return False
         step = int(agreed[1]) if agreed[1] >= 0 else None
         self.cancelled = True
-        self.stop_reason = (f"the next world took this world's state of step {step}" if step is not None
-                            else "the next world loads the newest checkpoint")
+        self.stop_reason = (
+            f"the next world took this world's state of step {step}"
+            if step is not None
+            else "the next world loads the newest checkpoint"
+        )
         self.events.emit("already_handed_over", step=step)
         self.log.info(f"[train] nothing to do after this restart: {self.stop_reason}")
         return True
@@ -185,11 +209,14 @@ class Job:
         try:
             loaded, stats = self.checkpointer.load_memory(self.trainer, found)
         except CheckpointError as e:
-            self.log.info(f"[checkpoint] the in-memory state {found.name} could not be read ({e}); loading the "
-                          "newest durable checkpoint instead")
+            self.log.info(
+                f"[checkpoint] the in-memory state {found.name} could not be read ({e}); loading the "
+                "newest durable checkpoint instead"
+            )
             return None
-        self.events.emit("handover_done", step=found.step, handover=dataclasses.asdict(stats),
-                         fetch_gbs=stats.fetch_gbs)
+        self.events.emit(
+            "handover_done", step=found.step, handover=dataclasses.asdict(stats), fetch_gbs=stats.fetch_gbs
+        )
         return loaded
 
     def fit(self, stop: StopRequest | None = None, until: int | None = None) -> str:
@@ -213,8 +240,13 @@ class Job:
             self.records.append(record)
             if len(self.records) == 1:
                 compiled = compile_report() if trainer.cfg.compile else {}
-                self.events.emit("first_step_done", step=trainer.step, step_time_s=record["step_time_s"],
-                                 layout=trainer.layout.to_dict(), **({"compile": compiled} if compiled else {}))
+                self.events.emit(
+                    "first_step_done",
+                    step=trainer.step,
+                    step_time_s=record["step_time_s"],
+                    layout=trainer.layout.to_dict(),
+                    **({"compile": compiled} if compiled else {}),
+                )
                 if compiled and dist.get_rank() == 0:
                     print(report_line(compiled, len(trainer.engine.model.layers)), flush=True)
                 if self.handover is not None and dist.get_rank() == 0:
@@ -235,8 +267,13 @@ class Job:
         if self.on_stop is not None:
             self.on_stop(self.records)
         if reason is not None:
-            self.events.emit("stopping", step=trainer.step, reason=reason, last_step_end=self._last_step_end(),
-                             layout=trainer.layout.to_dict())
+            self.events.emit(
+                "stopping",
+                step=trainer.step,
+                reason=reason,
+                last_step_end=self._last_step_end(),
+                layout=trainer.layout.to_dict(),
+            )
             self.log.info(f"[train] stopped after step {trainer.step} ({reason})")
         if checkpointer is not None:
             successor, leaving = self._successor(reason, asked)
@@ -284,17 +321,28 @@ class Job:
         try:
             written = checkpointer.write_memory(trainer)
         except (CheckpointError, CheckpointException) as e:  # on every rank alike (DCP gathers the failures)
-            self.log.info(f"[checkpoint] the state could not be written to memory ({str(e).splitlines()[0]}); "
-                          "saving it to the checkpoint folder instead")
+            self.log.info(
+                f"[checkpoint] the state could not be written to memory ({str(e).splitlines()[0]}); "
+                "saving it to the checkpoint folder instead"
+            )
             checkpointer.save(trainer, blocking=True)
             if rank0:
                 self.handover.hand_over(successor, None, "writing it to memory failed")
             return
-        self.events.emit("saved", step=trainer.step, save={"step": trainer.step, "where": "memory",
-                                                            "bytes": written.bytes, "stall_s": written.seconds,
-                                                            "total_s": written.seconds, "path": str(written.folder),
-                                                            "planned": written.planned,
-                                                            "allocated_ahead": written.ahead or None})
+        self.events.emit(
+            "saved",
+            step=trainer.step,
+            save={
+                "step": trainer.step,
+                "where": "memory",
+                "bytes": written.bytes,
+                "stall_s": written.seconds,
+                "total_s": written.seconds,
+                "path": str(written.folder),
+                "planned": written.planned,
+                "allocated_ahead": written.ahead or None,
+            },
+        )
         if rank0:
             self.handover.hand_over(successor, written.record)
         durable = checkpointer.persist(written) if leaving else None
@@ -324,8 +372,13 @@ class Job:
                 newest = f"step {saved.step} ({saved.path})"
             elif self.checkpointer.last_saved_step is not None:  # the one this run resumed from
                 newest = f"step {self.checkpointer.last_saved_step} (resumed from)"
-        self.events.emit("diverged", step=error.step, loss=str(error.loss), grad_norm=str(error.grad_norm),
-                         last_saved_step=self.checkpointer.last_saved_step if self.checkpointer else None)
+        self.events.emit(
+            "diverged",
+            step=error.step,
+            loss=str(error.loss),
+            grad_norm=str(error.grad_norm),
+            last_saved_step=self.checkpointer.last_saved_step if self.checkpointer else None,
+        )
         return Diverged(error.step, error.loss, error.grad_norm, newest)
 
     def _evaluate(self) -> dict:
@@ -334,8 +387,12 @@ class Job:
         (elastic/report.py counts a segment from its first record's time less its step and eval times)."""
         t0 = time.perf_counter()
         val_loss = self.trainer.evaluate()
-        return {"val_loss": val_loss, "val_samples": self.trainer.val_samples,
-                "eval_time_s": time.perf_counter() - t0, "time": time.time()}
+        return {
+            "val_loss": val_loss,
+            "val_samples": self.trainer.val_samples,
+            "eval_time_s": time.perf_counter() - t0,
+            "time": time.time(),
+        }
 
     def _last_step_end(self) -> float | None:
         return self.records[-1]["time"] if self.records else None
@@ -350,20 +407,44 @@ class Job:
         step = self.trainer.step if self.trainer is not None else 0  # a cancelled warm world that builds late
         return JobResult(status, step, self.layout, self.records, self.loaded, saves, self.stop_reason)
 
-    def __enter__(self) -> "Job":
+    def __enter__(self) -> Job:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
 
-def run_job(model_cfg: ModelConfig, train_cfg: TrainConfig, layout: Layout, device: torch.device, *,
-            ckpt: CheckpointConfig | None = None, stop: StopRequest | None = None, until: int | None = None,
-            tokens: np.ndarray | None = None, val_tokens=None, log: MetricsLog | None = None,
-            events: EventLog | None = None, handover: Handover | None = None, on_stop=None) -> JobResult:
+def run_job(
+    model_cfg: ModelConfig,
+    train_cfg: TrainConfig,
+    layout: Layout,
+    device: torch.device,
+    *,
+    ckpt: CheckpointConfig | None = None,
+    stop: StopRequest | None = None,
+    until: int | None = None,
+    tokens: np.ndarray | None = None,
+    val_tokens=None,
+    log: MetricsLog | None = None,
+    events: EventLog | None = None,
+    handover: Handover | None = None,
+    on_stop=None,
+) -> JobResult:
     """The whole sequence: build -> load -> fit -> close (`on_stop`: see Job)."""
-    with Job(model_cfg, train_cfg, layout, device, ckpt=ckpt, tokens=tokens, val_tokens=val_tokens, log=log,
-             events=events, handover=handover, stop=stop, on_stop=on_stop) as job:
+    with Job(
+        model_cfg,
+        train_cfg,
+        layout,
+        device,
+        ckpt=ckpt,
+        tokens=tokens,
+        val_tokens=val_tokens,
+        log=log,
+        events=events,
+        handover=handover,
+        stop=stop,
+        on_stop=on_stop,
+    ) as job:
         status = job.fit(stop, until)
     return job.result(status)
 
@@ -376,13 +457,21 @@ def evaluation_due(step: int, cfg: TrainConfig, val_batches: int) -> bool:
     return step == cfg.steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
 
 
-def _agree(stop: StopRequest | None, checkpointer: Checkpointer | None, step: int,
-           phase_end: bool = False, coming: bool = False) -> tuple[bool, bool, bool]:
+def _agree(
+    stop: StopRequest | None,
+    checkpointer: Checkpointer | None,
+    step: int,
+    phase_end: bool = False,
+    coming: bool = False,
+) -> tuple[bool, bool, bool]:
     """One all-reduce: does any rank want to stop; is a periodic save due (rank 0's clock decides); has rank 0
     seen the next world started?"""
     local_stop = phase_end or (stop is not None and stop.local())
-    local_save = checkpointer is not None and checkpointer.due(step) and (
-        dist.get_rank() == 0 or not checkpointer.cfg.save_interval_s)
+    local_save = (
+        checkpointer is not None
+        and checkpointer.due(step)
+        and (dist.get_rank() == 0 or not checkpointer.cfg.save_interval_s)
+    )
     flags = torch.tensor([float(local_stop), float(local_save), float(coming)])
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # a CPU tensor: gloo, also beside NCCL
     return bool(flags[0]), bool(flags[1]), bool(flags[2])

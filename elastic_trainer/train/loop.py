@@ -18,15 +18,15 @@ from torch.profiler import record_function
 
 from elastic_trainer.config import ConfigError, ModelConfig, TrainConfig
 from elastic_trainer.data import TokenSamples, samples_for
+from elastic_trainer.data.corpus import eval_batch_count
+from elastic_trainer.data.corpus import load as load_corpus
 from elastic_trainer.data.order import sample_rows
-from elastic_trainer.data.corpus import eval_batch_count, load as load_corpus
 from elastic_trainer.launch.allocator import kept_bytes
 from elastic_trainer.model.dropout import sample_keys
 from elastic_trainer.parallel.compile import compiler_problem, use_cache
 from elastic_trainer.parallel.engine import Engine, resolve_dtype
 from elastic_trainer.plan.layout import Layout
 from elastic_trainer.train.optim import build_optimizer, lr_at, set_lr
-
 
 PHASES = ("batch", "forward_backward", "clip", "optimizer", "sync")
 """A step's phases as this rank timed them (`phases_s` of its record, what `plan --explain` sets beside its
@@ -48,14 +48,25 @@ class Diverged(ConfigError):
     def __init__(self, step: int, loss: float, grad_norm: float, newest: str | None = None):
         self.step, self.loss, self.grad_norm = step, loss, grad_norm
         kept = f"the newest checkpoint is still {newest}" if newest else "no checkpoint was saved"
-        super().__init__(f"training diverged at step {step}: loss {loss}, gradient norm {grad_norm}; the step was not "
-                         f"applied and {kept} (lower --lr, check the data, or resume from an earlier checkpoint)")
+        super().__init__(
+            f"training diverged at step {step}: loss {loss}, gradient norm {grad_norm}; the step was not "
+            f"applied and {kept} (lower --lr, check the data, or resume from an earlier checkpoint)"
+        )
 
 
 class Trainer:
-    def __init__(self, model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout, mesh: DeviceMesh,
-                 device: torch.device, *, tokens: np.ndarray | None = None, val_tokens=None,
-                 initialize: bool = True):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        cfg: TrainConfig,
+        layout: Layout,
+        mesh: DeviceMesh,
+        device: torch.device,
+        *,
+        tokens: np.ndarray | None = None,
+        val_tokens=None,
+        initialize: bool = True,
+    ):
         """initialize=False leaves the weights undefined, for a checkpoint load to fill. `val_tokens` (a token
         stream like `tokens`, or None: no validation) is checked here, before anything is built."""
         if cfg.seq_len > model_cfg.context_length:
@@ -72,9 +83,18 @@ class Trainer:
             if problem:
                 raise ConfigError(problem)
             use_cache(cfg.compile_cache)
-        self.engine = Engine(model_cfg, layout, mesh, device, seed=cfg.seed, global_batch=cfg.global_batch,
-                             seq_len=cfg.seq_len, param_dtype=resolve_dtype(cfg.dtype, device), initialize=initialize,
-                             compile=cfg.compile)
+        self.engine = Engine(
+            model_cfg,
+            layout,
+            mesh,
+            device,
+            seed=cfg.seed,
+            global_batch=cfg.global_batch,
+            seq_len=cfg.seq_len,
+            param_dtype=resolve_dtype(cfg.dtype, device),
+            initialize=initialize,
+            compile=cfg.compile,
+        )
         self.optimizer = build_optimizer(self.engine.model, cfg, self.engine.trained_params())
         self.samples = TokenSamples(tokens, cfg.seq_len, cfg.seed)
         self.step = 0
@@ -147,12 +167,19 @@ class Trainer:
         self.step += 1
         t5 = time.perf_counter()
         dt = t5 - t0
-        record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                  "step_time_s": dt, "phases_s": phases(t0, t1, t2, t3, t4, t5),
-                  "tokens_per_s": cfg.global_batch * cfg.seq_len / dt,
-                  "samples": [self.consumed_samples - cfg.global_batch, self.consumed_samples],
-                  "world_size": self.layout.world_size, "layout": self.layout.to_dict(),
-                  "time": time.time()}
+        record = {
+            "step": self.step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "step_time_s": dt,
+            "phases_s": phases(t0, t1, t2, t3, t4, t5),
+            "tokens_per_s": cfg.global_batch * cfg.seq_len / dt,
+            "samples": [self.consumed_samples - cfg.global_batch, self.consumed_samples],
+            "world_size": self.layout.world_size,
+            "layout": self.layout.to_dict(),
+            "time": time.time(),
+        }
         if self.device.type == "cuda":
             record["max_memory_gib"] = self._peak_memory_gib()
         elif (kept := self._kept_memory_gib()) is not None:

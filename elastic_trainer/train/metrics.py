@@ -15,8 +15,15 @@ def beside_metrics(metrics_file: str | None, name: str) -> Path:
 
 
 class MetricsLog:
-    def __init__(self, path: str | None, enabled: bool, log_every: int = 1, total_steps: int | None = None,
-                 tags: dict | None = None, board=None):
+    def __init__(
+        self,
+        path: str | None,
+        enabled: bool,
+        log_every: int = 1,
+        total_steps: int | None = None,
+        tags: dict | None = None,
+        board=None,
+    ):
         """`tags` (the launcher's phase, torchrun's restart count) are added to every record; `board`: a second
         writer of the same records (train/tensorboard.TensorBoardLog), given the record before the file is."""
         self.enabled = enabled
@@ -45,9 +52,13 @@ class MetricsLog:
             of = f"/{self.total_steps}" if self.total_steps else ""
             val = f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""
             memory = f" | peak {record['max_memory_gib']:.1f} GiB" if "max_memory_gib" in record else ""
-            print(f"step {step}{of} | loss {record['loss']:.4f}{val} | lr {record['lr']:.2e} | "
-                  f"grad_norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
-                  f"{record['step_time_s']:.3f} s/step{memory}", file=sys.stdout, flush=True)
+            print(
+                f"step {step}{of} | loss {record['loss']:.4f}{val} | lr {record['lr']:.2e} | "
+                f"grad_norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
+                f"{record['step_time_s']:.3f} s/step{memory}",
+                file=sys.stdout,
+                flush=True,
+            )
 
     def info(self, message: str) -> None:
         if self.enabled:

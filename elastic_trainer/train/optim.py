@@ -19,18 +19,23 @@ from torch import nn
 from elastic_trainer.config import TrainConfig
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig,
-                    trained: list[tuple[nn.Parameter, torch.Tensor]] | None = None) -> torch.optim.AdamW:
+def build_optimizer(
+    model: nn.Module, cfg: TrainConfig, trained: list[tuple[nn.Parameter, torch.Tensor]] | None = None
+) -> torch.optim.AdamW:
     """`trained`: (parameter, the tensor AdamW updates for it) pairs when that is not the parameter itself
     (zero1's master shards, parallel/zero.py); decay follows the parameter's dimensions."""
     decay, no_decay = [], []
     for p, t in trained if trained is not None else ((p, p) for p in model.parameters()):
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(t)
-    groups = [{"params": part, "weight_decay": wd}
-              for tensors, wd in ((decay, cfg.weight_decay), (no_decay, 0.0)) for part in _by_mesh(tensors)]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                             **implementation(decay + no_decay))
+    groups = [
+        {"params": part, "weight_decay": wd}
+        for tensors, wd in ((decay, cfg.weight_decay), (no_decay, 0.0))
+        for part in _by_mesh(tensors)
+    ]
+    return torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **implementation(decay + no_decay)
+    )
 
 
 FUSED_DEVICES = ("cpu", "cuda")

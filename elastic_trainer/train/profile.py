@@ -24,8 +24,10 @@ def parse(text: str | None) -> tuple[int, int] | None:
         return None
     m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", str(text))
     if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
-        raise ConfigError(f"--profile-steps {text!r} must be A:B, the first and last global step to trace "
-                          "(1 <= A <= B), for example 5:7")
+        raise ConfigError(
+            f"--profile-steps {text!r} must be A:B, the first and last global step to trace "
+            "(1 <= A <= B), for example 5:7"
+        )
     return int(m.group(1)), int(m.group(2))
 
 
@@ -34,8 +36,11 @@ class StepProfiler:
 
     def __init__(self, steps: str | None, metrics_file: str | None, rank: int, device_type: str):
         self.window = parse(steps)
-        self.path = None if self.window is None else \
-            beside_metrics(metrics_file, "profile") / f"rank{rank}-steps{self.window[0]}-{self.window[1]}.json"
+        self.path = (
+            None
+            if self.window is None
+            else beside_metrics(metrics_file, "profile") / f"rank{rank}-steps{self.window[0]}-{self.window[1]}.json"
+        )
         self.device_type = device_type
         self._prof = None
 

@@ -19,9 +19,15 @@ import os
 
 from elastic_trainer.train.metrics import beside_metrics
 
-SCALARS = (("train/loss", "loss"), ("train/learning_rate", "lr"), ("train/grad_norm", "grad_norm"),
-           ("train/tokens_per_s", "tokens_per_s"), ("train/step_time_s", "step_time_s"), ("val/loss", "val_loss"),
-           ("elastic/world_size", "world_size"))
+SCALARS = (
+    ("train/loss", "loss"),
+    ("train/learning_rate", "lr"),
+    ("train/grad_norm", "grad_norm"),
+    ("train/tokens_per_s", "tokens_per_s"),
+    ("train/step_time_s", "step_time_s"),
+    ("val/loss", "val_loss"),
+    ("elastic/world_size", "world_size"),
+)
 FLUSH_S = 10
 """Seconds between flushes of the event file (and at the end of every start)."""
 
@@ -31,8 +37,10 @@ def missing() -> str | None:
     try:
         import tensorboard  # noqa: F401
     except ImportError:
-        return ("--tensorboard needs the tensorboard package, which is not installed: "
-                "pip install 'elastic-trainer[tensorboard]' (or pip install tensorboard)")
+        return (
+            "--tensorboard needs the tensorboard package, which is not installed: "
+            "pip install 'elastic-trainer[tensorboard]' (or pip install tensorboard)"
+        )
     return None
 
 
@@ -82,9 +90,13 @@ class TensorBoardLog:
     def _start(self, record: dict, before: dict | None) -> None:
         step, layout = record["step"], record.get("layout") or {}
         what = " ".join(f"{k}{layout[k]}" for k in ("dp", "tp", "pp") if k in layout)
-        self._writer.add_text("elastic/layout", f"{record.get('world_size')} ranks: {what}, micro-batch "
-                              f"{layout.get('micro_batch')} x {layout.get('num_microbatches')}, "
-                              f"{layout.get('dp_mode')}", step)
+        self._writer.add_text(
+            "elastic/layout",
+            f"{record.get('world_size')} ranks: {what}, micro-batch "
+            f"{layout.get('micro_batch')} x {layout.get('num_microbatches')}, "
+            f"{layout.get('dp_mode')}",
+            step,
+        )
         if before is not None and "time" in before and "time" in record:
             began = record["time"] - record.get("step_time_s", 0.0)
             self._writer.add_scalar("elastic/downtime_s", max(0.0, began - before["time"]), step)

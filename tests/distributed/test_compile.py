@@ -66,10 +66,12 @@ def test_compiled_equals_eager_within_rounding(compiled_reference, sotu_tokens):
     assert compiled_reference["ids"] == eager["ids"]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"dp{l.dp}-tp{l.tp}-pp{l.pp}-{l.dp_mode}"
-                                                         + ("-recompute" if l.recompute else ""))
-def test_compiled_layouts_equal_the_compiled_single_process_run(layout, compiled_cfg, compiled_reference,
-                                                                sotu_tokens):
+@pytest.mark.parametrize(
+    "layout",
+    LAYOUTS,
+    ids=lambda lay: f"dp{lay.dp}-tp{lay.tp}-pp{lay.pp}-{lay.dp_mode}" + ("-recompute" if lay.recompute else ""),
+)
+def test_compiled_layouts_equal_the_compiled_single_process_run(layout, compiled_cfg, compiled_reference, sotu_tokens):
     got = run(layout, sotu_tokens, compiled_cfg)
     for key in ("loss", "grad_norm"):
         assert rel(got[key], compiled_reference[key]) <= 1e-5, (key, got[key], compiled_reference[key])
@@ -90,8 +92,12 @@ def _dropout_model_compiled_and_eager(rank: int, world: int, cache: str) -> dict
         logits = model(tokens, dropout_keys=keys)
         logits.square().mean().backward()
         out[name] = (logits.detach(), model.layers["0"].mlp.fc.weight.grad.clone())
-    return {"blocks": blocks, "report": report(), "out": out,
-            "compiled": [b._compiled_call_impl is not None for b in compiled.layers.values()]}
+    return {
+        "blocks": blocks,
+        "report": report(),
+        "out": out,
+        "compiled": [b._compiled_call_impl is not None for b in compiled.layers.values()],
+    }
 
 
 def test_one_graph_serves_every_block_with_keyed_dropout(tmp_path):

@@ -8,19 +8,18 @@ from __future__ import annotations
 
 import os
 import signal
-from pathlib import Path
 
 import pytest
 import torch
 
-from elastic_trainer.checkpoint import Checkpointer, CheckpointConfig, storage
+from elastic_trainer.checkpoint import CheckpointConfig, Checkpointer, storage
 from elastic_trainer.config import TrainConfig, load_model_config
 from elastic_trainer.elastic import StopRequest
 from elastic_trainer.parallel import build_mesh
+from elastic_trainer.parallel.local_ranks import run_ranks
 from elastic_trainer.plan.layout import Layout
 from elastic_trainer.train import Job, Trainer
-from tests.distributed.test_reshard import full_state, merge
-from elastic_trainer.parallel.local_ranks import run_ranks
+from tests.distributed.test_reshard import full_state
 
 MODEL = load_model_config("gpt-tiny")
 UNTIL = 8
@@ -72,8 +71,14 @@ def train_job(rank, world, layout, ckpt: CheckpointConfig, tokens, crash: str | 
             trainer.train_step = step_then_die
         status = job.fit(StopRequest(stop_file) if stop_file else None)
         state = full_state(trainer)
-    return {"resumed_from": job.loaded.step if job.loaded else 0, "losses": [r["loss"] for r in job.records],
-            "status": status, "step": trainer.step, "stats": job.checkpointer.history, "state": state}
+    return {
+        "resumed_from": job.loaded.step if job.loaded else 0,
+        "losses": [r["loss"] for r in job.records],
+        "status": status,
+        "step": trainer.step,
+        "stats": job.checkpointer.history,
+        "state": state,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +121,7 @@ def test_corrupted_and_truncated_checkpoints_fall_back(tmp_path, sotu_tokens, ca
 
     def load_job(rank, world):
         layout = Layout(1, 1, 1, 8, 1)
-        trainer = Trainer(MODEL, config(), layout, build_mesh(layout, "cpu"), torch.device("cpu"),
-                          tokens=sotu_tokens)
+        trainer = Trainer(MODEL, config(), layout, build_mesh(layout, "cpu"), torch.device("cpu"), tokens=sotu_tokens)
         return Checkpointer(CheckpointConfig(dir=str(tmp_path))).load(trainer).step
 
     assert run_ranks(load_job, 1) == [4]
@@ -143,8 +147,13 @@ def test_async_save_commits_the_state_of_its_step(tmp_path, sotu_tokens, uninter
     assert final.stall_s == final.total_s
     assert result["losses"] == pytest.approx(uninterrupted["losses"], rel=1e-6)
     # the step-6 checkpoint holds step 6's state although training went on while it was written
-    resumed = run_ranks(train_job, 1, Layout(1, 1, 1, 8, 1), CheckpointConfig(dir=str(tmp_path),
-                        resume=str(tmp_path / "step-00000006")), sotu_tokens)[0]
+    resumed = run_ranks(
+        train_job,
+        1,
+        Layout(1, 1, 1, 8, 1),
+        CheckpointConfig(dir=str(tmp_path), resume=str(tmp_path / "step-00000006")),
+        sotu_tokens,
+    )[0]
     assert resumed["resumed_from"] == 6  # the folder asked for, not the newest (step 8)
     assert resumed["losses"] == pytest.approx(uninterrupted["losses"][6:], rel=1e-5)
 

@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from elastic_trainer.checkpoint import CheckpointConfig
-from elastic_trainer.interop.deepspeed import import_deepspeed, pipeline_param_name, read_deepspeed
 from elastic_trainer.config import ModelConfig, TrainConfig
 from elastic_trainer.data.order import TokenSamples, samples_for
+from elastic_trainer.interop.deepspeed import import_deepspeed, pipeline_param_name, read_deepspeed
 from elastic_trainer.model.hf import config_to_hf, state_dict_from_hf, state_dict_to_hf
 from elastic_trainer.parallel.local_ranks import run_ranks
 from elastic_trainer.plan.layout import Layout
@@ -39,8 +39,17 @@ if importlib.util.find_spec("deepspeed") is None:
 transformers = pytest.importorskip("transformers")
 
 MODEL = ModelConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=128, context_length=16)
-CFG = TrainConfig(global_batch=8, seq_len=16, steps=6, seed=5, lr=3e-3, warmup_steps=2, min_lr_ratio=0.1,
-                  weight_decay=0.1, grad_clip=1.0)
+CFG = TrainConfig(
+    global_batch=8,
+    seq_len=16,
+    steps=6,
+    seed=5,
+    lr=3e-3,
+    warmup_steps=2,
+    min_lr_ratio=0.1,
+    weight_decay=0.1,
+    grad_clip=1.0,
+)
 SAVE_AT = 3  # DeepSpeed saves after 3 steps and trains 3 more
 TOKENS = np.random.default_rng(0).integers(0, MODEL.vocab_size, 40 * (CFG.seq_len + 1)).astype(np.int64)
 TIMEOUT = 600
@@ -58,8 +67,10 @@ def initial_weights() -> dict[str, torch.Tensor]:
 
 def _groups(params):
     params = [p for p in params if p.requires_grad]
-    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": CFG.weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": CFG.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
 
 
 def deepspeed_run(rank: int, world: int, kind: str, out: str) -> list[float]:
@@ -91,10 +102,16 @@ def deepspeed_run(rank: int, world: int, kind: str, out: str) -> list[float]:
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, CFG) / CFG.lr)
     dp = 1 if pipeline else world
     micro = 2
-    config = {"train_batch_size": CFG.global_batch, "train_micro_batch_size_per_gpu": micro,
-              "gradient_accumulation_steps": CFG.global_batch // (dp * micro),
-              "zero_optimization": {"stage": 3 if kind == "zero3" else 1}, "zero_allow_untested_optimizer": True,
-              "gradient_clipping": CFG.grad_clip, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    config = {
+        "train_batch_size": CFG.global_batch,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": CFG.global_batch // (dp * micro),
+        "zero_optimization": {"stage": 3 if kind == "zero3" else 1},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": CFG.grad_clip,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule, config=config)
     samples = TokenSamples(TOKENS, CFG.seq_len, CFG.seed)
     losses = []
@@ -119,8 +136,14 @@ def deepspeed_run(rank: int, world: int, kind: str, out: str) -> list[float]:
 
 
 def resumed_losses(rank: int, world: int, layout: Layout, imported: str, run_dir: str) -> list[float]:
-    result = run_job(MODEL, CFG, layout, torch.device("cpu"), tokens=TOKENS,
-                     ckpt=CheckpointConfig(dir=run_dir, resume=imported, verify=True))
+    result = run_job(
+        MODEL,
+        CFG,
+        layout,
+        torch.device("cpu"),
+        tokens=TOKENS,
+        ckpt=CheckpointConfig(dir=run_dir, resume=imported, verify=True),
+    )
     assert result.load is not None and result.load.step == SAVE_AT and result.records[0]["step"] == SAVE_AT + 1
     return [r["loss"] for r in result.records]
 
@@ -144,15 +167,28 @@ def universal_agrees(root: str, tmp_path, ours: tuple[dict, dict, dict], to_ours
 def continues_on_trajectory(folder, layouts: list[Layout], losses: list[float], tmp_path) -> None:
     """Our trainer resumed from the import in each layout: DeepSpeed's losses after the save, within 1e-5."""
     for i, layout in enumerate(layouts):
-        got = run_ranks(resumed_losses, layout.world_size, layout, str(folder), str(tmp_path / f"run{i}"),
-                        timeout=TIMEOUT)[0]
+        got = run_ranks(
+            resumed_losses, layout.world_size, layout, str(folder), str(tmp_path / f"run{i}"), timeout=TIMEOUT
+        )[0]
         assert got == pytest.approx(losses[SAVE_AT:], rel=1e-5), (layout.describe(), got, losses)
 
 
 def ds_universal(src: str, dst: str) -> None:
     """DeepSpeed's own converter, in a subprocess: its per-parameter fp32 weights and moments."""
-    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", src, "--output_folder",
-           dst, "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder",
+        src,
+        "--output_folder",
+        dst,
+        "--inject_missing_state",
+        "--num_extract_workers",
+        "1",
+        "--num_merge_workers",
+        "1",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
@@ -206,8 +242,7 @@ def test_zero1_of_hugging_face_gpt2_imports_and_continues_on_deepspeed_s_traject
     for a, b in zip(our_state(again, MODEL)[:3], (weights, avg, sq)):
         _assert_close(a, b, "universal import")
     # the next steps in two layouts (the second our own ZeRO-1): DeepSpeed's losses
-    continues_on_trajectory(folder, [Layout(1, 1, 1, 8, 1), Layout(2, 1, 1, 2, 2, dp_mode="zero1")], losses,
-                            tmp_path)
+    continues_on_trajectory(folder, [Layout(1, 1, 1, 8, 1), Layout(2, 1, 1, 2, 2, dp_mode="zero1")], losses, tmp_path)
 
 
 def test_zero3_of_our_gpt_imports_and_continues_on_deepspeed_s_trajectory(runs, tmp_path):
@@ -234,8 +269,10 @@ def test_pipeline_checkpoint_imports_and_continues_on_deepspeed_s_trajectory(run
     weights, avg, sq = our_state(folder, MODEL)[:3]
     # weights: the layer files DeepSpeed wrote from its fp32 module
     tag = os.path.join(root, f"global_step{SAVE_AT}")
-    layers = {i: torch.load(os.path.join(tag, f"layer_{i:02d}-model_states.pt"), weights_only=True)
-              for i in range(MODEL.n_layers + 3)}
+    layers = {
+        i: torch.load(os.path.join(tag, f"layer_{i:02d}-model_states.pt"), weights_only=True)
+        for i in range(MODEL.n_layers + 3)
+    }
     expected = {**layers[0], **layers[1], **layers[MODEL.n_layers + 2]}
     for i in range(MODEL.n_layers):
         expected.update({f"layers.{i}.{k}": v for k, v in layers[i + 2].items()})

@@ -31,8 +31,14 @@ def checkpoint(tmp_path_factory, data_cache):
 
     def train(rank, world):
         cfg = TrainConfig(global_batch=8, seq_len=64, steps=2, seed=0, lr=1e-4, warmup_steps=1)
-        with Job(MODEL, cfg, Layout(2, 2, 1, 4, 1), torch.device("cpu"), tokens=tokens,
-                 ckpt=CheckpointConfig(dir=str(folder))) as job:
+        with Job(
+            MODEL,
+            cfg,
+            Layout(2, 2, 1, 4, 1),
+            torch.device("cpu"),
+            tokens=tokens,
+            ckpt=CheckpointConfig(dir=str(folder)),
+        ) as job:
             # A GPT this young, its embeddings tied, predicts its input token again and again; blocks made
             # loud turn the residual stream away from it, so that greedy tokens vary with the context.
             with torch.no_grad():
@@ -54,14 +60,19 @@ def test_greedy_equals_hugging_face_and_the_uncached_model(checkpoint, tmp_path)
     ours = generate(model, prompt, 50, temperature=0)
     hf = transformers.GPT2LMHeadModel.from_pretrained(export_hf(checkpoint, tmp_path / "hf")).eval()
     with torch.no_grad():
-        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=50, do_sample=False, pad_token_id=50256,
-                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):]
+        theirs = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=50,
+            do_sample=False,
+            pad_token_id=50256,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )[0, len(prompt) :]
     assert ours == theirs.tolist()
     ids = list(prompt)
     with torch.no_grad():  # no cache: the whole sequence again for every token
         for _ in range(50):
             ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    assert ours == ids[len(prompt):]
+    assert ours == ids[len(prompt) :]
     assert len(set(ours)) > 3  # not one token repeated: the comparison means something
 
 
@@ -78,8 +89,9 @@ def test_sampling_is_reproducible_with_a_seed(checkpoint):
 
 
 def cli(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "elastic_trainer.cli", "generate", *argv], capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "elastic_trainer.cli", "generate", *argv], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_the_command_prints_the_text_and_refuses_bad_input_in_one_line(checkpoint, tmp_path, capsys):

@@ -37,8 +37,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_trainer.checkpoint import CheckpointConfig, memory
-from elastic_trainer.checkpoint import transfer
+from elastic_trainer.checkpoint import CheckpointConfig, memory, transfer
 from elastic_trainer.checkpoint.transfer import Client, Server
 from elastic_trainer.config import CheckpointError, TrainConfig, load_model_config
 from elastic_trainer.data.corpus import load
@@ -114,8 +113,9 @@ def close(a: list[float], b: list[float]) -> bool:
 def test_a_state_in_memory_reshards_across_hosts_onto_the_trajectory(tmp_path, shm, tokens, plan_at):
     """Written as DCP plans it on the spot, or as planned two steps before (the values have changed since)."""
     ckpt, counts = str(tmp_path / "ckpt"), str(tmp_path / "counts.txt")
-    first = run_ranks(write_state, 4, Layout(2, 2, 1, 4, 1), ckpt, [HOST_A, HOST_A, HOST_B, HOST_B], tokens, 3,
-                      plan_at=plan_at)
+    first = run_ranks(
+        write_state, 4, Layout(2, 2, 1, 4, 1), ckpt, [HOST_A, HOST_A, HOST_B, HOST_B], tokens, 3, plan_at=plan_at
+    )
     losses, record = first[0]
     assert all(r["planned"] == (plan_at is not None) for _, r in first)
     assert all((r["ahead"].get("bytes", 0) > 0) == (plan_at is not None) for _, r in first), first
@@ -130,8 +130,9 @@ def test_a_state_in_memory_reshards_across_hosts_onto_the_trajectory(tmp_path, s
     assert not Path(counts).exists()  # no rank read a durable checkpoint (there is none)
 
 
-def test_a_state_staged_in_host_memory_and_written_by_threads_reshards_onto_the_trajectory(tmp_path, shm, tokens,
-                                                                                          monkeypatch):
+def test_a_state_staged_in_host_memory_and_written_by_threads_reshards_onto_the_trajectory(
+    tmp_path, shm, tokens, monkeypatch
+):
     """What a GPU state takes (checkpoint/staging.py): a host copy made with DCP's staging helpers, DTensors and
     all, written by several threads into several files per rank. Forced here on CPU tensors (a copy, not
     pinned), so the files, the record and the resharded read are checked where CI runs."""
@@ -144,11 +145,13 @@ def test_a_state_staged_in_host_memory_and_written_by_threads_reshards_onto_the_
 
     monkeypatch.setattr(staging, "for_writing", stage_always)
     ckpt, counts = str(tmp_path / "ckpt"), str(tmp_path / "counts.txt")
-    losses, record = run_ranks(write_state, 4, Layout(2, 2, 1, 4, 1), ckpt, [HOST_A, HOST_A, HOST_B, HOST_B],
-                               tokens, 3)[0]
+    losses, record = run_ranks(
+        write_state, 4, Layout(2, 2, 1, 4, 1), ckpt, [HOST_A, HOST_A, HOST_B, HOST_B], tokens, 3
+    )[0]
     root_b = memory.host_root(ckpt).parent / HOST_B
-    assert sorted(p.name for p in (root_b / record["name"]).iterdir()) == [f"__{r}_{i}.distcp" for r in (2, 3)
-                                                                           for i in range(3)]
+    assert sorted(p.name for p in (root_b / record["name"]).iterdir()) == [
+        f"__{r}_{i}.distcp" for r in (2, 3) for i in range(3)
+    ]
     second = run_ranks(read_state, 3, Layout(1, 1, 3, 2, 4), ckpt, [HOST_B, HOST_C, HOST_A], tokens, 6, counts)
     assert all(loaded == f"memory:{record['name']}" for loaded, _ in second), (second, record["name"])
     assert close(losses + second[0][1], reference(tokens, 6))
@@ -159,10 +162,10 @@ def test_a_zero1_state_in_memory_reshards_into_zero1_onto_the_trajectory(tmp_pat
     """ZeRO-1 keeps each rank's optimizer shard outside the model's parameters: the state read from memory must
     reach it (dp2 on hosts a, b -> dp4 on a, a, b, c, each with its own shard of the AdamW moments)."""
     ckpt, counts = str(tmp_path / "ckpt"), str(tmp_path / "counts.txt")
-    losses, record = run_ranks(write_state, 2, Layout(2, 1, 1, 4, 1, "zero1"), ckpt, [HOST_A, HOST_B], tokens,
-                               3)[0]
-    second = run_ranks(read_state, 4, Layout(4, 1, 1, 2, 1, "zero1"), ckpt, [HOST_A, HOST_A, HOST_B, HOST_C],
-                       tokens, 6, counts)
+    losses, record = run_ranks(write_state, 2, Layout(2, 1, 1, 4, 1, "zero1"), ckpt, [HOST_A, HOST_B], tokens, 3)[0]
+    second = run_ranks(
+        read_state, 4, Layout(4, 1, 1, 2, 1, "zero1"), ckpt, [HOST_A, HOST_A, HOST_B, HOST_C], tokens, 6, counts
+    )
     assert all(loaded == f"memory:{record['name']}" for loaded, _ in second), second
     assert close(losses + second[0][1], reference(tokens, 6))
     assert not Path(counts).exists()
@@ -179,8 +182,11 @@ def save_both(rank, world, layout, ckpt, direct, hosts, tokens, steps):
     with Job(MODEL, config(steps), layout, torch.device("cpu"), ckpt=CheckpointConfig(dir=ckpt), tokens=tokens) as job:
         for _ in range(steps):
             job.trainer.train_step()
-        dcp.save(ckpt_state.tensor_state(job.trainer), storage_writer=FileSystemWriter(direct),
-                 process_group=job.checkpointer.pg)
+        dcp.save(
+            ckpt_state.tensor_state(job.trainer),
+            storage_writer=FileSystemWriter(direct),
+            process_group=job.checkpointer.pg,
+        )
         written = job.checkpointer.write_memory(job.trainer)
         written.server.stop() if written.server else None
         return job.checkpointer.persist(written, release=True).path
@@ -195,8 +201,10 @@ def whole_state(folder) -> dict:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     reader = FileSystemReader(str(folder))
-    items = {k: torch.empty(m.size, dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
-             for k, m in reader.read_metadata().state_dict_metadata.items()}
+    items = {
+        k: torch.empty(m.size, dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
+        for k, m in reader.read_metadata().state_dict_metadata.items()
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(items, storage_reader=reader, planner=DefaultLoadPlanner(), no_dist=True)
@@ -209,8 +217,9 @@ def test_the_durable_copy_of_a_state_in_memory_is_dcps_own_checkpoint(tmp_path, 
     from elastic_trainer.checkpoint import storage
 
     ckpt, direct = tmp_path / "ckpt", tmp_path / "direct"
-    durable = run_ranks(save_both, 4, Layout(2, 2, 1, 4, 1), str(ckpt), str(direct),
-                        [HOST_A, HOST_A, HOST_B, HOST_B], tokens, 2)[0]
+    durable = run_ranks(
+        save_both, 4, Layout(2, 2, 1, 4, 1), str(ckpt), str(direct), [HOST_A, HOST_A, HOST_B, HOST_B], tokens, 2
+    )[0]
     storage.verify(Path(durable))
     ours, theirs = whole_state(durable), whole_state(direct)
     assert ours.keys() == theirs.keys() and len(ours) > 20
@@ -244,14 +253,15 @@ def persist_failing(rank, world, layout, ckpt, hosts, tokens, how):
     return None
 
 
-@pytest.mark.parametrize("how, why", [("disk", "RuntimeError: unexpected pos (a full disk)"),
-                                      ("pieces", "of the state's pieces were not copied")])
+@pytest.mark.parametrize(
+    "how, why",
+    [("disk", "RuntimeError: unexpected pos (a full disk)"), ("pieces", "of the state's pieces were not copied")],
+)
 def test_a_durable_copy_failing_on_one_rank_fails_on_every_rank(tmp_path, shm, tokens, how, why):
     """No rank is left waiting in a collective for one that failed; nothing is committed; the state in memory
     stays for a restart."""
     ckpt = tmp_path / "ckpt"
-    errors = run_ranks(persist_failing, 2, Layout(2, 1, 1, 4, 1), str(ckpt), [HOST_A, HOST_B], tokens, how,
-                       timeout=120)
+    errors = run_ranks(persist_failing, 2, Layout(2, 1, 1, 4, 1), str(ckpt), [HOST_A, HOST_B], tokens, how, timeout=120)
     assert all(e and why in e for e in errors), errors
     assert not list(ckpt.glob("step-*"))
     assert list(shm.rglob("*.distcp"))
@@ -283,8 +293,10 @@ def planned_write_failing(rank, world, layout, ckpt, hosts, tokens, how):
         if rank == 1 and how == "stale":
             ckpt_state.tensor_state = lambda trainer: dict(tensor_state(trainer), extra=torch.ones(3))
         if rank == 1 and how == "disk":
+
             def full(fd, data, offset):
                 raise OSError(28, "No space left on device")
+
             raw._write_all = full
         try:
             written = job.checkpointer.write_memory(job.trainer)
@@ -300,8 +312,9 @@ def planned_write_failing(rank, world, layout, ckpt, hosts, tokens, how):
 def test_a_planned_write_that_does_not_fit_one_rank_is_planned_by_dcp_on_every_rank(tmp_path, shm, tokens, how):
     """... and so is one whose planning failed."""
     ckpt, counts = str(tmp_path / "ckpt"), str(tmp_path / "counts.txt")
-    first = run_ranks(planned_write_failing, 2, Layout(2, 1, 1, 4, 1), str(ckpt), [HOST_A, HOST_B], tokens,
-                      how, timeout=120)
+    first = run_ranks(
+        planned_write_failing, 2, Layout(2, 1, 1, 4, 1), str(ckpt), [HOST_A, HOST_B], tokens, how, timeout=120
+    )
     assert all(not record["planned"] for _, record in first), first
     assert not list(shm.rglob(".spare-*"))  # allocated for a plan that did not fit: removed
     losses, record = first[0]
@@ -313,15 +326,31 @@ def test_a_planned_write_that_does_not_fit_one_rank_is_planned_by_dcp_on_every_r
 def test_a_planned_write_failing_on_one_rank_fails_on_every_rank(tmp_path, shm, tokens):
     """No rank waits in a collective for the one that failed (a warm world's job then saves to the checkpoint
     folder: test_a_state_that_cannot_go_to_memory_goes_to_the_checkpoint_folder)."""
-    errors = run_ranks(planned_write_failing, 2, Layout(2, 1, 1, 4, 1), str(tmp_path / "ckpt"), [HOST_A, HOST_B],
-                       tokens, "disk", timeout=120)
+    errors = run_ranks(
+        planned_write_failing,
+        2,
+        Layout(2, 1, 1, 4, 1),
+        str(tmp_path / "ckpt"),
+        [HOST_A, HOST_B],
+        tokens,
+        "disk",
+        timeout=120,
+    )
     assert all(isinstance(e, str) and "No space left on device" in e for e in errors), errors
     assert not list(shm.rglob(".spare-*"))
 
 
 def test_files_allocated_for_a_hand_over_that_does_not_come_are_removed(tmp_path, shm, tokens):
-    made = run_ranks(planned_write_failing, 2, Layout(2, 1, 1, 4, 1), str(tmp_path / "ckpt"), [HOST_A, HOST_B],
-                     tokens, "unused", timeout=120)
+    made = run_ranks(
+        planned_write_failing,
+        2,
+        Layout(2, 1, 1, 4, 1),
+        str(tmp_path / "ckpt"),
+        [HOST_A, HOST_B],
+        tokens,
+        "unused",
+        timeout=120,
+    )
     assert all(allocated and f"__{rank}_0.distcp" in files for rank, (allocated, files) in enumerate(made)), made
     assert not list(shm.rglob(".spare-*")) and not list(shm.rglob("*.distcp"))
 
@@ -353,22 +382,26 @@ def read_failing(rank, world, layout, ckpt, hosts, tokens, until, counts):
     from elastic_trainer.checkpoint import raw
 
     if rank == 1:
+
         def broken(self, plan, planner):
             raise OSError(5, "Input/output error")
+
         raw.Reader.read_data = broken
     return read_state(rank, world, layout, ckpt, hosts, tokens, until, counts)
 
 
 def test_a_read_from_memory_failing_on_one_rank_falls_back_to_the_durable_checkpoint_on_every_rank(
-        tmp_path, shm, tokens):
+    tmp_path, shm, tokens
+):
     """The ranks read without DCP's collectives: a failure on one is still heard by all, and every rank loads
     the newest durable checkpoint instead (step 2), none waits in a collective, none trains from memory."""
     ckpt, counts = str(tmp_path / "ckpt"), str(tmp_path / "counts.txt")
     hosts = [HOST_A, HOST_B]
     run_ranks(write_state, 2, Layout(2, 1, 1, 4, 1), ckpt, hosts, tokens, 3, durable_step=2)
     second = run_ranks(read_failing, 2, Layout(1, 1, 2, 4, 2), ckpt, hosts, tokens, 5, counts, timeout=120)
-    assert all(loaded and not loaded.startswith("memory:") and "step-00000002" in loaded
-               for loaded, _ in second), second
+    assert all(loaded and not loaded.startswith("memory:") and "step-00000002" in loaded for loaded, _ in second), (
+        second
+    )
     assert close(second[0][1], reference(tokens, 5)[2:])
 
 
@@ -398,8 +431,16 @@ def late_world(rank, world, layout, ckpt, port, tokens, until, events_file):
     _as_host([HOST_A, HOST_B], rank)
     store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=30))
     handover = Handover(Control(store, "job"), 1, warm=True, late=True)
-    with Job(MODEL, config(until), layout, torch.device("cpu"), ckpt=CheckpointConfig(dir=ckpt), tokens=tokens,
-             handover=handover, events=EventLog(events_file, enabled=rank == 0)) as job:
+    with Job(
+        MODEL,
+        config(until),
+        layout,
+        torch.device("cpu"),
+        ckpt=CheckpointConfig(dir=ckpt),
+        tokens=tokens,
+        handover=handover,
+        events=EventLog(events_file, enabled=rank == 0),
+    ) as job:
         losses = [job.trainer.train_step()["loss"] for _ in range(until - job.trainer.step)]
     return job.loaded.path, losses
 
@@ -435,8 +476,9 @@ def hand_over_without_memory(rank, world, layout, ckpt, port, tokens):
     _as_host([HOST_A, HOST_B], rank)
     store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=30))
     handover = Handover(Control(store, "job"), 0, warm=False)
-    with Job(MODEL, config(3), layout, torch.device("cpu"), ckpt=CheckpointConfig(dir=ckpt), tokens=tokens,
-             handover=handover) as job:
+    with Job(
+        MODEL, config(3), layout, torch.device("cpu"), ckpt=CheckpointConfig(dir=ckpt), tokens=tokens, handover=handover
+    ) as job:
         job.fit(until=2)
     return [p.name for p in sorted(Path(ckpt).glob("step-*"))]
 
@@ -469,10 +511,17 @@ def restarted_world(rank, world, layout, ckpt, port, tokens, events_file, metric
 
     _as_host([HOST_A, HOST_B], rank)
     store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=30))
-    with Job(MODEL, config(6), layout, torch.device("cpu"), ckpt=CheckpointConfig(dir=ckpt), tokens=tokens,
-             handover=Handover(Control(store, "job"), 0, warm=False),
-             events=EventLog(events_file, enabled=rank == 0),
-             log=MetricsLog(metrics_file, enabled=rank == 0)) as job:
+    with Job(
+        MODEL,
+        config(6),
+        layout,
+        torch.device("cpu"),
+        ckpt=CheckpointConfig(dir=ckpt),
+        tokens=tokens,
+        handover=Handover(Control(store, "job"), 0, warm=False),
+        events=EventLog(events_file, enabled=rank == 0),
+        log=MetricsLog(metrics_file, enabled=rank == 0),
+    ) as job:
         status = job.fit()
     return status, job.stop_reason, [r["step"] for r in job.records]
 
@@ -495,8 +544,9 @@ def test_a_world_restarted_after_its_hand_over_trains_nothing(tmp_path, shm, tok
     if taken:
         control.set(0, "next", 1)
         control.set(1, "state", {"record": {"step": 2, "name": "step-00000002-x"}})
-    status, reason, steps = run_ranks(restarted_world, 2, Layout(2, 1, 1, 4, 1), ckpt, store.port, tokens,
-                                      str(events_file), str(metrics))[0]
+    status, reason, steps = run_ranks(
+        restarted_world, 2, Layout(2, 1, 1, 4, 1), ckpt, store.port, tokens, str(events_file), str(metrics)
+    )[0]
     events = [e["event"] for e in read_jsonl(events_file)]
     assert status == "stopped"
     if taken:
@@ -527,9 +577,11 @@ def test_the_server_refuses_what_the_state_does_not_list(tmp_path):
         client.fetch_into(address, "secret", folder.name, "__0_0.distcp", 100, 300, fd)
         os.close(fd)
         assert (tmp_path / "copy").read_bytes()[100:400] == (bytes(range(256)) * 4)[100:400]
-        for token, name, offset, length, why in (("wrong", "__0_0.distcp", 0, 1, "refused"),
-                                                 ("secret", "../../etc/passwd", 0, 1, "refused"),
-                                                 ("secret", "__0_0.distcp", 1000, 100, "beyond its end")):
+        for token, name, offset, length, why in (
+            ("wrong", "__0_0.distcp", 0, 1, "refused"),
+            ("secret", "../../etc/passwd", 0, 1, "refused"),
+            ("secret", "__0_0.distcp", 1000, 100, "beyond its end"),
+        ):
             with pytest.raises(CheckpointError, match=why):
                 client.fetch_into(address, token, folder.name, name, offset, length, os.open(os.devnull, os.O_WRONLY))
     finally:

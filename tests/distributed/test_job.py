@@ -49,11 +49,24 @@ def train_then_resume(rank, world, ckpt_dir, tokens, events_path, corrupt=False)
     counting_init(counter)
     events = EventLog(events_path, enabled=rank == 0)
     second = Layout(1, 1, 2, 4, 2)  # another layout: the load reshards
-    result = run_job(MODEL, CFG, second, torch.device("cpu"), ckpt=CheckpointConfig(dir=ckpt_dir), until=5,
-                     tokens=tokens, events=events)
+    result = run_job(
+        MODEL,
+        CFG,
+        second,
+        torch.device("cpu"),
+        ckpt=CheckpointConfig(dir=ckpt_dir),
+        until=5,
+        tokens=tokens,
+        events=events,
+    )
     events.close()
-    return {"init_calls": counter["calls"], "loaded": result.load, "losses": [r["loss"] for r in result.records],
-            "status": result.status, "step": result.step}
+    return {
+        "init_calls": counter["calls"],
+        "loaded": result.load,
+        "losses": [r["loss"] for r in result.records],
+        "status": result.status,
+        "step": result.step,
+    }
 
 
 def straight(rank, world, tokens):
@@ -88,8 +101,11 @@ def test_every_checkpoint_corrupt_stops_instead_of_starting_over(tmp_path, sotu_
     """Starting from the seed would bury the damaged checkpoints under new saves (and --keep would delete
     them): the resume stops in one line and leaves them as they are."""
     ckpt = tmp_path / "ck"
-    with pytest.raises(RuntimeError, match=r"no checkpoint in .*ck can be resumed \(1 damaged; newest: "
-                                           r"step-00000003: file __0_0.distcp fails its xxh3_128 checksum"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"no checkpoint in .*ck can be resumed \(1 damaged; newest: "
+        r"step-00000003: file __0_0.distcp fails its xxh3_128 checksum",
+    ):
         run_ranks(train_then_resume, 2, str(ckpt), sotu_tokens, str(tmp_path / "ev.jsonl"), True)
     assert [p.name for p in storage.complete_checkpoints(ckpt)] == ["step-00000003"]
 
@@ -118,12 +134,23 @@ def test_job_is_a_context_manager_that_closes_its_checkpointer(tmp_path, sotu_to
     import gc
 
     def job(rank, world):
-        with Job(MODEL, CFG, Layout(2, 1, 1, 4, 1), torch.device("cpu"), ckpt=CheckpointConfig(dir=str(tmp_path)),
-                 tokens=sotu_tokens) as j:
+        with Job(
+            MODEL,
+            CFG,
+            Layout(2, 1, 1, 4, 1),
+            torch.device("cpu"),
+            ckpt=CheckpointConfig(dir=str(tmp_path)),
+            tokens=sotu_tokens,
+        ) as j:
             frozen = gc.get_freeze_count()
             status = j.fit(until=2)
-        return status, j.trainer.step, [p.name for p in storage.complete_checkpoints(tmp_path)], frozen, \
-            gc.get_freeze_count()
+        return (
+            status,
+            j.trainer.step,
+            [p.name for p in storage.complete_checkpoints(tmp_path)],
+            frozen,
+            gc.get_freeze_count(),
+        )
 
     status, step, saved, frozen, after = run_ranks(job, 2)[0]
     assert (status, step, saved) == ("stopped", 2, ["step-00000002"])
@@ -149,12 +176,14 @@ def diverge_at(rank, world, ckpt_dir, events_dir, at_steps):
 
     Trainer.train_step, Engine.loss_fn = counted, poisoned
     out = []
-    for i, (at, ckpt) in enumerate(zip(at_steps, [CheckpointConfig(dir=ckpt_dir, save_every=2),
-                                                   CheckpointConfig(dir=ckpt_dir, save_every=2), None])):
+    for i, (at, ckpt) in enumerate(
+        zip(
+            at_steps, [CheckpointConfig(dir=ckpt_dir, save_every=2), CheckpointConfig(dir=ckpt_dir, save_every=2), None]
+        )
+    ):
         poison["at"] = at
         events = EventLog(os.path.join(events_dir, f"{i}.jsonl"), enabled=rank == 0)
-        job = Job(MODEL, CFG, Layout(2, 1, 1, 4, 1), torch.device("cpu"), ckpt=ckpt, tokens=TOKENS[0],
-                  events=events)
+        job = Job(MODEL, CFG, Layout(2, 1, 1, 4, 1), torch.device("cpu"), ckpt=ckpt, tokens=TOKENS[0], events=events)
         try:
             job.fit()
             raised = None
@@ -180,18 +209,33 @@ def test_divergence_names_the_newest_checkpoint_and_saves_nothing(tmp_path, sotu
     assert results[0] == results[1]
     (fresh, resumed, plain) = results[0]
     tail = " (lower --lr, check the data, or resume from an earlier checkpoint)"
-    assert fresh == (("training diverged at step 6: loss nan, gradient norm nan; the step was not applied and the "
-                      f"newest checkpoint is still step 4 ({ckpt / 'step-00000004'})" + tail, 6, "nan", "nan"),
-                     5, ["step-00000004", "step-00000002"])
-    assert resumed[0][0] == ("training diverged at step 5: loss nan, gradient norm nan; the step was not applied "
-                             "and the newest checkpoint is still step 4 (resumed from)" + tail)
+    assert fresh == (
+        (
+            "training diverged at step 6: loss nan, gradient norm nan; the step was not applied and the "
+            f"newest checkpoint is still step 4 ({ckpt / 'step-00000004'})" + tail,
+            6,
+            "nan",
+            "nan",
+        ),
+        5,
+        ["step-00000004", "step-00000002"],
+    )
+    assert resumed[0][0] == (
+        "training diverged at step 5: loss nan, gradient norm nan; the step was not applied "
+        "and the newest checkpoint is still step 4 (resumed from)" + tail
+    )
     assert resumed[1:] == (4, ["step-00000004", "step-00000002"])
-    assert plain[0][0] == ("training diverged at step 2: loss nan, gradient norm nan; the step was not applied and "
-                           "no checkpoint was saved" + tail)
+    assert plain[0][0] == (
+        "training diverged at step 2: loss nan, gradient norm nan; the step was not applied and "
+        "no checkpoint was saved" + tail
+    )
     assert plain[1] == 1
     got = [read_jsonl(events / f"{i}.jsonl") for i in range(3)]
     diverged = [[e for e in g if e["event"] == "diverged"] for g in got]
     assert [len(d) for d in diverged] == [1, 1, 1]
     assert [(d[0]["step"], d[0]["loss"], d[0]["grad_norm"], d[0]["last_saved_step"]) for d in diverged] == [
-        (6, "nan", "nan", 4), (5, "nan", "nan", 4), (2, "nan", "nan", None)]
+        (6, "nan", "nan", 4),
+        (5, "nan", "nan", 4),
+        (2, "nan", "nan", None),
+    ]
     assert all(e["event"] not in ("saved", "finished") for g in got for e in g)

@@ -27,30 +27,40 @@ from torch.distributed.tensor import DTensor
 
 from elastic_trainer.config import TrainConfig, load_model_config
 from elastic_trainer.parallel import build_mesh
+from elastic_trainer.parallel.local_ranks import run_ranks
 from elastic_trainer.plan.layout import Layout
 from elastic_trainer.train import Trainer
 from elastic_trainer.train.job import evaluation_due
-from elastic_trainer.parallel.local_ranks import run_ranks
 
 MODEL = load_model_config("gpt-tiny")
 CFG = TrainConfig(global_batch=8, seq_len=32, steps=5, seed=0, lr=1e-3, warmup_steps=2, eval_every=3, eval_batches=2)
 
 
-def train_job(rank: int, world: int, layout: Layout, tokens, cfg: TrainConfig = CFG, model=MODEL,
-              val_tokens=None) -> dict:
-    trainer = Trainer(model, cfg, layout, build_mesh(layout, "cpu"), torch.device("cpu"), tokens=tokens,
-                      val_tokens=val_tokens)
+def train_job(
+    rank: int, world: int, layout: Layout, tokens, cfg: TrainConfig = CFG, model=MODEL, val_tokens=None
+) -> dict:
+    trainer = Trainer(
+        model, cfg, layout, build_mesh(layout, "cpu"), torch.device("cpu"), tokens=tokens, val_tokens=val_tokens
+    )
     records, ids, val = [], [], {}
     for _ in range(cfg.steps):
         records.append(trainer.train_step())
         ids.append(trainer.last_sample_ids.tolist())
         if evaluation_due(trainer.step, cfg, trainer.val_batches):  # as train.job's loop does
             val[trainer.step] = trainer.evaluate()
-    params = {n: (p.full_tensor() if isinstance(p, DTensor) else p.detach()).clone()
-              for n, p in trainer.engine.model.named_parameters()}
+    params = {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p.detach()).clone()
+        for n, p in trainer.engine.model.named_parameters()
+    }
     coords = trainer.engine.coords
-    return {"loss": [r["loss"] for r in records], "grad_norm": [r["grad_norm"] for r in records],
-            "params": params, "ids": ids, "coords": (coords.pp, coords.dp, coords.tp), "val": val}
+    return {
+        "loss": [r["loss"] for r in records],
+        "grad_norm": [r["grad_norm"] for r in records],
+        "params": params,
+        "ids": ids,
+        "coords": (coords.pp, coords.dp, coords.tp),
+        "val": val,
+    }
 
 
 def run(layout: Layout, tokens, cfg: TrainConfig = CFG, model=MODEL, val_tokens=None) -> dict:
@@ -69,14 +79,19 @@ def run(layout: Layout, tokens, cfg: TrainConfig = CFG, model=MODEL, val_tokens=
             for s, ids in enumerate(r["ids"]):
                 assert not steps[s] & set(ids), "dp ranks consumed the same sample"
                 steps[s] |= set(ids)
-    return {"loss": results[0]["loss"], "grad_norm": results[0]["grad_norm"], "params": params, "ids": steps,
-            "val": results[0]["val"]}
+    return {
+        "loss": results[0]["loss"],
+        "grad_norm": results[0]["grad_norm"],
+        "params": params,
+        "ids": steps,
+        "val": results[0]["val"],
+    }
 
 
 @pytest.fixture(scope="module")
 def val_tokens(sotu_tokens) -> np.ndarray:
     """Two validation batches (16 samples of 32 + 1 tokens): the corpus' last tokens, read in order."""
-    return np.asarray(sotu_tokens[-(16 * 32 + 1):], dtype=np.uint16)
+    return np.asarray(sotu_tokens[-(16 * 32 + 1) :], dtype=np.uint16)
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +146,9 @@ def assert_matches(result: dict, ref: dict) -> None:
     if result["val"]:  # a run given the validation stream
         assert list(result["val"]) == list(ref["val"]) == [3, 5]
         for step, value in result["val"].items():
-            assert rel(value, ref["val"][step]) <= 1e-5, f"validation loss after step {step}: {value} vs {ref['val'][step]}"
+            assert rel(value, ref["val"][step]) <= 1e-5, (
+                f"validation loss after step {step}: {value} vs {ref['val'][step]}"
+            )
 
 
 # (dp, tp, pp, micro_batch): micro-batches are chosen so that pipelines run 1F1B with 2 micro-batches
@@ -212,8 +229,14 @@ def test_bf16_mixed_precision_runs_the_same_code(reference, sotu_tokens):
 # Dropout 0.1 at every site (embeddings, attention probabilities, both residual branches): the masks are keyed
 # by (seed, global sample position, layer, site, element), so every split draws the same ones.
 DROPOUT_MODEL = dataclasses.replace(MODEL, dropout=0.1)
-DROPOUT_LAYOUTS = [(1, 1, 1, 2, "fsdp"), (2, 1, 1, 2, "ddp"), (1, 2, 1, 8, "fsdp"), (1, 1, 2, 2, "fsdp"),
-                   (2, 2, 2, 1, "fsdp"), (2, 2, 1, 2, "zero1")]
+DROPOUT_LAYOUTS = [
+    (1, 1, 1, 2, "fsdp"),
+    (2, 1, 1, 2, "ddp"),
+    (1, 2, 1, 8, "fsdp"),
+    (1, 1, 2, 2, "fsdp"),
+    (2, 2, 2, 1, "fsdp"),
+    (2, 2, 1, 2, "zero1"),
+]
 
 
 @pytest.fixture(scope="module")

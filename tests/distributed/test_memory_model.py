@@ -20,10 +20,10 @@ from torch.distributed.tensor import DTensor
 
 from elastic_trainer.config import TrainConfig, load_model_config
 from elastic_trainer.parallel import build_mesh
+from elastic_trainer.parallel.local_ranks import run_ranks
 from elastic_trainer.plan.layout import Layout
 from elastic_trainer.plan.memory import stage_shapes, state_bytes
 from elastic_trainer.train import Trainer
-from elastic_trainer.parallel.local_ranks import run_ranks
 
 MODEL = load_model_config("gpt-tiny")
 
@@ -47,19 +47,32 @@ def held_bytes(rank: int, world: int, layout: Layout, dtype: str) -> dict:
     buffers = ([engine.zero.master], [engine.zero.buffer, engine.zero.grad_shard]) if engine.zero else ([], [])
     state = [trainer.optimizer.state[t] for t in trained]
     grads = [t.grad for t in [*params.values(), *trained] if t.grad is not None]
-    return {"stage": engine.coords.pp, "dp_rank": engine.coords.dp, "names": sorted(params),
-            "params": _storage_bytes([*params.values(), *buffers[0]]),
-            "grads": _storage_bytes([*grads, *buffers[1]]),
-            "optimizer": _storage_bytes(t for s in state for t in (s["exp_avg"], s["exp_avg_sq"], s["step"]))}
+    return {
+        "stage": engine.coords.pp,
+        "dp_rank": engine.coords.dp,
+        "names": sorted(params),
+        "params": _storage_bytes([*params.values(), *buffers[0]]),
+        "grads": _storage_bytes([*grads, *buffers[1]]),
+        "optimizer": _storage_bytes(t for s in state for t in (s["exp_avg"], s["exp_avg_sq"], s["step"])),
+    }
 
 
 # (dp, tp, pp, dp_mode, dtype): no wrapper, uneven FSDP shards, replicated with tp, a 3-stage pipeline with
 # tp (middle stage without embeddings), all three dimensions, bf16 mixed precision (fp32 master state);
 # zero1 with uneven shards, with tp, with a pipeline in bf16 (whole bf16 parameters), and on one rank
-LAYOUTS = [(1, 1, 1, "fsdp", "fp32"), (3, 1, 1, "fsdp", "fp32"), (2, 2, 1, "ddp", "fp32"),
-           (1, 2, 3, "fsdp", "fp32"), (2, 2, 2, "fsdp", "fp32"), (2, 1, 2, "ddp", "bf16"),
-           (2, 1, 2, "fsdp", "bf16"), (3, 1, 1, "zero1", "fp32"), (2, 2, 1, "zero1", "fp32"),
-           (2, 1, 2, "zero1", "bf16"), (1, 1, 1, "zero1", "fp32")]
+LAYOUTS = [
+    (1, 1, 1, "fsdp", "fp32"),
+    (3, 1, 1, "fsdp", "fp32"),
+    (2, 2, 1, "ddp", "fp32"),
+    (1, 2, 3, "fsdp", "fp32"),
+    (2, 2, 2, "fsdp", "fp32"),
+    (2, 1, 2, "ddp", "bf16"),
+    (2, 1, 2, "fsdp", "bf16"),
+    (3, 1, 1, "zero1", "fp32"),
+    (2, 2, 1, "zero1", "fp32"),
+    (2, 1, 2, "zero1", "bf16"),
+    (1, 1, 1, "zero1", "fp32"),
+]
 
 
 @pytest.mark.parametrize("dp, tp, pp, mode, dtype", LAYOUTS, ids=lambda v: str(v))
@@ -69,8 +82,11 @@ def test_state_bytes_equal_bytes_held_on_every_rank(dp, tp, pp, mode, dtype):
         stage, dp_rank = held["stage"], held["dp_rank"]
         assert held["names"] == sorted(name for name, _ in stage_shapes(MODEL, layout, stage))
         predicted = state_bytes(MODEL, layout, stage, dp_rank, dtype)
-        assert (held["params"], held["grads"], held["optimizer"]) == \
-            (predicted.params, predicted.grads, predicted.optimizer), f"stage {stage}, dp rank {dp_rank}"
+        assert (held["params"], held["grads"], held["optimizer"]) == (
+            predicted.params,
+            predicted.grads,
+            predicted.optimizer,
+        ), f"stage {stage}, dp rank {dp_rank}"
 
 
 def kept_after_steps(rank: int, world: int, layout: Layout) -> dict:

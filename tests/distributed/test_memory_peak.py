@@ -160,8 +160,13 @@ def peak_of_second_step(rank, world, layout: Layout, seq_len: int) -> dict:
     trainer.train_step()
     with LiveBytes(ignore=inherited) as live:
         trainer.train_step()
-    return {"stage": trainer.engine.coords.pp, "dp_rank": trainer.engine.coords.dp, "start": live.start,
-            "peak": live.peak, "peak_op": live.peak_op}
+    return {
+        "stage": trainer.engine.coords.pp,
+        "dp_rank": trainer.engine.coords.dp,
+        "start": live.start,
+        "peak": live.peak,
+        "peak_op": live.peak_op,
+    }
 
 
 def in_flight_beyond_one(m: memory.StageMemory, layout: Layout) -> int:
@@ -215,9 +220,11 @@ def out_of_band(key: tuple, ranks: list[dict]) -> list[str]:
         m = memory.stage_memory(MODEL, layout, seq_len, "fp32", r["stage"])
         ratio = m.total / r["peak"]
         if not LOW <= ratio <= HIGH:
-            bad.append(f"stage {r['stage']} dp rank {r['dp_rank']}: predicted {m.total / 1e6:.2f} MB, measured "
-                       f"{r['peak'] / 1e6:.2f} MB (peak at {r['peak_op']}), ratio {ratio:.3f} not in "
-                       f"[{LOW}, {HIGH}]")
+            bad.append(
+                f"stage {r['stage']} dp rank {r['dp_rank']}: predicted {m.total / 1e6:.2f} MB, measured "
+                f"{r['peak'] / 1e6:.2f} MB (peak at {r['peak_op']}), ratio {ratio:.3f} not in "
+                f"[{LOW}, {HIGH}]"
+            )
     return bad
 
 
@@ -228,8 +235,10 @@ def test_predicted_peak_is_the_measured_peak_on_every_rank(key, measured):
     # the term this layout guards is large enough that leaving it out falls far below LOW
     layout, seq_len = layout_of(key)
     guards = key[-1]
-    share = max(GUARDED[guards](memory.stage_memory(MODEL, layout, seq_len, "fp32", r["stage"]), layout) / r["peak"]
-                for r in ranks)
+    share = max(
+        GUARDED[guards](memory.stage_memory(MODEL, layout, seq_len, "fp32", r["stage"]), layout) / r["peak"]
+        for r in ranks
+    )
     assert share >= SMALL_GUARDS.get(guards, GUARD), f"{guards} is only {share:.0%} of the measured peak"
 
 
@@ -253,11 +262,16 @@ def _without_accumulation(monkeypatch):
     monkeypatch.setattr(memory, "accumulation_bytes", lambda *args: 0)
 
 
-@pytest.mark.parametrize("guards, mutate", [("optimizer state", _without_optimizer_state),
-                                            ("working buffers", _without_working_buffers),
-                                            ("micro-batches in flight", _one_micro_batch_in_flight),
-                                            ("end of backward", _without_end_of_backward),
-                                            ("accumulation", _without_accumulation)])
+@pytest.mark.parametrize(
+    "guards, mutate",
+    [
+        ("optimizer state", _without_optimizer_state),
+        ("working buffers", _without_working_buffers),
+        ("micro-batches in flight", _one_micro_batch_in_flight),
+        ("end of backward", _without_end_of_backward),
+        ("accumulation", _without_accumulation),
+    ],
+)
 def test_a_model_without_the_term_is_out_of_band(guards, mutate, measured, monkeypatch):
     """The same measurements against memory.py with one term left out: the layouts guarding it fail."""
     keys = [k for k in LAYOUTS if k[-1] == guards]

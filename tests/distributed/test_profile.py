@@ -25,8 +25,16 @@ def tokens(data_cache):
 
 
 def train(rank, world, layout, tokens, metrics, profile):
-    cfg = TrainConfig(global_batch=8, seq_len=32, steps=4, seed=0, lr=1e-3, warmup_steps=1, metrics_file=metrics,
-                      profile_steps=profile)
+    cfg = TrainConfig(
+        global_batch=8,
+        seq_len=32,
+        steps=4,
+        seed=0,
+        lr=1e-3,
+        warmup_steps=1,
+        metrics_file=metrics,
+        profile_steps=profile,
+    )
     with Job(MODEL, cfg, layout, torch.device("cpu"), tokens=tokens) as job:
         job.fit()
 
@@ -36,11 +44,24 @@ def names(path) -> list[str]:
     return [e.get("name", "") for e in trace["traceEvents"]]
 
 
-@pytest.mark.parametrize("layout, labels", [
-    (Layout(2, 1, 1, 2, 2, "zero1"), ["forward 0", "backward 1", "zero1 reduce-scatter", "clip grad norm",
-                                      "loss all-reduce", "optimizer", "sync params"]),
-    (Layout(1, 1, 2, 2, 4, "ddp"), ["forward 0", "backward 3", "optimizer"]),  # 1F1B
-])
+@pytest.mark.parametrize(
+    "layout, labels",
+    [
+        (
+            Layout(2, 1, 1, 2, 2, "zero1"),
+            [
+                "forward 0",
+                "backward 1",
+                "zero1 reduce-scatter",
+                "clip grad norm",
+                "loss all-reduce",
+                "optimizer",
+                "sync params",
+            ],
+        ),
+        (Layout(1, 1, 2, 2, 4, "ddp"), ["forward 0", "backward 3", "optimizer"]),  # 1F1B
+    ],
+)
 def test_each_rank_writes_a_trace_of_the_window(tmp_path, tokens, layout, labels):
     run_ranks(train, 2, layout, tokens, str(tmp_path / "m.jsonl"), "3:4")
     for rank in (0, 1):
@@ -55,8 +76,16 @@ def test_the_profiler_leaves_the_losses_alone(tmp_path, tokens):
     layout = Layout(2, 1, 1, 4, 1, "zero1")
 
     def losses(rank, world, profile):
-        cfg = TrainConfig(global_batch=8, seq_len=32, steps=3, seed=0, lr=1e-3, warmup_steps=1,
-                          metrics_file=str(tmp_path / "m.jsonl"), profile_steps=profile)
+        cfg = TrainConfig(
+            global_batch=8,
+            seq_len=32,
+            steps=3,
+            seed=0,
+            lr=1e-3,
+            warmup_steps=1,
+            metrics_file=str(tmp_path / "m.jsonl"),
+            profile_steps=profile,
+        )
         with Job(MODEL, cfg, layout, torch.device("cpu"), tokens=tokens) as job:
             job.fit()
             return [r["loss"] for r in job.records]

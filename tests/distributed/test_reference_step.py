@@ -31,8 +31,17 @@ from elastic_trainer.train import Trainer
 transformers = pytest.importorskip("transformers")
 MODEL = load_model_config("gpt-tiny")
 STEPS = 6
-CFG = TrainConfig(global_batch=8, seq_len=32, steps=STEPS, seed=11, lr=2e-3, warmup_steps=2, min_lr_ratio=0.1,
-                  weight_decay=0.1, grad_clip=1.0)
+CFG = TrainConfig(
+    global_batch=8,
+    seq_len=32,
+    steps=STEPS,
+    seed=11,
+    lr=2e-3,
+    warmup_steps=2,
+    min_lr_ratio=0.1,
+    weight_decay=0.1,
+    grad_clip=1.0,
+)
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -68,9 +77,14 @@ def reference_run(initial: dict, batches: list[torch.Tensor], cfg: TrainConfig) 
     model.train()
     params = list(model.parameters())  # the tied head is wte: listed once
     optimizer = torch.optim.AdamW(
-        [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+        [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+    )
     losses, norms, lrs = [], [], []
     for step, batch in enumerate(batches):
         x, y = batch[:, :-1], batch[:, 1:]
@@ -90,16 +104,20 @@ def reference_run(initial: dict, batches: list[torch.Tensor], cfg: TrainConfig) 
         losses.append(loss.item())
         norms.append(norm.item())
         lrs.append(lr)
-    return {"losses": losses, "norms": norms, "lrs": lrs,
-            "final": {k: v.detach().clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "lrs": lrs,
+        "final": {k: v.detach().clone() for k, v in model.state_dict().items() if k != "lm_head.weight"},
+    }
 
 
-@pytest.mark.parametrize("micro_batch, clip", [(8, 1.0), (2, 1.0), (8, 0.0)],
-                         ids=["one-micro-batch", "four-micro-batches", "no-clipping"])
+@pytest.mark.parametrize(
+    "micro_batch, clip", [(8, 1.0), (2, 1.0), (8, 0.0)], ids=["one-micro-batch", "four-micro-batches", "no-clipping"]
+)
 def test_single_process_step_matches_a_plain_pytorch_gpt2_step(micro_batch, clip, sotu_tokens):
     cfg = dataclasses.replace(CFG, grad_clip=clip)
-    ours = run_ranks(trainer_run, 1, Layout(1, 1, 1, micro_batch, CFG.global_batch // micro_batch), cfg,
-                     sotu_tokens)[0]
+    ours = run_ranks(trainer_run, 1, Layout(1, 1, 1, micro_batch, CFG.global_batch // micro_batch), cfg, sotu_tokens)[0]
     ref = reference_run(ours["initial"], ours["batches"], cfg)
     records = ours["records"]
 
@@ -115,6 +133,5 @@ def test_single_process_step_matches_a_plain_pytorch_gpt2_step(micro_batch, clip
     diff = torch.cat([(final[k] - ref["final"][k]).flatten() for k in final]).norm()
     whole = torch.cat([ref["final"][k].flatten() for k in final]).norm()
     assert diff / whole <= 1e-5
-    moved = torch.cat([(ref["final"][k] - state_dict_to_hf(ours["initial"], MODEL)[k]).flatten()
-                       for k in final]).norm()
+    moved = torch.cat([(ref["final"][k] - state_dict_to_hf(ours["initial"], MODEL)[k]).flatten() for k in final]).norm()
     assert diff / moved <= 1e-3  # the match is in how the weights moved, not only in where they started

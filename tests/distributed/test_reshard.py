@@ -1,9 +1,9 @@
 """Checkpoints reshard on load into any layout and resume exactly.
 
-One chain of runs: each trains 3 steps in its layout, saves, and the next run (another layout, another
-world size) loads that checkpoint. Every link checks that the gathered weights and AdamW moments (and step
-counts) after loading equal, bitwise, what was saved; all per-step losses of the chain, and the validation
-loss at the end of every link, must be within 1e-5 relative of one uninterrupted single-process run. The 16 links change every dimension up and down,
+One chain of runs: each trains 3 steps in its layout, saves, and the next run (another layout, another world size)
+loads that checkpoint. Every link checks that the gathered weights and AdamW moments (and step counts) after loading
+equal, bitwise, what was saved; all per-step losses of the chain, and the validation loss at the end of every link,
+must be within 1e-5 relative of one uninterrupted single-process run. The 16 links change every dimension up and down,
 the micro-batch split, and the data-parallel mode both ways between sharded, replicated and ZeRO-1.
 """
 
@@ -17,9 +17,9 @@ from torch.distributed.tensor import DTensor
 from elastic_trainer.checkpoint import CheckpointConfig
 from elastic_trainer.config import TrainConfig, load_model_config
 from elastic_trainer.parallel import build_mesh
+from elastic_trainer.parallel.local_ranks import run_ranks
 from elastic_trainer.plan.layout import Layout
 from elastic_trainer.train import Job, Trainer
-from elastic_trainer.parallel.local_ranks import run_ranks
 
 MODEL = load_model_config("gpt-tiny")
 STEPS_PER_RUN = 3
@@ -31,27 +31,36 @@ CHAIN = [  # dp, tp, pp, micro_batch, dp_mode
     (1, 4, 1, 8, "fsdp"),  # dp down, tp up
     (1, 1, 4, 2, "fsdp"),  # tp down, pp up
     (2, 1, 2, 2, "fsdp"),  # dp up, pp down
-    (2, 1, 2, 2, "ddp"),   # sharded -> replicated
+    (2, 1, 2, 2, "ddp"),  # sharded -> replicated
     (2, 2, 1, 4, "fsdp"),  # replicated -> sharded, tp up, pp down
     (1, 2, 2, 4, "fsdp"),  # dp down, pp up
-    (2, 2, 2, 1, "ddp"),   # dp up, micro-batch split
+    (2, 2, 2, 1, "ddp"),  # dp up, micro-batch split
     (4, 1, 2, 1, "fsdp"),  # tp down, dp up
     (1, 1, 4, 1, "fsdp"),  # dp down, pp up
-    (2, 1, 1, 4, "ddp"),   # pp down, dp up
-    (2, 2, 2, 2, "zero1"), # replicated -> ZeRO-1, every dimension up
-    (4, 1, 1, 1, "zero1"), # ZeRO-1 with other dp and tp, pp down
+    (2, 1, 1, 4, "ddp"),  # pp down, dp up
+    (2, 2, 2, 2, "zero1"),  # replicated -> ZeRO-1, every dimension up
+    (4, 1, 1, 1, "zero1"),  # ZeRO-1 with other dp and tp, pp down
     (2, 2, 1, 2, "fsdp"),  # ZeRO-1 -> sharded
 ]
 
 
 def config(steps: int, **kw) -> TrainConfig:
-    return TrainConfig(global_batch=8, seq_len=32, steps=steps, decay_steps=len(CHAIN) * STEPS_PER_RUN,
-                       seed=0, lr=1e-3, warmup_steps=2, eval_batches=1, **kw)
+    return TrainConfig(
+        global_batch=8,
+        seq_len=32,
+        steps=steps,
+        decay_steps=len(CHAIN) * STEPS_PER_RUN,
+        seed=0,
+        lr=1e-3,
+        warmup_steps=2,
+        eval_batches=1,
+        **kw,
+    )
 
 
 def validation(tokens) -> np.ndarray:
     """One validation batch: the corpus' last 8 samples of 32 + 1 tokens, in order."""
-    return np.asarray(tokens[-(8 * 32 + 1):], dtype=np.uint16)
+    return np.asarray(tokens[-(8 * 32 + 1) :], dtype=np.uint16)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -72,8 +81,15 @@ def full_state(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 
 def chain_job(rank, world, layout: Layout, ckpt_dir: str, until: int, tokens, val_tokens=None) -> dict:
-    with Job(MODEL, config(until), layout, torch.device("cpu"), ckpt=CheckpointConfig(dir=ckpt_dir),
-             tokens=tokens, val_tokens=val_tokens) as job:
+    with Job(
+        MODEL,
+        config(until),
+        layout,
+        torch.device("cpu"),
+        ckpt=CheckpointConfig(dir=ckpt_dir),
+        tokens=tokens,
+        val_tokens=val_tokens,
+    ) as job:
         trainer = job.trainer
         loaded = full_state(trainer) if job.loaded else None
         losses, ids = [], []
@@ -84,8 +100,14 @@ def chain_job(rank, world, layout: Layout, ckpt_dir: str, until: int, tokens, va
         saved = full_state(trainer)
         job.checkpointer.save(trainer)
     c = trainer.engine.coords
-    return {"loaded": loaded, "saved": saved, "losses": losses, "ids": ids, "reader": c.pp == 0 and c.tp == 0,
-            "val": val}
+    return {
+        "loaded": loaded,
+        "saved": saved,
+        "losses": losses,
+        "ids": ids,
+        "reader": c.pp == 0 and c.tp == 0,
+        "val": val,
+    }
 
 
 def merge(results: list[dict], key: str) -> dict[str, torch.Tensor]:
@@ -100,16 +122,25 @@ def merge(results: list[dict], key: str) -> dict[str, torch.Tensor]:
 
 def uninterrupted_losses(tokens, steps: int) -> tuple[list[float], list[float]]:
     """(the loss of every step, the validation loss after every STEPS_PER_RUN-th)."""
+
     def job(rank, world):
         layout = Layout(1, 1, 1, 8, 1)
-        trainer = Trainer(MODEL, config(steps), layout, build_mesh(layout, "cpu"), torch.device("cpu"), tokens=tokens,
-                          val_tokens=validation(tokens))
+        trainer = Trainer(
+            MODEL,
+            config(steps),
+            layout,
+            build_mesh(layout, "cpu"),
+            torch.device("cpu"),
+            tokens=tokens,
+            val_tokens=validation(tokens),
+        )
         losses, val = [], []
         for _ in range(steps):
             losses.append(trainer.train_step()["loss"])
             if trainer.step % STEPS_PER_RUN == 0:
                 val.append(trainer.evaluate())
         return losses, val
+
     return run_ranks(job, 1)[0]
 
 
@@ -120,8 +151,15 @@ def test_reshard_chain_is_exact_and_continues_the_trajectory(tmp_path, sotu_toke
     losses, val, previous = [], [], None
     for i, (dp, tp, pp, micro, mode) in enumerate(CHAIN):
         layout = Layout(dp, tp, pp, micro, 8 // (dp * micro), dp_mode=mode)
-        results = run_ranks(chain_job, layout.world_size, layout, str(tmp_path), (i + 1) * STEPS_PER_RUN,
-                            sotu_tokens, validation(sotu_tokens))
+        results = run_ranks(
+            chain_job,
+            layout.world_size,
+            layout,
+            str(tmp_path),
+            (i + 1) * STEPS_PER_RUN,
+            sotu_tokens,
+            validation(sotu_tokens),
+        )
         assert len({r["val"] for r in results}) == 1, f"link {i}: ranks differ in the validation loss"
         val.append(results[0]["val"])
         loaded = merge(results, "loaded")
@@ -140,7 +178,7 @@ def test_reshard_chain_is_exact_and_continues_the_trajectory(tmp_path, sotu_toke
 
 def test_exactly_once_data_across_reshards(tmp_path, sotu_tokens):
     """dp 4 -> 1 -> 2 on a 40-sample corpus (an epoch is 5 steps): every sample once per epoch."""
-    tokens = np.asarray(sotu_tokens[:40 * 32 + 1])
+    tokens = np.asarray(sotu_tokens[: 40 * 32 + 1])
     consumed: list[int] = []
     for until, (dp, micro) in zip((4, 7, 12), ((4, 2), (1, 4), (2, 1))):
         layout = Layout(dp, 1, 1, micro, 8 // (dp * micro))
@@ -148,7 +186,7 @@ def test_exactly_once_data_across_reshards(tmp_path, sotu_tokens):
         for s in range(len(results[0]["ids"])):
             consumed += [i for r in results if r["reader"] for i in r["ids"][s]]
     assert len(consumed) == 12 * 8
-    epochs = [consumed[e * 40:(e + 1) * 40] for e in range(len(consumed) // 40)]
+    epochs = [consumed[e * 40 : (e + 1) * 40] for e in range(len(consumed) // 40)]
     assert all(sorted(epoch) == list(range(40)) for epoch in epochs)  # each epoch is a permutation
     assert len(set(consumed[80:])) == len(consumed[80:])  # and the partial third epoch has no repeats
     assert epochs[0] != epochs[1]  # a new order every epoch

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from elastic_trainer.checkpoint import Checkpointer, CheckpointConfig, storage
+from elastic_trainer.checkpoint import CheckpointConfig, Checkpointer, storage
 from elastic_trainer.config import TrainConfig, load_model_config
 from elastic_trainer.parallel import build_mesh
 from elastic_trainer.parallel.local_ranks import run_ranks
@@ -81,8 +81,9 @@ def verify_job(rank, world, folders: list[str]) -> list[str | None]:
 def test_saved_checkpoint_has_one_data_file_per_rank(saved):
     """The cases below cover every kind of file: the save wrote one data file per saving rank."""
     names = sorted(p.name for p in saved.iterdir())
-    assert names == sorted([".metadata", "manifest.json", "meta.json"]
-                           + [f"__{r}_0.distcp" for r in range(SAVED_BY.world_size)])
+    assert names == sorted(
+        [".metadata", "manifest.json", "meta.json"] + [f"__{r}_0.distcp" for r in range(SAVED_BY.world_size)]
+    )
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -42,9 +42,28 @@ def test_single_process_writes_progress_and_metrics(single):
 @pytest.mark.slow
 def test_torchrun_four_ranks_matches_single_process(single, tmp_path, data_cache):
     out = tmp_path / "metrics.jsonl"
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-         "-m", "elastic_trainer.cli", *ARGS, "--layout", "2,1,2", "--micro-batch", "2",
-         "--metrics-file", str(out), "--data-cache", data_cache], data_cache)
+    run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            "-m",
+            "elastic_trainer.cli",
+            *ARGS,
+            "--layout",
+            "2,1,2",
+            "--micro-batch",
+            "2",
+            "--metrics-file",
+            str(out),
+            "--data-cache",
+            data_cache,
+        ],
+        data_cache,
+    )
     ref = losses(single[0])
     got = losses(out)
     assert len(got) == len(ref) == 4

@@ -20,12 +20,19 @@ def test_a_compiled_job_reconfigures_on_the_trajectory_and_reuses_its_cache(tmp_
     # layouts pinned by the schedule: without them the third phase's plan uses what the first measured
     # (plan/measured.py) and may leave the first layout, whose cache this test is about
     phases = tmp_path / "s.json"
-    phases.write_text(json.dumps([{"gpus": 2, "steps": 3, "layout": "2,1,1", "micro_batch": 2},
-                                  {"gpus": 4, "steps": 3, "layout": "2,1,2", "micro_batch": 2},
-                                  {"gpus": 2, "steps": 2, "layout": "2,1,1", "micro_batch": 2}]))
+    phases.write_text(
+        json.dumps(
+            [
+                {"gpus": 2, "steps": 3, "layout": "2,1,1", "micro_batch": 2},
+                {"gpus": 4, "steps": 3, "layout": "2,1,2", "micro_batch": 2},
+                {"gpus": 2, "steps": 2, "layout": "2,1,1", "micro_batch": 2},
+            ]
+        )
+    )
     argv = launch_argv(run_dir, "localhost slots=4\n", "--schedule", str(phases), cache=data_cache)
-    proc = subprocess.run([*argv, "--compile", "--dp-mode", "fsdp"], capture_output=True, text=True, env=env(),
-                          timeout=600)
+    proc = subprocess.run(
+        [*argv, "--compile", "--dp-mode", "fsdp"], capture_output=True, text=True, env=env(), timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     kept = assert_on_trajectory(run_dir, reference, 8)  # compiled vs eager: 1e-5 (tests/distributed/test_compile.py)
     assert [r["world_size"] for r in kept] == [2] * 3 + [4] * 3 + [2] * 2

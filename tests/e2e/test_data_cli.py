@@ -7,21 +7,22 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 from tests.e2e.test_bad_input import CLI, TINY, base_env
 
 
 def run(argv, cwd: Path, timeout=300):
-    return subprocess.run(CLI + [str(a) for a in argv], cwd=cwd, env=base_env(cwd), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        CLI + [str(a) for a in argv], cwd=cwd, env=base_env(cwd), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def corpus(folder: Path, word: str) -> None:
     folder.mkdir()
-    (folder / "a.jsonl").write_text("".join(json.dumps({"body": f"{word} {i}: " + "some words here " * (i % 9 + 3)})
-                                            + "\n" for i in range(400)))
+    (folder / "a.jsonl").write_text(
+        "".join(json.dumps({"body": f"{word} {i}: " + "some words here " * (i % 9 + 3)}) + "\n" for i in range(400))
+    )
 
 
 def test_prepare_train_validate_and_resume_by_content(tmp_path):

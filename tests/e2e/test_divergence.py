@@ -18,11 +18,26 @@ import pytest
 
 CLI = [sys.executable, "-m", "elastic_trainer.cli"]
 STEPS = 6
-TRAIN = ["train", "--model", "gpt-tiny", "--global-batch", "4", "--seq-len", "32", "--steps", str(STEPS),
-         "--seed", "3", "--lr", "3e-3", "--warmup-steps", "2"]
+TRAIN = [
+    "train",
+    "--model",
+    "gpt-tiny",
+    "--global-batch",
+    "4",
+    "--seq-len",
+    "32",
+    "--steps",
+    str(STEPS),
+    "--seed",
+    "3",
+    "--lr",
+    "3e-3",
+    "--warmup-steps",
+    "2",
+]
 pytestmark = pytest.mark.slow
 
-NAN_HOOK = r'''
+NAN_HOOK = r"""
 import os
 
 if os.environ.get("ET_TEST_NAN_AT_STEP"):
@@ -43,7 +58,7 @@ if os.environ.get("ET_TEST_NAN_AT_STEP"):
         return loss
 
     loop.Trainer.train_step, engine.Engine.loss_fn = counted, poisoned
-'''
+"""
 
 
 def records(path: Path) -> list[dict]:
@@ -51,8 +66,12 @@ def records(path: Path) -> list[dict]:
 
 
 def base_env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
+    return dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+    )
 
 
 def nan_env(tmp_path: Path, step: int, rank: int) -> dict:
@@ -60,8 +79,12 @@ def nan_env(tmp_path: Path, step: int, rank: int) -> dict:
     hook.mkdir(exist_ok=True)
     (hook / "sitecustomize.py").write_text(NAN_HOOK)
     env = base_env()
-    return dict(env, ET_TEST_NAN_AT_STEP=str(step), ET_TEST_NAN_RANK=str(rank),
-                PYTHONPATH=os.pathsep.join(p for p in (str(hook), env.get("PYTHONPATH", "")) if p))
+    return dict(
+        env,
+        ET_TEST_NAN_AT_STEP=str(step),
+        ET_TEST_NAN_RANK=str(rank),
+        PYTHONPATH=os.pathsep.join(p for p in (str(hook), env.get("PYTHONPATH", "")) if p),
+    )
 
 
 def checkpoints(folder: Path) -> list[str]:
@@ -72,8 +95,13 @@ def checkpoints(folder: Path) -> list[str]:
 def reference(tmp_path_factory, data_cache, sotu_tokens) -> list[float]:
     """Losses of the same run without a NaN, on one process."""
     out = tmp_path_factory.mktemp("nan-reference") / "metrics.jsonl"
-    run = subprocess.run(CLI + TRAIN + ["--data-cache", data_cache, "--metrics-file", str(out)], env=base_env(),
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        CLI + TRAIN + ["--data-cache", data_cache, "--metrics-file", str(out)],
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     return [r["loss"] for r in records(out)]
 
@@ -81,9 +109,25 @@ def reference(tmp_path_factory, data_cache, sotu_tokens) -> list[float]:
 def test_nan_under_torchrun_stops_in_one_line_and_the_last_good_step_resumes(tmp_path, data_cache, reference):
     ckpt, metrics = tmp_path / "ck", tmp_path / "metrics.jsonl"
     common = ["--data-cache", data_cache, "--checkpoint-dir", str(ckpt), "--metrics-file", str(metrics)]
-    run = subprocess.run(CLI + ["torchrun", "--standalone", "--nproc-per-node", "2", *TRAIN, "--layout", "2,1,1",
-                                "--save-every", "1", *common],
-                         env=nan_env(tmp_path, step=4, rank=1), capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        CLI
+        + [
+            "torchrun",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            *TRAIN,
+            "--layout",
+            "2,1,1",
+            "--save-every",
+            "1",
+            *common,
+        ],
+        env=nan_env(tmp_path, step=4, rank=1),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     shown = f"exit {run.returncode}\nstdout:\n{run.stdout[-3000:]}\nstderr:\n{run.stderr[-3000:]}"
     assert run.returncode == 2, shown
     errors = [line for line in run.stderr.splitlines() if line.startswith("elastic-trainer: error:")]
@@ -109,9 +153,25 @@ def test_nan_under_launch_puts_the_line_on_top(tmp_path, data_cache, reference):
     ends with the rank's line and the newest checkpoint; exit 2."""
     hosts, run_dir = tmp_path / "hosts.txt", tmp_path / "run"
     hosts.write_text("localhost slots=2\n")
-    argv = CLI + ["launch", "--hosts", str(hosts), "--run-dir", str(run_dir), "--model", "gpt-tiny", "--schedule",
-                  "none", "--rdzv-conf", "last_call_timeout=2", "--", *TRAIN[3:], "--save-every", "2",
-                  "--data-cache", data_cache]
+    argv = CLI + [
+        "launch",
+        "--hosts",
+        str(hosts),
+        "--run-dir",
+        str(run_dir),
+        "--model",
+        "gpt-tiny",
+        "--schedule",
+        "none",
+        "--rdzv-conf",
+        "last_call_timeout=2",
+        "--",
+        *TRAIN[3:],
+        "--save-every",
+        "2",
+        "--data-cache",
+        data_cache,
+    ]
     run = subprocess.run(argv, env=nan_env(tmp_path, step=3, rank=0), capture_output=True, text=True, timeout=300)
     shown = f"exit {run.returncode}\nstdout:\n{run.stdout[-3000:]}\nstderr:\n{run.stderr[-3000:]}"
     assert run.returncode == 2, shown

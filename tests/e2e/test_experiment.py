@@ -9,11 +9,10 @@ import re
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from elastic_trainer.config import TrainConfig, load_model_config
+from elastic_trainer.config import TrainConfig
 from elastic_trainer.experiment.results import read_csv
 from tests.e2e.test_launch import static_run
 
@@ -54,10 +53,28 @@ def experiment(tmp_path_factory, data_cache):
     (root / "experiment.toml").write_text(EXPERIMENT)
     (root / "schedule.json").write_text(json.dumps(PHASES))
     out = root / "results"
-    proc = subprocess.run([sys.executable, "-m", "elastic_trainer.cli", "experiment", "--config",
-                           str(root / "experiment.toml"), "--target-steps", "8", "--out", str(out), "--work-dir",
-                           str(root / "runs"), "--", "--data-cache", data_cache],
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "elastic_trainer.cli",
+            "experiment",
+            "--config",
+            str(root / "experiment.toml"),
+            "--target-steps",
+            "8",
+            "--out",
+            str(out),
+            "--work-dir",
+            str(root / "runs"),
+            "--",
+            "--data-cache",
+            data_cache,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())["h100-80g"]
     rows = {name: read_csv(out / f"h100-80g-{name}.csv") for name in POLICIES}
@@ -82,7 +99,8 @@ def test_summary_arithmetic_matches_the_csvs(experiment):
         assert all(row["ranks"] <= row["gpus"] for row in r)
         ran = {row["layout"] for row in r}  # the simulated clock steps at the planner's times for the target
         assert ran <= set(entry["step_times"]) and all(
-            v["used"] == "predicted" and v["measured_s"] is None for v in entry["step_times"].values())
+            v["used"] == "predicted" and v["measured_s"] is None for v in entry["step_times"].values()
+        )
 
 
 def test_each_policy_runs_what_it_should(experiment):
@@ -91,8 +109,10 @@ def test_each_policy_runs_what_it_should(experiment):
     assert {row["ranks"] for row in rows["static"]} == {2}  # the smallest allocation throughout
     assert {row["ran_as"].split(",")[0] for row in rows["fsdp-only"]} == {"dp4 tp1 pp1", "dp2 tp1 pp1"}
     assert {row["layout"].endswith(" fsdp") for row in rows["fsdp-only"]} == {True}
-    assert {(row["gpus"], row["layout"].split(",")[0]) for row in rows["tenplex-table"]} == \
-        {(4, "dp1 tp2 pp2"), (2, "dp1 tp2 pp1")}
+    assert {(row["gpus"], row["layout"].split(",")[0]) for row in rows["tenplex-table"]} == {
+        (4, "dp1 tp2 pp2"),
+        (2, "dp1 tp2 pp1"),
+    }
     for name, r in rows.items():  # what ran had the chosen degrees (the small model's micro-batch differs)
         assert all(row["ran_as"].split(",")[0] == row["layout"].split(",")[0] for row in r), name
 
@@ -142,15 +162,40 @@ def test_real_clock_runs_wall_time_phases_and_waits(tmp_path, data_cache, sotu_t
     """The real clock on this machine's CPU ranks: ours re-planned by the runtime, dp-only waiting through the
     2-GPU phase; times are wall seconds, the downtime measured, the losses those of one plain process."""
     (tmp_path / "experiment.toml").write_text(REAL)
-    (tmp_path / "schedule.json").write_text(json.dumps([{"gpus": 4, "duration_s": 14}, {"gpus": 2, "duration_s": 10},
-                                                         {"gpus": 4, "duration_s": 10}]))
+    (tmp_path / "schedule.json").write_text(
+        json.dumps([{"gpus": 4, "duration_s": 14}, {"gpus": 2, "duration_s": 10}, {"gpus": 4, "duration_s": 10}])
+    )
     hosts = tmp_path / "hosts.txt"
     hosts.write_text("localhost slots=4\n")
     out = tmp_path / "results"
-    proc = subprocess.run([sys.executable, "-m", "elastic_trainer.cli", "experiment", "--clock", "real", "--config",
-                           str(tmp_path / "experiment.toml"), "--hosts", str(hosts), "--policy", "ours", "--policy",
-                           "dp-only", "--out", str(out), "--work-dir", str(tmp_path / "runs"), "--",
-                           "--data-cache", data_cache], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "elastic_trainer.cli",
+            "experiment",
+            "--clock",
+            "real",
+            "--config",
+            str(tmp_path / "experiment.toml"),
+            "--hosts",
+            str(hosts),
+            "--policy",
+            "ours",
+            "--policy",
+            "dp-only",
+            "--out",
+            str(out),
+            "--work-dir",
+            str(tmp_path / "runs"),
+            "--",
+            "--data-cache",
+            data_cache,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())["cpu"]
     rows = {name: read_csv(out / f"cpu-{name}.csv") for name in ("ours", "dp-only")}
@@ -164,9 +209,12 @@ def test_real_clock_runs_wall_time_phases_and_waits(tmp_path, data_cache, sotu_t
     assert {row["ranks"] for row in rows["dp-only"]} == {4}
     r = rows["dp-only"]  # one layout: its step time is the median gap between steps in it with no restart (a step
     # that ends after its phase's end is the next phase's, which dp-only waits through: not a gap in the layout)
-    gaps = sorted(b["time_s"] - a["time_s"] for a, b in zip(r, r[1:])
-                  if not b["downtime_s"] and a["layout"] == b["layout"] == r[0]["layout"])
-    (layout, times), = summary["policies"]["dp-only"]["step_times"].items()
+    gaps = sorted(
+        b["time_s"] - a["time_s"]
+        for a, b in zip(r, r[1:])
+        if not b["downtime_s"] and a["layout"] == b["layout"] == r[0]["layout"]
+    )
+    ((layout, times),) = summary["policies"]["dp-only"]["step_times"].items()
     assert layout == r[0]["layout"] and times["plan_s"] > 0
     if gaps:  # under heavy load a phase may train a single step: then nothing was measured in a row
         assert times["used"] == "measured"
@@ -183,8 +231,9 @@ def test_real_clock_runs_wall_time_phases_and_waits(tmp_path, data_cache, sotu_t
     log = (tmp_path / "runs" / "cpu" / "ours" / "launch.log").read_text()
     cap = int(re.search(r"global batch 8 x 16 tokens, until step (\d+)", log).group(1))
     trained = max(len(r) for r in rows.values())
-    reference = static_run(sotu_tokens, TrainConfig(global_batch=8, seq_len=16, steps=cap, lr=1e-3, warmup_steps=2),
-                           trained)
+    reference = static_run(
+        sotu_tokens, TrainConfig(global_batch=8, seq_len=16, steps=cap, lr=1e-3, warmup_steps=2), trained
+    )
     for name, r in rows.items():
         for row in r:  # fp32 summation order differs by layout; over many steps that noise grows
             tolerance = 1e-5 if row["step"] <= 32 else 1e-3

@@ -20,15 +20,28 @@ pytestmark = pytest.mark.slow
 
 
 def test_the_cpu_form_runs_every_case_and_says_it_is_not_gpu_figures(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "checkup.py"), "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu" / "checkup.py"), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     report = json.loads((tmp_path / "cpu-form" / "checkup.json").read_text())
     assert report["gpu_figures"] is False and "NOT GPU FIGURES" in report["note"]
     assert proc.stdout.count("NOT GPU FIGURES") == 2  # before the cases and under the table
     cases = {c["name"]: c for c in report["cases"]}
-    assert {"dp2 fsdp", "dp2 ddp", "dp2 zero1", "tp2", "pp2", "1 rank mb1", "1 rank mb2", "1 rank mb1 compiled",
-            "1 rank mb2 compiled"} <= set(cases)
+    assert {
+        "dp2 fsdp",
+        "dp2 ddp",
+        "dp2 zero1",
+        "tp2",
+        "pp2",
+        "1 rank mb1",
+        "1 rank mb2",
+        "1 rank mb1 compiled",
+        "1 rank mb2 compiled",
+    } <= set(cases)
     for case in cases.values():
         assert case["ok"] and case["returncode"] == 0, case
         assert case["step_s"] > 0 and case["predicted_step_s"] > 0 and case["predicted_memory_gib"] > 0

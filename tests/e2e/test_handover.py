@@ -34,8 +34,12 @@ pytestmark = pytest.mark.slow
 
 
 def job_env(tmp_path: Path, **extra: str) -> dict:
-    return dict(env(), ELASTIC_TRAINER_SHM_DIR=str(tmp_path / "shm"),
-                ELASTIC_TRAINER_TEST_COUNTS=str(tmp_path / "counts.txt"), **extra)
+    return dict(
+        env(),
+        ELASTIC_TRAINER_SHM_DIR=str(tmp_path / "shm"),
+        ELASTIC_TRAINER_TEST_COUNTS=str(tmp_path / "counts.txt"),
+        **extra,
+    )
 
 
 def events(run_dir: Path, name: str) -> list[dict]:
@@ -73,15 +77,22 @@ def assert_nothing_left(tmp_path: Path, run_dir: Path) -> None:
 
 def durable_reads(tmp_path: Path) -> int:
     counts = tmp_path / "counts.txt"
-    return [line.split()[0] for line in counts.read_text().splitlines()].count("read_checkpoint") if counts.exists() else 0
+    return (
+        [line.split()[0] for line in counts.read_text().splitlines()].count("read_checkpoint") if counts.exists() else 0
+    )
 
 
 def test_hand_over_between_two_hosts(tmp_path, data_cache, sotu_tokens):
     """127.0.0.2 leaves (2 + 2 -> 2 + 0 ranks) and comes back: its ranks' pieces reach 127.0.0.1 from the
     stopping world's server on 127.0.0.2, then the new ranks of 127.0.0.2 fetch theirs from 127.0.0.1."""
     run_dir = tmp_path / "two"
-    argv = launch_argv(run_dir, "127.0.0.1 slots=2\n127.0.0.2 slots=2\n", "--schedule",
-                       schedule(tmp_path / "s.json", (4, 3), (2, 3), (4, 3)), cache=data_cache)
+    argv = launch_argv(
+        run_dir,
+        "127.0.0.1 slots=2\n127.0.0.2 slots=2\n",
+        "--schedule",
+        schedule(tmp_path / "s.json", (4, 3), (2, 3), (4, 3)),
+        cache=data_cache,
+    )
     proc = subprocess.run([*argv, "--steps", "9"], capture_output=True, text=True, env=job_env(tmp_path), timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     reference = static_run(sotu_tokens, dataclasses.replace(DEFAULT.train, steps=9), 9)
@@ -128,12 +139,21 @@ def test_faults_around_a_hand_over(tmp_path, data_cache, sotu_tokens):
     phases = schedule(tmp_path / "s.json", (4, 12), (2, 6), (4, 6), (2, 6))
 
     def argv(*extra: str) -> list[str]:
-        return [*launch_argv(run_dir, "localhost slots=4\n", "--schedule", phases, *extra, cache=data_cache),
-                "--steps", "30"]
+        return [
+            *launch_argv(run_dir, "localhost slots=4\n", "--schedule", phases, *extra, cache=data_cache),
+            "--steps",
+            "30",
+        ]
 
     fault = f"in_memory:18:{tmp_path / 'fired'}"
-    proc = subprocess.Popen(argv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=job_env(tmp_path, ELASTIC_TRAINER_TEST_FAULT=fault), start_new_session=True)
+    proc = subprocess.Popen(
+        argv(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=job_env(tmp_path, ELASTIC_TRAINER_TEST_FAULT=fault),
+        start_new_session=True,
+    )
     try:
         _wait_event(run_dir, proc, lambda e: e["event"] == "next_world_ready" and e.get("phase") == 1)
         waiting = _world_workers(run_dir, 1)
@@ -148,8 +168,7 @@ def test_faults_around_a_hand_over(tmp_path, data_cache, sotu_tokens):
     assert (tmp_path / "fired").exists()
     restarts = events(run_dir, "workers_restarting")
     assert [e["phase"] for e in restarts] == [1, 1], restarts  # phase 2's world waiting, then stopping
-    resumed = subprocess.run(argv("--resume"), capture_output=True, text=True,
-                             env=job_env(tmp_path), timeout=600)
+    resumed = subprocess.run(argv("--resume"), capture_output=True, text=True, env=job_env(tmp_path), timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-2000:]
     reference = static_run(sotu_tokens, dataclasses.replace(DEFAULT.train, steps=30), 30)
     assert_on_trajectory(run_dir, reference, DEFAULT.train.global_batch)

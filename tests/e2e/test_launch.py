@@ -58,8 +58,22 @@ def env() -> dict:
 def launch_argv(run_dir: Path, hosts: str, *argv: str, cache: str) -> list[str]:
     hosts_file = run_dir.parent / f"{run_dir.name}-hosts.txt"
     hosts_file.write_text(hosts)
-    return [sys.executable, "-m", "elastic_trainer.cli", "launch", "--hosts", str(hosts_file), "--run-dir",
-            str(run_dir), "--rdzv-conf", "last_call_timeout=2", *argv, "--", "--data-cache", cache]
+    return [
+        sys.executable,
+        "-m",
+        "elastic_trainer.cli",
+        "launch",
+        "--hosts",
+        str(hosts_file),
+        "--run-dir",
+        str(run_dir),
+        "--rdzv-conf",
+        "last_call_timeout=2",
+        *argv,
+        "--",
+        "--data-cache",
+        cache,
+    ]
 
 
 def schedule(path: Path, *phases: tuple[int, int]) -> str:
@@ -135,10 +149,13 @@ def wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int, timeout: flo
 def test_default_job_through_run_sh(tmp_path, data_cache, reference):
     run_dir = tmp_path / "default"
     counts = tmp_path / "counts.txt"
-    proc = subprocess.run([str(ROOT / "run.sh"), "--run-dir", str(run_dir), "--", "--data-cache", data_cache,
-                           "--tensorboard"],
-                          capture_output=True, text=True, env=dict(env(), ELASTIC_TRAINER_TEST_COUNTS=str(counts)),
-                          timeout=600)
+    proc = subprocess.run(
+        [str(ROOT / "run.sh"), "--run-dir", str(run_dir), "--", "--data-cache", data_cache, "--tensorboard"],
+        capture_output=True,
+        text=True,
+        env=dict(env(), ELASTIC_TRAINER_TEST_COUNTS=str(counts)),
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     seen = [line.split()[0] for line in counts.read_text().splitlines()]
     starts = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "processes_up"]
@@ -155,13 +172,14 @@ def test_default_job_through_run_sh(tmp_path, data_cache, reference):
     assert len(metrics(run_dir)) == 32  # nothing redone
     assert [r["world_size"] for r in kept] == [4] * 8 + [8] * 8 + [2] * 8 + [4] * 8
     loads = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "state_loaded"]
-    saved_worlds = [None if e["load"] is None else Layout.from_dict(e["load"]["saved_layout"]).world_size
-                    for e in loads]
+    saved_worlds = [
+        None if e["load"] is None else Layout.from_dict(e["load"]["saved_layout"]).world_size for e in loads
+    ]
     assert saved_worlds == [None, 4, 8, 2]  # each start resharded the previous phase's state
     # through the warm path: each next world started beside the current one and read the state from memory
     assert [e["load"]["path"].startswith("memory:") for e in loads[1:]] == [True] * 3
     assert seen.count("read_checkpoint") == 0
-    table = proc.stdout[proc.stdout.index("phases:"):]
+    table = proc.stdout[proc.stdout.index("phases:") :]
     assert [line.split()[:2] for line in table.splitlines()[2:6]] == [["1", "4"], ["2", "8"], ["3", "2"], ["4", "4"]]
     assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # TensorBoard (`--tensorboard`: RUN_DIR/tensorboard), read with its own reader: one curve through 3 events
@@ -175,13 +193,19 @@ def test_default_job_through_run_sh(tmp_path, data_cache, reference):
     assert [e.value for e in board.Scalars("elastic/world_size")] == [4] * 8 + [8] * 8 + [2] * 8 + [4] * 8
     assert [e.step for e in board.Scalars("elastic/downtime_s")] == [9, 17, 25]
     assert [e.step for e in board.Scalars("train/learning_rate")] == list(range(1, 33))
-    again = subprocess.run([str(ROOT / "run.sh"), "--run-dir", str(run_dir), "--resume"], capture_output=True,
-                           text=True, env=env(), timeout=300)
+    again = subprocess.run(
+        [str(ROOT / "run.sh"), "--run-dir", str(run_dir), "--resume"],
+        capture_output=True,
+        text=True,
+        env=env(),
+        timeout=300,
+    )
     assert again.returncode == 0 and "nothing to train: the newest checkpoint is step 32 of 32" in again.stdout
 
 
 def static_run(tokens, train, until: int) -> list[float]:
     """Steps 1..until of `train` in one plain process, layout 1,1,1."""
+
     def job(rank, world):
         layout = Layout(1, 1, 1, train.global_batch, 1)
         records = run_job(DEFAULT.model, train, layout, torch.device("cpu"), tokens=tokens, until=until).records
@@ -206,22 +230,34 @@ def test_lost_host_then_back(tmp_path, data_cache, sotu_tokens):
     re-plan for 4 and resume from that save. Every step on the single-process trajectory; every sample once."""
     run_dir = tmp_path / "lost"
     argv = launch_argv(run_dir, "127.0.0.1 slots=2\n127.0.0.2 slots=2\n", "--schedule", "none", cache=data_cache)
-    proc = subprocess.Popen([*argv, "--save-every", "2", "--steps", "400"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env())
+    proc = subprocess.Popen(
+        [*argv, "--save-every", "2", "--steps", "400"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env(),
+    )
     joiner = None
     try:
         wait_for(run_dir, proc, lambda r: r["step"] >= 5)
         assert "(host 0): ranks 0-1 of 4" in (run_dir / "hosts" / "127.0.0.1.log").read_text()
         agent = agent_of("127.0.0.1")
         command = Path(f"/proc/{agent}/cmdline").read_bytes().decode().split("\0")[:-1]
-        environ = dict(kv.split("=", 1) for kv in Path(f"/proc/{agent}/environ").read_bytes().decode().split("\0")
-                       if "=" in kv)
+        environ = dict(
+            kv.split("=", 1) for kv in Path(f"/proc/{agent}/environ").read_bytes().decode().split("\0") if "=" in kv
+        )
         killed = time.time()
         os.kill(agent, signal.SIGKILL)  # the host is gone: its workers die with their agent
         wait_for(run_dir, proc, lambda r: r["world_size"] == 2)
         alone = [e for e in read_jsonl(run_dir / "events.jsonl") if e["time"] >= killed]
-        joiner = subprocess.Popen(command, env=environ, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                  stdin=subprocess.PIPE, start_new_session=True)  # the host is back
+        joiner = subprocess.Popen(
+            command,
+            env=environ,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            stdin=subprocess.PIPE,
+            start_new_session=True,
+        )  # the host is back
         back = time.time()
         wait_for(run_dir, proc, lambda r: r["world_size"] == 4 and r["time"] > back)
         (run_dir / "stop").touch()
@@ -260,8 +296,13 @@ def test_lost_host_then_back(tmp_path, data_cache, sotu_tokens):
 
 def dry_run_plans(argv: list[str]) -> list[str]:
     """The `[plan] ...` line of each phase a dry run of `argv` prints."""
-    out = subprocess.run([*argv[:argv.index("--")], "--dry-run", *argv[argv.index("--"):]], capture_output=True,
-                         text=True, env=env(), timeout=120)
+    out = subprocess.run(
+        [*argv[: argv.index("--")], "--dry-run", *argv[argv.index("--") :]],
+        capture_output=True,
+        text=True,
+        env=env(),
+        timeout=120,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     return [line.split("[plan] ", 1)[1] for line in out.stdout.splitlines() if "[plan] " in line]
 
@@ -274,18 +315,29 @@ def test_any_gpu_count_runs_as_the_dry_run_said(tmp_path, data_cache, sotu_token
     (no rank plans), and the flags are parsed once, by the launcher."""
     run_dir = tmp_path / "counts"
     counts = tmp_path / "counts.txt"
-    argv = launch_argv(run_dir, "localhost slots=8\n", "--schedule",
-                       schedule(tmp_path / "s.json", (8, 2), (5, 2), (7, 2), (3, 2)), cache=data_cache)
+    argv = launch_argv(
+        run_dir,
+        "localhost slots=8\n",
+        "--schedule",
+        schedule(tmp_path / "s.json", (8, 2), (5, 2), (7, 2), (3, 2)),
+        cache=data_cache,
+    )
     argv += ["--global-batch", "12", "--steps", "8", "--hardware", "h100-80g"]
     said = dry_run_plans(argv)
     shm = tmp_path / "shm"
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600,
-                          env=dict(env(), ELASTIC_TRAINER_TEST_COUNTS=str(counts), ELASTIC_TRAINER_SHM_DIR=str(shm)))
+    proc = subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(env(), ELASTIC_TRAINER_TEST_COUNTS=str(counts), ELASTIC_TRAINER_SHM_DIR=str(shm)),
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     spec = json.loads((run_dir / "job.json").read_text())
     assert spec["hardware"]["name"] == "h100-80g" and spec["built_by"] == "launch"
-    planned = sorted((e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "planned"),
-                     key=lambda e: e["phase"])  # a next world plans while the current one trains
+    planned = sorted(
+        (e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "planned"), key=lambda e: e["phase"]
+    )  # a next world plans while the current one trains
     assert [e["source"] for e in planned] == ["spec"] * 4
     assert [(e["held"], e["idle"]) for e in planned] == [(8, 0), (5, 1), (7, 1), (3, 0)]
     assert [e["layout"] for e in planned] == [p["layout"] for p in spec["phases"]]
@@ -319,8 +371,13 @@ def test_uneven_hosts_leave_a_gpu_idle_then_lose_one(tmp_path, data_cache, sotu_
     hosts they really have (saying why) and resume from the last periodic checkpoint, on the trajectory."""
     run_dir = tmp_path / "uneven"
     argv = launch_argv(run_dir, "127.0.0.1 slots=3\n127.0.0.2 slots=2\n", "--schedule", "none", cache=data_cache)
-    proc = subprocess.Popen([*argv, "--save-every", "2", "--steps", "400", "--global-batch", "12", "--hardware",
-                             "h100-80g"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env())
+    proc = subprocess.Popen(
+        [*argv, "--save-every", "2", "--steps", "400", "--global-batch", "12", "--hardware", "h100-80g"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env(),
+    )
     try:
         wait_for(run_dir, proc, lambda r: r["step"] >= 3)
         os.kill(agent_of("127.0.0.2"), signal.SIGKILL)
@@ -356,16 +413,37 @@ def test_second_host_through_ssh_saves_when_the_launcher_dies(tmp_path, data_cac
         pytest.skip(reason)
     with sshd(str(tmp_path / "sshd")) as server:
         run_dir = tmp_path / "ssh"
-        ssh = ["--force-ssh", server.host, "--ssh-port", str(server.port), "--ssh-identity", server.identity,
-               "--ssh-config", "/dev/null", "--ssh-option", f"UserKnownHostsFile={server.known_hosts}",
-               "--ssh-option", "StrictHostKeyChecking=yes", "--ssh-option", "IdentityAgent=none"]
+        ssh = [
+            "--force-ssh",
+            server.host,
+            "--ssh-port",
+            str(server.port),
+            "--ssh-identity",
+            server.identity,
+            "--ssh-config",
+            "/dev/null",
+            "--ssh-option",
+            f"UserKnownHostsFile={server.known_hosts}",
+            "--ssh-option",
+            "StrictHostKeyChecking=yes",
+            "--ssh-option",
+            "IdentityAgent=none",
+        ]
 
         def argv(*extra: str) -> list[str]:
-            return launch_argv(run_dir, f"127.0.0.1 slots=2\n{server.host} slots=2\n", "--schedule",
-                               schedule(tmp_path / "s.json", (4, 12)), *ssh, *extra, cache=data_cache)
+            return launch_argv(
+                run_dir,
+                f"127.0.0.1 slots=2\n{server.host} slots=2\n",
+                "--schedule",
+                schedule(tmp_path / "s.json", (4, 12)),
+                *ssh,
+                *extra,
+                cache=data_cache,
+            )
 
-        proc = subprocess.Popen(argv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env(),
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            argv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env(), start_new_session=True
+        )
         try:
             wait_for_step(run_dir, proc, 3)
             log = (run_dir / "launch.log").read_text()
@@ -374,7 +452,7 @@ def test_second_host_through_ssh_saves_when_the_launcher_dies(tmp_path, data_cac
             proc.kill()
             proc.wait(timeout=30)
             deadline = time.monotonic() + 120
-            while processes(f"--local-addr\x00{server.host}\x00") or processes(f"--local-addr\x00127.0.0.1\x00"):
+            while processes(f"--local-addr\x00{server.host}\x00") or processes("--local-addr\x00127.0.0.1\x00"):
                 assert time.monotonic() < deadline, "the job's processes outlived the launcher"
                 time.sleep(0.2)
         finally:
@@ -397,8 +475,9 @@ def test_crash_then_resume(tmp_path, data_cache, reference):
     def argv(*extra: str) -> list[str]:
         return [*launch_argv(run_dir, hosts, "--schedule", phases, *extra, cache=data_cache), "--save-every", "2"]
 
-    proc = subprocess.Popen(argv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(),
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        argv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(), start_new_session=True
+    )
     try:
         wait_for_step(run_dir, proc, 13)
         tree = [proc.pid, *descendants(proc.pid)]
@@ -416,8 +495,11 @@ def test_crash_then_resume(tmp_path, data_cache, reference):
     kept = assert_on_trajectory(run_dir, reference, 32)
     assert before >= 13 and {r["world_size"] for r in kept if r["step"] > 10} == {4}
     # the crash is a segment boundary of its own, with its downtime and the steps trained twice
-    rows = [[c.strip() for c in line.split("  ") if c.strip()]
-            for line in resumed.stdout[resumed.stdout.index("phases:"):].splitlines()[2:] if line[:1].isdigit()]
+    rows = [
+        [c.strip() for c in line.split("  ") if c.strip()]
+        for line in resumed.stdout[resumed.stdout.index("phases:") :].splitlines()[2:]
+        if line[:1].isdigit()
+    ]
     resumed_at = next(r["step"] for r in kept if r["step"] > 10 and r["start"] != kept[10]["start"])
     assert [r[:2] for r in rows] == [["1", "2"], ["2", "4"], ["2 (resumed)", "4"]]
     assert rows[2][3] == f"{resumed_at}-32" and float(rows[2][5]) > 0 and rows[2][7] == str(before - resumed_at + 1)
@@ -453,10 +535,18 @@ def test_timed_phases_stop_on_request(tmp_path, data_cache, reference):
     (hook / "sitecustomize.py").write_text(PACE_HOOK)
     # paced: at 0.13 s a step the 2-rank phase alone reached the job's last step in its 7 s, leaving the 4-rank
     # phase nothing to train; at >= 0.3 s the 32 steps outlast the first phase on any machine that starts in 7 s
-    paced = {**env(), "ET_TEST_STEP_AT_LEAST_S": "0.3",
-             "PYTHONPATH": os.pathsep.join([str(hook), env().get("PYTHONPATH", "")])}
-    proc = subprocess.run(launch_argv(run_dir, "localhost slots=4\n", "--schedule", str(timed), cache=data_cache),
-                          capture_output=True, text=True, env=paced, timeout=300)
+    paced = {
+        **env(),
+        "ET_TEST_STEP_AT_LEAST_S": "0.3",
+        "PYTHONPATH": os.pathsep.join([str(hook), env().get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        launch_argv(run_dir, "localhost slots=4\n", "--schedule", str(timed), cache=data_cache),
+        capture_output=True,
+        text=True,
+        env=paced,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     kept = effective(metrics(run_dir))
     steps = kept[-1]["step"]
@@ -497,10 +587,12 @@ def test_failing_rank_names_itself_in_the_launch_log(tmp_path, data_cache, sotu_
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(CRASH_HOOK)
     run_dir = tmp_path / "failing"
-    argv = launch_argv(run_dir, "localhost slots=2\n", "--schedule", "none", "--max-restarts", "0",
-                       cache=data_cache)
-    crash_env = {**env(), "ET_TEST_CRASH_AT_STEP": "2",
-                 "PYTHONPATH": os.pathsep.join([str(hook), env().get("PYTHONPATH", "")])}
+    argv = launch_argv(run_dir, "localhost slots=2\n", "--schedule", "none", "--max-restarts", "0", cache=data_cache)
+    crash_env = {
+        **env(),
+        "ET_TEST_CRASH_AT_STEP": "2",
+        "PYTHONPATH": os.pathsep.join([str(hook), env().get("PYTHONPATH", "")]),
+    }
     proc = subprocess.run(argv, capture_output=True, text=True, env=crash_env, timeout=300)
     assert proc.returncode == 1, proc.stdout[-3000:]
     log = (run_dir / "launch.log").read_text()
@@ -509,17 +601,25 @@ def test_failing_rank_names_itself_in_the_launch_log(tmp_path, data_cache, sotu_
     assert "phase 1 failed on every host (agent on localhost: exit code 1)" in proc.stdout
 
 
-@pytest.mark.parametrize("line, message", [
-    ("a slots=0\n", "hosts.txt:1: slots='0' must be positive"),
-    ("a; touch {marker}\n", "hosts.txt:1: 'a;' is not a valid hostname or IP address"),
-    ("$(touch {marker}) slots=2\n", "hosts.txt:1: '$(touch' is not a valid hostname or IP address"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("a slots=0\n", "hosts.txt:1: slots='0' must be positive"),
+        ("a; touch {marker}\n", "hosts.txt:1: 'a;' is not a valid hostname or IP address"),
+        ("$(touch {marker}) slots=2\n", "hosts.txt:1: '$(touch' is not a valid hostname or IP address"),
+    ],
+)
 def test_run_sh_refuses_a_bad_hosts_file_in_one_line(tmp_path, line, message):
     marker = tmp_path / "pwned"
     hosts = tmp_path / "hosts.txt"
     hosts.write_text(line.format(marker=marker))
-    proc = subprocess.run([str(ROOT / "run.sh"), "--hosts", str(hosts), "--run-dir", str(tmp_path / "run")],
-                          capture_output=True, text=True, env=env(), timeout=120)
+    proc = subprocess.run(
+        [str(ROOT / "run.sh"), "--hosts", str(hosts), "--run-dir", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        env=env(),
+        timeout=120,
+    )
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and message in proc.stderr and "Traceback" not in proc.stderr
     assert not marker.exists() and not (tmp_path / "run").exists()

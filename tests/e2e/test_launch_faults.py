@@ -22,8 +22,17 @@ from elastic_trainer.checkpoint import storage
 from elastic_trainer.checkpoint.faults import FAULT_ENV
 from elastic_trainer.elastic.events import read_jsonl
 from elastic_trainer.elastic.report import effective
-from tests.e2e.test_launch import (DEFAULT, assert_on_trajectory, descendants, env, launch_argv, metrics, processes,
-                                   static_run, wait_for)
+from tests.e2e.test_launch import (
+    DEFAULT,
+    assert_on_trajectory,
+    descendants,
+    env,
+    launch_argv,
+    metrics,
+    processes,
+    static_run,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 STEPS = 12
@@ -58,13 +67,22 @@ def test_launcher_death_saves_the_step_in_flight(sig, tmp_path, data_cache, refe
     run_dir = tmp_path / "run"
 
     def argv(*extra: str) -> list[str]:
-        return [*launch_argv(run_dir, "localhost slots=2\n", "--schedule", "none", *extra, cache=data_cache),
-                "--steps", str(STEPS)]
+        return [
+            *launch_argv(run_dir, "localhost slots=2\n", "--schedule", "none", *extra, cache=data_cache),
+            "--steps",
+            str(STEPS),
+        ]
 
     # SIGHUP as a terminal sends it, even when this suite runs under nohup (which the launcher would inherit
     # and rightly take as "keep running")
-    proc = subprocess.Popen(argv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env(),
-                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        argv(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env(),
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),
+    )
     try:
         wait_for(run_dir, proc, lambda r: r["step"] >= 4)
         tree = [proc.pid, *descendants(proc.pid)]
@@ -80,8 +98,9 @@ def test_launcher_death_saves_the_step_in_flight(sig, tmp_path, data_cache, refe
     assert [p.name for p in saved] == [storage.step_dirname(trained)]  # the step in flight, nothing lost
     events = read_jsonl(run_dir / "events.jsonl")
     stopping = [e for e in events if e["event"] == "stopping"]
-    assert len(stopping) == 1 and stopping[0]["reason"] == ("SIGTERM" if sig == signal.SIGKILL else
-                                                            f"stop file {run_dir / 'stop'}")
+    assert len(stopping) == 1 and stopping[0]["reason"] == (
+        "SIGTERM" if sig == signal.SIGKILL else f"stop file {run_dir / 'stop'}"
+    )
     log = (run_dir / "hosts" / "localhost.log").read_text()
     assert f"[checkpoint] step {trained} saved to" in log and "BrokenPipeError" not in log
     if sig == signal.SIGHUP:  # the launcher itself lived on, wrote its log and said how to go on
@@ -89,7 +108,7 @@ def test_launcher_death_saves_the_step_in_flight(sig, tmp_path, data_cache, refe
     resumed = subprocess.run(argv("--resume"), capture_output=True, text=True, env=env(), timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-4000:]
     assert_on_trajectory(run_dir, reference, STEPS)
-    table = resumed.stdout[resumed.stdout.index("phases:"):].splitlines()
+    table = resumed.stdout[resumed.stdout.index("phases:") :].splitlines()
     assert [line.split()[:3] for line in table[2:4]] == [["1", "2", "dp2"], ["1", "(resumed)", "2"]]
     assert not processes(str(run_dir))
 
@@ -102,8 +121,13 @@ def test_kills_inside_the_commit_resume_the_newest_complete_checkpoint(tmp_path,
     run_dir = tmp_path / "commit"
     argv = launch_argv(run_dir, "localhost slots=2\n", "--schedule", "none", cache=data_cache)
     faults = f"written:4:{tmp_path / 'written.fired'},renamed:8:{tmp_path / 'renamed.fired'}"
-    proc = subprocess.run([*argv, "--save-every", "2", "--steps", str(STEPS)], capture_output=True, text=True,
-                          timeout=300, env={**env(), FAULT_ENV: faults})
+    proc = subprocess.run(
+        [*argv, "--save-every", "2", "--steps", str(STEPS)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env(), FAULT_ENV: faults},
+    )
     assert proc.returncode == 0, proc.stdout[-4000:]
     for point, step in (("written", 4), ("renamed", 8)):
         assert (tmp_path / f"{point}.fired").exists()

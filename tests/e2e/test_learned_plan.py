@@ -18,8 +18,13 @@ pytestmark = pytest.mark.slow
 
 def test_a_phase_on_hosts_seen_before_plans_with_what_the_job_measured_there(tmp_path, data_cache, reference):
     run_dir = tmp_path / "learned"
-    argv = launch_argv(run_dir, "localhost slots=4\n", "--schedule", schedule(tmp_path / "s.json", (4, 4), (2, 6), (4, 4)),
-                       cache=data_cache)
+    argv = launch_argv(
+        run_dir,
+        "localhost slots=4\n",
+        "--schedule",
+        schedule(tmp_path / "s.json", (4, 4), (2, 6), (4, 4)),
+        cache=data_cache,
+    )
     proc = subprocess.run(argv, capture_output=True, text=True, env=env(), timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert_on_trajectory(run_dir, reference, 14)
@@ -29,7 +34,7 @@ def test_a_phase_on_hosts_seen_before_plans_with_what_the_job_measured_there(tmp
     planned = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "planned"]
     assert [e["source"] for e in planned] == ["spec", "spec", "planned"]  # phase 2's hosts were new to the job
     assert planned[2]["reason"] == "with the step times and memory this job measured on these hosts"
-    line = next(l for l in proc.stdout.splitlines() if "[plan]" in l and "measured by this job" in l)
+    line = next(ln for ln in proc.stdout.splitlines() if "[plan]" in ln and "measured by this job" in ln)
     first = Layout(**records[0]["layout"])
     if Layout(**planned[2]["layout"]) == first:  # kept: its figure is phase 1's measurement, not a prediction
         assert f"measured {records[0]['step_s']:.3f} s/step by an earlier start" in line

@@ -18,8 +18,14 @@ import pytest
 
 from elastic_trainer.elastic.events import read_jsonl
 from elastic_trainer.elastic.report import effective
-from tests.e2e.test_handover import _wait_event, assert_nothing_left, assert_on_trajectory, durable_reads, events, \
-    job_env
+from tests.e2e.test_handover import (
+    _wait_event,
+    assert_nothing_left,
+    assert_on_trajectory,
+    durable_reads,
+    events,
+    job_env,
+)
 from tests.e2e.test_launch import DEFAULT, launch_argv, metrics, schedule, static_run
 
 pytestmark = pytest.mark.slow
@@ -30,13 +36,15 @@ takes 4-6 s, which at 0.2 s per step (this machine on 2026-11-28, planned with i
 steps."""
 
 
-def start(tmp_path: Path, data_cache: str, hosts: str, *argv: str, steps: int = STEPS
-          ) -> tuple[subprocess.Popen, Path, Path]:
+def start(
+    tmp_path: Path, data_cache: str, hosts: str, *argv: str, steps: int = STEPS
+) -> tuple[subprocess.Popen, Path, Path]:
     run_dir = tmp_path / "job"
     phases = schedule(tmp_path / "s.json", (4, steps))  # one phase of 4 ranks: only the hosts change it
     cmd = [*launch_argv(run_dir, hosts, "--schedule", phases, *argv, cache=data_cache), "--steps", str(steps)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=job_env(tmp_path),
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=job_env(tmp_path), start_new_session=True
+    )
     return proc, run_dir, run_dir.parent / "job-hosts.txt"
 
 
@@ -96,21 +104,27 @@ def test_a_host_leaves_on_notice_and_another_joins(tmp_path, data_cache, sotu_to
     assert durable_reads(tmp_path) == 0
     changed = events(run_dir, "hosts_changed")
     assert ["gave notice" in changed[0]["why"], "127.0.0.3 joined the hosts file" in changed[1]["why"]] == [True] * 2
-    assert [e["hosts"] for e in events(run_dir, "launched")] == [[["127.0.0.1", 2], ["127.0.0.2", 2]], [["127.0.0.1", 2]],
-                                              [["127.0.0.1", 2], ["127.0.0.3", 2]]]
+    assert [e["hosts"] for e in events(run_dir, "launched")] == [
+        [["127.0.0.1", 2], ["127.0.0.2", 2]],
+        [["127.0.0.1", 2]],
+        [["127.0.0.1", 2], ["127.0.0.3", 2]],
+    ]
     exits = [e for e in events(run_dir, "exited") if "127.0.0.2" in e["codes"]]
     assert exits == [exits[0]] and exits[0]["codes"]["127.0.0.2"] == 0, exits
     assert "127.0.0.2 gave notice" in out and "re-formed on 127.0.0.1:2" in out
-    assert [line.split()[3:5] for line in out.splitlines() if line.startswith("1 (new hosts)")] == \
-        [["2", "dp2"], ["4", "dp4"]]
+    assert [line.split()[3:5] for line in out.splitlines() if line.startswith("1 (new hosts)")] == [
+        ["2", "dp2"],
+        ["4", "dp4"],
+    ]
     assert_nothing_left(tmp_path, run_dir)
 
 
 def test_without_warm_starts_a_host_removed_from_the_file_costs_a_restart(tmp_path, data_cache, sotu_tokens):
     """--no-warm-start: 127.0.0.2 is removed from the hosts file; the ranks save to the checkpoint folder and
     exit, and the phase starts again on 127.0.0.1 alone from there. No step is lost or trained twice."""
-    proc, run_dir, hosts_file = start(tmp_path, data_cache, "127.0.0.1 slots=2\n127.0.0.2 slots=2\n",
-                                      "--no-warm-start", steps=24)
+    proc, run_dir, hosts_file = start(
+        tmp_path, data_cache, "127.0.0.1 slots=2\n127.0.0.2 slots=2\n", "--no-warm-start", steps=24
+    )
     wait_step(run_dir, proc, 3)
     tmp = hosts_file.with_suffix(".new")
     tmp.write_text("127.0.0.1 slots=2\n")

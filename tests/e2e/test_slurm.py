@@ -25,8 +25,8 @@ import pytest
 
 from elastic_trainer.checkpoint import storage
 from elastic_trainer.elastic.events import read_jsonl
-from elastic_trainer.elastic.report import effective, samples_consumed_once
 from elastic_trainer.elastic.exit_codes import EXIT_STOPPED
+from elastic_trainer.elastic.report import effective, samples_consumed_once
 from tests.e2e.test_launch import DEFAULT, processes, static_run
 from tests.slurm import ensure_slurm, slurm_cluster
 
@@ -53,13 +53,40 @@ def cluster(tmp_path_factory):
 
 
 def submit(cluster, run_dir: Path, nodes: int, cpus: int, cache: str, log: Path) -> str:
-    train = ["--model", DEFAULT.model.name, "--seed", str(DEFAULT.train.seed),
-             "--global-batch", str(DEFAULT.train.global_batch), "--seq-len", str(DEFAULT.train.seq_len),
-             "--lr", str(DEFAULT.train.lr), "--warmup-steps", str(DEFAULT.train.warmup_steps),
-             "--steps", str(STEPS), "--save-every", "3", "--keep", "0", "--data-cache", cache]
+    train = [
+        "--model",
+        DEFAULT.model.name,
+        "--seed",
+        str(DEFAULT.train.seed),
+        "--global-batch",
+        str(DEFAULT.train.global_batch),
+        "--seq-len",
+        str(DEFAULT.train.seq_len),
+        "--lr",
+        str(DEFAULT.train.lr),
+        "--warmup-steps",
+        str(DEFAULT.train.warmup_steps),
+        "--steps",
+        str(STEPS),
+        "--save-every",
+        "3",
+        "--keep",
+        "0",
+        "--data-cache",
+        cache,
+    ]
     env = cluster.env(ET_ROOT=str(ROOT), ET_RUN_DIR=str(run_dir), OMP_NUM_THREADS="1")
-    out = cluster.run("sbatch", "--parsable", f"--nodes={nodes}", f"--cpus-per-task={cpus}", f"--output={log}",
-                      "--job-name=et-test", str(SCRIPT), *train, env=env)
+    out = cluster.run(
+        "sbatch",
+        "--parsable",
+        f"--nodes={nodes}",
+        f"--cpus-per-task={cpus}",
+        f"--output={log}",
+        "--job-name=et-test",
+        str(SCRIPT),
+        *train,
+        env=env,
+    )
     return out.stdout.strip().split(";")[0]
 
 
@@ -79,9 +106,11 @@ def wait_until(check, what: str, cluster, job: str, log: Path, timeout: float = 
             return got
         if time.monotonic() > deadline:
             state = cluster.job(job)
-            raise AssertionError(f"timed out waiting for {what}; job {job}: {state.get('JobState')} "
-                                 f"{state.get('Reason')}\n{log.read_text()[-4000:] if log.exists() else ''}\n"
-                                 f"{cluster.log('slurmd')[-2000:]}")
+            raise AssertionError(
+                f"timed out waiting for {what}; job {job}: {state.get('JobState')} "
+                f"{state.get('Reason')}\n{log.read_text()[-4000:] if log.exists() else ''}\n"
+                f"{cluster.log('slurmd')[-2000:]}"
+            )
         time.sleep(0.2)
 
 
@@ -94,8 +123,9 @@ def newest_checkpoint(folder: Path) -> int:
     return int(found[0].name.split("-")[1]) if found else 0
 
 
-def test_slurm_job_requeued_resubmitted_smaller_and_stopped_at_the_time_limit(cluster, tmp_path, data_cache,
-                                                                              sotu_tokens):
+def test_slurm_job_requeued_resubmitted_smaller_and_stopped_at_the_time_limit(
+    cluster, tmp_path, data_cache, sotu_tokens
+):
     run_dir = tmp_path / "run"
     checkpoints = run_dir / "checkpoints"
     log_a, log_b = tmp_path / "job-a.out", tmp_path / "job-b.out"
@@ -108,8 +138,13 @@ def test_slurm_job_requeued_resubmitted_smaller_and_stopped_at_the_time_limit(cl
         assert [r["world_size"] for r in metrics(run_dir)][:7] == [4] * 7
         cluster.run("scontrol", "requeue", job_a)
         before = len(metrics(run_dir))
-        wait_until(lambda: cluster.job(job_a).get("Restarts") == "1" and
-                   cluster.job(job_a).get("JobState") == "RUNNING", "job A to run again", cluster, job_a, log_a)
+        wait_until(
+            lambda: cluster.job(job_a).get("Restarts") == "1" and cluster.job(job_a).get("JobState") == "RUNNING",
+            "job A to run again",
+            cluster,
+            job_a,
+            log_a,
+        )
         loads = lambda: [e for e in events(run_dir, "state_loaded") if e["load"]]  # noqa: E731
         wait_until(lambda: loads(), "job A to resume", cluster, job_a, log_a)
         resumed = loads()[0]
@@ -118,15 +153,33 @@ def test_slurm_job_requeued_resubmitted_smaller_and_stopped_at_the_time_limit(cl
         # Slurm's SIGTERM reached the ranks, which saved the step they ended on; the job resumed from it
         assert resumed["step"] == last_before and stop["reason"] == "SIGTERM", (resumed, stop)
         assert f"[train] stopped after step {last_before} (SIGTERM)" in log_a.read_text()
-        assert resumed["load"]["saved_layout"]["dp"] * resumed["load"]["saved_layout"]["tp"] * \
-            resumed["load"]["saved_layout"]["pp"] == 4
-        wait_until(step_reached(run_dir, resumed["step"] + 4, since=before), "job A's steps after the requeue",
-                   cluster, job_a, log_a)
+        assert (
+            resumed["load"]["saved_layout"]["dp"]
+            * resumed["load"]["saved_layout"]["tp"]
+            * resumed["load"]["saved_layout"]["pp"]
+            == 4
+        )
+        wait_until(
+            step_reached(run_dir, resumed["step"] + 4, since=before),
+            "job A's steps after the requeue",
+            cluster,
+            job_a,
+            log_a,
+        )
 
         # -- cancelled, then submitted again on 1 node x 2 ranks ----------------------------------------------
         cluster.run("scancel", job_a)
-        wait_until(lambda: cluster.job(job_a).get("JobState") in ("CANCELLED", "COMPLETED", "FAILED", None)
-                   and not processes(str(checkpoints)), "job A to end", cluster, job_a, log_a, timeout=120)
+        wait_until(
+            lambda: (
+                cluster.job(job_a).get("JobState") in ("CANCELLED", "COMPLETED", "FAILED", None)
+                and not processes(str(checkpoints))
+            ),
+            "job A to end",
+            cluster,
+            job_a,
+            log_a,
+            timeout=120,
+        )
         a_last = newest_checkpoint(checkpoints)
         before_b = len(metrics(run_dir))
         job_b = submit(cluster, run_dir, 1, 2, data_cache, log_b)
@@ -141,8 +194,14 @@ def test_slurm_job_requeued_resubmitted_smaller_and_stopped_at_the_time_limit(cl
 
         # -- the time-limit warning: save, exit 3 --------------------------------------------------------------
         cluster.run("scancel", "--batch", "--signal=USR1", job_b)
-        wait_until(lambda: cluster.job(job_b).get("JobState") in ("COMPLETED", "FAILED"), "job B to stop",
-                   cluster, job_b, log_b, timeout=180)
+        wait_until(
+            lambda: cluster.job(job_b).get("JobState") in ("COMPLETED", "FAILED"),
+            "job B to stop",
+            cluster,
+            job_b,
+            log_b,
+            timeout=180,
+        )
         state = cluster.job(job_b)
         assert state["ExitCode"] == f"{EXIT_STOPPED}:0", (state, log_b.read_text()[-3000:])
         assert state["JobState"] == "FAILED"  # Slurm's word for a non-zero exit; the code says "stopped"

@@ -35,8 +35,9 @@ def test_ssh_round_trip_and_cleanup(tmp_path):
         assert r.returncode == 255 and "Permission denied" in r.stderr, r.stderr
 
         # a detached remote process outlives its ssh session; the context's cleanup must still kill it
-        r = subprocess.run([*base, "sleep 300 </dev/null >/dev/null 2>&1 & echo $!"],
-                           capture_output=True, text=True, timeout=30)
+        r = subprocess.run(
+            [*base, "sleep 300 </dev/null >/dev/null 2>&1 & echo $!"], capture_output=True, text=True, timeout=30
+        )
         orphan = int(r.stdout)
         assert alive(pid) and alive(orphan)
     assert not alive(pid)

@@ -24,6 +24,8 @@ def group():
     finally:
         torch.random.set_rng_state(rng)
         dist.destroy_process_group()
-        gc.collect()  # groups a test left in reference cycles: their gloo threads must not outlive it (a later fork would inherit them)
+        # groups a test left in reference cycles: their gloo threads must not outlive it (a later fork would
+        # inherit them)
+        gc.collect()
         if set_env:
             del os.environ["GLOO_SOCKET_IFNAME"]

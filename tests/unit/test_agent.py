@@ -22,6 +22,7 @@ def test_a_signal_ends_the_agent_with_one_line_and_128_plus_its_number(monkeypat
     def launch(config, entrypoint):
         def run(*args):
             raise SignalException(f"Process 1 got signal: {int(sig)}", sigval=sig)
+
         return run
 
     monkeypatch.setattr(launcher_api, "elastic_launch", launch)
@@ -31,18 +32,21 @@ def test_a_signal_ends_the_agent_with_one_line_and_128_plus_its_number(monkeypat
     assert err == f"[agent] stopped by {sig.name}: the ranks were asked to save after their current step\n"
 
 
-@pytest.mark.parametrize("status, reason, torchelastic, peer_env, code", [
-    ("finished", None, False, None, 0),
-    ("finished", None, True, "rejoin", 0),
-    ("stopped", "SIGTERM", False, None, 3),          # a plain process: stopped after saving
-    ("stopped", PEER_REASON, False, "rejoin", 3),    # ... whatever the reason
-    ("stopped", "SIGTERM", True, None, 0),           # under torchrun: 0, or the agent restarts it in the old size
-    ("stopped", "SIGTERM", True, "rejoin", 0),       # asked itself: its agent is stopping too
-    ("stopped", PEER_REASON, True, None, 0),         # the launcher's contract (no rejoin asked)
-    ("stopped", PEER_REASON, True, "rejoin", EXIT_REJOIN),  # a scale-down elsewhere: re-form in the new size
-    ("stopped", PEER_REASON, True, "other", 0),
-    ("stopped", "until step 5", True, "rejoin", 0),
-])
+@pytest.mark.parametrize(
+    "status, reason, torchelastic, peer_env, code",
+    [
+        ("finished", None, False, None, 0),
+        ("finished", None, True, "rejoin", 0),
+        ("stopped", "SIGTERM", False, None, 3),  # a plain process: stopped after saving
+        ("stopped", PEER_REASON, False, "rejoin", 3),  # ... whatever the reason
+        ("stopped", "SIGTERM", True, None, 0),  # under torchrun: 0, or the agent restarts it in the old size
+        ("stopped", "SIGTERM", True, "rejoin", 0),  # asked itself: its agent is stopping too
+        ("stopped", PEER_REASON, True, None, 0),  # the launcher's contract (no rejoin asked)
+        ("stopped", PEER_REASON, True, "rejoin", EXIT_REJOIN),  # a scale-down elsewhere: re-form in the new size
+        ("stopped", PEER_REASON, True, "other", 0),
+        ("stopped", "until step 5", True, "rejoin", 0),
+    ],
+)
 def test_the_restart_contract(monkeypatch, status, reason, torchelastic, peer_env, code):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     if torchelastic:
@@ -63,10 +67,18 @@ def test_the_exit_codes_and_the_error_mark_are_defined_in_one_module():
     assigned = []
     for path in package.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-                node, ast.AnnAssign) else []
-            assigned += [(path.relative_to(package).as_posix(), t.id) for t in targets
-                         if isinstance(t, ast.Name) and t.id in names]
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, ast.AnnAssign)
+                else []
+            )
+            assigned += [
+                (path.relative_to(package).as_posix(), t.id)
+                for t in targets
+                if isinstance(t, ast.Name) and t.id in names
+            ]
     assert sorted(assigned) == sorted(("elastic/exit_codes.py", n) for n in names)
     assert (agent.EXIT_BAD_INPUT, EXIT_REJOIN) == (2, 75)
 
@@ -75,8 +87,15 @@ def test_the_exit_codes_and_the_error_mark_are_defined_in_one_module():
 def test_the_agent_quiets_only_the_failures_that_are_not_errors(code, shown):
     import logging
 
-    record = logging.LogRecord("torch.distributed.elastic.multiprocessing.api", logging.ERROR, __file__, 1,
-                               f"failed (exitcode: {code}) local_rank: 0 (pid: 1) of fn: worker", None, None)
+    record = logging.LogRecord(
+        "torch.distributed.elastic.multiprocessing.api",
+        logging.ERROR,
+        __file__,
+        1,
+        f"failed (exitcode: {code}) local_rank: 0 (pid: 1) of fn: worker",
+        None,
+        None,
+    )
     assert agent._quiet_bad_input(record) is shown
 
 
@@ -89,17 +108,20 @@ def _failure(local_rank: int, exitcode: int, message: str, timestamp: int):
     return failure
 
 
-@pytest.mark.parametrize("failures, line", [
-    # both ranks failed on bad input and rank 1's error file came first: rank 0 printed its own; nothing more
-    ({0: (0, 2, "rank 0's line", 2), 1: (1, 2, "rank 1's line", 1)}, None),
-    ({0: (0, 2, "rank 0's line", 1), 1: (1, 2, "rank 1's line", 2)}, None),
-    # only rank 1 had bad input (rank 0 was stopped by the agent): its line has not been seen
-    ({0: (0, -15, "", 2), 1: (1, 2, "rank 1's line", 1)}, "rank 1's line"),
-    # both had it, and the agent stopped rank 0 after it printed (its error file, written after the line, has it)
-    # but before it exited with the code: seen once in CI as the line printed twice
-    ({0: (0, -15, "elastic-trainer: error: the line", 2), 1: (1, 2, "elastic-trainer: error: the line", 1)}, None),
-    ({1: (1, 2, "rank 1's line", 1)}, "rank 1's line"),
-])
+@pytest.mark.parametrize(
+    "failures, line",
+    [
+        # both ranks failed on bad input and rank 1's error file came first: rank 0 printed its own; nothing more
+        ({0: (0, 2, "rank 0's line", 2), 1: (1, 2, "rank 1's line", 1)}, None),
+        ({0: (0, 2, "rank 0's line", 1), 1: (1, 2, "rank 1's line", 2)}, None),
+        # only rank 1 had bad input (rank 0 was stopped by the agent): its line has not been seen
+        ({0: (0, -15, "", 2), 1: (1, 2, "rank 1's line", 1)}, "rank 1's line"),
+        # both had it, and the agent stopped rank 0 after it printed (its error file, written after the line, has it)
+        # but before it exited with the code: seen once in CI as the line printed twice
+        ({0: (0, -15, "elastic-trainer: error: the line", 2), 1: (1, 2, "elastic-trainer: error: the line", 1)}, None),
+        ({1: (1, 2, "rank 1's line", 1)}, "rank 1's line"),
+    ],
+)
 def test_the_bad_input_line_is_printed_once(failures, line):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -107,10 +129,13 @@ def test_the_bad_input_line_is_printed_once(failures, line):
     assert agent._failure_line(error) == (2, line)
 
 
-@pytest.mark.parametrize("failures", [
-    {0: (0, 2, "rank 0's line", 1), 1: (1, 2, "rank 1's line", 2)},
-    {1: (1, 2, "rank 1's line", 1)},  # rank 0 stopped by the agent after rank 1 failed: not among the failures
-])
+@pytest.mark.parametrize(
+    "failures",
+    [
+        {0: (0, 2, "rank 0's line", 1), 1: (1, 2, "rank 1's line", 2)},
+        {1: (1, 2, "rank 1's line", 1)},  # rank 0 stopped by the agent after rank 1 failed: not among the failures
+    ],
+)
 def test_forked_workers_leave_the_line_to_the_agent(failures):
     """Forked workers print nothing (rank.report_bad_input, quiet): the agent prints the first failure's line.
     When local rank 0 printed its own, a rank 0 the agent stopped after another rank failed is missing from the
@@ -165,8 +190,9 @@ def test_the_agent_does_not_ask_the_cuda_runtime_before_it_forks(monkeypatch):
     monkeypatch.setattr(torch.cuda, "_cached_device_count", None)
     monkeypatch.delenv(agent.NVML_CHECK_ENV, raising=False)
     monkeypatch.delenv(agent.START_ENV, raising=False)
-    config, entrypoint, _ = agent.agent_config(["--standalone", "--nproc-per-node", "1", "-m", agent.WORKER_MODULE,
-                                                "--job", "job.json"])
+    config, entrypoint, _ = agent.agent_config(
+        ["--standalone", "--nproc-per-node", "1", "-m", agent.WORKER_MODULE, "--job", "job.json"]
+    )
     assert entrypoint is agent.worker and config.start_method == "fork"
     assert asked == [] and os.environ[agent.NVML_CHECK_ENV] == "1"
 

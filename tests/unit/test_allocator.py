@@ -31,8 +31,9 @@ print(os.environ.get("MALLOC_MMAP_MAX_"), int(any(size >= 256 << 20 for size in 
 def probe(env: dict[str, str]) -> tuple[str, bool]:
     """(MALLOC_MMAP_MAX_ as the process ended up with it, whether a 256 MB buffer got a mapping of its own)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != allocator.SWITCH_ENV}
-    out = subprocess.run([sys.executable, "-c", PROBE], env={**base, **env}, capture_output=True, text=True,
-                         timeout=60, check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE], env={**base, **env}, capture_output=True, text=True, timeout=60, check=True
+    ).stdout.split()
     return out[0], out[1] == "1"
 
 
@@ -63,15 +64,27 @@ def test_a_process_that_imported_torch_is_not_restarted(monkeypatch):
     allocator.restart_keeping_freed_memory()
 
 
-@pytest.mark.parametrize("command", [["train", "--model", "gpt-tiny", "--metrics-file", "m.jsonl"],
-                                     ["launch", "--hosts", "hosts.txt", "--run-dir", "run"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["train", "--model", "gpt-tiny", "--metrics-file", "m.jsonl"],
+        ["launch", "--hosts", "hosts.txt", "--run-dir", "run"],
+    ],
+)
 def test_a_bad_switch_is_one_line_and_exit_code_2(tmp_path, command):
     """Checked where the command starts (the launcher too, before its agents), before anything is written."""
     (tmp_path / "hosts.txt").write_text("localhost slots=2\n")
     env = {**os.environ, allocator.SWITCH_ENV: "System"}
-    proc = subprocess.run([sys.executable, "-m", "elastic_trainer.cli", *command], env=env, capture_output=True,
-                          text=True, timeout=60, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "elastic_trainer.cli", *command],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
-        f"elastic-trainer: error: {allocator.SWITCH_ENV}='System' is not valid (valid: keep, system)"]
+        f"elastic-trainer: error: {allocator.SWITCH_ENV}='System' is not valid (valid: keep, system)"
+    ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hosts.txt"]

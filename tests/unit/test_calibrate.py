@@ -167,8 +167,9 @@ def test_fit_device_tells_the_width_term_from_the_gemms():
 
 def test_fit_compute_converts_units():
     # t = f / 1e11 + (f / n) * 64 / 1e11 + 0.001: 0.1 TFLOP/s, half rate at 64 tokens, 1 ms overhead
-    points = [(f, n, f / 1e11 + f / n * 64 / 1e11 + 0.001) for f, n in [(1e9, 128), (4e9, 512), (4e9, 128),
-                                                                         (16e9, 512)]]
+    points = [
+        (f, n, f / 1e11 + f / n * 64 / 1e11 + 0.001) for f, n in [(1e9, 128), (4e9, 512), (4e9, 128), (16e9, 512)]
+    ]
     assert calibrate.fit_compute(points) == pytest.approx((0.1, 64.0, 1.0), rel=1e-9)
 
 
@@ -195,12 +196,12 @@ def test_measure_blocks_times_forward_and_backward_of_one_block_per_shape(monkey
     points = calibrate.measure_blocks(META, torch.float64, shapes)
     assert not fake.readings
     assert points == [(3 * (24 * n * d * d + 2 * n * 128 * d), n, min(ts)) for (d, n), ts in zip(shapes, durations)]
-    assert [b.cfg for b in made] == [ModelConfig(n_layers=1, d_model=d, n_heads=h, context_length=128)
-                                     for d, h in [(64, 1), (128, 2), (32, 1)]]
+    assert [b.cfg for b in made] == [
+        ModelConfig(n_layers=1, d_model=d, n_heads=h, context_length=128) for d, h in [(64, 1), (128, 2), (32, 1)]
+    ]
     for block, (d, n) in zip(made, shapes):
         assert block.inputs == [((n // 128, 128, d), torch.float64, META, True)] * 4  # a warm-up and 3 timed
-        assert all(p.device == META and p.dtype == torch.float64 and p.grad is not None
-                   for p in block.parameters())
+        assert all(p.device == META and p.dtype == torch.float64 and p.grad is not None for p in block.parameters())
     assert syncs == [META] * 12
 
 
@@ -267,15 +268,14 @@ def test_measure_head_fits_rate_and_per_logit_cost_from_its_timings(head_calls, 
     for i, (d, v) in enumerate(HEAD_SHAPES):
         x, w = torch.randn(tokens, d, dtype=torch.float64), torch.randn(v, d, dtype=torch.float64) * 0.02
         target = torch.randint(0, v, (tokens,))
-        for (seen_x, seen_w), (logits_dtype, seen_target) in zip(linear[4 * i:4 * i + 4], ce[4 * i:4 * i + 4]):
+        for (seen_x, seen_w), (logits_dtype, seen_target) in zip(linear[4 * i : 4 * i + 4], ce[4 * i : 4 * i + 4]):
             assert seen_x.dtype == seen_w.dtype == torch.float64 and logits_dtype == torch.float32
             assert torch.equal(seen_x, x) and torch.equal(seen_w, w) and torch.equal(seen_target, target)
             assert seen_x.requires_grad and seen_w.requires_grad
             assert seen_x.grad is not None and seen_w.grad is not None  # backward ran
 
 
-def test_measure_head_allocates_on_its_device_and_fits_rows_of_flops_and_logits(monkeypatch, head_calls, clock,
-                                                                               syncs):
+def test_measure_head_allocates_on_its_device_and_fits_rows_of_flops_and_logits(monkeypatch, head_calls, clock, syncs):
     seen = {}
 
     def fit(rows, ys):
@@ -300,8 +300,9 @@ def test_measure_head_refuses_timings_that_do_not_grow_with_flops(head_calls, cl
     assert str(err.value) == f"head timings do not grow with FLOPs: {list(zip(HEAD_SHAPES, ys))}"
 
 
-def test_cpu_head_times_the_softmax_alone_and_fits_the_gemms_over_two_micro_batch_sizes(monkeypatch, head_calls,
-                                                                                       clock, syncs):
+def test_cpu_head_times_the_softmax_alone_and_fits_the_gemms_over_two_micro_batch_sizes(
+    monkeypatch, head_calls, clock, syncs
+):
     """Per logit: the cross-entropy's own time; the rate and its size effect: a fit of the GEMMs' times at every
     width and number of tokens to t = F / H + (F / tokens) * h / H (each time the fastest of its repeats)."""
     monkeypatch.setattr(calibrate, "CPU_HEAD_TOKENS", (4, 16))
@@ -328,7 +329,7 @@ def test_cpu_head_times_the_softmax_alone_and_fits_the_gemms_over_two_micro_batc
     for i, (d, n) in enumerate((d, n) for d in widths for n in (4, 16)):
         x, w = torch.randn(n, d, dtype=torch.float64), torch.randn(vocab, d, dtype=torch.float64) * 0.02
         torch.randn(n, vocab, dtype=torch.float64)  # the gradient fed to backward
-        for seen_x, seen_w in linear[4 * i:4 * i + 4]:
+        for seen_x, seen_w in linear[4 * i : 4 * i + 4]:
             assert torch.equal(seen_x, x) and torch.equal(seen_w, w) and seen_x.grad is not None
 
 
@@ -350,8 +351,11 @@ def test_cpu_head_refuses_timings_that_do_not_grow_with_tokens(monkeypatch):
     monkeypatch.setattr(calibrate, "CPU_LOGIT_TOKENS", 2)
     times = iter([1.0, 2.0, 1.0, 2.0, 1.0])  # the softmax; each width twice as fast at 4 tokens as at 2
     monkeypatch.setattr(calibrate, "timed", lambda fn, repeat, sync=None: next(times))
-    with pytest.raises(RuntimeError, match="head timings do not grow with tokens: "
-                                           r"\[\(\(256, 2\), 2.0\), \(\(256, 4\), 1.0\)"):
+    with pytest.raises(
+        RuntimeError,
+        match="head timings do not grow with tokens: "
+        r"\[\(\(256, 2\), 2.0\), \(\(256, 4\), 1.0\)",
+    ):
         calibrate.measure_cpu_head(torch.float32)
 
 
@@ -481,9 +485,14 @@ def test_all_reduce_times_take_the_median_of_each_size_s_calls_after_a_warm_up(m
     big = calibrate.SMALL_CALL_BYTES  # timed `repeat` times
     fake = clock([0.25, 10.0, 0.25, 0.5, 0.5, 0.75])
     fake.log = log
-    monkeypatch.setattr(calibrate, "dist", types.SimpleNamespace(
-        all_reduce=lambda t: log.append(("all_reduce", t.numel(), t.dtype, float(t.sum()))),
-        barrier=lambda: log.append("barrier")))
+    monkeypatch.setattr(
+        calibrate,
+        "dist",
+        types.SimpleNamespace(
+            all_reduce=lambda t: log.append(("all_reduce", t.numel(), t.dtype, float(t.sum()))),
+            barrier=lambda: log.append("barrier"),
+        ),
+    )
     assert calibrate._all_reduce_times(0, 2, [big, 2 * big], 3) == [0.25, 0.5]
     expected = []
     for numel in [big // 4, big // 2]:  # fp32 ones of the size in bytes: a warm-up, a barrier, then 3 timed
@@ -517,8 +526,9 @@ def test_measure_links_fits_the_ring_model_to_the_slowest_rank(monkeypatch):
     assert calls == [(calibrate._all_reduce_times, 2, (sizes, 3)), (calibrate._all_reduce_times, 4, (sizes, 3))]
     [(rows, ys)] = fits  # by relative error: each row over its time
     times = [2 * (w - 1) / w * n / bus + 2 * (w - 1) * latency for w in [2, 4] for n in sizes]
-    assert rows == [[2 * (w - 1) / w * n / t, 2 * (w - 1) / t]
-                    for (w, n), t in zip([(w, n) for w in [2, 4] for n in sizes], times)]
+    assert rows == [
+        [2 * (w - 1) / w * n / t, 2 * (w - 1) / t] for (w, n), t in zip([(w, n) for w in [2, 4] for n in sizes], times)
+    ]
     assert ys == [1.0] * len(times)
     calls.clear()
     calibrate.measure_links([3], sizes, repeat=7)
@@ -581,12 +591,15 @@ def test_measure_links_refuses_times_that_do_not_grow_with_size(monkeypatch):
 # --- parallel units, host ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cores, together, units", [
-    (4, [0.020, 0.016, 0.016, 0.018], 4 * 0.010 / 0.017),  # the median of an even count: the middle two's mean
-    (3, [0.012, 0.030, 0.015], 3 * 0.010 / 0.015),
-    (4, [0.005] * 4, 4.0),  # at most the cores
-    (2, [0.050, 0.040], 1.0),  # at least one rank's worth
-])
+@pytest.mark.parametrize(
+    "cores, together, units",
+    [
+        (4, [0.020, 0.016, 0.016, 0.018], 4 * 0.010 / 0.017),  # the median of an even count: the middle two's mean
+        (3, [0.012, 0.030, 0.015], 3 * 0.010 / 0.015),
+        (4, [0.005] * 4, 4.0),  # at most the cores
+        (2, [0.050, 0.040], 1.0),  # at least one rank's worth
+    ],
+)
 def test_parallel_units_are_the_speed_up_of_all_cores_over_one(monkeypatch, cores, together, units):
     calls = []
 
@@ -600,9 +613,19 @@ def test_parallel_units_are_the_speed_up_of_all_cores_over_one(monkeypatch, core
     assert calls == [(calibrate._block_seconds, 1), (calibrate._block_seconds, cores)]
 
 
-BASE = Hardware(name="base", device="cpu", compute_dtype="fp32", memory_gb=999.0, reserved_gb=1.5, gpus_per_host=3,
-                overlap=0.5, intra_host_gbs=7.0, inter_host_gbs=3.0, intra_host_latency_us=9.0,
-                inter_host_latency_us=11.0)
+BASE = Hardware(
+    name="base",
+    device="cpu",
+    compute_dtype="fp32",
+    memory_gb=999.0,
+    reserved_gb=1.5,
+    gpus_per_host=3,
+    overlap=0.5,
+    intra_host_gbs=7.0,
+    inter_host_gbs=3.0,
+    intra_host_latency_us=9.0,
+    inter_host_latency_us=11.0,
+)
 
 
 @pytest.fixture
@@ -632,10 +655,25 @@ def host(monkeypatch):
     return seen
 
 
-HOST = dataclasses.replace(BASE, shared_host=True, compute_units=2.35, memory_gb=15.7, reserved_gb=4.0, gpus_per_host=8,
-                           overlap=0.0, ring_latency=True, all_gather_share=0.432, reduce_scatter_share=1.023, intra_host_gbs=1.25,
-                           inter_host_gbs=1.25, intra_host_latency_us=75.0, inter_host_latency_us=75.0,
-                           kept_heap=1.5, kept_heap_unpipelined=2.8, rank_base_gb=0.2)
+HOST = dataclasses.replace(
+    BASE,
+    shared_host=True,
+    compute_units=2.35,
+    memory_gb=15.7,
+    reserved_gb=4.0,
+    gpus_per_host=8,
+    overlap=0.0,
+    ring_latency=True,
+    all_gather_share=0.432,
+    reduce_scatter_share=1.023,
+    intra_host_gbs=1.25,
+    inter_host_gbs=1.25,
+    intra_host_latency_us=75.0,
+    inter_host_latency_us=75.0,
+    kept_heap=1.5,
+    kept_heap_unpipelined=2.8,
+    rank_base_gb=0.2,
+)
 
 
 def test_cpu_host_describes_this_host_and_its_gloo_links(host):
@@ -654,8 +692,9 @@ def test_cpu_host_measures_links_on_no_more_ranks_than_cores(host, worlds, measu
 
 def test_cpu_host_keeps_a_cpu_base_s_heap_figures(host):
     """A GPU or blank base gets the heap CPU ranks keep (plan/hardware.py CPU_KEPT_HEAP); a CPU base keeps its own."""
-    mine = dataclasses.replace(BASE, shared_host=True, compute_units=1.0, kept_heap=1.2, kept_heap_unpipelined=0.0,
-                               rank_base_gb=0.3)
+    mine = dataclasses.replace(
+        BASE, shared_host=True, compute_units=1.0, kept_heap=1.2, kept_heap_unpipelined=0.0, rank_base_gb=0.3
+    )
     out = calibrate._cpu_host(mine, [2, 3])
     assert (out.kept_heap, out.kept_heap_unpipelined, out.rank_base_gb) == (1.2, 0.0, 0.3)
 
@@ -677,8 +716,10 @@ def test_cpu_host_counts_cpus_without_an_affinity_mask(monkeypatch, host, cpu_co
 # Block timings whose progress line rounds differently under any change of its arithmetic (50.025000025
 # GFLOP, 100.05000005 GFLOP/s: 1e9 + 1 instead of 1e9 moves them across the rounding).
 POINTS = [(50025000025.0, 512, 0.5), (3e9, 128, 0.025)]
-POINT_LINES = ["[calibrate] block fwd+bwd    50.03 GFLOP,   512 tokens:   500.00 ms (100.1 GFLOP/s)",
-               "[calibrate] block fwd+bwd     3.00 GFLOP,   128 tokens:    25.00 ms (120.0 GFLOP/s)"]
+POINT_LINES = [
+    "[calibrate] block fwd+bwd    50.03 GFLOP,   512 tokens:   500.00 ms (100.1 GFLOP/s)",
+    "[calibrate] block fwd+bwd     3.00 GFLOP,   128 tokens:    25.00 ms (120.0 GFLOP/s)",
+]
 
 
 @pytest.fixture
@@ -725,24 +766,40 @@ def measured(monkeypatch, threads):
         seen["cpu_host"] = (hw, worlds)
         return dataclasses.replace(hw, intra_host_gbs=1.25, intra_host_latency_us=75.0)
 
-    for name, fn in [("measure_blocks", blocks), ("fit_compute", fit), ("fit_device", fit_device),
-                     ("measure_head", head), ("measure_cpu_head", cpu_head), ("measure_embedding_grad", embedding),
-                     ("measure_memory_bandwidth", memory), ("measure_optimizer", optimizer), ("_cpu_host", cpu_host)]:
+    for name, fn in [
+        ("measure_blocks", blocks),
+        ("fit_compute", fit),
+        ("fit_device", fit_device),
+        ("measure_head", head),
+        ("measure_cpu_head", cpu_head),
+        ("measure_embedding_grad", embedding),
+        ("measure_memory_bandwidth", memory),
+        ("measure_optimizer", optimizer),
+        ("_cpu_host", cpu_host),
+    ]:
         monkeypatch.setattr(calibrate, name, fn)
     torch.set_num_threads(2)
     return seen
 
 
-MEASURED = dict(tflops=0.1234, half_rate_tokens=40.4, layer_overhead_ms=2.3456, head_tflops=0.0567, logit_ns=1.5,
-                memory_bandwidth_gbs=12.34, optimizer_ns_per_param=3.456)
+MEASURED = dict(
+    tflops=0.1234,
+    half_rate_tokens=40.4,
+    layer_overhead_ms=2.3456,
+    head_tflops=0.0567,
+    logit_ns=1.5,
+    memory_bandwidth_gbs=12.34,
+    optimizer_ns_per_param=3.456,
+)
 
 
 def test_calibrate_on_cuda_measures_bf16_on_the_device_and_keeps_the_links(measured):
     cuda, lines = torch.device("cuda"), []
     base = dataclasses.replace(BASE, memory_gb=80.0, reserved_gb=3.0)
     hw = calibrate.calibrate(base, "gpu-here", [2, 4], cuda, say=lines.append)
-    assert hw == dataclasses.replace(base, name="gpu-here", device="cuda", compute_dtype="bf16", activation_ns=0.0125,
-                                     **MEASURED)
+    assert hw == dataclasses.replace(
+        base, name="gpu-here", device="cuda", compute_dtype="bf16", activation_ns=0.0125, **MEASURED
+    )
     assert measured["blocks"] == (cuda, torch.bfloat16, calibrate.GPU_SHAPES)
     # a warm-up at the largest shape first (clocks, cuBLAS's choices), then every shape, 10 times each, all in
     # sequences of GPU_SEQ_LEN
@@ -753,13 +810,21 @@ def test_calibrate_on_cuda_measures_bf16_on_the_device_and_keeps_the_links(measu
     assert lines == POINT_LINES + [
         "[calibrate] 123.4 GFLOP/s per rank (half rate at 40 tokens, 2.35 ms per block, 0.0125 ns per token and "
         "width), 12.3 GB/s memory, "
-        "3.46 ns/param optimizer, head 56.7 GFLOP/s + 1.500 ns/logit, links 7.00 GB/s + 9 us"]
+        "3.46 ns/param optimizer, head 56.7 GFLOP/s + 1.500 ns/logit, links 7.00 GB/s + 9 us"
+    ]
 
 
 def test_calibrate_on_cpu_measures_fp32_with_one_thread_from_seed_0_and_the_host(measured, capsys):
     hw = calibrate.calibrate(BASE, "here", [2, 3], CPU)  # progress to stdout by default
-    measured_hw = dataclasses.replace(BASE, name="here", device="cpu", compute_dtype="fp32", head_half_rate_tokens=14.2,
-                                      embedding_grad_ns=0.321, **MEASURED)
+    measured_hw = dataclasses.replace(
+        BASE,
+        name="here",
+        device="cpu",
+        compute_dtype="fp32",
+        head_half_rate_tokens=14.2,
+        embedding_grad_ns=0.321,
+        **MEASURED,
+    )
     assert measured["cpu_host"] == (measured_hw, [2, 3])
     assert hw == dataclasses.replace(measured_hw, intra_host_gbs=1.25, intra_host_latency_us=75.0)
     assert measured["blocks"] == (CPU, torch.float32, calibrate.CPU_SHAPES)
@@ -770,7 +835,8 @@ def test_calibrate_on_cpu_measures_fp32_with_one_thread_from_seed_0_and_the_host
     assert capsys.readouterr().out.splitlines() == POINT_LINES + [
         "[calibrate] 123.4 GFLOP/s per rank (half rate at 40 tokens, 2.35 ms per block), 12.3 GB/s memory, "
         "3.46 ns/param optimizer, head 56.7 GFLOP/s (half rate at 14 tokens) + 1.500 ns/logit, embedding 0.321 "
-        "ns/element, links 1.25 GB/s + 75 us"]
+        "ns/element, links 1.25 GB/s + 75 us"
+    ]
 
 
 def test_calibrate_times_the_cpu_head_at_the_job_s_width_and_vocabulary(measured):

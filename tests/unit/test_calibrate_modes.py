@@ -22,8 +22,10 @@ from elastic_trainer.plan.step_time import step_time
 def bare_cpu():
     """The shipped cpu profile without its per-mode figures: every mode's optimizer the common figure, no
     mode's excess."""
-    return dataclasses.replace(load_hardware("cpu"), **{f"{m}_{k}_ns_per_param": 0.0 for m in ("fsdp", "ddp", "zero1")
-                                                         for k in ("optimizer", "hooks")})
+    return dataclasses.replace(
+        load_hardware("cpu"),
+        **{f"{m}_{k}_ns_per_param": 0.0 for m in ("fsdp", "ddp", "zero1") for k in ("optimizer", "hooks")},
+    )
 
 
 def test_fitted_figures_by_hand():
@@ -41,11 +43,20 @@ def test_fitted_figures_by_hand():
     for mode, more in extra.items():
         p = by_phase(req, calibrate_modes.probe_layout(2, mode))
         local = whole if mode == "ddp" else whole // 2
-        measured[mode] = ({"batch": 0.001, "forward_backward": p["forward_backward"] + more, "sync": p["sync"],
-                           "clip": 0.05, "optimizer": 0.25}, local)
+        measured[mode] = (
+            {
+                "batch": 0.001,
+                "forward_backward": p["forward_backward"] + more,
+                "sync": p["sync"],
+                "clip": 0.05,
+                "optimizer": 0.25,
+            },
+            local,
+        )
     got = calibrate_modes.fitted(hw, model, 128, measured)
     assert got.optimizer_shapes == "gpt3-small, seq_len 128"
-    # the model runs the probe's 2 ranks on the host's compute units: optimizer = local x 2 ranks / units, hooks x 2 / units
+    # the model runs the probe's 2 ranks on the host's compute units:
+    # optimizer = local x 2 ranks / units, hooks x 2 / units
     share = 2 / hw.compute_units
     assert got.ddp_optimizer_ns_per_param == pytest.approx(0.3 / (whole * share) * 1e9, rel=1e-9)
     assert got.fsdp_optimizer_ns_per_param == pytest.approx(0.3 / (whole / 2 * share) * 1e9, rel=1e-9)
@@ -57,7 +68,8 @@ def test_fitted_figures_by_hand():
         p = by_phase(fitted_req, calibrate_modes.probe_layout(2, mode))
         assert p["clip"] + p["optimizer"] == pytest.approx(phases["clip"] + phases["optimizer"], rel=1e-9)
         assert p["forward_backward"] + p["sync"] == pytest.approx(
-            phases["forward_backward"] + phases["sync"] - extra["zero1"], rel=1e-9)  # less the cheapest's excess
+            phases["forward_backward"] + phases["sync"] - extra["zero1"], rel=1e-9
+        )  # less the cheapest's excess
     assert got.tflops == hw.tflops and got.optimizer_ns_per_param == hw.optimizer_ns_per_param  # the rest kept
 
 
@@ -82,11 +94,13 @@ def test_the_modes_figures_in_a_step_by_hand():
     # with a pipeline fsdp unshards and reduces once per step: the counted copies (wrapper_bytes, CPU ranks:
     # 8 / dp + 8 around the all-gather, 8 into the reduce-scatter) and the excess per collective
     assert step_time(model, piped, 128, "fp32", hw, 4).hooks == pytest.approx(
-        (3e-9 * larger * 2 + larger * (8 / 2 + 8 + 8) / bandwidth) * slow, rel=1e-12)
+        (3e-9 * larger * 2 + larger * (8 / 2 + 8 + 8) / bandwidth) * slow, rel=1e-12
+    )
     assert step_time(model, Layout(1, 1, 4, 1, 8, "fsdp"), 128, "fp32", hw, 4).hooks == 0.0
     ddp = Layout(4, 1, 1, 1, 2, "ddp")  # no excess measured: its reduction's copies only (in 8, out 16)
     assert step_time(model, ddp, 128, "fp32", hw, 4).hooks == pytest.approx(
-        stage_numel(model, ddp, 0) * 24 / bandwidth * slow, rel=1e-12)
+        stage_numel(model, ddp, 0) * 24 / bandwidth * slow, rel=1e-12
+    )
     req = Request(model, 4, 8, 128, hw, 4, dtype="fp32")
     assert sum(s for _, s in terms(req, layout)) == pytest.approx(t.total, rel=1e-12)
     assert sum(by_phase(req, layout).values()) == pytest.approx(t.total, rel=1e-12)
@@ -97,17 +111,44 @@ def test_calibrate_model_measures_every_mode_on_the_probe(tmp_path, capsys):
     """The real measurement at gpt-tiny's shapes (2 forked ranks): every mode gets positive optimizer
     figures, the cheapest mode no excess, the rest of the profile is --base's, and the file loads."""
     out = tmp_path / "tiny.toml"
-    assert cli.main(["calibrate", "--base", "cpu", "--model", "gpt-tiny", "--seq-len", "32", "--only-optimizer",
-                     "--output", str(out)]) == 0
+    assert (
+        cli.main(
+            [
+                "calibrate",
+                "--base",
+                "cpu",
+                "--model",
+                "gpt-tiny",
+                "--seq-len",
+                "32",
+                "--only-optimizer",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     hw, base = load_hardware(str(out)), load_hardware("cpu")
     assert hw.name == "tiny" and hw.optimizer_shapes == "gpt-tiny, seq_len 32"
-    assert all(hw.optimizer_ns(m) > 0 and getattr(hw, f"{m}_optimizer_ns_per_param") > 0
-               for m in ("fsdp", "ddp", "zero1"))
+    assert all(
+        hw.optimizer_ns(m) > 0 and getattr(hw, f"{m}_optimizer_ns_per_param") > 0 for m in ("fsdp", "ddp", "zero1")
+    )
     hooks = [hw.hooks_ns(m) for m in ("fsdp", "ddp", "zero1")]
     assert min(hooks) == 0.0 and all(h >= 0 for h in hooks)
-    assert dataclasses.replace(hw, **{f: getattr(base, f) for f in (
-        "name", "optimizer_shapes", *(f"{m}_{k}_ns_per_param" for m in ("fsdp", "ddp", "zero1")
-                                      for k in ("optimizer", "hooks")))}) == base
+    assert (
+        dataclasses.replace(
+            hw,
+            **{
+                f: getattr(base, f)
+                for f in (
+                    "name",
+                    "optimizer_shapes",
+                    *(f"{m}_{k}_ns_per_param" for m in ("fsdp", "ddp", "zero1") for k in ("optimizer", "hooks")),
+                )
+            },
+        )
+        == base
+    )
     assert capsys.readouterr().out.count("[calibrate] gpt-tiny (seq 32), ") == 3
 
 
@@ -116,12 +157,30 @@ def test_calibrate_model_refuses_bad_requests_before_measuring(tmp_path, capsys)
     out = str(tmp_path / "x.toml")
     assert cli.main(["calibrate", "--model", "gpt-tiny", "--only-optimizer", "--output", out]) == 2
     assert "--only-optimizer needs --model" in capsys.readouterr().err
-    assert cli.main(["calibrate", "--base", "cpu", "--model", "gpt-tiny", "--seq-len", "100000", "--only-optimizer",
-                     "--output", out]) == 2
+    assert (
+        cli.main(
+            [
+                "calibrate",
+                "--base",
+                "cpu",
+                "--model",
+                "gpt-tiny",
+                "--seq-len",
+                "100000",
+                "--only-optimizer",
+                "--output",
+                out,
+            ]
+        )
+        == 2
+    )
     assert "exceeds gpt-tiny's context_length" in capsys.readouterr().err
-    assert cli.main(["calibrate", "--base", "cpu", "--model", "no-such-model", "--only-optimizer",
-                     "--output", out]) == 2
-    assert cli.main(["calibrate", "--base", "h100-80g", "--model", "gpt-tiny", "--only-optimizer", "--output", out]) == 2
+    assert (
+        cli.main(["calibrate", "--base", "cpu", "--model", "no-such-model", "--only-optimizer", "--output", out]) == 2
+    )
+    assert (
+        cli.main(["calibrate", "--base", "h100-80g", "--model", "gpt-tiny", "--only-optimizer", "--output", out]) == 2
+    )
     assert "is a cuda profile" in capsys.readouterr().err
 
 
@@ -159,6 +218,10 @@ def test_the_host_probe_trains_the_job_s_model_in_each_mode_for_real():
     from elastic_trainer.parallel.local_ranks import run_ranks
 
     tiny = dataclasses.replace(load_model_config("gpt-tiny"), n_layers=2)
-    got = run_ranks(lambda rank, world: calibrate_modes.measure_host(tiny, torch.device("cpu"), ("zero1", "ddp"),
-                                                                     steps=1, warmup=1), 1)[0]
+    got = run_ranks(
+        lambda rank, world: calibrate_modes.measure_host(
+            tiny, torch.device("cpu"), ("zero1", "ddp"), steps=1, warmup=1
+        ),
+        1,
+    )[0]
     assert set(got) == {"zero1", "ddp"} and all(0 < ms < 1000 for ms in got.values())

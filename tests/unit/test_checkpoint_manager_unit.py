@@ -45,8 +45,20 @@ CPU = torch.device("cpu")
 TOKENS = np.random.default_rng(1).integers(0, MODEL.vocab_size, 64 * T + 1).astype(np.uint16)
 FILES = [".metadata", "__0_0.distcp", "manifest.json", "meta.json"]  # one rank's checkpoint (storage docstring)
 HASH_FAIL = "fails its xxh3_128 checksum (corrupted)"
-COLLECTIVES = ("broadcast_object_list", "gather_object", "all_gather_object", "scatter_object_list", "barrier",
-               "all_reduce", "broadcast", "all_gather", "gather", "scatter", "reduce_scatter", "reduce")
+COLLECTIVES = (
+    "broadcast_object_list",
+    "gather_object",
+    "all_gather_object",
+    "scatter_object_list",
+    "barrier",
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "reduce",
+)
 
 
 class Clock:
@@ -126,6 +138,7 @@ def saved_line(step: int, folder: Path, seconds: str = "0.00", note: str = "") -
 
 # -- two ranks ------------------------------------------------------------------------------------
 
+
 def _two_ranks(rank, world, root: str, folder: str) -> dict:
     log = Log()
     ck = Checkpointer(CheckpointConfig(dir=root), log=log)
@@ -146,9 +159,17 @@ def _two_ranks(rank, world, root: str, folder: str) -> dict:
         error = None
     except CheckpointError as e:
         error = str(e)
-    calls = [(args, {k: "sys.stderr" if v is sys.stderr else v for k, v in kwargs.items()}) for args, kwargs in log.calls]
-    out = {"run_id": ck.run_id, "log": calls, "hashed": hashed, "verdict": verdict, "error": error,
-           "candidates": ck.candidates()}
+    calls = [
+        (args, {k: "sys.stderr" if v is sys.stderr else v for k, v in kwargs.items()}) for args, kwargs in log.calls
+    ]
+    out = {
+        "run_id": ck.run_id,
+        "log": calls,
+        "hashed": hashed,
+        "verdict": verdict,
+        "error": error,
+        "candidates": ck.candidates(),
+    }
     ck.close()
     return out
 
@@ -177,8 +198,10 @@ def test_on_two_ranks_rank_zero_logs_and_each_rank_verifies_its_share(tmp_path):
 def _rank_zero_commit_fails(rank, world, root: str) -> str:
     """Each rank saves; rank 0's pruning (after its commit) raises something that is not an OSError."""
     if rank == 0:
+
         def broken(*args, **kwargs):
             raise ValueError("keep must be a number")
+
         storage.remove_old = broken  # this forked rank only
     layout = Layout(2, 1, 1, B // 2, 1)
     t = Trainer(MODEL, CFG, layout, build_mesh(layout, "cpu"), CPU, tokens=TOKENS)
@@ -199,6 +222,7 @@ def test_any_failure_of_rank_zero_s_commit_reaches_every_rank(tmp_path):
 
 
 # -- construction ---------------------------------------------------------------------------------
+
 
 def test_construction_makes_the_root_and_starts_with_nothing_saved(group, tmp_path, collectives):
     root = tmp_path / "a" / "b" / "ck"  # parents are made too
@@ -232,6 +256,7 @@ def test_the_checkpoint_group_is_gloo_whatever_the_default_backend(tmp_path, mon
 
 
 # -- due ------------------------------------------------------------------------------------------
+
 
 def test_due_by_step_every_save_every_steps(group, tmp_path, clock):
     ck = Checkpointer(CheckpointConfig(dir=str(tmp_path), save_every=3), log=Log())
@@ -280,6 +305,7 @@ def test_nothing_is_due_without_save_every_or_interval(group, tmp_path, clock):
 
 
 # -- save -----------------------------------------------------------------------------------------
+
 
 def test_a_blocking_save_is_committed_before_it_returns(group, tmp_path, clock, collectives):
     root = tmp_path / "ck"
@@ -335,8 +361,11 @@ def test_keep_prunes_the_oldest_and_the_log_names_them(group, tmp_path, clock):
             stats.append(ck.save(t))
         assert names(tmp_path) == ["step-00000003", "step-00000002"]
         assert [s.step for s in ck.history] == [1, 2, 3] and ck.history == stats and ck.last_saved_step == 3
-        assert log.calls == [saved_line(1, tmp_path / "step-00000001"), saved_line(2, tmp_path / "step-00000002"),
-                             saved_line(3, tmp_path / "step-00000003", note=", removed step-00000001")]
+        assert log.calls == [
+            saved_line(1, tmp_path / "step-00000001"),
+            saved_line(2, tmp_path / "step-00000002"),
+            saved_line(3, tmp_path / "step-00000003", note=", removed step-00000001"),
+        ]
         ck.cfg = dataclasses.replace(ck.cfg, keep=0)  # keep 0 keeps all
         for _ in range(2):
             t.train_step()
@@ -347,8 +376,9 @@ def test_keep_prunes_the_oldest_and_the_log_names_them(group, tmp_path, clock):
         log.calls.clear()
         ck.save(t)  # step 5 again: the committed copy stays, the three older ones go (newest first)
         assert names(tmp_path) == ["step-00000005"]
-        assert log.calls == [saved_line(5, tmp_path / "step-00000005",
-                                        note=", removed step-00000004, step-00000003, step-00000002")]
+        assert log.calls == [
+            saved_line(5, tmp_path / "step-00000005", note=", removed step-00000004, step-00000003, step-00000002")
+        ]
     finally:
         ck.close()
 
@@ -361,8 +391,12 @@ def test_a_failed_commit_is_a_checkpoint_error(group, tmp_path, clock):
     try:
         with pytest.raises(CheckpointError) as e:
             ck.save(t)
-        assert re.fullmatch(re.escape(f"committing step 1 failed: [Errno 21] Is a directory: '{tmp_path}/.latest.")
-                            + "[0-9a-f]{8}" + re.escape(f"' -> '{tmp_path}/latest'"), str(e.value))
+        assert re.fullmatch(
+            re.escape(f"committing step 1 failed: [Errno 21] Is a directory: '{tmp_path}/.latest.")
+            + "[0-9a-f]{8}"
+            + re.escape(f"' -> '{tmp_path}/latest'"),
+            str(e.value),
+        )
         assert log.calls == [] and ck.history == []
     finally:
         ck.close()
@@ -376,8 +410,7 @@ class SlowWriter(dcp.FileSystemWriter):
         return super().write_data(*args, **kwargs)
 
 
-def test_an_asynchronous_save_returns_after_staging_and_wait_joins_it(group, tmp_path, clock, collectives,
-                                                                     monkeypatch):
+def test_an_asynchronous_save_returns_after_staging_and_wait_joins_it(group, tmp_path, clock, collectives, monkeypatch):
     """The commit runs in the background (held here until released); wait() joins it."""
     released, threads = threading.Event(), []
     commit = storage.commit
@@ -430,10 +463,17 @@ def test_blocking_overrides_the_configured_mode(group, tmp_path, clock, monkeypa
 
     monkeypatch.setattr(storage, "commit", watched_commit)
     t = trainer(steps=1)
-    for async_save, blocking, in_main in [(True, True, True), (True, None, False), (False, False, False),
-                                          (False, None, True), (True, False, False), (False, True, True)]:
-        ck = Checkpointer(CheckpointConfig(dir=str(tmp_path / f"{async_save}-{blocking}"), async_save=async_save),
-                          log=Log())
+    for async_save, blocking, in_main in [
+        (True, True, True),
+        (True, None, False),
+        (False, False, False),
+        (False, None, True),
+        (True, False, False),
+        (False, True, True),
+    ]:
+        ck = Checkpointer(
+            CheckpointConfig(dir=str(tmp_path / f"{async_save}-{blocking}"), async_save=async_save), log=Log()
+        )
         try:
             stats = ck.save(t, blocking=blocking)
             ck.wait()
@@ -481,6 +521,7 @@ def test_the_next_save_raises_the_previous_one_s_error(group, tmp_path, clock, m
 
 
 # -- candidates and verification ------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def saved_three(tmp_path_factory):
@@ -564,6 +605,7 @@ def test_verify_reports_the_first_failure_in_one_line(three, collectives):
 
 # -- load -----------------------------------------------------------------------------------------
 
+
 def test_load_resumes_the_newest_checkpoint(three, collectives):
     ck, log, saved = three
     fresh = trainer()
@@ -572,16 +614,26 @@ def test_load_resumes_the_newest_checkpoint(three, collectives):
     collectives.on = False
     folder = folder_of(ck, 3)
     meta = json.loads((folder / "meta.json").read_text())
-    assert stats == LoadStats(step=3, path=str(folder), saved_layout=LAYOUT.to_dict(), verify_s=0.0, read_s=0.0,
-                              apply_s=0.0, total_s=0.0, meta=meta)
+    assert stats == LoadStats(
+        step=3,
+        path=str(folder),
+        saved_layout=LAYOUT.to_dict(),
+        verify_s=0.0,
+        read_s=0.0,
+        apply_s=0.0,
+        total_s=0.0,
+        meta=meta,
+    )
     assert stats.meta == meta and meta["step"] == 3
     assert fresh.step == 3 and ck.last_saved_step == 3
     assert fresh.cfg == dataclasses.replace(CFG, decay_steps=CFG.steps)  # the checkpoint's schedule length
     got = weights(fresh)
     assert all(torch.equal(got[k], saved[3][k]) for k in saved[3]) and not all(
-        torch.equal(got[k], saved[2][k]) for k in saved[2])
-    assert log.calls == [((f"[checkpoint] resumed step 3 from {folder} (saved with dp=1 tp=1 pp=1) in 0.00 s",),
-                          {"flush": True})]
+        torch.equal(got[k], saved[2][k]) for k in saved[2]
+    )
+    assert log.calls == [
+        ((f"[checkpoint] resumed step 3 from {folder} (saved with dp=1 tp=1 pp=1) in 0.00 s",), {"flush": True})
+    ]
     assert collectives.all_on(ck.pg)
 
 
@@ -642,8 +694,10 @@ def test_load_first_skips_what_is_not_a_folder_by_default(three):
     fresh = trainer()
     stats = ck.load_first(fresh, [missing, folder_of(ck, 1)])
     assert stats.step == 1 and fresh.step == 1
-    assert log.calls[0] == ((f"[checkpoint] skipping step-00000009: {missing} is not a checkpoint folder",),
-                            {"file": sys.stderr, "flush": True})
+    assert log.calls[0] == (
+        (f"[checkpoint] skipping step-00000009: {missing} is not a checkpoint folder",),
+        {"file": sys.stderr, "flush": True},
+    )
     with pytest.raises(CheckpointError) as e:
         ck.load_first(fresh, [missing], strict=True)
     assert str(e.value) == f"{missing} is not a checkpoint folder"
@@ -655,10 +709,13 @@ def test_when_every_checkpoint_is_damaged_the_load_is_the_error(three):
     fresh = trainer()
     with pytest.raises(CheckpointError) as e:
         ck.load(fresh)
-    assert str(e.value) == (f"no checkpoint in --checkpoint-dir {ck.root} can be resumed (3 damaged; newest: "
-                            f"{reasons[0]}); repair them, move them away or pass another --checkpoint-dir to start over")
-    assert [c[0][0] for c in log.calls] == [f"[checkpoint] skipping step-0000000{s}: {r}"
-                                            for s, r in zip((3, 2, 1), reasons)]
+    assert str(e.value) == (
+        f"no checkpoint in --checkpoint-dir {ck.root} can be resumed (3 damaged; newest: "
+        f"{reasons[0]}); repair them, move them away or pass another --checkpoint-dir to start over"
+    )
+    assert [c[0][0] for c in log.calls] == [
+        f"[checkpoint] skipping step-0000000{s}: {r}" for s, r in zip((3, 2, 1), reasons)
+    ]
     assert fresh.step == 0 and ck.last_saved_step is None  # nothing saved or loaded
 
 
@@ -676,9 +733,11 @@ def test_a_checkpoint_of_other_settings_is_refused_naming_it(three):
     other = trainer(dataclasses.replace(CFG, lr=2e-3))
     with pytest.raises(ConfigError) as e:
         ck.load(other)
-    assert str(e.value) == (f"{folder_of(ck, 3)} was trained with other settings: lr=0.002 (checkpoint: 0.001); "
-                            "resuming would change the loss trajectory (use the checkpoint's values or another "
-                            "--checkpoint-dir)")
+    assert str(e.value) == (
+        f"{folder_of(ck, 3)} was trained with other settings: lr=0.002 (checkpoint: 0.001); "
+        "resuming would change the loss trajectory (use the checkpoint's values or another "
+        "--checkpoint-dir)"
+    )
     assert other.step == 0
 
 
@@ -698,8 +757,9 @@ def test_an_unsafe_item_is_refused_with_the_folder_s_name(group, tmp_path, clock
         fresh = trainer()
         with pytest.raises(CheckpointError) as e:
             ck.load(fresh)
-        assert str(e.value).startswith(f"loading step-00000000 failed: refusing unsafe item 'optim.{key}' in "
-                                       "checkpoint: ")
+        assert str(e.value).startswith(
+            f"loading step-00000000 failed: refusing unsafe item 'optim.{key}' in checkpoint: "
+        )
         assert "fractions.Fraction" in str(e.value) and "\n" not in str(e.value)
         assert folder == tmp_path / "step-00000000"
     finally:
@@ -707,6 +767,7 @@ def test_an_unsafe_item_is_refused_with_the_folder_s_name(group, tmp_path, clock
 
 
 # -- a fresh run ----------------------------------------------------------------------------------
+
 
 def test_prepare_fresh_run_drops_abandoned_saves_and_refuses_to_mix(group, tmp_path, collectives):
     ck = Checkpointer(CheckpointConfig(dir=str(tmp_path)), log=Log())
@@ -724,8 +785,10 @@ def test_prepare_fresh_run_drops_abandoned_saves_and_refuses_to_mix(group, tmp_p
         with pytest.raises(ConfigError) as e:
             ck.prepare_fresh_run("never")
         collectives.on = False
-        assert str(e.value) == (f"--checkpoint-dir {tmp_path} already holds checkpoints (step-00000005, ...); "
-                                "resume them (--resume auto) or use an empty folder")
+        assert str(e.value) == (
+            f"--checkpoint-dir {tmp_path} already holds checkpoints (step-00000005, ...); "
+            "resume them (--resume auto) or use an empty folder"
+        )
         assert collectives.all_on(ck.pg)
     finally:
         ck.close()

@@ -15,7 +15,6 @@ import dataclasses
 import json
 import os
 import platform
-import shutil
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -39,8 +38,9 @@ PARAMS = 3_332_928
 PARAM_TENSORS = 2 + 2 * 12 + 2  # tok/pos embeddings, 12 per block, ln_f weight and bias
 CFG = TrainConfig(global_batch=8, seq_len=16, steps=2, seed=7, lr=1e-3, decay_steps=5, data=("sotu", "notes.txt"))
 LAYOUT = Layout(1, 1, 1, 2, 4, "ddp")
-GPT2_SMALL = ModelConfig(n_layers=12, d_model=768, n_heads=12, vocab_size=50257, context_length=1024,
-                         name="gpt2-small")  # 124,439,808 parameters, the published GPT-2 figure
+GPT2_SMALL = ModelConfig(
+    n_layers=12, d_model=768, n_heads=12, vocab_size=50257, context_length=1024, name="gpt2-small"
+)  # 124,439,808 parameters, the published GPT-2 figure
 HASH_FAIL = "fails its xxh3_128 checksum (corrupted)"
 
 
@@ -63,10 +63,13 @@ def save_job(rank, world, root: str) -> dict:
     moments = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
     return {
         "weights": weights,
-        "optim": {"tensors": len(moments), "elements": sum(v.numel() for v in moments),
-                  "bytes": sum(v.numel() * v.element_size() for v in moments),
-                  # flattened per parameter: every setting of its group but the parameter list itself
-                  "other": sum((len(g) - 1) * len(g["params"]) for g in opt.param_groups)},
+        "optim": {
+            "tensors": len(moments),
+            "elements": sum(v.numel() for v in moments),
+            "bytes": sum(v.numel() * v.element_size() for v in moments),
+            # flattened per parameter: every setting of its group but the parameter list itself
+            "other": sum((len(g) - 1) * len(g["params"]) for g in opt.param_groups),
+        },
     }
 
 
@@ -113,6 +116,7 @@ def expected_state(saved) -> dict:
 
 # -- resolve --------------------------------------------------------------------------------------
 
+
 def test_the_reference_counts_agree_with_the_model(saved):
     """The hand-computed counts describe the model that was saved (so the pins below are the right ones)."""
     from elastic_trainer.model import GPT
@@ -150,8 +154,10 @@ def test_resolve_a_missing_path(tmp_path):
     path = tmp_path / "nothing"
     with pytest.raises(CheckpointError) as err:
         resolve(path)
-    assert str(err.value) == (f"{str(path)!r} does not exist (valid: a checkpoint folder or a checkpoint root "
-                              "such as runs/default/checkpoints)")
+    assert str(err.value) == (
+        f"{str(path)!r} does not exist (valid: a checkpoint folder or a checkpoint root "
+        "such as runs/default/checkpoints)"
+    )
 
 
 def test_resolve_a_file(tmp_path):
@@ -176,8 +182,7 @@ def test_resolve_a_folder_with_a_damaged_meta_json_reports_it(tmp_path):
     with pytest.raises(CheckpointError) as err:
         resolve(tmp_path)
     assert str(err.value).startswith(f"{str(tmp_path / 'meta.json')!r} is unreadable (")
-    (tmp_path / "meta.json").write_text(json.dumps({"format": 1, "step": -3, "model": {}, "train": {},
-                                                    "layout": {}}))
+    (tmp_path / "meta.json").write_text(json.dumps({"format": 1, "step": -3, "model": {}, "train": {}, "layout": {}}))
     with pytest.raises(CheckpointError) as err:
         resolve(tmp_path)
     assert str(err.value) == f"{str(tmp_path / 'meta.json')!r}: step -3 is negative"
@@ -185,27 +190,65 @@ def test_resolve_a_folder_with_a_damaged_meta_json_reports_it(tmp_path):
 
 # -- summarize ------------------------------------------------------------------------------------
 
+
 def test_summarize_reports_every_field(saved):
     folder = saved.folders[2]
     meta = json.loads((folder / "meta.json").read_text())
     files = manifest_files(folder)
     s = summarize(folder)  # verifies by default
-    assert list(s) == ["path", "step", "consumed_samples", "saved_at", "layout", "world_size", "model", "train",
-                       "versions", "state", "files", "file_bytes", "integrity"]
+    assert list(s) == [
+        "path",
+        "step",
+        "consumed_samples",
+        "saved_at",
+        "layout",
+        "world_size",
+        "model",
+        "train",
+        "versions",
+        "state",
+        "files",
+        "file_bytes",
+        "integrity",
+    ]
     assert s["path"] == str(folder)
     assert (s["step"], s["consumed_samples"]) == (2, 16)
     assert s["saved_at"] == meta["saved_at"] and len(s["saved_at"]) == len("2024-01-02 03:04:05 +0000")
-    assert s["layout"] == {"dp": 1, "tp": 1, "pp": 1, "micro_batch": 2, "num_microbatches": 4, "dp_mode": "ddp",
-                           "recompute": False}
+    assert s["layout"] == {
+        "dp": 1,
+        "tp": 1,
+        "pp": 1,
+        "micro_batch": 2,
+        "num_microbatches": 4,
+        "dp_mode": "ddp",
+        "recompute": False,
+    }
     assert s["world_size"] == 1
-    assert s["model"] == {"n_layers": 2, "d_model": 64, "n_heads": 4, "vocab_size": 50257, "context_length": 256,
-                          "dropout": 0.0, "layer_norm_eps": 1e-5, "name": "inspect-test"}
+    assert s["model"] == {
+        "n_layers": 2,
+        "d_model": 64,
+        "n_heads": 4,
+        "vocab_size": 50257,
+        "context_length": 256,
+        "dropout": 0.0,
+        "layer_norm_eps": 1e-5,
+        "name": "inspect-test",
+    }
     t = s["train"]
     assert (t["global_batch"], t["seq_len"], t["seed"], t["lr"], t["schedule_steps"], t["data"]) == (
-        8, 16, 7, 1e-3, 5, ["sotu", "notes.txt"])
+        8,
+        16,
+        7,
+        1e-3,
+        5,
+        ["sotu", "notes.txt"],
+    )
     assert t == meta["train"]
-    assert s["versions"] == {"elastic_trainer": __version__, "torch": torch.__version__,
-                             "python": platform.python_version()}
+    assert s["versions"] == {
+        "elastic_trainer": __version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
     assert s["state"] == expected_state(saved)
     assert files == [".metadata", "__0_0.distcp", "meta.json"]
     assert s["files"] == 3
@@ -246,9 +289,13 @@ def synthetic_checkpoint(root: Path) -> Path:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
-    meta = {"format": 1, "step": 3, "model": dataclasses.asdict(GPT2_SMALL),
-            "train": {"global_batch": 4, "seq_len": 8, "seed": 2, "lr": 0.01, "schedule_steps": 9, "data": ["x"]},
-            "layout": {"dp": 2, "tp": 1, "pp": 1, "micro_batch": 1, "num_microbatches": 2, "dp_mode": "fsdp"}}
+    meta = {
+        "format": 1,
+        "step": 3,
+        "model": dataclasses.asdict(GPT2_SMALL),
+        "train": {"global_batch": 4, "seq_len": 8, "seed": 2, "lr": 0.01, "schedule_steps": 9, "data": ["x"]},
+        "layout": {"dp": 2, "tp": 1, "pp": 1, "micro_batch": 1, "num_microbatches": 2, "dp_mode": "fsdp"},
+    }
     (tmp / "meta.json").write_text(json.dumps(meta))
     return storage.commit(tmp, 3, {})
 
@@ -283,6 +330,7 @@ def test_summarize_counts_bytes_by_dtype_and_values_without_tensors(tmp_path):
 
 # -- format_summary -------------------------------------------------------------------------------
 
+
 def test_format_summary_of_a_real_checkpoint(saved):
     folder = saved.folders[2]
     s = summarize(folder)
@@ -310,19 +358,30 @@ def test_format_summary_of_a_real_checkpoint(saved):
 
 
 SUMMARY = {
-    "path": "/ckpts/run/step-00001000", "step": 1000, "consumed_samples": 1234567,
+    "path": "/ckpts/run/step-00001000",
+    "step": 1000,
+    "consumed_samples": 1234567,
     "saved_at": "2024-05-06 07:08:09 +0000",
     "layout": {"dp": 2, "tp": 3, "pp": 4, "micro_batch": 5, "num_microbatches": 6, "dp_mode": "fsdp"},
-    "world_size": 24, "model": dataclasses.asdict(GPT2_SMALL),
-    "train": {"global_batch": 480, "seq_len": 1024, "seed": 11, "lr": 0.0003, "schedule_steps": 5000,
-              "data": ["sotu", "/data/a.txt", "b"]},
+    "world_size": 24,
+    "model": dataclasses.asdict(GPT2_SMALL),
+    "train": {
+        "global_batch": 480,
+        "seq_len": 1024,
+        "seed": 11,
+        "lr": 0.0003,
+        "schedule_steps": 5000,
+        "data": ["sotu", "/data/a.txt", "b"],
+    },
     "versions": {"elastic_trainer": "0.1.0", "torch": "2.5.1"},
     "state": {  # not in name order
         "rng": {"tensors": 0, "elements": 0, "bytes": 0, "other": 3},
         "optim": {"tensors": 444, "elements": 248879616, "bytes": 995518464, "other": 1},
         "model": {"tensors": 148, "elements": 124439808, "bytes": 497759232, "other": 0},
     },
-    "files": 9, "file_bytes": 1_493_283_840, "integrity": "FAILED: step-00001000: file x is missing",
+    "files": 9,
+    "file_bytes": 1_493_283_840,
+    "integrity": "FAILED: step-00001000: file x is missing",
 }
 SUMMARY_LINES = [
     "checkpoint   /ckpts/run/step-00001000",
@@ -345,22 +404,34 @@ def test_format_summary_of_a_synthetic_summary():
     assert format_summary(SUMMARY, [Path("/ckpts/run/step-00001000")]) == "\n".join(SUMMARY_LINES)
     others = [Path("/a/step-00001000"), Path("/a/step-00000010"), Path("/b/step-00000002")]
     assert format_summary(SUMMARY, others) == "\n".join(
-        SUMMARY_LINES + ["complete     step-00001000, step-00000010, step-00000002"])
+        SUMMARY_LINES + ["complete     step-00001000, step-00000010, step-00000002"]
+    )
     assert format_summary(SUMMARY, others[1:]).splitlines()[-1] == "complete     step-00000010, step-00000002"
 
 
 def test_format_summary_without_versions_or_other_values():
-    s = {**SUMMARY, "versions": {}, "state": {"model": {"tensors": 1, "elements": 1000, "bytes": 2500000000,
-                                                          "other": 0}},
-         "consumed_samples": 0, "saved_at": None, "world_size": None, "integrity": "not checked"}
+    s = {
+        **SUMMARY,
+        "versions": {},
+        "state": {"model": {"tensors": 1, "elements": 1000, "bytes": 2500000000, "other": 0}},
+        "consumed_samples": 0,
+        "saved_at": None,
+        "world_size": None,
+        "integrity": "not checked",
+    }
     lines = format_summary(s, []).splitlines()
     assert lines[1] == "step         1000 (0 samples consumed; saved None)"
     assert lines[2] == "layout       dp=2 tp=3 pp=4 micro_batch=5 num_microbatches=6 (fsdp), None ranks"
-    assert lines[5:] == ["model        1 tensors, 1,000 elements, 2.500 GB", "files        9 files, 1.493 GB",
-                         "integrity    not checked", "versions     "]
+    assert lines[5:] == [
+        "model        1 tensors, 1,000 elements, 2.500 GB",
+        "files        9 files, 1.493 GB",
+        "integrity    not checked",
+        "versions     ",
+    ]
 
 
 # -- load_model_weights ---------------------------------------------------------------------------
+
 
 def test_load_model_weights_gives_the_saved_weights(saved):
     from elastic_trainer.model import GPT
@@ -389,6 +460,7 @@ def test_load_model_weights_verifies_the_files_first(damaged):
 
 # -- export_hf ------------------------------------------------------------------------------------
 
+
 def logits(model, x) -> torch.Tensor:
     with torch.no_grad():
         out = model(x)
@@ -411,7 +483,12 @@ def test_export_hf_of_a_root_writes_the_newest_checkpoint_for_transformers(saved
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     hf = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
     assert (hf.config.n_layer, hf.config.n_embd, hf.config.n_head, hf.config.vocab_size, hf.config.n_positions) == (
-        2, 64, 4, 50257, 256)
+        2,
+        64,
+        4,
+        50257,
+        256,
+    )
     x = torch.randint(0, MODEL.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     got = logits(hf, x)
     assert (got - logits(our_model(saved.weights[2]), x)).abs().max().item() <= 1e-5
@@ -473,8 +550,12 @@ def test_format_summary_divides_by_exact_powers_of_ten():
     """Sizes where a divisor one off (1e6 + 1, 1e9 + 1) shows in the printed digits: a 175 B-parameter model
     and byte counts just past a rounding boundary."""
     big = ModelConfig(n_layers=96, d_model=12288, n_heads=96, vocab_size=50257, context_length=2048, name="big")
-    s = {**SUMMARY, "model": dataclasses.asdict(big), "file_bytes": 2_000_000_500_001,
-         "state": {"model": {"tensors": 1, "elements": 1, "bytes": 3_000_000_500_001, "other": 0}}}
+    s = {
+        **SUMMARY,
+        "model": dataclasses.asdict(big),
+        "file_bytes": 2_000_000_500_001,
+        "state": {"model": {"tensors": 1, "elements": 1, "bytes": 3_000_000_500_001, "other": 0}},
+    }
     params = big.num_params()
     assert params == 96 * (12 * 12288**2 + 13 * 12288) + 50257 * 12288 + 2048 * 12288 + 2 * 12288
     lines = format_summary(s, []).splitlines()

@@ -19,8 +19,14 @@ CFG = TrainConfig(global_batch=8, seq_len=32, steps=10, seed=3)
 
 def saved_meta(cfg: TrainConfig = CFG, step: int = 4) -> dict:
     """meta.json as a run with `cfg` writes it (through JSON, as it is read back)."""
-    trainer = SimpleNamespace(cfg=cfg, model_cfg=MODEL, layout=Layout(2, 1, 1, 4, 1), step=step,
-                              consumed_samples=step * cfg.global_batch, samples=range(100))
+    trainer = SimpleNamespace(
+        cfg=cfg,
+        model_cfg=MODEL,
+        layout=Layout(2, 1, 1, 4, 1),
+        step=step,
+        consumed_samples=step * cfg.global_batch,
+        samples=range(100),
+    )
     return json.loads(json.dumps(state.build_meta(trainer)))
 
 
@@ -37,11 +43,14 @@ def test_meta_records_the_position_and_the_trajectory():
     check(meta, dataclasses.replace(CFG, steps=50, metrics_file="m.jsonl"))  # so do non-trajectory ones
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"global_batch": 16}, "global_batch=16 (checkpoint: 8)"),
-    ({"seed": 4, "lr": 1e-3}, "seed=4 (checkpoint: 3), lr=0.001 (checkpoint: 0.0006)"),
-    ({"decay_steps": 20}, "decay_steps=20 (checkpoint: 10)"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"global_batch": 16}, "global_batch=16 (checkpoint: 8)"),
+        ({"seed": 4, "lr": 1e-3}, "seed=4 (checkpoint: 3), lr=0.001 (checkpoint: 0.0006)"),
+        ({"decay_steps": 20}, "decay_steps=20 (checkpoint: 10)"),
+    ],
+)
 def test_other_trajectory_settings_are_refused(change, message):
     with pytest.raises(ConfigError) as err:
         check(saved_meta(), dataclasses.replace(CFG, **change))
@@ -82,13 +91,39 @@ def test_the_same_data_files_named_from_another_folder_resume(tmp_path, monkeypa
 # with skipped records is refused without the flag, so it never changes the tokens silently; dtype: resolved
 # per device, so a GPU checkpoint can be resumed on CPUs); decay_steps is the schedule length, refused only
 # when given and different from the checkpoint's.
-TRAJECTORY = ("global_batch", "seq_len", "seed", "lr", "min_lr_ratio", "warmup_steps", "weight_decay",
-              "beta1", "beta2", "eps", "grad_clip", "data", "val_fraction")
+TRAJECTORY = (
+    "global_batch",
+    "seq_len",
+    "seed",
+    "lr",
+    "min_lr_ratio",
+    "warmup_steps",
+    "weight_decay",
+    "beta1",
+    "beta2",
+    "eps",
+    "grad_clip",
+    "data",
+    "val_fraction",
+)
 # text_field and data_split change the tokens, which the data's content digest (meta "data.id") compares
-NOT_TRAJECTORY = {"steps": 50, "dtype": "fp32", "data_cache": "/elsewhere/cache", "metrics_file": "m.jsonl",
-                  "log_every": 5, "skip_bad_records": True, "text_field": "body", "data_split": "other",
-                  "val_data": ("v.txt",), "eval_every": 3, "eval_batches": 2, "tensorboard": "/tmp/tb",
-                  "profile_steps": "2:3", "compile": True, "compile_cache": "/tmp/cc"}
+NOT_TRAJECTORY = {
+    "steps": 50,
+    "dtype": "fp32",
+    "data_cache": "/elsewhere/cache",
+    "metrics_file": "m.jsonl",
+    "log_every": 5,
+    "skip_bad_records": True,
+    "text_field": "body",
+    "data_split": "other",
+    "val_data": ("v.txt",),
+    "eval_every": 3,
+    "eval_batches": 2,
+    "tensorboard": "/tmp/tb",
+    "profile_steps": "2:3",
+    "compile": True,
+    "compile_cache": "/tmp/cc",
+}
 SCHEDULE = ("decay_steps",)
 
 
@@ -122,9 +157,11 @@ def test_each_trajectory_setting_is_refused_alone(field):
     assert new != old
     with pytest.raises(ConfigError) as err:
         check(saved_meta(), dataclasses.replace(CFG, **{field: new}))
-    assert str(err.value) == (f"ckpt/step-00000004 was trained with other settings: {field}={as_saved(new)!r} "
-                              f"(checkpoint: {as_saved(old)!r}); resuming would change the loss trajectory "
-                              "(use the checkpoint's values or another --checkpoint-dir)")
+    assert str(err.value) == (
+        f"ckpt/step-00000004 was trained with other settings: {field}={as_saved(new)!r} "
+        f"(checkpoint: {as_saved(old)!r}); resuming would change the loss trajectory "
+        "(use the checkpoint's values or another --checkpoint-dir)"
+    )
 
 
 @pytest.mark.parametrize("field, value", list(NOT_TRAJECTORY.items()) + [("decay_steps", CFG.schedule_steps)])
@@ -152,8 +189,9 @@ def test_each_model_setting_is_refused_alone(field):
     model, new = other_model(field)
     with pytest.raises(ConfigError) as err:
         check(saved_meta(), CFG, model)
-    assert str(err.value) == (f"ckpt/step-00000004 holds a different model: "
-                              f"{field}={new!r} (checkpoint: {getattr(MODEL, field)!r})")
+    assert str(err.value) == (
+        f"ckpt/step-00000004 holds a different model: {field}={new!r} (checkpoint: {getattr(MODEL, field)!r})"
+    )
 
 
 def test_a_renamed_model_resumes():
@@ -166,24 +204,29 @@ def test_two_different_model_settings_are_named_in_one_line():
     model = dataclasses.replace(MODEL, n_layers=2, dropout=0.1)
     with pytest.raises(ConfigError) as err:
         check(saved_meta(), CFG, model)
-    assert str(err.value) == ("ckpt/step-00000004 holds a different model: n_layers=2 (checkpoint: 4), "
-                              "dropout=0.1 (checkpoint: 0.0)")
+    assert str(err.value) == (
+        "ckpt/step-00000004 holds a different model: n_layers=2 (checkpoint: 4), dropout=0.1 (checkpoint: 0.0)"
+    )
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"seed": 4}, "seed=4 (checkpoint: 3)"),
-    ({"decay_steps": 20}, "decay_steps=20 (checkpoint: 10)"),
-])
-def test_the_same_data_files_from_another_folder_do_not_hide_other_changes(tmp_path, monkeypatch, change,
-                                                                             message):
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"seed": 4}, "seed=4 (checkpoint: 3)"),
+        ({"decay_steps": 20}, "decay_steps=20 (checkpoint: 10)"),
+    ],
+)
+def test_the_same_data_files_from_another_folder_do_not_hide_other_changes(tmp_path, monkeypatch, change, message):
     """The data setting is dropped from the differences when it names the same files; the others remain."""
     (tmp_path / "a.txt").write_text("some text\n")
     monkeypatch.chdir(tmp_path)
     meta = saved_meta(dataclasses.replace(CFG, data=("a.txt",)))
     with pytest.raises(ConfigError) as err:
         check(meta, dataclasses.replace(CFG, data=(str(tmp_path / "a.txt"),), **change))
-    assert str(err.value) == (f"ckpt/step-00000004 was trained with other settings: {message}; resuming would "
-                              "change the loss trajectory (use the checkpoint's values or another --checkpoint-dir)")
+    assert str(err.value) == (
+        f"ckpt/step-00000004 was trained with other settings: {message}; resuming would "
+        "change the loss trajectory (use the checkpoint's values or another --checkpoint-dir)"
+    )
 
 
 def tiny_trainer(seed: int) -> SimpleNamespace:
@@ -192,8 +235,10 @@ def tiny_trainer(seed: int) -> SimpleNamespace:
 
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
-    return SimpleNamespace(engine=SimpleNamespace(model=model, zero=None),
-                           optimizer=torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.01))
+    return SimpleNamespace(
+        engine=SimpleNamespace(model=model, zero=None),
+        optimizer=torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.01),
+    )
 
 
 def test_tensor_state_round_trips_weights_and_optimizer_moments_exactly():
@@ -238,8 +283,11 @@ def test_meta_records_the_data_rng_time_and_versions(tmp_path, monkeypatch):
     assert before <= meta["time"] <= after
     saved = time.mktime(time.strptime(meta["saved_at"], "%Y-%m-%d %H:%M:%S %z"))
     assert abs(saved - meta["time"]) < 2
-    assert meta["versions"] == {"elastic_trainer": __version__, "torch": torch.__version__,
-                                "python": platform.python_version()}
+    assert meta["versions"] == {
+        "elastic_trainer": __version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
     assert meta["world_size"] == 2 and meta["format"] == state.FORMAT
     assert meta["train"] == {**dataclasses.asdict(cfg), "data": ["a.txt"], "val_data": [], "schedule_steps": 10}
     assert meta["model"] == dataclasses.asdict(MODEL)
@@ -262,8 +310,11 @@ def test_the_data_is_compared_by_content_when_both_digests_are_known():
     meta["data"]["id"] = "a" * 32
     moved = dataclasses.replace(CFG, data=("/new/place/ds",))
     state.check_compatible(meta, MODEL, moved, "ck", data_id="a" * 32)
-    with pytest.raises(ConfigError, match=r"^ck was trained on other data: the content digest of --data "
-                                          r"/old/place/ds is bbbbbbbbbbbb, the checkpoint's aaaaaaaaaaaa; "):
+    with pytest.raises(
+        ConfigError,
+        match=r"^ck was trained on other data: the content digest of --data "
+        r"/old/place/ds is bbbbbbbbbbbb, the checkpoint's aaaaaaaaaaaa; ",
+    ):
         state.check_compatible(meta, MODEL, dataclasses.replace(CFG, data=("/old/place/ds",)), "ck", "b" * 32)
     with pytest.raises(ConfigError, match=r"other settings: val_fraction=0\.1 \(checkpoint: 0\.0\)"):
         state.check_compatible(meta, MODEL, dataclasses.replace(moved, val_fraction=0.1), "ck", "a" * 32 + ":val0.1")

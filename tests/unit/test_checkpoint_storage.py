@@ -65,11 +65,14 @@ def test_retention_keeps_newest(tmp_path):
     assert storage.remove_old(tmp_path, keep=0) == []
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda f: f.write_bytes(b"weightz"), "fails its xxh3_128 checksum (corrupted)"),
-    (lambda f: f.write_bytes(b"weig"), "has 4 bytes, expected 7 (truncated?)"),
-    (lambda f: f.unlink(), "is missing"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda f: f.write_bytes(b"weightz"), "fails its xxh3_128 checksum (corrupted)"),
+        (lambda f: f.write_bytes(b"weig"), "has 4 bytes, expected 7 (truncated?)"),
+        (lambda f: f.unlink(), "is missing"),
+    ],
+)
 def test_verify_reports_damage_in_one_line(tmp_path, damage, message):
     final = fake_checkpoint(tmp_path, 3)
     damage(final / "__0_0.distcp")
@@ -102,7 +105,7 @@ def rank_errors(folder: Path, world: int) -> list[str | None]:
 
 
 FLIP = (lambda raw: raw[:-1] + bytes([raw[-1] ^ 0xFF]), "fails its xxh3_128 checksum (corrupted)")
-TRUNCATE = (lambda raw: raw[:len(raw) // 2], "has {cut} bytes, expected {size} (truncated?)")
+TRUNCATE = (lambda raw: raw[: len(raw) // 2], "has {cut} bytes, expected {size} (truncated?)")
 
 
 @pytest.mark.parametrize("damage, message", [FLIP, TRUNCATE], ids=["flipped", "truncated"])
@@ -126,15 +129,22 @@ def test_verify_shares_check_every_file_exactly_once(tmp_path, damage, message):
 
 # -- a crash at every point of the commit ----------------------------------------------------------------
 
+
 class Crash(Exception):
     """Stands for the process dying at one point of storage.commit."""
 
 
 # (object, attribute, label): every file-system step commit takes, and the helpers it calls them through
-COMMIT_STEPS = [(os, "rename", "os.rename"), (os, "replace", "os.replace"), (os, "fsync", "os.fsync"),
-                (shutil, "rmtree", "shutil.rmtree"), (json, "dump", "json.dump"),
-                (Path, "write_text", "Path.write_text"), (storage, "write_json_atomic", "write_json_atomic"),
-                (storage, "_fsync_dir", "_fsync_dir")]
+COMMIT_STEPS = [
+    (os, "rename", "os.rename"),
+    (os, "replace", "os.replace"),
+    (os, "fsync", "os.fsync"),
+    (shutil, "rmtree", "shutil.rmtree"),
+    (json, "dump", "json.dump"),
+    (Path, "write_text", "Path.write_text"),
+    (storage, "write_json_atomic", "write_json_atomic"),
+    (storage, "_fsync_dir", "_fsync_dir"),
+]
 
 
 def commit_with_crash(monkeypatch, root: Path, step: int, crash_at: int | None) -> list[str]:
@@ -152,6 +162,7 @@ def commit_with_crash(monkeypatch, root: Path, step: int, crash_at: int | None) 
                 raise Crash(label)
             taken.append(label)
             return original(*args, **kwargs)
+
         return step_or_crash
 
     with monkeypatch.context() as m:
@@ -174,10 +185,13 @@ def assert_no_broken_checkpoint(root: Path, allowed: set[str]) -> None:
         assert (root / "latest").read_text().strip() in {p.name for p in visible}
 
 
-@pytest.mark.parametrize("resave", [
-    pytest.param(False, id="new-step"),
-    pytest.param(True, id="same-step-again"),  # the committed step-2 is kept, the new copy dropped
-])
+@pytest.mark.parametrize(
+    "resave",
+    [
+        pytest.param(False, id="new-step"),
+        pytest.param(True, id="same-step-again"),  # the committed step-2 is kept, the new copy dropped
+    ],
+)
 def test_a_crash_at_any_point_of_the_commit_leaves_no_broken_checkpoint(monkeypatch, tmp_path, resave):
     """Crash before each file-system step of storage.commit in turn (on top of a committed step 1, and for a
     re-save of step 2 on top of an existing step 2): whatever is visible is complete, `latest` names a
@@ -220,12 +234,16 @@ def test_crafted_metadata_is_refused_without_running_code(tmp_path):
     with pytest.raises(CheckpointError, match="refusing to load posix.system"):
         storage.read_dcp_metadata(tmp_path / ".metadata")
     with pytest.raises(BaseException) as err:  # DCP wraps our error in a BaseException subclass
-        dcp.load({"t": torch.zeros(3)}, storage_reader=storage.SafeReader(str(tmp_path)),
-                 planner=storage.SafeLoadPlanner(), no_dist=True)
+        dcp.load(
+            {"t": torch.zeros(3)},
+            storage_reader=storage.SafeReader(str(tmp_path)),
+            planner=storage.SafeLoadPlanner(),
+            no_dist=True,
+        )
     assert "refusing to load posix.system" in str(err.value) + "".join(map(str, err.value.args))
     assert not marker.exists()
     # DCP's own reader would have run it: the test would catch a regression to it
-    with pytest.raises(BaseException):
+    with pytest.raises(BaseException):  # noqa: B017  (whatever the payload raises once it ran)
         dcp.load({"t": torch.zeros(3)}, checkpoint_id=str(tmp_path), no_dist=True)
     assert marker.exists()
 
@@ -236,8 +254,12 @@ def test_crafted_non_tensor_item_is_refused_without_running_code(tmp_path):
     assert not marker.exists()
     state = {"t": torch.zeros(3), "lr": 0.1}
     with pytest.raises(BaseException) as err:
-        dcp.load(state, storage_reader=storage.SafeReader(str(tmp_path / "ck")),
-                 planner=storage.SafeLoadPlanner(), no_dist=True)
+        dcp.load(
+            state,
+            storage_reader=storage.SafeReader(str(tmp_path / "ck")),
+            planner=storage.SafeLoadPlanner(),
+            no_dist=True,
+        )
     assert "refusing unsafe item 'lr'" in str(err.value) + "".join(map(str, err.value.args))
     assert not marker.exists()
     dcp.load(state, checkpoint_id=str(tmp_path / "ck"), no_dist=True)  # DCP's default planner runs it
@@ -247,12 +269,12 @@ def test_crafted_non_tensor_item_is_refused_without_running_code(tmp_path):
 def test_safe_loading_still_reads_plain_values(tmp_path):
     dcp.save({"t": torch.arange(4.0), "lr": 0.5, "betas": (0.9, 0.95)}, checkpoint_id=str(tmp_path), no_dist=True)
     state = {"t": torch.zeros(4), "lr": 0.0, "betas": (0.0, 0.0)}
-    dcp.load(state, storage_reader=storage.SafeReader(str(tmp_path)), planner=storage.SafeLoadPlanner(),
-             no_dist=True)
+    dcp.load(state, storage_reader=storage.SafeReader(str(tmp_path)), planner=storage.SafeLoadPlanner(), no_dist=True)
     assert torch.equal(state["t"], torch.arange(4.0)) and state["lr"] == 0.5 and tuple(state["betas"]) == (0.9, 0.95)
 
 
 # -- hand-built protocol-2 pickles that run code -------------------------------------------------------
+
 
 def test_a_payload_repeated_in_many_items_is_unpickled_once_and_each_item_gets_its_own(tmp_path, monkeypatch):
     """The flattened optimizer state repeats each group's settings per parameter: one torch.load per distinct
@@ -264,15 +286,16 @@ def test_a_payload_repeated_in_many_items_is_unpickled_once_and_each_item_gets_i
     # the non-tensor items' loads (from a BytesIO; DCP's reader loads the tensor from a view of the file)
     monkeypatch.setattr(torch, "load", lambda f, **k: calls.append(isinstance(f, io.BytesIO)) or real_load(f, **k))
     state = {"t": torch.zeros(4), **{f"g{i}.betas": None for i in range(5)}, "lr": 0.0}
-    dcp.load(state, storage_reader=storage.SafeReader(str(tmp_path)), planner=storage.SafeLoadPlanner(),
-             no_dist=True)
+    dcp.load(state, storage_reader=storage.SafeReader(str(tmp_path)), planner=storage.SafeLoadPlanner(), no_dist=True)
     assert sum(calls) == 2  # [0.9, 0.95] and 0.5
     assert all(state[f"g{i}.betas"] == [0.9, 0.95] for i in range(5)) and state["lr"] == 0.5
     state["g0.betas"].append(0.0)
     assert state["g1.betas"] == [0.9, 0.95]
 
+
 # Each program would, if unpickled without restriction, create the file `plant.marker` (the control test
 # below proves it for every live one); the loaders must refuse it by the first global it names.
+
 
 def g(module: str, name: str) -> bytes:
     """GLOBAL: push module.name (an unrestricted unpickler imports `module` to find it)."""
@@ -338,27 +361,33 @@ PAYLOADS = {
     "builtins.eval": lambda p: program(call(g("builtins", "eval"), create(p))),
     "builtins.exec": lambda p: program(call(g("builtins", "exec"), create(p))),
     "__builtin__.eval": lambda p: program(call(g("__builtin__", "eval"), create(p))),  # Python 2's name
-    "builtins.getattr": lambda p: program(call(call(g("builtins", "getattr"),
-                                                     call(g("builtins", "__import__"), s("os")), s("system")),
-                                                touch(p))),
+    "builtins.getattr": lambda p: program(
+        call(call(g("builtins", "getattr"), call(g("builtins", "__import__"), s("os")), s("system")), touch(p))
+    ),
     "importlib.import_module": lambda p: program(call(g("importlib", "import_module"), s(p.module))),
     "{module}.anything": lambda p: program(g(p.module, "anything")),  # importing the module runs it
     "functools.partial": lambda p: program(call(call(g("functools", "partial"), g("posix", "system"), touch(p)))),
-    "torch.load": lambda p: program(call(g("torch", "load"), s(p.evil_pt), NONE,
-                                         g("torch.serialization", "pickle"))),  # a pickle_module: unsafe load
-    "torch.serialization.load": lambda p: program(call(g("torch.serialization", "load"), s(p.evil_pt), NONE,
-                                                       g("torch.serialization", "pickle"))),
+    "torch.load": lambda p: program(
+        call(g("torch", "load"), s(p.evil_pt), NONE, g("torch.serialization", "pickle"))
+    ),  # a pickle_module: unsafe load
+    "torch.serialization.load": lambda p: program(
+        call(g("torch.serialization", "load"), s(p.evil_pt), NONE, g("torch.serialization", "pickle"))
+    ),
     "torch.save": lambda p: program(call(g("torch", "save"), s("x"), s(p.marker))),
-    "torch.hub.load": lambda p: program(partial_call(g("torch.hub", "load"), tup(s(p.hub), s("entry")),
-                                                     source=s("local"))),
+    "torch.hub.load": lambda p: program(
+        partial_call(g("torch.hub", "load"), tup(s(p.hub), s("entry")), source=s("local"))
+    ),
     "torch.hub._load_local": lambda p: program(call(g("torch.hub", "_load_local"), s(p.hub), s("entry"))),
     "torch.jit.load": lambda p: program(call(g("torch.jit", "load"), s(p.evil_pt))),
-    "torch._C._save_parameters": lambda p: program(call(g("torch._C", "_save_parameters"), EMPTY_DICT,
-                                                        s(p.marker), FALSE)),
+    "torch._C._save_parameters": lambda p: program(
+        call(g("torch._C", "_save_parameters"), EMPTY_DICT, s(p.marker), FALSE)
+    ),
     "torch.distributed.checkpoint.metadata.os": lambda p: program(
-        getattr_call(g("torch.distributed.checkpoint.metadata", "os"), "system", touch(p))),
+        getattr_call(g("torch.distributed.checkpoint.metadata", "os"), "system", touch(p))
+    ),
     "torch.distributed.checkpoint.filesystem.os": lambda p: program(
-        getattr_call(g("torch.distributed.checkpoint.filesystem", "os"), "system", touch(p))),
+        getattr_call(g("torch.distributed.checkpoint.filesystem", "os"), "system", touch(p))
+    ),
     "pathlib.os": lambda p: program(getattr_call(g("pathlib", "os"), "system", touch(p))),
     "collections._sys": lambda p: program(getattr_call(g("collections", "_sys"), "exit", s("x"))),
 }
@@ -429,11 +458,17 @@ def test_planted_metadata_is_refused_by_name_in_one_line(key, plant, tmp_path):
     name = refused_name(key, plant)
     with pytest.raises(CheckpointError) as err:
         storage.read_dcp_metadata(folder / ".metadata")
-    assert str(err.value) == (f"unsafe or corrupted checkpoint metadata {str(folder / '.metadata')!r}: "
-                              f"refusing to load {name} from checkpoint metadata")
+    assert str(err.value) == (
+        f"unsafe or corrupted checkpoint metadata {str(folder / '.metadata')!r}: "
+        f"refusing to load {name} from checkpoint metadata"
+    )
     with pytest.raises(BaseException) as err:  # DCP wraps our error in a CheckpointException
-        dcp.load({"t": torch.zeros(3)}, storage_reader=storage.SafeReader(str(folder)),
-                 planner=storage.SafeLoadPlanner(), no_dist=True)
+        dcp.load(
+            {"t": torch.zeros(3)},
+            storage_reader=storage.SafeReader(str(folder)),
+            planner=storage.SafeLoadPlanner(),
+            no_dist=True,
+        )
     assert f"refusing to load {name} from checkpoint metadata" in str(err.value)
     assert_nothing_ran(plant)
 
@@ -456,11 +491,19 @@ def test_planted_non_tensor_item_is_refused_in_one_line(key, plant, tmp_path):
     """A checkpoint whose item 'lr' is the payload (as torch.save writes items): SafeLoadPlanner refuses it
     with a one-line CheckpointError naming the item, through DCP's load and called directly; nothing runs."""
     item = as_item(PAYLOADS[key](plant))
-    dcp.save({"t": torch.ones(3), "lr": 0.5}, checkpoint_id=str(tmp_path / "ck"),
-             planner=PlantingPlanner("lr", item), no_dist=True)
+    dcp.save(
+        {"t": torch.ones(3), "lr": 0.5},
+        checkpoint_id=str(tmp_path / "ck"),
+        planner=PlantingPlanner("lr", item),
+        no_dist=True,
+    )
     with pytest.raises(BaseException) as err:
-        dcp.load({"t": torch.zeros(3), "lr": 0.1}, storage_reader=storage.SafeReader(str(tmp_path / "ck")),
-                 planner=storage.SafeLoadPlanner(), no_dist=True)
+        dcp.load(
+            {"t": torch.zeros(3), "lr": 0.1},
+            storage_reader=storage.SafeReader(str(tmp_path / "ck")),
+            planner=storage.SafeLoadPlanner(),
+            no_dist=True,
+        )
     failures = [f[0] if isinstance(f, tuple) else f for f in err.value.failures.values()]
     assert [type(f) for f in failures] == [CheckpointError]
     for error in failures + [refusal_of_item(item)]:
@@ -490,35 +533,48 @@ def test_a_failed_dcp_load_is_reported_by_its_first_ranks_last_line():
         except BaseException as e:
             return _wrap_exception(e)
 
-    two = CheckpointException("load", {3: wrapped(ValueError("size mismatch\n  for model.wte: 4 != 8  ")),
-                                       0: wrapped(KeyError("other rank"))})
+    two = CheckpointException(
+        "load", {3: wrapped(ValueError("size mismatch\n  for model.wte: 4 != 8  ")), 0: wrapped(KeyError("other rank"))}
+    )
     assert _first_failure(two) == "for model.wte: 4 != 8"
     assert _first_failure(CheckpointException("load", {1: wrapped(RuntimeError())})) == "RuntimeError"
     assert _first_failure(CheckpointException("load", {1: OSError("bare, not wrapped")})) == "bare, not wrapped"
     assert _first_failure(CheckpointException("load", {})) == "CheckpointException ranks:dict_keys([])"
 
 
-@pytest.mark.parametrize("text, line", [
-    # torch's refusal: generic advice first, the named global further down, in colour on a terminal
-    ("\x1b[1mWeights only load failed.\x1b[0m Re-running may work.\n\n\x1b[31;1mPlease file an issue\x1b[0m\n"
-     "  \x1b[1mWeightsUnpickler error: Unsupported global: GLOBAL os.system was not an allowed global\x1b[0m  \n",
-     "WeightsUnpickler error: Unsupported global: GLOBAL os.system was not an allowed global"),
-    ("Weights only load failed\nUnsupported operand 82", "Unsupported operand 82"),  # no GLOBAL: 'Unsupported'
-    ("\n  \x1b[0m\n first line \nsecond", "first line"),  # nothing named: the first non-empty line, stripped
-    ("", "ValueError"),  # no text at all: the type
-])
+@pytest.mark.parametrize(
+    "text, line",
+    [
+        # torch's refusal: generic advice first, the named global further down, in colour on a terminal
+        (
+            "\x1b[1mWeights only load failed.\x1b[0m Re-running may work.\n\n\x1b[31;1mPlease file an issue\x1b[0m\n"
+            "  \x1b[1mWeightsUnpickler error: Unsupported global: GLOBAL os.system was not an allowed "
+            "global\x1b[0m  \n",
+            "WeightsUnpickler error: Unsupported global: GLOBAL os.system was not an allowed global",
+        ),
+        ("Weights only load failed\nUnsupported operand 82", "Unsupported operand 82"),  # no GLOBAL: 'Unsupported'
+        ("\n  \x1b[0m\n first line \nsecond", "first line"),  # nothing named: the first non-empty line, stripped
+        ("", "ValueError"),  # no text at all: the type
+    ],
+)
 def test_an_unsafe_item_is_refused_by_the_line_that_names_it(text, line):
     assert storage._refusal_reason(ValueError(text)) == line
 
 
 # -- exact messages: read_meta, none_resumable, require_no_checkpoints --------------------------------
 
+
 def valid_meta() -> dict:
     """The smallest meta.json read_meta accepts (the keys and types every reader relies on)."""
     from elastic_trainer.config import load_model_config
 
-    return {"format": 1, "step": 4, "model": dataclasses.asdict(load_model_config("gpt-tiny")),
-            "train": {"schedule_steps": 10, "data": ["a.txt"]}, "layout": {"dp": 1, "tp": 1, "pp": 1}}
+    return {
+        "format": 1,
+        "step": 4,
+        "model": dataclasses.asdict(load_model_config("gpt-tiny")),
+        "train": {"schedule_steps": 10, "data": ["a.txt"]},
+        "layout": {"dp": 1, "tp": 1, "pp": 1},
+    }
 
 
 def write_meta(folder: Path, meta) -> Path:
@@ -532,12 +588,18 @@ def test_read_meta_returns_a_valid_meta(tmp_path):
     assert storage.read_meta(tmp_path) == valid_meta()
 
 
-@pytest.mark.parametrize("make, reason", [
-    (lambda p: p.mkdir(), "Is a directory"),  # an OSError: its strerror, not "[Errno 21] ...: 'path'"
-    (lambda p: None, "No such file or directory"),
-    (lambda p: p.write_text("{not json"), "Expecting property name enclosed in double quotes: line 1 column 2 "
-                                          "(char 1)"),  # a ValueError: its text
-], ids=["directory", "absent", "invalid-json"])
+@pytest.mark.parametrize(
+    "make, reason",
+    [
+        (lambda p: p.mkdir(), "Is a directory"),  # an OSError: its strerror, not "[Errno 21] ...: 'path'"
+        (lambda p: None, "No such file or directory"),
+        (
+            lambda p: p.write_text("{not json"),
+            "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)",
+        ),  # a ValueError: its text
+    ],
+    ids=["directory", "absent", "invalid-json"],
+)
 def test_read_meta_names_why_it_cannot_read(tmp_path, make, reason):
     path = tmp_path / "meta.json"
     make(path)
@@ -554,11 +616,20 @@ def test_read_meta_refuses_json_that_is_not_an_object(tmp_path, value):
     assert str(err.value) == f"{str(path)!r} is not a JSON object"
 
 
-@pytest.mark.parametrize("key, value", [
-    *[(k, missing) for k in storage.META_FIELDS for missing in ("missing",)],
-    ("format", "1"), ("step", 4.0), ("step", True), ("format", False),  # a bool is not an integer here
-    ("model", []), ("train", "x"), ("layout", 1), ("model", True),
-])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        *[(k, missing) for k in storage.META_FIELDS for missing in ("missing",)],
+        ("format", "1"),
+        ("step", 4.0),
+        ("step", True),
+        ("format", False),  # a bool is not an integer here
+        ("model", []),
+        ("train", "x"),
+        ("layout", 1),
+        ("model", True),
+    ],
+)
 def test_read_meta_refuses_a_missing_or_mistyped_key(tmp_path, key, value):
     """Each required key missing or of the wrong type: one line naming it and the type it must have."""
     meta = valid_meta()
@@ -576,9 +647,11 @@ def test_read_meta_refuses_a_missing_or_mistyped_key(tmp_path, key, value):
 def test_none_resumable_names_the_folder_the_count_and_the_newest_error():
     error = storage.none_resumable("ckpts", ["step-00000009: file a is missing", "step-00000003: unreadable"])
     assert isinstance(error, CheckpointError)
-    assert str(error) == ("no checkpoint in --checkpoint-dir ckpts can be resumed (2 damaged; newest: "
-                          "step-00000009: file a is missing); repair them, move them away or pass another "
-                          "--checkpoint-dir to start over")
+    assert str(error) == (
+        "no checkpoint in --checkpoint-dir ckpts can be resumed (2 damaged; newest: "
+        "step-00000009: file a is missing); repair them, move them away or pass another "
+        "--checkpoint-dir to start over"
+    )
 
 
 def test_require_no_checkpoints_refuses_a_folder_with_checkpoints(tmp_path):
@@ -590,11 +663,14 @@ def test_require_no_checkpoints_refuses_a_folder_with_checkpoints(tmp_path):
     fake_checkpoint(tmp_path, 12)
     with pytest.raises(ConfigError) as err:
         storage.require_no_checkpoints(tmp_path)
-    assert str(err.value) == (f"--checkpoint-dir {tmp_path} already holds checkpoints (step-00000012, ...); "
-                              "resume them (--resume auto) or use an empty folder")
+    assert str(err.value) == (
+        f"--checkpoint-dir {tmp_path} already holds checkpoints (step-00000012, ...); "
+        "resume them (--resume auto) or use an empty folder"
+    )
 
 
 # -- SafeReader.read_metadata and SafeLoadPlanner.load_bytes, called directly ---------------------------
+
 
 def test_safe_reader_refuses_rank_local_metadata(tmp_path):
     dcp.save({"t": torch.ones(3)}, checkpoint_id=str(tmp_path), no_dist=True)
@@ -631,8 +707,7 @@ def test_safe_reader_adds_storage_meta_when_the_checkpoint_has_none(tmp_path, dr
     got = reader.read_metadata().storage_meta
     assert isinstance(got, StorageMeta) and got.load_id == reader.load_id and got.save_id is None
     state = {"t": torch.zeros(3)}
-    dcp.load(state, storage_reader=storage.SafeReader(str(tmp_path)), planner=storage.SafeLoadPlanner(),
-             no_dist=True)
+    dcp.load(state, storage_reader=storage.SafeReader(str(tmp_path)), planner=storage.SafeLoadPlanner(), no_dist=True)
     assert torch.equal(state["t"], torch.arange(3.0))
 
 
@@ -644,8 +719,9 @@ def test_an_unsafe_item_is_refused_even_when_the_environment_makes_torch_load_un
     torch.save(Evil(str(marker)), buf)
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     with pytest.raises(CheckpointError) as err:
-        storage.SafeLoadPlanner().load_bytes(SimpleNamespace(dest_index=SimpleNamespace(fqn="opt.lr")),
-                                             io.BytesIO(buf.getvalue()))
+        storage.SafeLoadPlanner().load_bytes(
+            SimpleNamespace(dest_index=SimpleNamespace(fqn="opt.lr")), io.BytesIO(buf.getvalue())
+        )
     assert not marker.exists()
     text = str(err.value)
     assert text.startswith("refusing unsafe item 'opt.lr' in checkpoint: ") and "GLOBAL posix.system" in text
@@ -657,13 +733,20 @@ def test_safe_loading_without_flattening_stores_plain_values(tmp_path):
     (with flatten_sharded_tensors, DCP's planner works on a copy of it, and so does ours)."""
     dcp.save({"t": torch.arange(4.0), "lr": 0.5, "steps": 7}, checkpoint_id=str(tmp_path), no_dist=True)
     state = {"t": torch.zeros(4), "lr": 0.0, "steps": 0}
-    dcp.load(state, storage_reader=storage.SafeReader(str(tmp_path)),
-             planner=storage.SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False), no_dist=True)
+    dcp.load(
+        state,
+        storage_reader=storage.SafeReader(str(tmp_path)),
+        planner=storage.SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+        no_dist=True,
+    )
     assert torch.equal(state["t"], torch.arange(4.0)) and state["lr"] == 0.5 and state["steps"] == 7
 
 
-@pytest.mark.parametrize("make, reason", [(lambda p: None, "No such file or directory"),
-                                          (lambda p: p.mkdir(), "Is a directory")], ids=["absent", "directory"])
+@pytest.mark.parametrize(
+    "make, reason",
+    [(lambda p: None, "No such file or directory"), (lambda p: p.mkdir(), "Is a directory")],
+    ids=["absent", "directory"],
+)
 def test_unreadable_dcp_metadata_is_reported_with_its_path_and_reason(tmp_path, make, reason):
     path = tmp_path / ".metadata"
     make(path)
@@ -673,6 +756,7 @@ def test_unreadable_dcp_metadata_is_reported_with_its_path_and_reason(tmp_path, 
 
 
 # -- read_meta's later checks, the manifest, the temporary names, retention of one, failing removals ---------
+
 
 def test_read_meta_accepts_step_zero_and_names_a_negative_step(tmp_path):
     meta = valid_meta() | {"step": 0}  # a checkpoint of the initial state (saved before any step) is valid
@@ -684,12 +768,15 @@ def test_read_meta_accepts_step_zero_and_names_a_negative_step(tmp_path):
     assert str(err.value) == f"{str(path)!r}: step -1 is negative"
 
 
-@pytest.mark.parametrize("part, key, message", [
-    ("layout", "tp", "layout.tp is missing or not an integer"),
-    ("layout", "pp", "layout.pp is missing or not an integer"),
-    ("train", "schedule_steps", "train.schedule_steps is missing"),
-    ("train", "data", "train.data is missing"),
-])
+@pytest.mark.parametrize(
+    "part, key, message",
+    [
+        ("layout", "tp", "layout.tp is missing or not an integer"),
+        ("layout", "pp", "layout.pp is missing or not an integer"),
+        ("train", "schedule_steps", "train.schedule_steps is missing"),
+        ("train", "data", "train.data is missing"),
+    ],
+)
 def test_read_meta_names_a_missing_layout_or_train_entry(tmp_path, part, key, message):
     meta = valid_meta()
     del meta[part][key]
@@ -709,7 +796,7 @@ def test_read_meta_names_an_invalid_model_on_one_line(tmp_path):
     prefix = f"{str(path)!r}: its model is not valid ("
     assert text.startswith(prefix) and text.endswith(")") and "\n" not in text
     # the dataclass's own complaint, its words kept and separated by single spaces
-    assert "unexpected keyword argument 'no_such_field'" in text[len(prefix):-1]
+    assert "unexpected keyword argument 'no_such_field'" in text[len(prefix) : -1]
     assert "  " not in text
 
 
@@ -746,8 +833,10 @@ def test_commit_keeps_the_callers_descriptions_and_records_the_time(tmp_path):
     manifest = json.loads((final / "manifest.json").read_text())
     import xxhash
 
-    assert manifest["files"] == {"__0_0.distcp": given["__0_0.distcp"],
-                                 "meta.json": {"bytes": 2, "xxh3_128": xxhash.xxh3_128(b"{}").hexdigest()}}
+    assert manifest["files"] == {
+        "__0_0.distcp": given["__0_0.distcp"],
+        "meta.json": {"bytes": 2, "xxh3_128": xxhash.xxh3_128(b"{}").hexdigest()},
+    }
     assert t0 <= manifest["committed"] <= t1
 
 
@@ -756,8 +845,9 @@ def test_temporary_names_carry_eight_hex_digits(tmp_path, monkeypatch):
     assert storage.new_tmp_dir(tmp_path, 12, run_id="r1").name == ".tmp-step-00000012-r1"
     replaced = []
     real_replace = os.replace
-    monkeypatch.setattr(storage.os, "replace", lambda a, b: replaced.append((Path(a).name, Path(b).name))
-                        or real_replace(a, b))
+    monkeypatch.setattr(
+        storage.os, "replace", lambda a, b: replaced.append((Path(a).name, Path(b).name)) or real_replace(a, b)
+    )
     storage.write_json_atomic(tmp_path / "x.json", {"a": [1, 2]})
     fake_checkpoint(tmp_path, 4)
     names = [src for src, _ in replaced]
@@ -799,6 +889,7 @@ def test_a_removal_that_fails_does_not_stop_the_run(tmp_path, monkeypatch):
 
 # -- checksums taken while writing (HashingWriter) and metadata read once (SafeReader(metadata=...)) ---------
 
+
 def _save_with_hashing(folder: Path, state: dict, **kwargs) -> hashing.HashingWriter:
     writer = hashing.HashingWriter(str(folder), **kwargs)
     dcp.save(state, storage_writer=writer, no_dist=True)
@@ -815,8 +906,10 @@ def test_checksums_taken_while_writing_equal_the_files_read_back(tmp_path, threa
     files = sorted(p.name for p in tmp.glob("*.distcp"))
     assert len(files) == threads and sorted(writer.digests.keys() & set(files)) == files
     for name in files:
-        assert writer.digests[name] == {"bytes": (tmp / name).stat().st_size,
-                                        storage.HASH: storage.file_digest(tmp / name)}
+        assert writer.digests[name] == {
+            "bytes": (tmp / name).stat().st_size,
+            storage.HASH: storage.file_digest(tmp / name),
+        }
     # what commit records is what verify checks: the checkpoint verifies, and a flipped byte is still found
     final = storage.commit(tmp, 3, storage.describe_files(tmp, files, writer.digests))
     storage.verify(final)

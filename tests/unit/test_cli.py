@@ -14,21 +14,28 @@ def no_training(monkeypatch):
     monkeypatch.setattr(rank, "run", lambda *a, **k: pytest.fail("bad input reached training"))
 
 
-@pytest.mark.parametrize("world, argv, message", [
-    (4, ["--layout", "2,1,1"], "layout dp*tp*pp = 2*1*1 = 2 does not match world size 4 (valid DP,TP,PP: 4,1,1"),
-    (3, ["--layout", "1,3,1"], "tp=3 does not divide n_heads=4 (valid: 1, 2, 4)"),
-    (5, ["--layout", "1,1,5"], "pp=5 exceeds n_layers=4 (valid: 1..4)"),
-    (4, ["--layout", "4,1,1", "--global-batch", "10"], "global batch 10 is not divisible by dp=4 (valid dp: 1, 2, 5, 10)"),
-    (2, ["--micro-batch", "3"], "micro_batch=3 does not divide the per-replica batch 8/2 = 4 (valid: 1, 2, 4)"),
-    (1, ["--model", "gpt-5"], "unknown model 'gpt-5' (valid: gpt-tiny, gpt3-medium, gpt3-small, gpt3-xl)"),
-    (1, ["--seq-len", "300"], "seq_len=300 exceeds gpt-tiny's context_length=256"),
-    (1, ["--layout", "2,x,1"], "--layout '2,x,1' must be three positive integers DP,TP,PP"),
-    (1, ["--config", "/nonexistent/run.toml"], "config file '/nonexistent/run.toml' does not exist"),
-    (1, ["--data", "/nonexistent/corpus.txt"], "is neither 'sotu' nor an existing file, folder or Megatron prefix"),
-    (1, ["--dp-mode", "ddp", "--steps", "-1"], "argument --steps: '-1' is not an integer in [0, 1000000000]"),
-    (2, ["--micro-batch", "0"], "argument --micro-batch: '0' is not an integer in [1, 16777216]"),
-    (2, ["--global-batch", "6", "--micro-batch", "4"], "micro_batch=4 does not divide"),  # planned layout
-])
+@pytest.mark.parametrize(
+    "world, argv, message",
+    [
+        (4, ["--layout", "2,1,1"], "layout dp*tp*pp = 2*1*1 = 2 does not match world size 4 (valid DP,TP,PP: 4,1,1"),
+        (3, ["--layout", "1,3,1"], "tp=3 does not divide n_heads=4 (valid: 1, 2, 4)"),
+        (5, ["--layout", "1,1,5"], "pp=5 exceeds n_layers=4 (valid: 1..4)"),
+        (
+            4,
+            ["--layout", "4,1,1", "--global-batch", "10"],
+            "global batch 10 is not divisible by dp=4 (valid dp: 1, 2, 5, 10)",
+        ),
+        (2, ["--micro-batch", "3"], "micro_batch=3 does not divide the per-replica batch 8/2 = 4 (valid: 1, 2, 4)"),
+        (1, ["--model", "gpt-5"], "unknown model 'gpt-5' (valid: gpt-tiny, gpt3-medium, gpt3-small, gpt3-xl)"),
+        (1, ["--seq-len", "300"], "seq_len=300 exceeds gpt-tiny's context_length=256"),
+        (1, ["--layout", "2,x,1"], "--layout '2,x,1' must be three positive integers DP,TP,PP"),
+        (1, ["--config", "/nonexistent/run.toml"], "config file '/nonexistent/run.toml' does not exist"),
+        (1, ["--data", "/nonexistent/corpus.txt"], "is neither 'sotu' nor an existing file, folder or Megatron prefix"),
+        (1, ["--dp-mode", "ddp", "--steps", "-1"], "argument --steps: '-1' is not an integer in [0, 1000000000]"),
+        (2, ["--micro-batch", "0"], "argument --micro-batch: '0' is not an integer in [1, 16777216]"),
+        (2, ["--global-batch", "6", "--micro-batch", "4"], "micro_batch=4 does not divide"),  # planned layout
+    ],
+)
 def test_bad_input_is_one_line_before_any_process_group(monkeypatch, capsys, world, argv, message):
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("RANK", "0")
@@ -52,8 +59,9 @@ def test_bad_torchrun_environment_is_one_line(monkeypatch, capsys, name, value):
 
 def spec_of(argv: list[str], world: int, local: int | None = None):
     args = cli.build_parser().parse_args(["train", *argv])
-    return resolve.train_spec(args, built_by="test", world_size=world, local_world_size=local or world,
-                              hosts_known=local in (None, world))
+    return resolve.train_spec(
+        args, built_by="test", world_size=world, local_world_size=local or world, hosts_known=local in (None, world)
+    )
 
 
 def test_good_input_resolves_layout():
@@ -99,8 +107,9 @@ def test_checkpoint_flags_bad_input(monkeypatch, capsys, tmp_path):
         (["--checkpoint-dir", str(tmp_path), "--keep", "-1"], "argument --keep: '-1' is not an integer in [0, "),
     ]
     (tmp_path / "step-00000004").mkdir()
-    cases.append((["--checkpoint-dir", str(tmp_path), "--resume", "never"],
-                  "already holds checkpoints (step-00000004, ...)"))
+    cases.append(
+        (["--checkpoint-dir", str(tmp_path), "--resume", "never"], "already holds checkpoints (step-00000004, ...)")
+    )
     for argv, message in cases:
         assert cli.main(["train", *argv]) == cli.EXIT_BAD_INPUT
         err = capsys.readouterr().err

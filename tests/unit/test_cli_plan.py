@@ -10,8 +10,19 @@ import pytest
 from elastic_trainer import cli
 from elastic_trainer.plan import load_hardware
 
-XL = ["plan", "--model", "gpt3-xl", "--gpus-per-host", "8", "--hardware", "h100-80g", "--global-batch", "128",
-      "--seq-len", "1024"]
+XL = [
+    "plan",
+    "--model",
+    "gpt3-xl",
+    "--gpus-per-host",
+    "8",
+    "--hardware",
+    "h100-80g",
+    "--global-batch",
+    "128",
+    "--seq-len",
+    "1024",
+]
 
 
 def test_json_names_the_chosen_layout_and_the_comparison(capsys):
@@ -30,26 +41,44 @@ def test_table_shows_top_rows_and_comparison(capsys):
     assert cli.main([*XL, "--gpus", "8", "--top", "3", "--compare", "1,2,4"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("gpt3-xl on 8 x h100-80g (8 per host, bf16), global batch 128 x 1024 tokens")
-    assert lines[1].split() == ["#", "dp", "tp", "pp", "micro", "accum", "mode", "recompute", "GiB/GPU", "step", "s",
-                                "tokens/s", "bubble"]
+    assert lines[1].split() == [
+        "#",
+        "dp",
+        "tp",
+        "pp",
+        "micro",
+        "accum",
+        "mode",
+        "recompute",
+        "GiB/GPU",
+        "step",
+        "s",
+        "tokens/s",
+        "bubble",
+    ]
     assert [line.split()[0] for line in lines[2:6]] == ["1", "2", "3", "cmp"]
     assert lines[6].startswith("compare 1,2,4: predicted ")
 
 
-@pytest.mark.parametrize("argv, message", [
-    ([*XL, "--gpus", "29"], "no DP,TP,PP of 29 GPUs is valid"),
-    ([*XL, "--gpus", "100000"], "100000 GPUs are more than gpt3-xl with global batch 128 can use"),
-    ([*XL, "--gpus", "16", "--compare", "2,2,2"], "layout 2,2,2 has 8 GPUs, not 16"),
-    ([*XL, "--gpus", "16", "--global-batch", "8", "--compare", "16,1,1"],
-     "layout 16,1,1 is invalid: dp=16 does not divide the global batch 8"),
-    ([*XL, "--gpus", "0"], "argument --gpus: '0' is not an integer in [1, "),
-    ([*XL, "--gpus", "8", "--hardware", "tpu"], "unknown hardware 'tpu'"),
-    ([*XL, "--gpus", "8", "--seq-len", "4096"], "seq_len=4096 exceeds gpt3-xl's context_length=2048"),
-    ([*XL, "--gpus", "8", "--micro-batch", "0"], "argument --micro-batch: '0' is not an integer in [1, "),
-    ([*XL, "--gpus", "8", "--gpus-per-host", "0"], "argument --gpus-per-host: '0' is not an integer in [1, "),
-    ([*XL, "--gpus", "8", "--compare", "2,x"], "--compare '2,x' must be three positive integers DP,TP,PP"),
-    (["calibrate", "--ranks", "2,x"], "--ranks '2,x' must be rank counts from 2 to 64 separated by commas"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([*XL, "--gpus", "29"], "no DP,TP,PP of 29 GPUs is valid"),
+        ([*XL, "--gpus", "100000"], "100000 GPUs are more than gpt3-xl with global batch 128 can use"),
+        ([*XL, "--gpus", "16", "--compare", "2,2,2"], "layout 2,2,2 has 8 GPUs, not 16"),
+        (
+            [*XL, "--gpus", "16", "--global-batch", "8", "--compare", "16,1,1"],
+            "layout 16,1,1 is invalid: dp=16 does not divide the global batch 8",
+        ),
+        ([*XL, "--gpus", "0"], "argument --gpus: '0' is not an integer in [1, "),
+        ([*XL, "--gpus", "8", "--hardware", "tpu"], "unknown hardware 'tpu'"),
+        ([*XL, "--gpus", "8", "--seq-len", "4096"], "seq_len=4096 exceeds gpt3-xl's context_length=2048"),
+        ([*XL, "--gpus", "8", "--micro-batch", "0"], "argument --micro-batch: '0' is not an integer in [1, "),
+        ([*XL, "--gpus", "8", "--gpus-per-host", "0"], "argument --gpus-per-host: '0' is not an integer in [1, "),
+        ([*XL, "--gpus", "8", "--compare", "2,x"], "--compare '2,x' must be three positive integers DP,TP,PP"),
+        (["calibrate", "--ranks", "2,x"], "--ranks '2,x' must be rank counts from 2 to 64 separated by commas"),
+    ],
+)
 def test_bad_plan_requests_are_one_line(capsys, argv, message):
     assert cli.main(argv) == cli.EXIT_BAD_INPUT
     err = capsys.readouterr().err
@@ -87,11 +116,16 @@ def synthetic_timings(monkeypatch, calibrate):
     vocab = calibrate.CPU_HEAD_VOCAB
     head = [calibrate.CPU_LOGIT_TOKENS * vocab * LOGIT] + [
         6 * n * d * vocab / (HEAD_RATE * n / (n + HEAD_HALF))
-        for d in calibrate.CPU_HEAD_WIDTHS for n in calibrate.CPU_HEAD_TOKENS]
+        for d in calibrate.CPU_HEAD_WIDTHS
+        for n in calibrate.CPU_HEAD_TOKENS
+    ]
     embedding = [4 * vocab * calibrate.CPU_HEAD_WIDTHS[-1] * EMBEDDING]  # a step of 4 micro-batches
-    clock = {"measure_cpu_head": head, "measure_embedding_grad": embedding,
-             "measure_memory_bandwidth": [3 * 4 * SMALL / BANDWIDTH],
-             "measure_optimizer": [SMALL * PER_PARAM]}
+    clock = {
+        "measure_cpu_head": head,
+        "measure_embedding_grad": embedding,
+        "measure_memory_bandwidth": [3 * 4 * SMALL / BANDWIDTH],
+        "measure_optimizer": [SMALL * PER_PARAM],
+    }
 
     def timed(fn, repeat, sync=lambda: None):
         caller = sys._getframe(1).f_code.co_name  # a mutation tool may rename it (x_measure_head__mutmut_3)
@@ -104,16 +138,18 @@ def synthetic_timings(monkeypatch, calibrate):
             return [[t * (1 - 0.1 * r) for t in ring] for r in range(world)]  # the slowest rank counts
         if fn is calibrate._share_times:
             sizes, _ = args
-            return [[(t, GATHER * t, SCATTER * t) for t in [n / BUS * (1 + 0.1 * r) for n in sizes]]
-                    for r in range(world)]
+            return [
+                [(t, GATHER * t, SCATTER * t) for t in [n / BUS * (1 + 0.1 * r) for n in sizes]] for r in range(world)
+            ]
         assert fn is calibrate._block_seconds
         return [ALONE] if world == 1 else [TOGETHER] * world
 
     monkeypatch.setattr(calibrate, "measure_blocks", blocks)
     monkeypatch.setattr(calibrate, "timed", timed)
     monkeypatch.setattr(calibrate, "run_ranks", ranks)
-    monkeypatch.setattr(calibrate, "measure_memory_bandwidth",
-                        functools.partial(calibrate.measure_memory_bandwidth, numel=SMALL))
+    monkeypatch.setattr(
+        calibrate, "measure_memory_bandwidth", functools.partial(calibrate.measure_memory_bandwidth, numel=SMALL)
+    )
     monkeypatch.setattr(calibrate, "measure_optimizer", functools.partial(calibrate.measure_optimizer, numel=SMALL))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(CORES)), raising=False)
     return clock
@@ -169,8 +205,10 @@ def test_calibration_measurements_run_on_this_machine(monkeypatch):
 
     cpu = torch.device("cpu")
     points = calibrate.measure_blocks(cpu, torch.float32, [(64, 128), (128, 256)], repeat=1)
-    assert [(f, n) for f, n, _ in points] == [(3 * (24 * 128 * 64**2 + 2 * 128 * 128 * 64), 128),
-                                              (3 * (24 * 256 * 128**2 + 2 * 256 * 128 * 128), 256)]
+    assert [(f, n) for f, n, _ in points] == [
+        (3 * (24 * 128 * 64**2 + 2 * 128 * 128 * 64), 128),
+        (3 * (24 * 256 * 128**2 + 2 * 256 * 128 * 128), 256),
+    ]
     seen = {}
 
     def record(rows, ys):
@@ -188,9 +226,16 @@ def test_calibration_measurements_run_on_this_machine(monkeypatch):
     cpu_head = (head_tflops, logit_ns, calibrate.measure_embedding_grad(512, 64, repeat=1))
     per_rank = run_ranks(calibrate._all_reduce_times, 2, [2**10, 2**14], 1)
     assert len(per_rank) == 2 and all(len(r) == 2 for r in per_rank)
-    measured = [t for _, _, t in points] + seen["ys"] + list(cpu_head) + [t for r in per_rank for t in r] + [
-        calibrate.measure_memory_bandwidth(cpu, numel=2**12, repeat=1),  # GB/s
-        calibrate.measure_optimizer(cpu, numel=2**10, repeat=1)]  # ns per parameter
+    measured = (
+        [t for _, _, t in points]
+        + seen["ys"]
+        + list(cpu_head)
+        + [t for r in per_rank for t in r]
+        + [
+            calibrate.measure_memory_bandwidth(cpu, numel=2**12, repeat=1),  # GB/s
+            calibrate.measure_optimizer(cpu, numel=2**10, repeat=1),
+        ]
+    )  # ns per parameter
     assert all(math.isfinite(v) and v > 0 for v in measured), measured
     monkeypatch.setattr(calibrate, "CPU_SHAPES", [(64, 128)])  # the block the ranks time together
     assert 1.0 <= calibrate.measure_parallel_units(2) <= 2.0

@@ -107,7 +107,7 @@ def test_zero_grad_clears_only_at_a_boundary():
     x, y = make_data()
     before = [p.detach().clone() for p in model.parameters()]
     for i in range(2):
-        loss_of(model, x[i:i + 1], y[i:i + 1]).backward()
+        loss_of(model, x[i : i + 1], y[i : i + 1]).backward()
         opt.step()
         grads = [p.grad.clone() for p in model.parameters()]
         opt.zero_grad()
@@ -174,7 +174,7 @@ def test_lr_scheduler_stepped_per_update_matches_the_big_batch_run():
             if opt.at_boundary:
                 sched.step()
             if i % K == K - 1:
-                loss_of(reference, x[(i + 1 - K) * B:(i + 1) * B], y[(i + 1 - K) * B:(i + 1) * B]).backward()
+                loss_of(reference, x[(i + 1 - K) * B : (i + 1) * B], y[(i + 1 - K) * B : (i + 1) * B]).backward()
                 ref_opt.step()
                 ref_opt.zero_grad()
                 ref_sched.step()
@@ -189,11 +189,11 @@ def test_changing_lr_in_param_groups_takes_effect():
     assert opt.param_groups is opt.optimizer.param_groups and opt.defaults["lr"] == 0.1
     opt.param_groups[0]["lr"] = 0.0
     before = copy.deepcopy(model)
-    train_usual_loop(model, opt, x[:2 * B], y[:2 * B], B)
+    train_usual_loop(model, opt, x[: 2 * B], y[: 2 * B], B)
     assert max_diff(model, before) == 0.0
     opt.param_groups[0]["lr"] = 0.3
-    train_usual_loop(model, opt, x[2 * B:4 * B], y[2 * B:4 * B], B)
-    train_usual_loop(before, torch.optim.SGD(before.parameters(), lr=0.3), x[2 * B:4 * B], y[2 * B:4 * B], 2 * B)
+    train_usual_loop(model, opt, x[2 * B : 4 * B], y[2 * B : 4 * B], B)
+    train_usual_loop(before, torch.optim.SGD(before.parameters(), lr=0.3), x[2 * B : 4 * B], y[2 * B : 4 * B], 2 * B)
     assert max_diff(model, before) < 1e-6 and max_diff(model, make_model()) > 1e-3
 
 
@@ -205,11 +205,13 @@ def test_closure_is_evaluated_once_per_call():
     opt = compat.optim.Adam(model.parameters(), lr=1e-2, steps=K)
     losses = []
     for xb, yb in zip(x.split(B), y.split(B)):
+
         def closure(xb=xb, yb=yb):
             opt.zero_grad()
             loss = loss_of(model, xb, yb)
             loss.backward()
             return loss
+
         losses.append(opt.step(closure))
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
     assert len(losses) == K * UPDATES and all(loss.ndim == 0 for loss in losses)
@@ -221,21 +223,26 @@ def test_hooks_run_on_real_updates_and_copies_keep_the_cycle():
     updates = []
     opt.register_step_post_hook(lambda o, args, kwargs: updates.append(o))
     x, y = make_data()
-    train_usual_loop(model, opt, x[:(2 * K + 1) * B], y[:(2 * K + 1) * B], B)
+    train_usual_loop(model, opt, x[: (2 * K + 1) * B], y[: (2 * K + 1) * B], B)
     assert updates == [opt.optimizer, opt.optimizer]
     clone = copy.deepcopy(opt)
     assert (clone.steps, clone.at_boundary, type(clone).__name__) == (K, False, "AdamW")
     assert repr(opt).startswith("AdamW(steps=4, pending=1, AdamW (")
 
 
-@pytest.mark.parametrize("build, message", [
-    (lambda p: GradientAccumulation(torch.optim.SGD(p, lr=0.1), 0), "steps=0 must be a positive integer"),
-    (lambda p: GradientAccumulation(torch.optim.SGD(p, lr=0.1), 2.0), "steps=2.0 must be a positive integer"),
-    (lambda p: GradientAccumulation(list(p), 2), "optimizer=list is not a torch.optim.Optimizer"),
-    (lambda p: GradientAccumulation(compat.optim.SGD(p, lr=0.1, steps=2), 2),
-     "optimizer already accumulates over 2 steps (valid: wrap its inner SGD once)"),
-    (lambda p: GradientAccumulation(torch.optim.LBFGS(p), 2), "LBFGS re-evaluates its closure"),
-])
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda p: GradientAccumulation(torch.optim.SGD(p, lr=0.1), 0), "steps=0 must be a positive integer"),
+        (lambda p: GradientAccumulation(torch.optim.SGD(p, lr=0.1), 2.0), "steps=2.0 must be a positive integer"),
+        (lambda p: GradientAccumulation(list(p), 2), "optimizer=list is not a torch.optim.Optimizer"),
+        (
+            lambda p: GradientAccumulation(compat.optim.SGD(p, lr=0.1, steps=2), 2),
+            "optimizer already accumulates over 2 steps (valid: wrap its inner SGD once)",
+        ),
+        (lambda p: GradientAccumulation(torch.optim.LBFGS(p), 2), "LBFGS re-evaluates its closure"),
+    ],
+)
 def test_bad_wrapper_input_is_one_clear_line(build, message):
     with pytest.raises(ConfigError) as info:
         build(make_model().parameters())
@@ -255,6 +262,7 @@ def test_ready_made_optimizers_take_steps_by_keyword_only():
 
 
 # --- init ---------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("world, batch_size, steps", [(1, 64, 4), (2, 64, 2), (4, 64, 1), (8, 32, 1)])
 def test_init_reproduces_runai_examples(world, batch_size, steps):
@@ -302,17 +310,26 @@ def test_init_prefers_the_process_group(monkeypatch):
     assert (cfg.world_size, cfg.steps, cfg.master) == (1, 4, True)
 
 
-@pytest.mark.parametrize("args, message", [
-    ((100, 64, 3), "global batch 100 is not divisible by 3 GPUs (nearest feasible: 99 or 102)"),
-    ((2, 64, 4), "global batch 2 is not divisible by 4 GPUs (nearest feasible: 4)"),
-    ((0, 64, 2), "global_batch_size=0 must be a positive integer divisible by the world size 2 (nearest feasible: 2)"),
-    ((256.5, 64, 1), "global_batch_size=256.5 must be a positive integer divisible by the world size 1 "
-                     "(nearest feasible: 256 or 257)"),
-    (("256", 64, 1), "global_batch_size='256' must be a positive integer"),
-    ((True, 64, 1), "global_batch_size=True must be a positive integer"),
-    ((256, 0, 1), "max_gpu_batch_size=0 must be a positive integer"),
-    ((256, 64, 0), "world_size=0 must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((100, 64, 3), "global batch 100 is not divisible by 3 GPUs (nearest feasible: 99 or 102)"),
+        ((2, 64, 4), "global batch 2 is not divisible by 4 GPUs (nearest feasible: 4)"),
+        (
+            (0, 64, 2),
+            "global_batch_size=0 must be a positive integer divisible by the world size 2 (nearest feasible: 2)",
+        ),
+        (
+            (256.5, 64, 1),
+            "global_batch_size=256.5 must be a positive integer divisible by the world size 1 "
+            "(nearest feasible: 256 or 257)",
+        ),
+        (("256", 64, 1), "global_batch_size='256' must be a positive integer"),
+        ((True, 64, 1), "global_batch_size=True must be a positive integer"),
+        ((256, 0, 1), "max_gpu_batch_size=0 must be a positive integer"),
+        ((256, 64, 0), "world_size=0 must be a positive integer"),
+    ],
+)
 def test_init_bad_input_is_one_line(args, message):
     with pytest.raises(ValueError) as info:
         compat.init(*args)
@@ -325,8 +342,14 @@ def test_init_names_the_nearest_feasible_global_batches():
             if global_batch % world == 0:
                 continue
             multiples = range(world, 100, world)
-            expected = [m for m in (max([m for m in multiples if m < global_batch], default=None),
-                                    min(m for m in multiples if m > global_batch)) if m]
+            expected = [
+                m
+                for m in (
+                    max([m for m in multiples if m < global_batch], default=None),
+                    min(m for m in multiples if m > global_batch),
+                )
+                if m
+            ]
             with pytest.raises(ConfigError) as info:
                 compat.init(global_batch, 8, world_size=world)
             named = re.search(r"nearest feasible: ([\d or]+)\)$", str(info.value)).group(1)
@@ -343,7 +366,7 @@ def imported_modules(path: Path) -> set[str]:
             base = node.module or ""
             if node.level:  # relative: resolve against the file's package
                 package = path.parent.relative_to(PACKAGE.parent).parts
-                base = ".".join([*package[:len(package) - node.level + 1], *filter(None, [node.module])])
+                base = ".".join([*package[: len(package) - node.level + 1], *filter(None, [node.module])])
             names.update([base, *(f"{base}.{alias.name}" for alias in node.names)])
     return names
 

@@ -66,7 +66,7 @@ def test_ready_made_optimizer_and_schedule_per_update():
     optimizer = ga.Adam(learning_rate=halving_schedule(), steps=K)
     assert isinstance(optimizer, keras.optimizers.Adam) and optimizer.gradient_accumulation_steps == K
     assert max_diff(fit(optimizer, B), reference) < 1e-6
-    assert float(optimizer.learning_rate) == pytest.approx(1e-2 * 0.5 ** UPDATES)
+    assert float(optimizer.learning_rate) == pytest.approx(1e-2 * 0.5**UPDATES)
     # Keras alone evaluates the schedule at micro-steps, which is what the adapter corrects.
     builtin = keras.optimizers.Adam(learning_rate=halving_schedule(), gradient_accumulation_steps=K)
     assert max_diff(fit(builtin, B), reference) > 1e-3
@@ -95,14 +95,20 @@ def built_sgd():
     return optimizer
 
 
-@pytest.mark.parametrize("build, steps, message", [
-    (lambda: keras.optimizers.SGD(learning_rate=0.1), 0, "steps=0 must be a positive integer"),
-    (lambda: object(), 2, "optimizer=object is not a keras.optimizers.Optimizer"),
-    (built_sgd, 2, "is already built (valid: wrap it before its first step or compile)"),
-    (lambda: keras.optimizers.SGD(learning_rate=0.1, gradient_accumulation_steps=3), 2,
-     "already accumulates over 3 steps (valid: wrap a plain optimizer once)"),
-    (lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()), 2, "optimizer is a LossScaleOptimizer"),
-])
+@pytest.mark.parametrize(
+    "build, steps, message",
+    [
+        (lambda: keras.optimizers.SGD(learning_rate=0.1), 0, "steps=0 must be a positive integer"),
+        (lambda: object(), 2, "optimizer=object is not a keras.optimizers.Optimizer"),
+        (built_sgd, 2, "is already built (valid: wrap it before its first step or compile)"),
+        (
+            lambda: keras.optimizers.SGD(learning_rate=0.1, gradient_accumulation_steps=3),
+            2,
+            "already accumulates over 3 steps (valid: wrap a plain optimizer once)",
+        ),
+        (lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()), 2, "optimizer is a LossScaleOptimizer"),
+    ],
+)
 def test_bad_input_is_one_clear_line(build, steps, message):
     with pytest.raises(ConfigError) as info:
         ga.GradientAccumulation(build(), steps)

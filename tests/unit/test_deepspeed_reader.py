@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 import torch
 
+from elastic_trainer.config import CheckpointError, ConfigError, ModelConfig, TrainConfig
 from elastic_trainer.interop import deepspeed as ds
 from elastic_trainer.interop.deepspeed import safe as ds_safe
-from elastic_trainer.config import CheckpointError, ConfigError, ModelConfig, TrainConfig
 from elastic_trainer.model.hf import state_dict_to_hf
 from tests.unit.test_checkpoint_storage import NOT_LIVE, PAYLOADS, as_item, assert_nothing_ran, plant  # noqa: F401
 
@@ -52,8 +52,11 @@ class LossScaler:
         self.cur_scale, self.dynamic = 1.0, False
 
 
-FAKES = {"deepspeed.runtime.zero.config": ZeroStageEnum, "deepspeed.runtime.fp16.loss_scaler": LossScaler,
-         "deepspeed.utils.tensor_fragment": fragment_address}
+FAKES = {
+    "deepspeed.runtime.zero.config": ZeroStageEnum,
+    "deepspeed.runtime.fp16.loss_scaler": LossScaler,
+    "deepspeed.utils.tensor_fragment": fragment_address,
+}
 
 
 @contextmanager
@@ -82,8 +85,10 @@ def deepspeed_names():
 def gpt_state(seed: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """name -> (weight, exp_avg, exp_avg_sq), random, in our GPT's parameter order."""
     g = torch.Generator().manual_seed(seed)
-    return {n: (torch.randn(s, generator=g), torch.randn(s, generator=g), torch.rand(s, generator=g))
-            for n, s in ds.gpt_shapes(MODEL).items()}
+    return {
+        n: (torch.randn(s, generator=g), torch.randn(s, generator=g), torch.rand(s, generator=g))
+        for n, s in ds.gpt_shapes(MODEL).items()
+    }
 
 
 def groups_of(state: dict) -> list[list[str]]:
@@ -93,16 +98,33 @@ def groups_of(state: dict) -> list[list[str]]:
 
 
 def model_states(groups: list[dict[str, torch.Size]], **extra) -> dict:
-    return {"module": None, "param_shapes": groups, "frozen_param_shapes": None, "global_steps": 4,
-            "global_samples": 4 * CFG.global_batch, "skipped_steps": 0, "dp_world_size": extra.pop("dp", 1),
-            "mp_world_size": 1, "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
-            "ds_config": {"train_batch_size": CFG.global_batch, "gradient_clipping": CFG.grad_clip},
-            "ds_version": "0.19.8", **extra}
+    return {
+        "module": None,
+        "param_shapes": groups,
+        "frozen_param_shapes": None,
+        "global_steps": 4,
+        "global_samples": 4 * CFG.global_batch,
+        "skipped_steps": 0,
+        "dp_world_size": extra.pop("dp", 1),
+        "mp_world_size": 1,
+        "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+        "ds_config": {"train_batch_size": CFG.global_batch, "gradient_clipping": CFG.grad_clip},
+        "ds_version": "0.19.8",
+        **extra,
+    }
 
 
 def param_groups(n: int) -> list[dict]:
-    return [{"lr": 1e-4, "betas": (CFG.beta1, CFG.beta2), "eps": CFG.eps,
-             "weight_decay": CFG.weight_decay if g == 0 else 0.0, "params": [g]} for g in range(n)]
+    return [
+        {
+            "lr": 1e-4,
+            "betas": (CFG.beta1, CFG.beta2),
+            "eps": CFG.eps,
+            "weight_decay": CFG.weight_decay if g == 0 else 0.0,
+            "params": [g],
+        }
+        for g in range(n)
+    ]
 
 
 def write_zero12(folder: Path, state: dict, world: int) -> None:
@@ -111,10 +133,18 @@ def write_zero12(folder: Path, state: dict, world: int) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     groups = groups_of(state)
     shapes = [{n: state[n][0].shape for n in g} for g in groups]
-    ranks = [{"single_partition_of_fp32_groups": [], "param_slice_mappings": [],
-              "base_optimizer_state": {"state": {}, "param_groups": param_groups(len(groups))},
-              "zero_stage": ZeroStageEnum.optimizer_states, "loss_scaler": LossScaler(),
-              "partition_count": [world] * len(groups), "group_paddings": []} for _ in range(world)]
+    ranks = [
+        {
+            "single_partition_of_fp32_groups": [],
+            "param_slice_mappings": [],
+            "base_optimizer_state": {"state": {}, "param_groups": param_groups(len(groups))},
+            "zero_stage": ZeroStageEnum.optimizer_states,
+            "loss_scaler": LossScaler(),
+            "partition_count": [world] * len(groups),
+            "group_paddings": [],
+        }
+        for _ in range(world)
+    ]
     for gi, names in enumerate(groups):
         flats = [torch.cat([state[n][i].reshape(-1) for n in names]) for i in range(3)]
         size = math.ceil(flats[0].numel() / world)
@@ -129,14 +159,19 @@ def write_zero12(folder: Path, state: dict, world: int) -> None:
                     mapping[n] = fragment_address(numel=int(e - s), start=int(s - lo))
             osd["single_partition_of_fp32_groups"].append(flats[0][lo:hi].clone())
             osd["param_slice_mappings"].append(mapping)
-            osd["base_optimizer_state"]["state"][gi] = {"step": torch.tensor(4.0), "exp_avg": flats[1][lo:hi].clone(),
-                                                        "exp_avg_sq": flats[2][lo:hi].clone()}
+            osd["base_optimizer_state"]["state"][gi] = {
+                "step": torch.tensor(4.0),
+                "exp_avg": flats[1][lo:hi].clone(),
+                "exp_avg_sq": flats[2][lo:hi].clone(),
+            }
             osd["group_paddings"].append(size * world - int(offsets[-1]) if r == world - 1 else 0)
     with deepspeed_names():
         torch.save(model_states(shapes, dp=world), folder / "mp_rank_00_model_states.pt")
         for r, osd in enumerate(ranks):
-            torch.save({"optimizer_state_dict": osd, "ds_version": "0.19.8"},
-                       folder / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+            torch.save(
+                {"optimizer_state_dict": osd, "ds_version": "0.19.8"},
+                folder / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
+            )
 
 
 def write_zero3(folder: Path, state: dict, world: int) -> None:
@@ -145,10 +180,16 @@ def write_zero3(folder: Path, state: dict, world: int) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     groups = groups_of(state)
     shapes = [{n: state[n][0].shape for n in g} for g in groups]
-    flat = [[[] for _ in range(3)] for _ in range(world)]  # rank -> what -> group pieces
-    per_rank = [{"fp32_flat_groups": [], "optimizer_state_dict": {"state": {}, "param_groups": param_groups(2)},
-                 "zero_stage": ZeroStageEnum.weights, "loss_scaler": LossScaler(), "partition_count": world}
-                for _ in range(world)]
+    per_rank = [
+        {
+            "fp32_flat_groups": [],
+            "optimizer_state_dict": {"state": {}, "param_groups": param_groups(2)},
+            "zero_stage": ZeroStageEnum.weights,
+            "loss_scaler": LossScaler(),
+            "partition_count": world,
+        }
+        for _ in range(world)
+    ]
     for gi, names in enumerate(groups):
         for r in range(world):
             pieces = [[], [], []]
@@ -157,11 +198,14 @@ def write_zero3(folder: Path, state: dict, world: int) -> None:
                 size = math.ceil(numel / world)
                 for i in range(3):
                     t = torch.cat([state[n][i].reshape(-1), torch.zeros(size * world - numel)])
-                    pieces[i].append(t[r * size:(r + 1) * size])
+                    pieces[i].append(t[r * size : (r + 1) * size])
             weights, avg, sq = (torch.cat(p) for p in pieces)
             per_rank[r]["fp32_flat_groups"].append(weights)
-            per_rank[r]["optimizer_state_dict"]["state"][gi] = {"step": torch.tensor(4.0), "exp_avg": avg,
-                                                                "exp_avg_sq": sq}
+            per_rank[r]["optimizer_state_dict"]["state"][gi] = {
+                "step": torch.tensor(4.0),
+                "exp_avg": avg,
+                "exp_avg_sq": sq,
+            }
     with deepspeed_names():
         for r in range(world):
             torch.save(model_states(shapes, dp=world), folder / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
@@ -174,8 +218,10 @@ def write_universal(folder: Path, state: dict) -> None:
     shapes = [{n: state[n][0].shape for n in g} for g in groups]
     torch.save(model_states(shapes), folder / "mp_rank_00_model_states.pt")
     with deepspeed_names():
-        torch.save({"param_groups": param_groups(2), "zero_stage": ZeroStageEnum.optimizer_states},
-                   folder / "zero" / "optimizer_state.pt")
+        torch.save(
+            {"param_groups": param_groups(2), "zero_stage": ZeroStageEnum.optimizer_states},
+            folder / "zero" / "optimizer_state.pt",
+        )
     for n, tensors in state.items():
         d = folder / "zero" / n
         d.mkdir()
@@ -200,8 +246,12 @@ def our_state(folder, model: ModelConfig) -> tuple[dict, dict, dict, dict]:
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, storage_reader=storage.SafeReader(str(folder)), no_dist=True)
     optim = state["optim"]
-    return (state["model"], {n: optim[f"state.{n}.exp_avg"] for n in shapes},
-            {n: optim[f"state.{n}.exp_avg_sq"] for n in shapes}, {n: float(optim[f"state.{n}.step"]) for n in shapes})
+    return (
+        state["model"],
+        {n: optim[f"state.{n}.exp_avg"] for n in shapes},
+        {n: optim[f"state.{n}.exp_avg_sq"] for n in shapes},
+        {n: float(optim[f"state.{n}.step"]) for n in shapes},
+    )
 
 
 def assert_state(got: dict[str, ds.ParamState], state: dict) -> None:
@@ -239,13 +289,15 @@ def test_universal_form_with_hugging_face_names_is_converted_to_ours(tmp_path):
     weights and both moments come back as ours, the inverse of model.hf's export."""
     state = gpt_state(3)
     hf_names = {}
-    for i, what in enumerate(("weight", "exp_avg", "exp_avg_sq")):
+    for i in range(3):  # weight, exp_avg, exp_avg_sq
         hf = state_dict_to_hf({n: t[i] for n, t in state.items()}, MODEL)
         for theirs, t in hf.items():
             hf_names.setdefault(theirs, [None] * 3)[i] = t
     (tmp_path / "zero").mkdir()
-    shapes = [{n: t[0].shape for n, t in hf_names.items() if t[0].ndim >= 2},
-              {n: t[0].shape for n, t in hf_names.items() if t[0].ndim < 2}]
+    shapes = [
+        {n: t[0].shape for n, t in hf_names.items() if t[0].ndim >= 2},
+        {n: t[0].shape for n, t in hf_names.items() if t[0].ndim < 2},
+    ]
     torch.save(model_states(shapes), tmp_path / "mp_rank_00_model_states.pt")
     torch.save({"param_groups": param_groups(2)}, tmp_path / "zero" / "optimizer_state.pt")
     for n, tensors in hf_names.items():
@@ -271,8 +323,14 @@ def test_pipeline_names_map_to_ours_and_tied_parameters_come_from_the_first_stag
     assert pipeline_param_name("2.ln_1.weight", n) == "layers.0.ln_1.weight"
     assert pipeline_param_name(f"{n + 1}.mlp.fc.bias", n) == f"layers.{n - 1}.mlp.fc.bias"
     assert pipeline_param_name(f"{n + 2}.ln_f.weight", n) == "ln_f.weight"
-    for other in ("0.tok_emb.weight", f"{n + 3}.x", "tied_modules.embed.pos_emb.weight", "2.ln_f.weight",
-                  f"{n + 2}.ln_1.weight", "1.tok_emb.weight"):
+    for other in (
+        "0.tok_emb.weight",
+        f"{n + 3}.x",
+        "tied_modules.embed.pos_emb.weight",
+        "2.ln_f.weight",
+        f"{n + 2}.ln_1.weight",
+        "1.tok_emb.weight",
+    ):
         assert pipeline_param_name(other, n) is None, other
     first, second = gpt_state(1), gpt_state(2)
     state = ds.DeepSpeedState("pipeline", {}, 4, 24, 0, {}, "x", 1, pipeline=True)
@@ -301,7 +359,10 @@ def test_wrong_model_is_refused_with_the_layer_count_found(tmp_path):
     deeper = dataclasses.replace(MODEL, n_layers=3)
     with pytest.raises(ConfigError, match=r"lacks 12 parameter\(s\) of a GPT with 3 layers .* it has 2 layers"):
         ds.to_gpt(state, deeper)
-    with pytest.raises(ConfigError, match=r"holds parameters a GPT with 1 layers lacks \(first: 'layers.1.attn.qkv_proj.weight'\); it has 2 layers"):
+    with pytest.raises(
+        ConfigError,
+        match=r"holds parameters a GPT with 1 layers lacks \(first: 'layers.1.attn.qkv_proj.weight'\); it has 2 layers",
+    ):
         ds.to_gpt(state, dataclasses.replace(MODEL, n_layers=1))
     with pytest.raises(ConfigError, match=r"'tok_emb.weight' is \(11, 9\) in the checkpoint but \(12, 9\)"):
         ds.to_gpt(state, dataclasses.replace(MODEL, vocab_size=12))
@@ -317,11 +378,17 @@ def test_hugging_face_names_of_another_depth_or_an_untied_head_are_refused():
 
     assert set(ds.to_gpt(hf_state(MODEL), MODEL)) == set(ds.gpt_shapes(MODEL))
     deeper = dataclasses.replace(MODEL, n_layers=3)
-    with pytest.raises(ConfigError, match=r"GPT-2 parameters a GPT with 2 layers lacks \(first: 'transformer.h.2.attn"
-                                          r"\.c_attn\.bias'\); it has 3 layers"):
+    with pytest.raises(
+        ConfigError,
+        match=r"GPT-2 parameters a GPT with 2 layers lacks \(first: 'transformer.h.2.attn"
+        r"\.c_attn\.bias'\); it has 3 layers",
+    ):
         ds.to_gpt(hf_state(deeper), MODEL)
-    with pytest.raises(ConfigError, match=r"GPT-2 parameters lack 'transformer.h.2.ln_1.weight' for a 3-layer GPT; "
-                                          "it has 2 layers"):
+    with pytest.raises(
+        ConfigError,
+        match=r"GPT-2 parameters lack 'transformer.h.2.ln_1.weight' for a 3-layer GPT; "
+        "it has 2 layers",
+    ):
         ds.to_gpt(hf_state(MODEL), deeper)
     head = {"lm_head.weight": torch.zeros(MODEL.vocab_size, MODEL.d_model)}
     with pytest.raises(ConfigError, match="first: 'lm_head.weight'\\); an untied output head is not supported"):
@@ -330,14 +397,17 @@ def test_hugging_face_names_of_another_depth_or_an_untied_head_are_refused():
         ds.to_gpt(ds.DeepSpeedState("ZeRO-1", {}, 4, 24, 0, {}, "x", 1), MODEL)
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(global_batch=12), r"global batch 12 \(DeepSpeed's train_batch_size: 6; pass --global-batch\)"),
-    (dict(grad_clip=0.5), r"grad_clip 0.5 \(DeepSpeed's gradient_clipping: 1.0"),
-    (dict(beta2=0.999), r"beta2 0.999 \(DeepSpeed's optimizer: 0.95; set \[train\] beta2"),
-    (dict(beta1=0.8), r"beta1 0.8 \(DeepSpeed's optimizer: 0.9"),
-    (dict(eps=1e-6), r"eps 1e-06 \(DeepSpeed's optimizer: 1e-08"),
-    (dict(weight_decay=0.01), r"weight decay 0.01 on tok_emb.weight \(DeepSpeed's: 0.1"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(global_batch=12), r"global batch 12 \(DeepSpeed's train_batch_size: 6; pass --global-batch\)"),
+        (dict(grad_clip=0.5), r"grad_clip 0.5 \(DeepSpeed's gradient_clipping: 1.0"),
+        (dict(beta2=0.999), r"beta2 0.999 \(DeepSpeed's optimizer: 0.95; set \[train\] beta2"),
+        (dict(beta1=0.8), r"beta1 0.8 \(DeepSpeed's optimizer: 0.9"),
+        (dict(eps=1e-6), r"eps 1e-06 \(DeepSpeed's optimizer: 1e-08"),
+        (dict(weight_decay=0.01), r"weight decay 0.01 on tok_emb.weight \(DeepSpeed's: 0.1"),
+    ],
+)
 def test_settings_that_would_change_the_trajectory_are_refused(tmp_path, change, message):
     write_zero12(tmp_path, gpt_state(), 2)
     state = ds.read_deepspeed(tmp_path)
@@ -353,8 +423,11 @@ def test_decay_on_biases_is_refused(tmp_path):
     state = ds.read_deepspeed(tmp_path)
     for p in state.params.values():
         p.hyper = {**p.hyper, "weight_decay": CFG.weight_decay}
-    with pytest.raises(ConfigError, match=r"weight decay 0.0 on layers.0.ln_1.weight \(DeepSpeed's: 0.1; "
-                                          "elastic_trainer decays matrices and embeddings"):
+    with pytest.raises(
+        ConfigError,
+        match=r"weight decay 0.0 on layers.0.ln_1.weight \(DeepSpeed's: 0.1; "
+        "elastic_trainer decays matrices and embeddings",
+    ):
         ds.check_settings(state, ds.to_gpt(state, MODEL), CFG)
 
 
@@ -386,23 +459,30 @@ def test_incomplete_or_unsupported_checkpoints_are_refused_in_one_line(tmp_path)
     check(c, r"saved with tensor parallelism 2: import reads DeepSpeed checkpoints of ZeRO and PipelineModule only")
     d = tmp_path / "d"
     write_zero12(d, gpt_state(), 2)
-    _edit(d / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-          lambda o: o["optimizer_state_dict"]["base_optimizer_state"]["state"].clear())
+    _edit(
+        d / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        lambda o: o["optimizer_state_dict"]["base_optimizer_state"]["state"].clear(),
+    )
     check(d, r"holds no Adam state for parameter group 0: import needs Adam or AdamW moments")
     e = tmp_path / "e"
     write_zero3(e, gpt_state(), 2)
-    _edit(e / "zero_pp_rank_1_mp_rank_00_optim_states.pt",
-          lambda o: o["optimizer_state_dict"]["fp32_flat_groups"].__setitem__(0, torch.zeros(5)))
+    _edit(
+        e / "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        lambda o: o["optimizer_state_dict"]["fp32_flat_groups"].__setitem__(0, torch.zeros(5)),
+    )
     check(e, r"the ZeRO-3 partitions end before parameter 'tok_emb.weight'")
     f = tmp_path / "f"
     write_zero12(f, gpt_state(), 2)
-    _edit(f / "zero_pp_rank_1_mp_rank_00_optim_states.pt",
-          lambda o: o["optimizer_state_dict"]["param_slice_mappings"][0].popitem())
+    _edit(
+        f / "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        lambda o: o["optimizer_state_dict"]["param_slice_mappings"][0].popitem(),
+    )
     check(f, r"has \d+ of its \d+ elements in the rank files: incomplete or inconsistent checkpoint")
     h = tmp_path / "h"
     write_zero12(h, gpt_state(), 2)
-    _edit(h / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-          lambda o: o["optimizer_state_dict"].pop("param_slice_mappings"))
+    _edit(
+        h / "zero_pp_rank_0_mp_rank_00_optim_states.pt", lambda o: o["optimizer_state_dict"].pop("param_slice_mappings")
+    )
     check(h, r"is not a DeepSpeed checkpoint of a form import reads \(KeyError: 'param_slice_mappings'\)")
     g = tmp_path / "g"
     g.mkdir()
@@ -413,8 +493,12 @@ def test_incomplete_or_unsupported_checkpoints_are_refused_in_one_line(tmp_path)
 
 # -- pickled payloads ----------------------------------------------------------------------------------------
 
-TARGETS = ["mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt", "universal/fp32.pt",
-           "universal/optimizer_state.pt"]
+TARGETS = [
+    "mp_rank_00_model_states.pt",
+    "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    "universal/fp32.pt",
+    "universal/optimizer_state.pt",
+]
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -425,8 +509,11 @@ def test_a_pickled_payload_in_any_deepspeed_file_is_refused_and_nothing_runs(tmp
     state = gpt_state()
     if target.startswith("universal/"):
         write_universal(tmp_path, state)
-        path = (tmp_path / "zero" / "tok_emb.weight" / "fp32.pt" if target.endswith("fp32.pt")
-                else tmp_path / "zero" / "optimizer_state.pt")
+        path = (
+            tmp_path / "zero" / "tok_emb.weight" / "fp32.pt"
+            if target.endswith("fp32.pt")
+            else tmp_path / "zero" / "optimizer_state.pt"
+        )
     else:
         write_zero12(tmp_path, state, 2)
         path = tmp_path / target
@@ -445,10 +532,16 @@ def test_the_stand_ins_are_inert_records():
     """DeepSpeed's three records load as data: no DeepSpeed code runs, and nothing else is allowed by them."""
     assert ds_safe._zero_stage(ZeroStageEnum.weights) == 3
     assert {name for _, name in ds.STAND_INS} == {
-        "deepspeed.runtime.zero.config.ZeroStageEnum", "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-        "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler", "deepspeed.utils.tensor_fragment.fragment_address"}
-    assert all(not hasattr(cls, "__reduce__") or cls.__reduce__ is object.__reduce__
-               for cls, _ in ds.STAND_INS if isinstance(cls, type))
+        "deepspeed.runtime.zero.config.ZeroStageEnum",
+        "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+        "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+        "deepspeed.utils.tensor_fragment.fragment_address",
+    }
+    assert all(
+        not hasattr(cls, "__reduce__") or cls.__reduce__ is object.__reduce__
+        for cls, _ in ds.STAND_INS
+        if isinstance(cls, type)
+    )
 
 
 # -- writing ours ---------------------------------------------------------------------------------------------
@@ -471,7 +564,9 @@ def test_import_writes_a_checkpoint_of_ours_with_the_weights_moments_step_and_da
     (tmp_path / "a-file").write_text("x")
     with pytest.raises(ConfigError, match=r"is a file: give a new or empty folder"):
         ds.import_deepspeed(tmp_path / "ds", tmp_path / "a-file", MODEL, CFG, tokens=tokens, log=lambda *a: None)
-    with pytest.raises(ConfigError, match=r"already holds checkpoints \(step-00000004, ...\): import into a new"):  # a second import into the same root
+    with pytest.raises(
+        ConfigError, match=r"already holds checkpoints \(step-00000004, ...\): import into a new"
+    ):  # a second import into the same root
         ds.import_deepspeed(tmp_path / "ds", tmp_path / "ours", MODEL, CFG, tokens=tokens, log=lambda *a: None)
 
 
@@ -494,8 +589,22 @@ def test_the_command_imports_with_deepspeed_s_settings_as_defaults_and_refuses_i
     meta = storage.read_meta(storage.complete_checkpoints(tmp_path / "ours")[0])
     assert (meta["step"], meta["train"]["global_batch"], meta["train"]["grad_clip"]) == (4, 6, 1.0)
     # an explicit setting that contradicts the checkpoint; the model's head count cannot be guessed
-    assert cli.main(["checkpoint", "import-deepspeed", str(tmp_path / "ds"), str(tmp_path / "other"), "--model",
-                     str(model), "--global-batch", "12", *common]) == cli.EXIT_BAD_INPUT
+    assert (
+        cli.main(
+            [
+                "checkpoint",
+                "import-deepspeed",
+                str(tmp_path / "ds"),
+                str(tmp_path / "other"),
+                "--model",
+                str(model),
+                "--global-batch",
+                "12",
+                *common,
+            ]
+        )
+        == cli.EXIT_BAD_INPUT
+    )
     assert cli.main(argv[:4]) == cli.EXIT_BAD_INPUT
     err = capsys.readouterr().err
     assert "global batch 12 (DeepSpeed's train_batch_size: 6; pass --global-batch)" in err

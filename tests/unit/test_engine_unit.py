@@ -18,7 +18,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe  # also imports torch._dynamo once, here:
 from torch.distributed.tensor import DTensor  # forked ranks would each import it lazily
 
 from elastic_trainer.config import ModelConfig
@@ -39,6 +38,7 @@ CPU = torch.device("cpu")
 
 # -- independent expectations ---------------------------------------------------------------------------
 
+
 def _std(cfg: ModelConfig, name: str) -> float:
     if name == "pos_emb.weight":
         return 0.01
@@ -51,15 +51,30 @@ def initial_by_hand(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """model/init.py's recipe written out: LayerNorms 1/0, biases 0, weights N(0, std) from a generator
     seeded with the first 8 bytes (little-endian, top bit cleared) of sha256("seed:global name")."""
     d, v = cfg.d_model, cfg.vocab_size
-    shapes = {"tok_emb.weight": (v, d), "pos_emb.weight": (cfg.context_length, d), "ln_f.weight": (d,),
-              "ln_f.bias": (d,)}
+    shapes = {
+        "tok_emb.weight": (v, d),
+        "pos_emb.weight": (cfg.context_length, d),
+        "ln_f.weight": (d,),
+        "ln_f.bias": (d,),
+    }
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
-        shapes.update({p + "ln_1.weight": (d,), p + "ln_1.bias": (d,), p + "ln_2.weight": (d,),
-                       p + "ln_2.bias": (d,), p + "attn.qkv_proj.weight": (3 * d, d), p + "attn.qkv_proj.bias": (3 * d,),
-                       p + "attn.o_proj.weight": (d, d), p + "attn.o_proj.bias": (d,),
-                       p + "mlp.fc.weight": (4 * d, d), p + "mlp.fc.bias": (4 * d,),
-                       p + "mlp.proj.weight": (d, 4 * d), p + "mlp.proj.bias": (d,)})
+        shapes.update(
+            {
+                p + "ln_1.weight": (d,),
+                p + "ln_1.bias": (d,),
+                p + "ln_2.weight": (d,),
+                p + "ln_2.bias": (d,),
+                p + "attn.qkv_proj.weight": (3 * d, d),
+                p + "attn.qkv_proj.bias": (3 * d,),
+                p + "attn.o_proj.weight": (d, d),
+                p + "attn.o_proj.bias": (d,),
+                p + "mlp.fc.weight": (4 * d, d),
+                p + "mlp.fc.bias": (4 * d,),
+                p + "mlp.proj.weight": (d, 4 * d),
+                p + "mlp.proj.bias": (d,),
+            }
+        )
     out = {}
     for name, shape in shapes.items():
         if ".ln_" in name or name.startswith("ln_"):
@@ -112,15 +127,27 @@ COUNTED = ("all_reduce", "reduce_scatter_single")
 
 def _rank_step(rank, world, layout: Layout, cfg: ModelConfig, tokens, keys=None, dtype=torch.float32) -> dict:
     """Build this rank's Engine, run one forward/backward on its dp share of `tokens`, and report."""
-    engine = Engine(cfg, layout, build_mesh(layout, "cpu"), CPU, seed=SEED, global_batch=layout.global_batch,
-                    seq_len=T, param_dtype=dtype)
+    engine = Engine(
+        cfg,
+        layout,
+        build_mesh(layout, "cpu"),
+        CPU,
+        seed=SEED,
+        global_batch=layout.global_batch,
+        seq_len=T,
+        param_dtype=dtype,
+    )
     model = engine.model
     sharded = []  # after each forward of this stage: are the blocks' / the root's parameters sharded again?
 
     def probe(module, args, output):
         root = model.tok_emb if model.tok_emb is not None else model.ln_f  # a middle stage has neither
-        sharded.append(([isinstance(b.ln_1.weight, DTensor) for b in model.layers.values()],
-                        None if root is None else isinstance(root.weight, DTensor)))
+        sharded.append(
+            (
+                [isinstance(b.ln_1.weight, DTensor) for b in model.layers.values()],
+                None if root is None else isinstance(root.weight, DTensor),
+            )
+        )
 
     model.register_forward_hook(probe)
     counts = dict.fromkeys(COUNTED, 0)
@@ -130,6 +157,7 @@ def _rank_step(rank, world, layout: Layout, cfg: ModelConfig, tokens, keys=None,
         def call(*args, **kwargs):
             counts[k] += 1
             return originals[k](*args, **kwargs)
+
         return call
 
     share = layout.local_batch
@@ -151,7 +179,8 @@ def _rank_step(rank, world, layout: Layout, cfg: ModelConfig, tokens, keys=None,
     params = {n: p for n, p in model.named_parameters()}
     return {
         "coords": (engine.coords.pp, engine.coords.dp, engine.coords.tp),
-        "local": float(local), "loss": loss,
+        "local": float(local),
+        "loss": loss,
         "grads": {n: full(p.grad) for n, p in params.items()},
         "dtypes": {n: p.grad.dtype for n, p in params.items()},
         "shapes": {n: local_shape(p) for n, p in params.items()},
@@ -193,7 +222,7 @@ def test_two_data_parallel_ranks_take_the_plain_global_batch_step(mode, micro_ba
     want_loss = check_step(results, MODEL, tokens)
     assert [r["coords"] for r in results] == [(0, 0, 0), (0, 1, 0)]
     # each rank's own contribution is its half's share of the global token mean
-    halves = [reference(MODEL, tokens[i * layout.local_batch:(i + 1) * layout.local_batch])[0] / 2 for i in (0, 1)]
+    halves = [reference(MODEL, tokens[i * layout.local_batch : (i + 1) * layout.local_batch])[0] / 2 for i in (0, 1)]
     assert [r["local"] for r in results] == pytest.approx(halves, rel=1e-5)
     assert sum(halves) == pytest.approx(want_loss, rel=1e-5)
     units = MODEL.n_layers + 1  # each block, and the root (embeddings, final LayerNorm)
@@ -230,8 +259,14 @@ def test_bf16_data_parallel_gradients_are_reduced_in_fp32():
 
 DROPPING = ModelConfig(n_layers=2, d_model=16, n_heads=2, vocab_size=64, context_length=16, dropout=0.1)
 # split by tensor parallelism (Megatron: qkv and fc column-wise with their biases, o_proj and proj row-wise)
-TP_SPLIT = ("attn.qkv_proj.weight", "attn.qkv_proj.bias", "attn.o_proj.weight", "mlp.fc.weight", "mlp.fc.bias",
-            "mlp.proj.weight")
+TP_SPLIT = (
+    "attn.qkv_proj.weight",
+    "attn.qkv_proj.bias",
+    "attn.o_proj.weight",
+    "mlp.fc.weight",
+    "mlp.fc.bias",
+    "mlp.proj.weight",
+)
 
 
 def keys_for(n: int) -> torch.Tensor:
@@ -240,10 +275,19 @@ def keys_for(n: int) -> torch.Tensor:
 
 def tp_local_shapes(cfg: ModelConfig, tp: int) -> dict[str, tuple[int, ...]]:
     d = cfg.d_model
-    return {"attn.qkv_proj.weight": (3 * d // tp, d), "attn.qkv_proj.bias": (3 * d // tp,),
-            "attn.o_proj.weight": (d, d // tp), "attn.o_proj.bias": (d,), "mlp.fc.weight": (4 * d // tp, d),
-            "mlp.fc.bias": (4 * d // tp,), "mlp.proj.weight": (d, 4 * d // tp), "mlp.proj.bias": (d,),
-            "ln_1.weight": (d,), "tok_emb.weight": (cfg.vocab_size, d), "pos_emb.weight": (cfg.context_length, d)}
+    return {
+        "attn.qkv_proj.weight": (3 * d // tp, d),
+        "attn.qkv_proj.bias": (3 * d // tp,),
+        "attn.o_proj.weight": (d, d // tp),
+        "attn.o_proj.bias": (d,),
+        "mlp.fc.weight": (4 * d // tp, d),
+        "mlp.fc.bias": (4 * d // tp,),
+        "mlp.proj.weight": (d, 4 * d // tp),
+        "mlp.proj.bias": (d,),
+        "ln_1.weight": (d,),
+        "tok_emb.weight": (cfg.vocab_size, d),
+        "pos_emb.weight": (cfg.context_length, d),
+    }
 
 
 def check_tp_shapes(r: dict, cfg: ModelConfig, tp: int) -> None:
@@ -279,7 +323,9 @@ def test_two_pipeline_stages_tie_the_embedding_and_take_the_plain_step(n_micro, 
     assert first["schedule"] == last["schedule"] == schedule  # 1F1B once there are pp micro-batches
     assert first["tied_ranks"] == last["tied_ranks"] == [0, 1]
     assert (first["tied_copy"], last["tied_copy"]) == (False, True)
-    assert set(first["grads"]) == {"tok_emb.weight", "pos_emb.weight"} | {n for n in first["grads"] if n.startswith("layers.0.")}
+    assert set(first["grads"]) == {"tok_emb.weight", "pos_emb.weight"} | {
+        n for n in first["grads"] if n.startswith("layers.0.")
+    }
     assert {n for n in last["grads"] if not n.startswith("layers.1.")} == {"tok_emb.weight", "ln_f.weight", "ln_f.bias"}
     assert (first["local"], last["local"]) == (0.0, pytest.approx(want_loss, rel=1e-5))
     assert last["kept_outputs"] == 0  # the last stage does not keep the step's logits
@@ -338,22 +384,38 @@ def _rank_eval(rank, world, layout: Layout, cfg: ModelConfig, val, tokens) -> di
     model.train()
     rng = torch.random.get_rng_state()
     val_loss = engine.global_loss(engine.eval_loss(val[rows]))
-    after = {"training": model.training, "rng": torch.equal(torch.random.get_rng_state(), rng),
-             "grads": [n for n, p in model.named_parameters() if p.grad is not None],
-             "zero_seen": any(engine.zero._seen) if engine.zero is not None else False,
-             # FSDP keeps the root gathered after a forward; eval_loss frees it as a backward would
-             "gathered": [n for n, p in model.named_parameters() if layout.dp > 1 and layout.dp_mode == "fsdp"
-                          and not isinstance(p, DTensor)]}
+    after = {
+        "training": model.training,
+        "rng": torch.equal(torch.random.get_rng_state(), rng),
+        "grads": [n for n, p in model.named_parameters() if p.grad is not None],
+        "zero_seen": any(engine.zero._seen) if engine.zero is not None else False,
+        # FSDP keeps the root gathered after a forward; eval_loss frees it as a backward would
+        "gathered": [
+            n
+            for n, p in model.named_parameters()
+            if layout.dp > 1 and layout.dp_mode == "fsdp" and not isinstance(p, DTensor)
+        ],
+    }
     local = engine.forward_backward(tokens[rows], keys_for(layout.global_batch)[rows])
     engine.reduce_tied_grads()
-    return {"val_loss": val_loss, "after": after, "loss": engine.global_loss(local),
-            "grads": {n: full(p.grad) for n, p in model.named_parameters()} if engine.zero is None else {},
-            "norm": float(engine.clip_grad_norm_(0.0))}
+    return {
+        "val_loss": val_loss,
+        "after": after,
+        "loss": engine.global_loss(local),
+        "grads": {n: full(p.grad) for n, p in model.named_parameters()} if engine.zero is None else {},
+        "norm": float(engine.clip_grad_norm_(0.0)),
+    }
 
 
-@pytest.mark.parametrize("layout", [Layout(2, 1, 2, 1, 2, dp_mode="fsdp"), Layout(2, 1, 1, 1, 2, dp_mode="fsdp"),
-                                    Layout(2, 1, 1, 1, 2, dp_mode="zero1")],
-                         ids=["dp2-pp2-1f1b-fsdp", "dp2-fsdp", "dp2-zero1"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        Layout(2, 1, 2, 1, 2, dp_mode="fsdp"),
+        Layout(2, 1, 1, 1, 2, dp_mode="fsdp"),
+        Layout(2, 1, 1, 1, 2, dp_mode="zero1"),
+    ],
+    ids=["dp2-pp2-1f1b-fsdp", "dp2-fsdp", "dp2-zero1"],
+)
 def test_the_validation_loss_is_the_plain_eval_mode_mean_and_leaves_the_step_alone(layout):
     """With dropout on and the model in training mode: the eval-mode token mean of the plain GPT on every rank;
     no gradient, ZeRO-1 buffer, RNG draw or gathered FSDP parameter left behind, the training mode kept; the
@@ -375,6 +437,7 @@ def test_the_validation_loss_is_the_plain_eval_mode_mean_and_leaves_the_step_alo
 
 
 # -- in this process ------------------------------------------------------------------------------------
+
 
 def engine1(layout: Layout, cfg: ModelConfig = MODEL, device: torch.device = CPU, **kwargs) -> Engine:
     kwargs.setdefault("seed", SEED)
@@ -476,7 +539,8 @@ def test_the_step_runs_on_the_engine_s_device(group):
     engine = engine1(Layout(1, 1, 1, 1, 2), DROPPING, device=meta)
     seen = []
     engine.model.register_forward_pre_hook(
-        lambda module, args, kwargs: seen.append((args[0].device, kwargs["dropout_keys"].device)), with_kwargs=True)
+        lambda module, args, kwargs: seen.append((args[0].device, kwargs["dropout_keys"].device)), with_kwargs=True
+    )
     loss = engine.forward_backward(batch(2), keys_for(2))
     assert loss.device == meta
     assert seen == [(meta, meta)] * 2

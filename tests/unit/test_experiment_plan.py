@@ -77,14 +77,17 @@ def write(tmp_path, text: str, phases=None) -> str:
 GOOD = DEFAULT_CONFIG.read_text()
 
 
-@pytest.mark.parametrize("text,phases,message", [
-    (GOOD, [{"gpus": 4, "steps": 6}], "the experiment needs time phases"),
-    (GOOD, [{"gpus": 4, "duration_s": 6, "layout": "4,1,1"}], "without pinned layouts"),
-    (GOOD.replace('"ours", ', '"mine", '), None, "unknown policy 'mine'"),
-    (GOOD.replace('8 = "1,2,4"', '8 = "1,2,2"'), None, "8 = '1,2,2' does not use 8 GPUs"),
-    (GOOD.replace('dp_mode = "ddp"', 'dp_mode = "zero3"'), None, "dp_mode='zero3' is not one of fsdp, ddp, zero1"),
-    (GOOD.replace('model = "gpt-tiny"', 'modle = "gpt-tiny"'), None, "[small]: unknown key(s) modle"),
-])
+@pytest.mark.parametrize(
+    "text,phases,message",
+    [
+        (GOOD, [{"gpus": 4, "steps": 6}], "the experiment needs time phases"),
+        (GOOD, [{"gpus": 4, "duration_s": 6, "layout": "4,1,1"}], "without pinned layouts"),
+        (GOOD.replace('"ours", ', '"mine", '), None, "unknown policy 'mine'"),
+        (GOOD.replace('8 = "1,2,4"', '8 = "1,2,2"'), None, "8 = '1,2,2' does not use 8 GPUs"),
+        (GOOD.replace('dp_mode = "ddp"', 'dp_mode = "zero3"'), None, "dp_mode='zero3' is not one of fsdp, ddp, zero1"),
+        (GOOD.replace('model = "gpt-tiny"', 'modle = "gpt-tiny"'), None, "[small]: unknown key(s) modle"),
+    ],
+)
 def test_bad_experiment_files_are_one_line_errors(tmp_path, text, phases, message):
     with pytest.raises(ConfigError) as error:
         load_experiment(write(tmp_path, text, phases))
@@ -100,12 +103,15 @@ def test_dry_run_prints_every_policy_per_profile(capsys):
     assert "4: waits (fewer than one tp2 x pp4 replica (8 GPUs))" in out
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--time-scale", "0"], "argument --time-scale: '0' is not a finite number > 0"),
-    (["--target-steps", "0"], "argument --target-steps: '0' is not an integer in [1, 1000000]"),
-    (["--policy", "elastic"], "unknown policy 'elastic'"),
-    (["--profile", "tpu"], "unknown hardware 'tpu'"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--time-scale", "0"], "argument --time-scale: '0' is not a finite number > 0"),
+        (["--target-steps", "0"], "argument --target-steps: '0' is not an integer in [1, 1000000]"),
+        (["--policy", "elastic"], "unknown policy 'elastic'"),
+        (["--profile", "tpu"], "unknown hardware 'tpu'"),
+    ],
+)
 def test_bad_experiment_flags_exit_2_in_one_line(capsys, argv, message):
     assert main(["experiment", "--dry-run", *argv]) == 2
     err = capsys.readouterr().err

@@ -65,8 +65,12 @@ def test_unshards_and_reductions_per_step_as_the_model_counts_them(mode):
     unpiped = Layout(2, 1, 1, 1, micro, dp_mode=mode)
     got = per_unit(run_ranks(counted_step, 2, unpiped, timeout=300)[0])
     if mode == "fsdp":
-        assert got == {"block unshards": 2 * micro, "root unshards": micro, "block reductions": micro,
-                       "root reductions": micro}
+        assert got == {
+            "block unshards": 2 * micro,
+            "root unshards": micro,
+            "block reductions": micro,
+            "root reductions": micro,
+        }
     else:
         assert got == {"block unshards": micro, "root unshards": micro, "block reductions": 1, "root reductions": 1}
     piped = Layout(2, 1, 2, 1, micro, dp_mode=mode)
@@ -79,7 +83,8 @@ def test_the_model_s_bytes_follow_those_counts():
     micro-batch and reduces (8, and from the second reduction the add: 12 / 2) every micro-batch; ddp copies
     into place (8) every micro-batch and reduces once per step (8 + 16); under a pipeline once per step each."""
     assert wrapper_bytes(Layout(2, 1, 1, 1, 3, dp_mode="fsdp"), "fp32", True, 0.25) == pytest.approx(
-        (1.75 * 12 + 8 + 6 * 2 / 3, 0.0))
+        (1.75 * 12 + 8 + 6 * 2 / 3, 0.0)
+    )
     assert wrapper_bytes(Layout(2, 1, 1, 1, 3, dp_mode="ddp"), "fp32", True, 0.25) == (8, 24)
     assert wrapper_bytes(Layout(2, 1, 2, 1, 3, dp_mode="fsdp"), "fp32", True) == (0.0, 12 + 8)
     assert wrapper_bytes(Layout(2, 1, 2, 1, 3, dp_mode="ddp"), "fp32", True) == (0.0, 8 + 24)

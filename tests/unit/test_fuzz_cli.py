@@ -31,12 +31,15 @@ EXAMPLES = int(os.environ.get("ET_FUZZ_EXAMPLES", "600"))
 
 NUMBERS = st.one_of(
     st.integers(-3, 70),
-    st.integers(-2 ** 70, 2 ** 70),
+    st.integers(-(2**70), 2**70),
     st.floats(allow_nan=True, allow_infinity=True),
     st.sampled_from(["nan", "inf", "-inf", "1e309", "0x10", "1_000", " 4", "٣", "", "-0", "4.0", "1e-3"]),
 )
-JUNK = st.one_of(NUMBERS.map(str), st.text(max_size=12),
-                 st.sampled_from(["gpt-small", "h100-80g", "1,2", "0,1,1", "a,b,c", "sotu", "..", "/", "-"]))
+JUNK = st.one_of(
+    NUMBERS.map(str),
+    st.text(max_size=12),
+    st.sampled_from(["gpt-small", "h100-80g", "1,2", "0,1,1", "a,b,c", "sotu", "..", "/", "-"]),
+)
 
 
 def ints(*values: int) -> st.SearchStrategy:
@@ -46,22 +49,37 @@ def ints(*values: int) -> st.SearchStrategy:
 # Values a user would plausibly type, so that most examples get past the flag parser into the checks behind it
 # (configs, planner, data, hosts, checkpoints); `inputs` replaces at most one value with junk.
 GOOD = {
-    "--global-batch": ints(1, 2, 4, 6, 8), "--seq-len": ints(4, 8, 16, 32, 300), "--steps": ints(1, 2, 5, 20),
-    "--seed": ints(0, 1, 2 ** 62), "--lr": st.sampled_from(["1e-3", "0.5", "1e-9"]),
-    "--warmup-steps": ints(0, 1, 5, 50), "--decay-steps": ints(1, 10, 100), "--grad-clip": ints(0, 1),
-    "--weight-decay": st.sampled_from(["0", "0.1"]), "--micro-batch": ints(1, 2, 3, 4),
+    "--global-batch": ints(1, 2, 4, 6, 8),
+    "--seq-len": ints(4, 8, 16, 32, 300),
+    "--steps": ints(1, 2, 5, 20),
+    "--seed": ints(0, 1, 2**62),
+    "--lr": st.sampled_from(["1e-3", "0.5", "1e-9"]),
+    "--warmup-steps": ints(0, 1, 5, 50),
+    "--decay-steps": ints(1, 10, 100),
+    "--grad-clip": ints(0, 1),
+    "--weight-decay": st.sampled_from(["0", "0.1"]),
+    "--micro-batch": ints(1, 2, 3, 4),
     "--layout": st.sampled_from(["1,1,1", "1,1,1", "2,1,1"]),
-    "--dtype": st.sampled_from(["auto", "fp32", "bf16"]), "--dp-mode": st.sampled_from(["fsdp", "ddp"]),
-    "--log-every": ints(1, 3), "--until-step": ints(1, 3, 30), "--save-every": ints(0, 1, 5),
-    "--save-interval-s": ints(0, 60), "--keep": ints(0, 1, 3),
+    "--dtype": st.sampled_from(["auto", "fp32", "bf16"]),
+    "--dp-mode": st.sampled_from(["fsdp", "ddp"]),
+    "--log-every": ints(1, 3),
+    "--until-step": ints(1, 3, 30),
+    "--save-every": ints(0, 1, 5),
+    "--save-interval-s": ints(0, 60),
+    "--keep": ints(0, 1, 3),
     "--resume": st.sampled_from(["auto", "never", "ck/step-00000001", "data.txt"]),
     "--hardware": st.sampled_from(["cpu", "h100-80g", "v100-16g", "model.toml"]),
     "--model": st.sampled_from(["gpt-tiny", "model.toml", "gpt3-xl"]),
-    "--gpus": ints(1, 2, 3, 4, 8, 16, 1024), "--gpus-per-host": ints(1, 2, 4, 8), "--top": ints(1, 3),
+    "--gpus": ints(1, 2, 3, 4, 8, 16, 1024),
+    "--gpus-per-host": ints(1, 2, 4, 8),
+    "--top": ints(1, 3),
     "--compare": st.sampled_from(["1,1,1", "2,1,1", "2,2,1", "4,1,1"]),
     "--schedule": st.sampled_from(["none", "default", "hosts.txt", "schedule.json"]),
-    "--max-restarts": ints(0, 3), "--min-hosts": ints(1, 2), "--rdzv-port": ints(29400, 0),
-    "--ssh-port": ints(22, 2222), "--rdzv-conf": st.sampled_from(["last_call_timeout=30", "join_timeout=x", "x"]),
+    "--max-restarts": ints(0, 3),
+    "--min-hosts": ints(1, 2),
+    "--rdzv-port": ints(29400, 0),
+    "--ssh-port": ints(22, 2222),
+    "--rdzv-conf": st.sampled_from(["last_call_timeout=30", "join_timeout=x", "x"]),
 }
 
 
@@ -69,34 +87,93 @@ def value(flag: str) -> st.SearchStrategy:
     return GOOD.get(flag, JUNK)
 
 
-TRAIN_FLAGS = ["--global-batch", "--seq-len", "--steps", "--seed", "--lr", "--warmup-steps", "--decay-steps",
-               "--grad-clip", "--weight-decay", "--micro-batch", "--layout", "--dtype", "--dp-mode", "--log-every",
-               "--until-step", "--save-every", "--save-interval-s", "--keep", "--resume", "--hardware"]
-PLAN_FLAGS = ["--gpus-per-host", "--global-batch", "--seq-len", "--micro-batch", "--dp-mode", "--top",
-              "--compare", "--hardware", "--dtype"]
-LAUNCH_FLAGS = ["--gpus-per-host", "--schedule", "--max-restarts", "--min-hosts", "--rdzv-port", "--ssh-port",
-                "--rdzv-conf"]
+TRAIN_FLAGS = [
+    "--global-batch",
+    "--seq-len",
+    "--steps",
+    "--seed",
+    "--lr",
+    "--warmup-steps",
+    "--decay-steps",
+    "--grad-clip",
+    "--weight-decay",
+    "--micro-batch",
+    "--layout",
+    "--dtype",
+    "--dp-mode",
+    "--log-every",
+    "--until-step",
+    "--save-every",
+    "--save-interval-s",
+    "--keep",
+    "--resume",
+    "--hardware",
+]
+PLAN_FLAGS = [
+    "--gpus-per-host",
+    "--global-batch",
+    "--seq-len",
+    "--micro-batch",
+    "--dp-mode",
+    "--top",
+    "--compare",
+    "--hardware",
+    "--dtype",
+]
+LAUNCH_FLAGS = [
+    "--gpus-per-host",
+    "--schedule",
+    "--max-restarts",
+    "--min-hosts",
+    "--rdzv-port",
+    "--ssh-port",
+    "--rdzv-conf",
+]
 
-GOOD_HOSTS = st.sampled_from(["localhost slots=2", "localhost slots=4", "localhost", "127.0.0.1 slots=4",
-                              "localhost slots=8", "# comment", ""])
+GOOD_HOSTS = st.sampled_from(
+    ["localhost slots=2", "localhost slots=4", "localhost", "127.0.0.1 slots=4", "localhost slots=8", "# comment", ""]
+)
 HOST_LINES = st.one_of(
-    GOOD_HOSTS, GOOD_HOSTS, GOOD_HOSTS,
+    GOOD_HOSTS,
+    GOOD_HOSTS,
+    GOOD_HOSTS,
     st.sampled_from(["localhost slots=0", "node1 slots=two", "host slots=2 gpus=3", "a;b", "localhost slots=999999"]),
     st.text(max_size=20).map(lambda s: s.replace("\n", " ")),
 )
-MODEL_VALUES = {"n_layers": ints(1, 2, 4, 0), "d_model": ints(32, 64, 30), "n_heads": ints(1, 2, 4, 3),
-                "vocab_size": ints(50257, 100, 0), "context_length": ints(16, 64, 256, 8),
-                "dropout": st.sampled_from(["0.0", "0.1", "1.5"]), "layer_norm_eps": st.sampled_from(["1e-5", "0"])}
-TOML_JUNK = st.one_of(st.integers(-5, 5000).map(str), st.floats(allow_nan=False, allow_infinity=False).map(repr),
-                      st.sampled_from(['"x"', "true", "[1, 2]", "{}", "nan", "inf", "1e400"]))
+MODEL_VALUES = {
+    "n_layers": ints(1, 2, 4, 0),
+    "d_model": ints(32, 64, 30),
+    "n_heads": ints(1, 2, 4, 3),
+    "vocab_size": ints(50257, 100, 0),
+    "context_length": ints(16, 64, 256, 8),
+    "dropout": st.sampled_from(["0.0", "0.1", "1.5"]),
+    "layer_norm_eps": st.sampled_from(["1e-5", "0"]),
+}
+TOML_JUNK = st.one_of(
+    st.integers(-5, 5000).map(str),
+    st.floats(allow_nan=False, allow_infinity=False).map(repr),
+    st.sampled_from(['"x"', "true", "[1, 2]", "{}", "nan", "inf", "1e400"]),
+)
 WORDS = st.sampled_from(["the", "state", "of", "union", "is", "strong", "and", "we", "will", "build", "\u00e9t\u00e9"])
 DATA = st.one_of(
     st.lists(WORDS, min_size=30, max_size=400).map(" ".join),
-    st.lists(WORDS, min_size=30, max_size=400).map(lambda w: "\n".join('{"text": "%s"}' % x for x in w)),
+    st.lists(WORDS, min_size=30, max_size=400).map(lambda w: "\n".join(f'{{"text": "{x}"}}' for x in w)),
     st.binary(max_size=300),
     st.text(max_size=300),
-    st.lists(st.sampled_from(['{"text": "hello world"}', '{"text": 3}', "{", "[]", '{"body": "x"}', "",
-                              '{"text": "' + "word " * 40 + '"}']), max_size=30).map("\n".join),
+    st.lists(
+        st.sampled_from(
+            [
+                '{"text": "hello world"}',
+                '{"text": 3}',
+                "{",
+                "[]",
+                '{"body": "x"}',
+                "",
+                '{"text": "' + "word " * 40 + '"}',
+            ]
+        ),
+        max_size=30,
+    ).map("\n".join),
 )
 
 
@@ -124,8 +201,9 @@ def inputs(draw):
     files[data_name] = data if isinstance(data, bytes) else data.encode("utf-8", "surrogatepass")
     files["model.toml"] = draw(model_toml()).encode("utf-8", "surrogatepass")
     files["hosts.txt"] = "\n".join(draw(st.lists(HOST_LINES, max_size=4))).encode("utf-8", "surrogatepass")
-    files["schedule.json"] = draw(st.sampled_from(['{"phases": [{"gpus": 2, "steps": 3}]}', "[]", "{", '{"x": 1}']
-                                                  )).encode()
+    files["schedule.json"] = draw(
+        st.sampled_from(['{"phases": [{"gpus": 2, "steps": 3}]}', "[]", "{", '{"x": 1}'])
+    ).encode()
     command = draw(st.sampled_from(["train", "plan", "launch"]))
     model = draw(st.sampled_from([[], ["--model", "gpt-tiny"], ["--model", "model.toml"]]))
     if command == "train":
@@ -133,8 +211,18 @@ def inputs(draw):
     elif command == "plan":
         argv = ["plan", "--gpus", draw(value("--gpus")), *model, *draw(flags(PLAN_FLAGS))]
     else:
-        argv = ["launch", "--dry-run", "--hosts", "hosts.txt", "--run-dir", "run", "--data", data_name, *model,
-                *draw(flags(LAUNCH_FLAGS))]
+        argv = [
+            "launch",
+            "--dry-run",
+            "--hosts",
+            "hosts.txt",
+            "--run-dir",
+            "run",
+            "--data",
+            data_name,
+            *model,
+            *draw(flags(LAUNCH_FLAGS)),
+        ]
         if draw(st.booleans()):
             argv += ["--", *draw(flags(TRAIN_FLAGS[:10]))]
     values = [i for i, arg in enumerate(argv) if i and argv[i - 1].startswith("--") and not arg.startswith("--")]
@@ -179,8 +267,9 @@ def data_cache(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("fuzz-cache"))
 
 
-@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
-          database=None)
+@settings(
+    max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None
+)
 @given(inputs())
 def test_no_input_makes_the_cli_raise_or_hang(data_cache, example):
     argv, files = example

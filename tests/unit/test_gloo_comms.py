@@ -44,10 +44,12 @@ def _faults(rank: int, world: int) -> dict[str, int]:
     import resource
 
     whole, part = torch.ones(world * 2**22), torch.ones(2**22)
-    calls = {"gloo reduce-scatter": lambda: dist.reduce_scatter_tensor(part, whole),
-             "reduce-scatter": lambda: gloo_comms.reduce_scatter(part, whole),
-             "gloo all-gather": lambda: dist.all_gather_into_tensor(whole, part),
-             "all-gather": lambda: gloo_comms.all_gather(whole, part)}
+    calls = {
+        "gloo reduce-scatter": lambda: dist.reduce_scatter_tensor(part, whole),
+        "reduce-scatter": lambda: gloo_comms.reduce_scatter(part, whole),
+        "gloo all-gather": lambda: dist.all_gather_into_tensor(whole, part),
+        "all-gather": lambda: gloo_comms.all_gather(whole, part),
+    }
     out = {}
     for name, call in calls.items():
         call(), call()
@@ -72,9 +74,14 @@ def _fsdp_comms(rank: int, world: int) -> list[str]:
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleDict({"0": torch.nn.Linear(4, 4), "1": torch.nn.Linear(4, 4)})
     apply_data_parallel(model, init_device_mesh("cpu", (world,)), "fsdp", torch.float32, True)
-    return sorted({type(g._all_gather_comm).__name__ + " " + type(g._reduce_scatter_comm).__name__
-                   for m in model.modules() if isinstance(m, FSDPModule)
-                   for g in m._get_fsdp_state()._fsdp_param_groups})
+    return sorted(
+        {
+            type(g._all_gather_comm).__name__ + " " + type(g._reduce_scatter_comm).__name__
+            for m in model.modules()
+            if isinstance(m, FSDPModule)
+            for g in m._get_fsdp_state()._fsdp_param_groups
+        }
+    )
 
 
 def test_fsdp_units_on_gloo_take_them():
@@ -93,18 +100,41 @@ def test_the_benchmark_compares_both_on_ranks_and_restores_ours(tmp_path):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     model = tmp_path / "tiny.toml"
-    model.write_text('[model]\nname = "tiny"\nvocab_size = 64\ncontext_length = 128\nd_model = 16\nn_layers = 2\n'
-                     'n_heads = 2\n')
+    model.write_text(
+        '[model]\nname = "tiny"\nvocab_size = 64\ncontext_length = 128\nd_model = 16\nn_layers = 2\nn_heads = 2\n'
+    )
     out = tmp_path / "r.json"
-    result = bench.main(["--ranks", "2:2", "--sizes", "1,2", "--repeat", "1", "--steps-model", str(model),
-                         "--layout", "2,1,1,1", "--steps", "3", "--rounds", "1", "--out", str(out)])
+    result = bench.main(
+        [
+            "--ranks",
+            "2:2",
+            "--sizes",
+            "1,2",
+            "--repeat",
+            "1",
+            "--steps-model",
+            str(model),
+            "--layout",
+            "2,1,1,1",
+            "--steps",
+            "3",
+            "--rounds",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     assert json.loads(out.read_text()) == result
     assert [(r["ranks"], r["group"], r["mb"]) for r in result["collectives"]] == [(2, 2, 1.0), (2, 2, 2.0)]
-    assert all(r[k] > 0 for r in result["collectives"] for k in ("all-reduce", "gloo reduce-scatter",
-                                                                 "our reduce-scatter", "gloo all-gather",
-                                                                 "our all-gather"))
+    assert all(
+        r[k] > 0
+        for r in result["collectives"]
+        for k in ("all-reduce", "gloo reduce-scatter", "our reduce-scatter", "gloo all-gather", "our all-gather")
+    )
     assert [(s["dp_mode"], len(s["gloo_steps"]), len(s["our_steps"])) for s in result["steps"]] == [
-        ("zero1", 1, 1), ("fsdp", 1, 1)]
+        ("zero1", 1, 1),
+        ("fsdp", 1, 1),
+    ]
     from elastic_trainer.parallel import data_parallel
 
     assert gloo_comms.is_gloo.__module__ == gloo_comms.__name__ and data_parallel.use_in_fsdp is gloo_comms.use_in_fsdp

@@ -61,13 +61,29 @@ def test_the_data_sheet_profile_inverts_the_dp_modes_on_the_same_steps(sweep):
 
 def test_the_sweep_runs_its_cases_in_one_process_and_writes_each(tmp_path):
     out = tmp_path / "sweep.json"
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks/gpu/sweep.py"), "--smoke", "--modes", "zero1,ddp",
-                           "--micro-batches", "2", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks/gpu/sweep.py"),
+            "--smoke",
+            "--modes",
+            "zero1,ddp",
+            "--micro-batches",
+            "2",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     got = json.loads(out.read_text())
     assert got["gpu"] is False and got["device"] == "cpu"
     cases = [(c["mode"], c["micro_batch"], c["seq_len"], c["probe"]) for c in got["cases"]]
     assert cases == [("zero1", 1, 8, True), ("ddp", 1, 8, True), ("zero1", 2, 32, False), ("ddp", 2, 32, False)]
-    assert all(c["step_s"] > 0 and len(c["steps_s"]) == 2 and c["num_microbatches"] == 8 // c["micro_batch"]
-               for c in got["cases"])
+    assert all(
+        c["step_s"] > 0 and len(c["steps_s"]) == 2 and c["num_microbatches"] == 8 // c["micro_batch"]
+        for c in got["cases"]
+    )
     assert done.stdout.count("[sweep]") == 4

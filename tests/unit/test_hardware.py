@@ -52,8 +52,16 @@ def test_unknown_profile_and_bad_values_name_the_choices():
 
 
 def test_toml_round_trip(tmp_path):
-    hw = Hardware(name="mine", device_names=("X 1",), tflops=123.5, memory_bandwidth_gbs=1e-3, shared_host=True,
-                  compute_units=3, shm_write_gbs=1.25, handover_setup_s=0.5)
+    hw = Hardware(
+        name="mine",
+        device_names=("X 1",),
+        tflops=123.5,
+        memory_bandwidth_gbs=1e-3,
+        shared_host=True,
+        compute_units=3,
+        shm_write_gbs=1.25,
+        handover_setup_s=0.5,
+    )
     path = tmp_path / "mine.toml"
     path.write_text(hw.to_toml())
     assert load_hardware(path) == hw
@@ -63,8 +71,9 @@ def test_calibration_fit_recovers_rate_size_effect_and_overhead():
     from elastic_trainer.parallel.calibrate import fit_compute
 
     rate, half, overhead = 50e9, 40.0, 2e-3  # 50 GFLOP/s, half rate at 40 tokens, 2 ms per block
-    points = [(f, n, f / (rate * n / (n + half)) + overhead) for f, n in [(1e9, 128), (4e9, 512), (4e9, 128),
-                                                                          (16e9, 512)]]
+    points = [
+        (f, n, f / (rate * n / (n + half)) + overhead) for f, n in [(1e9, 128), (4e9, 512), (4e9, 128), (16e9, 512)]
+    ]
     assert fit_compute(points) == pytest.approx((0.05, 40.0, 2.0), rel=1e-6)
 
 

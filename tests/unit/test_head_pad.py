@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -61,8 +60,12 @@ def test_the_cpu_default_is_unpadded_and_a_padded_model_trains_the_same(monkeypa
 
 def test_the_gpu_script_runs_its_small_form(tmp_path):
     out = tmp_path / "h.json"
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks/gpu/head_pad.py"), "--smoke", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/gpu/head_pad.py"), "--smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     got = json.loads(out.read_text())
     assert got["device"] == "cpu" and got["parity"][0]["multiple"] == 64

@@ -9,8 +9,17 @@ import pytest
 
 from elastic_trainer.config import ConfigError
 from elastic_trainer.launch import hosts as hosts_mod
-from elastic_trainer.launch.hosts import (Host, HostsError, default_slots, detected_gpus, interface_ipv4, is_local,
-                                          parse_hosts, read_hosts, valid_host_name)
+from elastic_trainer.launch.hosts import (
+    Host,
+    HostsError,
+    default_slots,
+    detected_gpus,
+    interface_ipv4,
+    is_local,
+    parse_hosts,
+    read_hosts,
+    valid_host_name,
+)
 
 SUFFIX = "(expected 'HOST' or 'HOST slots=N')"
 
@@ -34,18 +43,26 @@ def test_slots_form_overrides_default():
 
 
 def test_mixed_forms_comments_blank_lines_tabs_and_addresses():
-    text = ("# cluster A\n"
-            "\n"
-            "  node1.example.com   slots=2  # two GPUs\n"
-            "\tnode2\t\n"
-            "   # indented comment\n"
-            "10.0.0.3\tslots=1\n"
-            "fe80::1 slots=3\r\n"
-            "::1#trailing comment right after the name\n"
-            "gpu-box-7  \n"
-            "   \t  \n")
-    assert parse_hosts(text, 8) == [Host("node1.example.com", 2, 3), Host("node2", 8, 4), Host("10.0.0.3", 1, 6),
-                                    Host("fe80::1", 3, 7), Host("::1", 8, 8), Host("gpu-box-7", 8, 9)]
+    text = (
+        "# cluster A\n"
+        "\n"
+        "  node1.example.com   slots=2  # two GPUs\n"
+        "\tnode2\t\n"
+        "   # indented comment\n"
+        "10.0.0.3\tslots=1\n"
+        "fe80::1 slots=3\r\n"
+        "::1#trailing comment right after the name\n"
+        "gpu-box-7  \n"
+        "   \t  \n"
+    )
+    assert parse_hosts(text, 8) == [
+        Host("node1.example.com", 2, 3),
+        Host("node2", 8, 4),
+        Host("10.0.0.3", 1, 6),
+        Host("fe80::1", 3, 7),
+        Host("::1", 8, 8),
+        Host("gpu-box-7", 8, 9),
+    ]
 
 
 def test_names_are_kept_as_written_and_slots_may_be_large():
@@ -184,22 +201,92 @@ LABEL63 = "a" * 63
 NAME253 = ".".join(["a" * 63, "b" * 63, "c" * 63, "d" * 61])
 
 
-@pytest.mark.parametrize("name", [
-    "localhost", "node1", "a", "1a", "a-b", "a--b", "a.b.c", "Node1.Example.COM", "123abc", "a.1b", LABEL63,
-    NAME253, "10.0.0.1", "127.0.0.1", "255.255.255.255", "::1", "::", "fe80::1", "2001:db8::8a2e:370:7334",
-    "::ffff:10.0.0.1",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "localhost",
+        "node1",
+        "a",
+        "1a",
+        "a-b",
+        "a--b",
+        "a.b.c",
+        "Node1.Example.COM",
+        "123abc",
+        "a.1b",
+        LABEL63,
+        NAME253,
+        "10.0.0.1",
+        "127.0.0.1",
+        "255.255.255.255",
+        "::1",
+        "::",
+        "fe80::1",
+        "2001:db8::8a2e:370:7334",
+        "::ffff:10.0.0.1",
+    ],
+)
 def test_valid_host_names(name):
     assert valid_host_name(name) is True
 
 
-@pytest.mark.parametrize("name", [
-    "", " ", "a b", "a\n", "a\nb", "\tb", "user@host", "host:22", "1.2.3.4:22", "a_b", "-a", "a-", "a.-b", "a..b",
-    ".a", "a.", "localhost.", "$(reboot)", "a;rm -rf /", "`id`", "a|b", "a&", ">a", "'a'", '"a"', "a'b", "*",
-    "a/b", "~a", "a\\b", "a,b", "a=b", "n\u00f6de", "\u0661\u0662.com", "a" * 64, NAME253 + "e", "10.0.0",
-    "999.1.1.1", "256.1.1.1", "1.2.3.4.5", "010.0.0.1", "1", "[::1]", "fe80::1%eth0", "fe80::1%1", ":::1",
-    "1::2::3", "gggg::1", "0x7f.0.0.1", None, 5, b"node1",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "",
+        " ",
+        "a b",
+        "a\n",
+        "a\nb",
+        "\tb",
+        "user@host",
+        "host:22",
+        "1.2.3.4:22",
+        "a_b",
+        "-a",
+        "a-",
+        "a.-b",
+        "a..b",
+        ".a",
+        "a.",
+        "localhost.",
+        "$(reboot)",
+        "a;rm -rf /",
+        "`id`",
+        "a|b",
+        "a&",
+        ">a",
+        "'a'",
+        '"a"',
+        "a'b",
+        "*",
+        "a/b",
+        "~a",
+        "a\\b",
+        "a,b",
+        "a=b",
+        "n\u00f6de",
+        "\u0661\u0662.com",
+        "a" * 64,
+        NAME253 + "e",
+        "10.0.0",
+        "999.1.1.1",
+        "256.1.1.1",
+        "1.2.3.4.5",
+        "010.0.0.1",
+        "1",
+        "[::1]",
+        "fe80::1%eth0",
+        "fe80::1%1",
+        ":::1",
+        "1::2::3",
+        "gggg::1",
+        "0x7f.0.0.1",
+        None,
+        5,
+        b"node1",
+    ],
+)
 def test_invalid_host_names(name):
     assert valid_host_name(name) is False
 
@@ -296,9 +383,19 @@ def test_interface_ipv4_bad_interface(iface):
     assert_one_line(e)
 
 
-@pytest.mark.parametrize("value, count", [
-    ("0,1,2", 3), ("", 0), ("-1", 0), (" ", 0), ("0", 1), ("0,,1,", 2), ("GPU-1a2b,GPU-3c4d", 2), ("0,-1,1", 1),
-])
+@pytest.mark.parametrize(
+    "value, count",
+    [
+        ("0,1,2", 3),
+        ("", 0),
+        ("-1", 0),
+        (" ", 0),
+        ("0", 1),
+        ("0,,1,", 2),
+        ("GPU-1a2b,GPU-3c4d", 2),
+        ("0,-1,1", 1),
+    ],
+)
 def test_detected_gpus_from_cuda_visible_devices(monkeypatch, value, count):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
     assert detected_gpus() == count

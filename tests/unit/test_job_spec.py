@@ -17,13 +17,26 @@ from elastic_trainer.plan.use_gpus import plan_gpus
 
 
 def spec_of(*argv: str, world: int = 4, known: bool = True) -> JobSpec:
-    return resolve.train_spec(cli_parser.train_args(list(argv)), built_by="test", world_size=world,
-                              local_world_size=world, hosts_known=known)
+    return resolve.train_spec(
+        cli_parser.train_args(list(argv)), built_by="test", world_size=world, local_world_size=world, hosts_known=known
+    )
 
 
 def test_the_spec_survives_json_exactly(tmp_path):
-    spec = spec_of("--hardware", "h100-80g", "--global-batch", "12", "--checkpoint-dir", str(tmp_path / "ck"),
-                   "--micro-batch", "2", "--data", "sotu", "--events-file", str(tmp_path / "e.jsonl"))
+    spec = spec_of(
+        "--hardware",
+        "h100-80g",
+        "--global-batch",
+        "12",
+        "--checkpoint-dir",
+        str(tmp_path / "ck"),
+        "--micro-batch",
+        "2",
+        "--data",
+        "sotu",
+        "--events-file",
+        str(tmp_path / "e.jsonl"),
+    )
     spec = dataclasses.replace(spec, phases=(*spec.phases, PhaseSpec(3, 40, (3, 2), None)))
     again = JobSpec.read(spec.write(tmp_path / "run" / "job.json"))
     assert again == spec and again.hardware.name == "h100-80g" and again.train.data == ("sotu",)
@@ -31,10 +44,13 @@ def test_the_spec_survives_json_exactly(tmp_path):
     assert json.loads((tmp_path / "run" / "job.json").read_text())["version"] == 1
 
 
-@pytest.mark.parametrize("text, message", [
-    ("{not json", "is not JSON"),
-    ('{"version": 99}', "is not a version-1 job spec"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{not json", "is not JSON"),
+        ('{"version": 99}', "is not a version-1 job spec"),
+    ],
+)
 def test_a_bad_spec_is_one_line(tmp_path, text, message):
     (tmp_path / "job.json").write_text(text)
     with pytest.raises(ConfigError, match=message):
@@ -57,8 +73,10 @@ def test_a_count_no_layout_fits_trains_on_the_largest_that_one_does(world, used)
     assert (chosen.held, chosen.used, chosen.plan.request.world_size) == (world, used, used)
     assert (chosen.note() == "") == (used == world)
     if used < world:
-        assert chosen.note() == f"training on {used} of the {world} GPUs, {world - used} idle: no layout of " \
-                                f"{world} GPUs is valid"
+        assert (
+            chosen.note() == f"training on {used} of the {world} GPUs, {world - used} idle: no layout of "
+            f"{world} GPUs is valid"
+        )
 
 
 def test_the_first_ranks_train_and_keep_their_hosts():
@@ -124,13 +142,15 @@ def test_the_torchrun_wrapper_s_spec_leaves_the_gpus_to_rank0(monkeypatch):
 
     monkeypatch.setattr(mesh, "accelerator", lambda: pytest.fail("the agent looked at the GPU"))
     args = cli_parser.train_args(["--global-batch", "12"])
-    spec = resolve.train_spec(args, built_by="torchrun", world_size=None, local_world_size=4, hosts_known=False,
-                              detect_hardware=False)
+    spec = resolve.train_spec(
+        args, built_by="torchrun", world_size=None, local_world_size=4, hosts_known=False, detect_hardware=False
+    )
     assert spec.hardware is None and spec.phases[0].layout is None
     bad = cli_parser.train_args(["--micro-batch", "5", "--global-batch", "12"])
     with pytest.raises(PlanError, match="micro"):  # the settings are still checked, memory aside
-        resolve.train_spec(bad, built_by="torchrun", world_size=4, local_world_size=4, hosts_known=True,
-                           detect_hardware=False)
+        resolve.train_spec(
+            bad, built_by="torchrun", world_size=4, local_world_size=4, hosts_known=True, detect_hardware=False
+        )
 
 
 def test_a_restarted_group_resumes_its_newest_save(tmp_path):

@@ -27,8 +27,7 @@ from elastic_trainer.train.metrics import MetricsLog
 MODEL = ModelConfig(n_layers=1, d_model=16, n_heads=2, vocab_size=2902, context_length=16, name="micro")
 B, T, STEPS = 4, 8, 5
 # The tokens are always passed: a job that read the configured corpus instead fails on its missing file.
-CFG = TrainConfig(global_batch=B, seq_len=T, steps=STEPS, seed=3, lr=1e-3, warmup_steps=2,
-                  data=("no-such-corpus.txt",))
+CFG = TrainConfig(global_batch=B, seq_len=T, steps=STEPS, seed=3, lr=1e-3, warmup_steps=2, data=("no-such-corpus.txt",))
 LAYOUT = Layout(1, 1, 1, B, 1)
 CPU = torch.device("cpu")
 TOKENS = np.random.default_rng(1).integers(0, MODEL.vocab_size, 64 * T + 1).astype(np.uint16)
@@ -66,8 +65,12 @@ class _Clock:
 def _on_two_ranks(rank, world, tmp):
     out = {}
     # rank 0's clock decides a time-based save; a step-based one is due on every rank alike
-    for name, due, interval in [("rank1_clock", rank == 1, 5.0), ("rank0_clock", rank == 0, 5.0),
-                                ("step_based", rank == 1, 0.0), ("none", False, 5.0)]:
+    for name, due, interval in [
+        ("rank1_clock", rank == 1, 5.0),
+        ("rank0_clock", rank == 0, 5.0),
+        ("step_based", rank == 1, 0.0),
+        ("none", False, 5.0),
+    ]:
         out[name] = _agree(None, _Clock(due, interval), 7)
     stop = StopRequest(os.path.join(tmp, "STOP1"), signals=())
     if rank == 1:
@@ -86,11 +89,16 @@ def test_two_ranks_agree_on_stops_and_saves(tmp_path):
     results = run_ranks(_on_two_ranks, 2, str(tmp_path))
     for r in results:
         assert (r["rank1_clock"], r["rank0_clock"], r["step_based"], r["none"]) == (
-            (False, False, False), (False, True, False), (False, True, False), (False, False, False))
+            (False, False, False),
+            (False, True, False),
+            (False, True, False),
+            (False, False, False),
+        )
         assert r["stop"] == (True, False, False) and r["job"] == ("stopped", 1)
         assert r["coming"] == (False, False, True)
-    reasons = [[e["reason"] for e in read_jsonl(tmp_path / f"ev{rank}.jsonl") if e["event"] == "stopping"]
-               for rank in range(2)]
+    reasons = [
+        [e["reason"] for e in read_jsonl(tmp_path / f"ev{rank}.jsonl") if e["event"] == "stopping"] for rank in range(2)
+    ]
     assert reasons == [["requested on another rank"], [f"stop file {tmp_path / 'STOP1'}"]]
 
 
@@ -105,19 +113,32 @@ def test_a_run_without_checkpoints_finishes_quietly(group, tmp_path, capsys):
     assert kinds(got) == ["state_loaded", "first_step_done", "finished"]
     assert (loaded["step"], loaded["layout"], loaded["load"]) == (0, LAYOUT.to_dict(), None)
     assert (first["step"], first["step_time_s"], first["layout"]) == (
-        1, result.records[0]["step_time_s"], LAYOUT.to_dict())
+        1,
+        result.records[0]["step_time_s"],
+        LAYOUT.to_dict(),
+    )
     assert finished["step"] == STEPS
     assert capsys.readouterr().out == ""  # no log given: nothing printed
 
 
 def test_the_log_gets_the_header_the_steps_the_saves_and_the_stop(group, tmp_path, capsys):
     log = MetricsLog(str(tmp_path / "metrics.jsonl"), enabled=True)
-    result = run_job(MODEL, CFG, LAYOUT, CPU, tokens=TOKENS, log=log, until=3,
-                     ckpt=CheckpointConfig(dir=str(tmp_path / "ck"), save_every=2))
+    result = run_job(
+        MODEL,
+        CFG,
+        LAYOUT,
+        CPU,
+        tokens=TOKENS,
+        log=log,
+        until=3,
+        ckpt=CheckpointConfig(dir=str(tmp_path / "ck"), save_every=2),
+    )
     log.close()
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == ("[train] micro (0.1 M parameters) on 1 rank(s), cpu: dp=1 tp=1 pp=1 micro_batch=4 "
-                      "num_microbatches=1 (fsdp); global batch 4 x 8 tokens, until step 5")
+    assert out[0] == (
+        "[train] micro (0.1 M parameters) on 1 rank(s), cpu: dp=1 tp=1 pp=1 micro_batch=4 "
+        "num_microbatches=1 (fsdp); global batch 4 x 8 tokens, until step 5"
+    )
     assert [line.split(" |")[0] for line in out if line.startswith("step ")] == ["step 1", "step 2", "step 3"]
     saved = [line for line in out if line.startswith("[checkpoint]")]
     assert [line.split(" saved to ")[0] for line in saved] == ["[checkpoint] step 2", "[checkpoint] step 3"]
@@ -150,8 +171,16 @@ def test_periodic_saves_then_the_last_step_s(group, tmp_path):
 def test_a_save_interval_is_kept_by_rank_zero_s_clock(group, tmp_path):
     """An interval this short is due after every step: each step is saved, so the stop saves nothing more."""
     events = EventLog(tmp_path / "ev.jsonl")
-    result = run_job(MODEL, CFG, LAYOUT, CPU, tokens=TOKENS, until=3, events=events,
-                     ckpt=CheckpointConfig(dir=str(tmp_path / "ck"), save_interval_s=1e-9, keep=0))
+    result = run_job(
+        MODEL,
+        CFG,
+        LAYOUT,
+        CPU,
+        tokens=TOKENS,
+        until=3,
+        events=events,
+        ckpt=CheckpointConfig(dir=str(tmp_path / "ck"), save_interval_s=1e-9, keep=0),
+    )
     events.close()
     assert result.status == "stopped" and [s.step for s in result.saves] == [1, 2, 3]
     got = events_of(tmp_path / "ev.jsonl")
@@ -162,8 +191,9 @@ def test_a_save_interval_is_kept_by_rank_zero_s_clock(group, tmp_path):
 
 
 def test_the_final_save_blocks_even_when_saves_are_asynchronous(group, tmp_path):
-    result = run_job(MODEL, CFG, LAYOUT, CPU, tokens=TOKENS, until=2,
-                     ckpt=CheckpointConfig(dir=str(tmp_path), async_save=True))
+    result = run_job(
+        MODEL, CFG, LAYOUT, CPU, tokens=TOKENS, until=2, ckpt=CheckpointConfig(dir=str(tmp_path), async_save=True)
+    )
     [save] = result.saves
     assert save.step == 2 and save.stall_s == save.total_s  # a blocking save stalls until it is committed
 
@@ -173,8 +203,16 @@ def test_a_stop_request_saves_and_names_its_reason(group, tmp_path):
     stop_file.touch()  # seen after the first step
     stop = StopRequest(str(stop_file), signals=())
     events = EventLog(tmp_path / "ev.jsonl")
-    result = run_job(MODEL, CFG, LAYOUT, CPU, tokens=TOKENS, stop=stop, events=events,
-                     ckpt=CheckpointConfig(dir=str(tmp_path / "ck")))
+    result = run_job(
+        MODEL,
+        CFG,
+        LAYOUT,
+        CPU,
+        tokens=TOKENS,
+        stop=stop,
+        events=events,
+        ckpt=CheckpointConfig(dir=str(tmp_path / "ck")),
+    )
     events.close()
     assert result.status == "stopped" and result.step == 1 and [s.step for s in result.saves] == [1]
     got = events_of(tmp_path / "ev.jsonl")
@@ -200,7 +238,9 @@ def test_a_resume_loads_without_initializing_and_reports_the_load(group, tmp_pat
         assert status == "stopped" and j.records == [] and j.checkpointer.history == []
         status = j.fit(until=3)
     events.close()
-    assert status == "stopped" and [r["loss"] for r in j.records] == pytest.approx([straight.records[2]["loss"]], rel=1e-6)
+    assert status == "stopped" and [r["loss"] for r in j.records] == pytest.approx(
+        [straight.records[2]["loss"]], rel=1e-6
+    )
     got = events_of(tmp_path / "ev.jsonl")
     assert kinds(got) == ["state_loaded", "stopping", "first_step_done", "stopping", "saved"]
     loaded = got[0]
@@ -280,12 +320,14 @@ def test_the_validation_loss_goes_into_the_records_of_every_kth_and_the_last_ste
     assert [r.get("val_loss") for r in read_jsonl(tmp_path / "metrics.jsonl")] == [r.get("val_loss") for r in records]
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert [line.split(" | ")[:3] for line in printed] == [  # log_every=10: evaluated steps are printed anyway
-        [f"step {r['step']}/5", f"loss {r['loss']:.4f}", f"val {r['val_loss']:.4f}"] for r in records if "val_loss" in r]
+        [f"step {r['step']}/5", f"loss {r['loss']:.4f}", f"val {r['val_loss']:.4f}"] for r in records if "val_loss" in r
+    ]
     ckpt = CheckpointConfig(dir=str(tmp_path / "ck"))
     first = run_job(MODEL, cfg, LAYOUT, CPU, tokens=TOKENS, val_tokens=VAL, until=3, ckpt=ckpt)
     resumed = run_job(MODEL, cfg, LAYOUT, CPU, tokens=TOKENS, val_tokens=VAL, ckpt=ckpt)
     assert [r.get("val_loss") for r in first.records + resumed.records] == pytest.approx(
-        [r.get("val_loss") for r in records], rel=1e-6)
+        [r.get("val_loss") for r in records], rel=1e-6
+    )
     only_last = run_job(MODEL, dataclasses.replace(cfg, eval_every=0), LAYOUT, CPU, tokens=TOKENS, val_tokens=VAL)
     assert [r["step"] for r in only_last.records if "val_loss" in r] == [5]
     assert not any("val_loss" in r for r in plain.records)

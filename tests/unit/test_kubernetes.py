@@ -15,8 +15,14 @@ from elastic_trainer.launch.kubernetes import TEMPLATE, PyTorchJobSpec, render
 
 
 def spec(**kw) -> PyTorchJobSpec:
-    base = dict(image="registry.example.com/team/elastic-trainer:2026.11", min_replicas=2, max_replicas=4,
-                gpus_per_replica=8, checkpoint_claim="ckpt-rwx", train_args=("--model", "gpt3-xl"))
+    base = dict(
+        image="registry.example.com/team/elastic-trainer:2026.11",
+        min_replicas=2,
+        max_replicas=4,
+        gpus_per_replica=8,
+        checkpoint_claim="ckpt-rwx",
+        train_args=("--model", "gpt3-xl"),
+    )
     return PyTorchJobSpec(**{**base, **kw})
 
 
@@ -32,10 +38,19 @@ def container(doc: dict) -> dict:
 @pytest.mark.parametrize("lo, hi, gpus", [(1, 1, 1), (2, 4, 8), (1, 16, 4)])
 def test_the_manifest_is_an_elastic_pytorchjob_of_the_asked_size(lo, hi, gpus):
     doc = yaml.safe_load(render(spec(min_replicas=lo, max_replicas=hi, gpus_per_replica=gpus)))
-    assert (doc["apiVersion"], doc["kind"], doc["metadata"]["name"]) == ("kubeflow.org/v1", "PyTorchJob",
-                                                                         "elastic-trainer")
-    assert doc["spec"]["elasticPolicy"] == {"rdzvBackend": "c10d", "rdzvId": "elastic-trainer", "rdzvPort": 29400,
-                                            "minReplicas": lo, "maxReplicas": hi, "maxRestarts": 100}
+    assert (doc["apiVersion"], doc["kind"], doc["metadata"]["name"]) == (
+        "kubeflow.org/v1",
+        "PyTorchJob",
+        "elastic-trainer",
+    )
+    assert doc["spec"]["elasticPolicy"] == {
+        "rdzvBackend": "c10d",
+        "rdzvId": "elastic-trainer",
+        "rdzvPort": 29400,
+        "minReplicas": lo,
+        "maxReplicas": hi,
+        "maxRestarts": 100,
+    }
     # the operator's field is a string, and it refuses elasticPolicy.nProcPerNode beside it
     assert doc["spec"]["nprocPerNode"] == str(gpus) and "nProcPerNode" not in doc["spec"]["elasticPolicy"]
     assert set(doc["spec"]["pytorchReplicaSpecs"]) == {"Worker"}  # elastic: workers only, no Master
@@ -50,8 +65,19 @@ def test_the_manifest_is_an_elastic_pytorchjob_of_the_asked_size(lo, hi, gpus):
 def test_the_command_is_our_torchrun_with_the_checkpoints_on_the_claim():
     doc = yaml.safe_load(render(spec(name="gpt3xl-run2", mount_path="/mnt/ck")))
     c = container(doc)
-    assert c["command"] == ["python", "-m", "elastic_trainer.cli", "torchrun", "train", "--checkpoint-dir",
-                            "/mnt/ck/gpt3xl-run2", "--resume", "auto", "--model", "gpt3-xl"]
+    assert c["command"] == [
+        "python",
+        "-m",
+        "elastic_trainer.cli",
+        "torchrun",
+        "train",
+        "--checkpoint-dir",
+        "/mnt/ck/gpt3xl-run2",
+        "--resume",
+        "auto",
+        "--model",
+        "gpt3-xl",
+    ]
     # no torchrun flags in the command: the operator's PET_* variables are torchrun's settings
     assert "--nnodes" not in c["command"] and "--rdzv-endpoint" not in c["command"]
     (mount,) = [m for m in c["volumeMounts"] if m["name"] == "checkpoints"]
@@ -63,10 +89,13 @@ def test_the_command_is_our_torchrun_with_the_checkpoints_on_the_claim():
     assert doc["spec"]["elasticPolicy"]["rdzvId"] == "gpt3xl-run2"
 
 
-@pytest.mark.parametrize("image, args", [
-    ('evil"\nkind: Pod', ("--model", "gpt-tiny")),
-    ("img:1", ("--data", "a b.txt", "x: {y}", "'quoted'", "#not-a-comment", "ü")),
-])
+@pytest.mark.parametrize(
+    "image, args",
+    [
+        ('evil"\nkind: Pod', ("--model", "gpt-tiny")),
+        ("img:1", ("--data", "a b.txt", "x: {y}", "'quoted'", "#not-a-comment", "ü")),
+    ],
+)
 def test_values_never_add_yaml_structure(image, args):
     """An image or a train argument holding quotes, colons, braces, '#' or a newline stays one scalar."""
     if "\n" in image:
@@ -75,27 +104,30 @@ def test_values_never_add_yaml_structure(image, args):
         return
     doc = yaml.safe_load(render(spec(image=image, train_args=args)))
     assert container(doc)["image"] == image
-    assert container(doc)["command"][-len(args):] == list(args)
+    assert container(doc)["command"][-len(args) :] == list(args)
     assert doc["kind"] == "PyTorchJob"
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(min_replicas=5, max_replicas=4), "--min-replicas 5 is above --max-replicas 4"),
-    (dict(min_replicas=0), "--min-replicas must be a positive integer, got 0"),
-    (dict(gpus_per_replica=0), "--gpus-per-replica must be a positive integer"),
-    (dict(replicas=9), "--replicas 9 is outside 2..4"),
-    (dict(replicas=1), "--replicas 1 is outside 2..4"),
-    (dict(name="Elastic_Trainer"), "--name 'Elastic_Trainer' is not a valid PyTorchJob name"),
-    (dict(name="9lives"), "is not a valid PyTorchJob name"),
-    (dict(name="a" * 64), "is not a valid PyTorchJob name"),
-    (dict(checkpoint_claim="Claim!"), "--checkpoint-claim 'Claim!' is not a valid claim name"),
-    (dict(mount_path="checkpoints"), "--mount-path must be absolute"),
-    (dict(rdzv_port=70000), "--rdzv-port must be a port number"),
-    (dict(image=""), "--image must be"),
-    (dict(train_args=("--checkpoint-dir", "/x")), "--checkpoint-dir is set by the PyTorchJob"),
-    (dict(train_args=("--resume=never",)), "--resume is set by the PyTorchJob"),
-    (dict(train_args=("--layout", "2,2,1")), "--layout is set by the PyTorchJob"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(min_replicas=5, max_replicas=4), "--min-replicas 5 is above --max-replicas 4"),
+        (dict(min_replicas=0), "--min-replicas must be a positive integer, got 0"),
+        (dict(gpus_per_replica=0), "--gpus-per-replica must be a positive integer"),
+        (dict(replicas=9), "--replicas 9 is outside 2..4"),
+        (dict(replicas=1), "--replicas 1 is outside 2..4"),
+        (dict(name="Elastic_Trainer"), "--name 'Elastic_Trainer' is not a valid PyTorchJob name"),
+        (dict(name="9lives"), "is not a valid PyTorchJob name"),
+        (dict(name="a" * 64), "is not a valid PyTorchJob name"),
+        (dict(checkpoint_claim="Claim!"), "--checkpoint-claim 'Claim!' is not a valid claim name"),
+        (dict(mount_path="checkpoints"), "--mount-path must be absolute"),
+        (dict(rdzv_port=70000), "--rdzv-port must be a port number"),
+        (dict(image=""), "--image must be"),
+        (dict(train_args=("--checkpoint-dir", "/x")), "--checkpoint-dir is set by the PyTorchJob"),
+        (dict(train_args=("--resume=never",)), "--resume is set by the PyTorchJob"),
+        (dict(train_args=("--layout", "2,2,1")), "--layout is set by the PyTorchJob"),
+    ],
+)
 def test_bad_settings_are_refused_in_one_line(change, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
         render(spec(**change))
@@ -114,8 +146,10 @@ def test_every_placeholder_of_the_template_is_filled():
 
 
 def test_the_cli_prints_the_manifest_and_writes_it_to_a_file(capsys, tmp_path):
-    argv = shlex.split("kubernetes --image img:1 --min-replicas 1 --max-replicas 3 --gpus-per-replica 2 "
-                       "--checkpoint-claim ck -- --model gpt-tiny --global-batch 16")
+    argv = shlex.split(
+        "kubernetes --image img:1 --min-replicas 1 --max-replicas 3 --gpus-per-replica 2 "
+        "--checkpoint-claim ck -- --model gpt-tiny --global-batch 16"
+    )
     assert main(argv) == 0
     doc = yaml.safe_load(capsys.readouterr().out)
     assert doc["spec"]["elasticPolicy"]["maxReplicas"] == 3
@@ -127,20 +161,30 @@ def test_the_cli_prints_the_manifest_and_writes_it_to_a_file(capsys, tmp_path):
 
 
 def test_the_cli_defaults_and_a_bad_setting_exiting_with_code_2(capsys):
-    args = build_parser().parse_args(shlex.split("kubernetes --image i --min-replicas 1 --max-replicas 1 "
-                                                 "--gpus-per-replica 1 --checkpoint-claim c"))
+    args = build_parser().parse_args(
+        shlex.split("kubernetes --image i --min-replicas 1 --max-replicas 1 --gpus-per-replica 1 --checkpoint-claim c")
+    )
     assert args.rdzv_port == 29400 and args.grace_s == 300 and args.name == "elastic-trainer"
-    assert main(shlex.split("kubernetes --image i --min-replicas 2 --max-replicas 1 --gpus-per-replica 1 "
-                            "--checkpoint-claim c")) == 2
+    assert (
+        main(
+            shlex.split(
+                "kubernetes --image i --min-replicas 2 --max-replicas 1 --gpus-per-replica 1 --checkpoint-claim c"
+            )
+        )
+        == 2
+    )
     assert "--min-replicas 2 is above --max-replicas 1" in capsys.readouterr().err
 
 
 def test_a_train_argument_without_the_separator_is_refused_and_nothing_is_written(capsys, tmp_path):
     out = tmp_path / "job.yaml"
-    argv = shlex.split(f"kubernetes --image i --min-replicas 1 --max-replicas 1 --gpus-per-replica 1 "
-                       f"--checkpoint-claim c --output {out} gpt-tiny")
+    argv = shlex.split(
+        f"kubernetes --image i --min-replicas 1 --max-replicas 1 --gpus-per-replica 1 "
+        f"--checkpoint-claim c --output {out} gpt-tiny"
+    )
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err == ("elastic-trainer: error: unexpected 'gpt-tiny': put `train` arguments after -- "
-                   "(see kubernetes --help)\n")
+    assert err == (
+        "elastic-trainer: error: unexpected 'gpt-tiny': put `train` arguments after -- (see kubernetes --help)\n"
+    )
     assert not out.exists()

@@ -11,8 +11,16 @@ import sys
 
 import pytest
 
-from elastic_trainer.launch.commands import (AgentSpec, Placement, SshSettings, agent_argv, allocate, host_command,
-                                             remote_argv, ssh_argv)
+from elastic_trainer.launch.commands import (
+    AgentSpec,
+    Placement,
+    SshSettings,
+    agent_argv,
+    allocate,
+    host_command,
+    remote_argv,
+    ssh_argv,
+)
 from elastic_trainer.launch.hosts import Host, HostsError
 
 A, B, C = Host("a", 4, 1), Host("b", 2, 2), Host("c", 8, 3)
@@ -23,9 +31,29 @@ SPEC = AgentSpec(run_id="job-7", endpoint="10.0.0.1:29400", max_nodes=3, max_res
 NODE2 = Placement(Host("node2", 4, 2), 4, False)
 
 # Arguments a shell would mangle if the remote command were not quoted element by element.
-HOSTILE = ("two words", "it's", 'say "hi"', "$(echo injected)", "`echo injected`", "a; echo injected",
-           "line1\nline2", "*", "", "$HOME", "back\\slash", "#not a comment", "tab\there", "&&", "|", "--flag=a b",
-           "'", '"', ">out.txt", "!!", "~")
+HOSTILE = (
+    "two words",
+    "it's",
+    'say "hi"',
+    "$(echo injected)",
+    "`echo injected`",
+    "a; echo injected",
+    "line1\nline2",
+    "*",
+    "",
+    "$HOME",
+    "back\\slash",
+    "#not a comment",
+    "tab\there",
+    "&&",
+    "|",
+    "--flag=a b",
+    "'",
+    '"',
+    ">out.txt",
+    "!!",
+    "~",
+)
 
 
 def value_after(argv: list[str], flag: str) -> str:
@@ -39,14 +67,17 @@ def o_options(argv: list[str]) -> list[str]:
 # ---------------------------------------------------------------- allocate
 
 
-@pytest.mark.parametrize("gpus, placed", [
-    (1, [(A, 1)]),
-    (4, [(A, 4)]),
-    (5, [(A, 4), (B, 1)]),
-    (6, [(A, 4), (B, 2)]),
-    (7, [(A, 4), (B, 2), (C, 1)]),
-    (14, [(A, 4), (B, 2), (C, 8)]),
-])
+@pytest.mark.parametrize(
+    "gpus, placed",
+    [
+        (1, [(A, 1)]),
+        (4, [(A, 4)]),
+        (5, [(A, 4), (B, 1)]),
+        (6, [(A, 4), (B, 2)]),
+        (7, [(A, 4), (B, 2), (C, 1)]),
+        (14, [(A, 4), (B, 2), (C, 8)]),
+    ],
+)
 def test_allocate_fills_hosts_in_file_order(gpus, placed):
     assert allocate(HOSTS, gpus) == placed
 
@@ -79,19 +110,31 @@ def test_agent_argv_options_and_values():
 
 def test_agent_argv_ends_with_the_train_command_in_order():
     argv = agent_argv("/venv/bin/python", SPEC, NODE2)
-    assert argv[-len(TRAIN) - 2:] == ["-m", "elastic_trainer.rank", *TRAIN]
+    assert argv[-len(TRAIN) - 2 :] == ["-m", "elastic_trainer.rank", *TRAIN]
     # every agent option comes before the worker's module; none of them is taken for a train argument
     worker = len(argv) - len(TRAIN) - 3
     assert all(argv.index(flag) < worker for flag in ("--nnodes", "--rdzv-conf", "--local-addr", "--max-restarts"))
 
 
 def test_agent_argv_uses_the_spec_and_placement_values():
-    spec = AgentSpec(run_id="r", endpoint="[fe80::1]:1234", max_nodes=8, min_nodes=2, max_restarts=0,
-                     rdzv_conf={"is_host": "false", "join_timeout": "30"})
+    spec = AgentSpec(
+        run_id="r",
+        endpoint="[fe80::1]:1234",
+        max_nodes=8,
+        min_nodes=2,
+        max_restarts=0,
+        rdzv_conf={"is_host": "false", "join_timeout": "30"},
+    )
     argv = agent_argv("py", spec, Placement(Host("10.0.0.9", 8, 1), 3, False))
     flags = ("--nnodes", "--nproc-per-node", "--max-restarts", "--rdzv-conf", "--local-addr", "--rdzv-endpoint")
-    assert [value_after(argv, f) for f in flags] == ["2:8", "3", "0", "is_host=false,join_timeout=30", "10.0.0.9",
-                                                     "[fe80::1]:1234"]
+    assert [value_after(argv, f) for f in flags] == [
+        "2:8",
+        "3",
+        "0",
+        "is_host=false,join_timeout=30",
+        "10.0.0.9",
+        "[fe80::1]:1234",
+    ]
     assert argv[-2:] == ["-m", "elastic_trainer.rank"]
 
 
@@ -99,8 +142,15 @@ def test_agent_argv_uses_the_spec_and_placement_values():
 
 
 def test_ssh_argv_default_settings():
-    assert ssh_argv(Host("node2", 4, 2), ["run", "x"], SshSettings()) == \
-        ["ssh", "-T", "-o", "BatchMode=yes", "node2", "--", "run x"]
+    assert ssh_argv(Host("node2", 4, 2), ["run", "x"], SshSettings()) == [
+        "ssh",
+        "-T",
+        "-o",
+        "BatchMode=yes",
+        "node2",
+        "--",
+        "run x",
+    ]
 
 
 @pytest.mark.parametrize("train", [HOSTILE, ("",), ("$(echo injected)",), ("a\nb", "c d")])
@@ -108,8 +158,16 @@ def test_remote_command_string_splits_back_to_the_exact_list(train):
     remote = remote_argv("/srv/my root", {"A": "1", "B": "x y;$(z)"}, ["/srv/py", "-m", "m", *train])
     argv = ssh_argv(Host("node2", 4, 2), remote, SshSettings(port=2222))
     assert argv[-3:-1] == ["node2", "--"] and isinstance(argv[-1], str)
-    assert shlex.split(argv[-1]) == ["/srv/my root/launch/remote.sh", "env", "A=1", "B=x y;$(z)",
-                                     "/srv/py", "-m", "m", *train]
+    assert shlex.split(argv[-1]) == [
+        "/srv/my root/launch/remote.sh",
+        "env",
+        "A=1",
+        "B=x y;$(z)",
+        "/srv/py",
+        "-m",
+        "m",
+        *train,
+    ]
 
 
 def test_ssh_argv_port_and_identity_only_when_given():
@@ -140,27 +198,40 @@ def test_ssh_argv_extra_options_in_order_before_the_host():
 
 def test_local_host_runs_the_agent_directly_with_env():
     local = Placement(Host("localhost", 8, 1), 8, True)
-    argv, env = host_command(local, SPEC, {"NCCL_DEBUG": "WARN"}, python="/venv/bin/python", remote_root="/srv/et",
-                             remote_python="/srv/et/.venv/bin/python", ssh=SshSettings(port=2222))
+    argv, env = host_command(
+        local,
+        SPEC,
+        {"NCCL_DEBUG": "WARN"},
+        python="/venv/bin/python",
+        remote_root="/srv/et",
+        remote_python="/srv/et/.venv/bin/python",
+        ssh=SshSettings(port=2222),
+    )
     assert argv == agent_argv("/venv/bin/python", SPEC, local)
     assert argv[0] == "/venv/bin/python" and "ssh" not in argv and value_after(argv, "--local-addr") == "localhost"
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and env["NCCL_DEBUG"] == "WARN"
 
 
 def test_remote_host_runs_the_agent_through_ssh_and_remote_sh():
-    argv, env = host_command(NODE2, SPEC, {"NCCL_SOCKET_IFNAME": "eth0", "ODD": "a b;$(x)"},
-                             python="/venv/bin/python", remote_root="/srv/et",
-                             remote_python="/srv/et/.venv/bin/python", ssh=SshSettings(port=2222))
+    argv, env = host_command(
+        NODE2,
+        SPEC,
+        {"NCCL_SOCKET_IFNAME": "eth0", "ODD": "a b;$(x)"},
+        python="/venv/bin/python",
+        remote_root="/srv/et",
+        remote_python="/srv/et/.venv/bin/python",
+        ssh=SshSettings(port=2222),
+    )
     assert env == {}
     assert argv[0] == "ssh" and value_after(argv, "-p") == "2222" and argv[-3:-1] == ["node2", "--"]
     remote = shlex.split(argv[-1])
     assert remote[:2] == ["/srv/et/launch/remote.sh", "env"]
     agent = remote.index("/srv/et/.venv/bin/python")
-    assert remote[agent:agent + 3] == ["/srv/et/.venv/bin/python", "-m", "elastic_trainer.launch.agent"]
+    assert remote[agent : agent + 3] == ["/srv/et/.venv/bin/python", "-m", "elastic_trainer.launch.agent"]
     assignments = remote[2:agent]
     assert all("=" in a for a in assignments)
     assert {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "NCCL_SOCKET_IFNAME=eth0", "ODD=a b;$(x)"} <= set(assignments)
-    assert remote[-len(TRAIN) - 2:] == ["-m", "elastic_trainer.rank", *TRAIN]
+    assert remote[-len(TRAIN) - 2 :] == ["-m", "elastic_trainer.rank", *TRAIN]
     assert value_after(remote, "--local-addr") == "node2" and value_after(remote, "--nproc-per-node") == "4"
 
 
@@ -171,23 +242,38 @@ def test_remote_command_survives_a_real_shell(tmp_path):
     bootstrap = root / "launch" / "remote.sh"
     bootstrap.write_text('#!/bin/sh\nexec "$@"\n')
     fake_agent = tmp_path / "fake python"
-    fake_agent.write_text(f"#!{sys.executable}\nimport json, os, sys\n"
-                          "print(json.dumps({'argv': sys.argv[1:], 'odd': os.environ.get('ODD')}))\n")
+    fake_agent.write_text(
+        f"#!{sys.executable}\nimport json, os, sys\n"
+        "print(json.dumps({'argv': sys.argv[1:], 'odd': os.environ.get('ODD')}))\n"
+    )
     for script in (bootstrap, fake_agent):
         script.chmod(script.stat().st_mode | stat.S_IXUSR)
     probes = [tmp_path / f"probe{i}" for i in range(3)]
     train = (*HOSTILE, f"$(touch '{probes[0]}')", f"`touch '{probes[1]}'`", f"; touch '{probes[2]}'")
     spec = AgentSpec(run_id="job-7", endpoint="10.0.0.1:29400", max_nodes=3, worker_argv=train)
     odd = f"x'; touch '{probes[2]}'; echo '"
-    argv, _ = host_command(NODE2, spec, {"ODD": odd}, python="unused", remote_root=str(root),
-                           remote_python=str(fake_agent), ssh=SshSettings())
+    argv, _ = host_command(
+        NODE2,
+        spec,
+        {"ODD": odd},
+        python="unused",
+        remote_root=str(root),
+        remote_python=str(fake_agent),
+        ssh=SshSettings(),
+    )
     (tmp_path / "glob-bait").write_text("")  # an unquoted * would expand to this folder's names
-    result = subprocess.run(["bash", "-c", argv[-1]], cwd=tmp_path, capture_output=True, text=True, timeout=60,
-                            env={**os.environ, "HOME": str(tmp_path)})
+    result = subprocess.run(
+        ["bash", "-c", argv[-1]],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "HOME": str(tmp_path)},
+    )
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert out["argv"][:2] == ["-m", "elastic_trainer.launch.agent"]
-    assert out["argv"][-len(train) - 2:] == ["-m", "elastic_trainer.rank", *train]
+    assert out["argv"][-len(train) - 2 :] == ["-m", "elastic_trainer.rank", *train]
     assert out["argv"] == agent_argv(str(fake_agent), spec, NODE2)[1:]
     assert out["odd"] == odd
     assert not any(p.exists() for p in probes)

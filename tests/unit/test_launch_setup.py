@@ -17,6 +17,7 @@ from elastic_trainer.launch.job_setup import PROJECT_ROOT
 @pytest.fixture(autouse=True)
 def nothing_runs(monkeypatch):
     """Any process the launcher tried to start would fail the test."""
+
     def refuse(*args, **kwargs):
         raise AssertionError(f"launch started a process: {args[0] if args else kwargs}")
 
@@ -51,8 +52,14 @@ HOSTS_CASES = [  # (hosts file, what the one line must say); each malformed kind
     ("a gpus=2\n", "hosts.txt:1: unknown option 'gpus=2'"),
     ("# only a comment\n\n", "no hosts"),
 ]
-INJECTION = ["a;touch {m}\n", "$(touch {m})\n", "`touch {m}` slots=2\n", "a slots=2;touch {m}\n",
-             "a slots=$(touch {m})\n", "a && touch {m}\n"]
+INJECTION = [
+    "a;touch {m}\n",
+    "$(touch {m})\n",
+    "`touch {m}` slots=2\n",
+    "a slots=2;touch {m}\n",
+    "a slots=$(touch {m})\n",
+    "a && touch {m}\n",
+]
 
 
 def assert_refused(capsys, argv: list[str], message: str, tmp_path: Path) -> None:
@@ -75,52 +82,84 @@ def test_shell_injection_in_hosts_file_is_refused(capsys, tmp_path, line):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--schedule", "SCHEDULE:4,16"], "schedule phase 2 (16 GPUs): 16 GPUs asked for, but the hosts in"),
-    (["--schedule", "SCHEDULE:4,5", "--", "--micro-batch", "3"], "schedule phase 1 (4 GPUs): with --micro-batch 3"),
-    (["--gpus-per-host", "0"], "argument --gpus-per-host: '0' is not an integer in [1, "),
-    (["--force-ssh", "elsewhere"], "--force-ssh 'elsewhere' is not a host of"),
-    (["--detect-self-ip", "nosuchif0"], "--detect-self-ip 'nosuchif0': no such interface"),
-    (["--resume", "--schedule", "none"], "--resume: no complete checkpoint in"),
-    (["--schedule", "no-such-schedule"], "schedule 'no-such-schedule' does not exist"),
-    (["--", "--checkpoint-dir", "/tmp/x"], "--checkpoint-dir is set by launch for every phase"),
-    (["--", "--until-step=3"], "--until-step is set by launch for every phase"),
-    (["--", "--micro-batch", "3"], "micro_batch=3 does not divide the per-replica batch"),
-    (["--schedule", "SCHEDULE:4,2", "--", "--layout", "2,1,2"], "schedule phase 2 (2 GPUs): --layout 2,1,2: layout dp*tp*pp"),
-    (["--model", "gpt-5"], "unknown model 'gpt-5'"),
-    (["--data", "/nonexistent/corpus.txt"], "is neither 'sotu' nor an existing file, folder or Megatron prefix"),
-    (["stray"], "unexpected 'stray': put `train` arguments after --"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--schedule", "SCHEDULE:4,16"], "schedule phase 2 (16 GPUs): 16 GPUs asked for, but the hosts in"),
+        (["--schedule", "SCHEDULE:4,5", "--", "--micro-batch", "3"], "schedule phase 1 (4 GPUs): with --micro-batch 3"),
+        (["--gpus-per-host", "0"], "argument --gpus-per-host: '0' is not an integer in [1, "),
+        (["--force-ssh", "elsewhere"], "--force-ssh 'elsewhere' is not a host of"),
+        (["--detect-self-ip", "nosuchif0"], "--detect-self-ip 'nosuchif0': no such interface"),
+        (["--resume", "--schedule", "none"], "--resume: no complete checkpoint in"),
+        (["--schedule", "no-such-schedule"], "schedule 'no-such-schedule' does not exist"),
+        (["--", "--checkpoint-dir", "/tmp/x"], "--checkpoint-dir is set by launch for every phase"),
+        (["--", "--until-step=3"], "--until-step is set by launch for every phase"),
+        (["--", "--micro-batch", "3"], "micro_batch=3 does not divide the per-replica batch"),
+        (
+            ["--schedule", "SCHEDULE:4,2", "--", "--layout", "2,1,2"],
+            "schedule phase 2 (2 GPUs): --layout 2,1,2: layout dp*tp*pp",
+        ),
+        (["--model", "gpt-5"], "unknown model 'gpt-5'"),
+        (["--data", "/nonexistent/corpus.txt"], "is neither 'sotu' nor an existing file, folder or Megatron prefix"),
+        (["stray"], "unexpected 'stray': put `train` arguments after --"),
+    ],
+)
 def test_bad_launch_input(capsys, tmp_path, argv, message):
-    argv = [schedule(tmp_path, *map(int, a.split(":")[1].split(","))) if a.startswith("SCHEDULE:") else a
-            for a in argv]
+    argv = [schedule(tmp_path, *map(int, a.split(":")[1].split(","))) if a.startswith("SCHEDULE:") else a for a in argv]
     assert_refused(capsys, launch(tmp_path, "localhost slots=8\n", *argv), message, tmp_path)
 
 
 def test_dry_run_of_four_hosts_with_eight_gpus(capsys, tmp_path):
     """Tenplex's bare host names with --gpus-per-host 8: the plan for 32 GPUs, and per host an ssh command
     whose remote part, unquoted by a shell, is the agent's exact argument list."""
-    argv = launch(tmp_path, "g0011\ng0012\ng0013\ng0017\n", "--gpus-per-host", "8", "--model", "gpt3-xl",
-                  "--schedule", "none", "--rdzv-port", "29400", "--dry-run", "--",
-                  "--hardware", "h100-80g", "--global-batch", "128", "--seq-len", "1024")
+    argv = launch(
+        tmp_path,
+        "g0011\ng0012\ng0013\ng0017\n",
+        "--gpus-per-host",
+        "8",
+        "--model",
+        "gpt3-xl",
+        "--schedule",
+        "none",
+        "--rdzv-port",
+        "29400",
+        "--dry-run",
+        "--",
+        "--hardware",
+        "h100-80g",
+        "--global-batch",
+        "128",
+        "--seq-len",
+        "1024",
+    )
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "phase 1/1: 32 GPUs on g0011:8, g0012:8, g0013:8, g0017:8" in out
     assert "[plan] 32 x h100-80g (8 per host): dp=" in out
     ssh_lines = [line.split(" (ssh): ", 1) for line in out.splitlines() if " (ssh): " in line]
     assert [host.strip().removeprefix("[launch]").strip() for host, _ in ssh_lines] == [
-        "g0011", "g0012", "g0013", "g0017"]
+        "g0011",
+        "g0012",
+        "g0013",
+        "g0017",
+    ]
     for host, command in ssh_lines:
         argv = shlex.split(command)
         assert argv[:4] == ["ssh", "-T", "-o", "BatchMode=yes"] and argv[-3:-1] == [host.split()[-1], "--"]
         remote = shlex.split(argv[-1])
         assert remote[0] == f"{PROJECT_ROOT}/launch/remote.sh" and remote[1] == "env"
-        agent = remote[remote.index(f"{PROJECT_ROOT}/.venv/bin/python"):]
+        agent = remote[remote.index(f"{PROJECT_ROOT}/.venv/bin/python") :]
         assert agent[1:3] == ["-m", "elastic_trainer.launch.agent"]
         assert agent[agent.index("--nnodes") + 1] == "1:4" and agent[agent.index("--nproc-per-node") + 1] == "8"
         assert agent[agent.index("--local-addr") + 1] == host.split()[-1]
-        assert agent[agent.index("-m", 3):] == ["-m", "elastic_trainer.rank", "--job", str(tmp_path / "run" / "jobs" / "et-job.json"),
-                                                "--phase", "0"]
+        assert agent[agent.index("-m", 3) :] == [
+            "-m",
+            "elastic_trainer.rank",
+            "--job",
+            str(tmp_path / "run" / "jobs" / "et-job.json"),
+            "--phase",
+            "0",
+        ]
     assert not (tmp_path / "run").exists()
 
 
@@ -141,12 +180,19 @@ def test_checkpoint_of_another_model_or_trajectory_is_refused_before_starting(ca
     from elastic_trainer.config import configs_dir, load_model_config, load_run_config
 
     run = load_run_config(configs_dir() / "runs" / "default.toml")
-    meta = {"format": FORMAT, "step": 2, "model": asdict(load_model_config("gpt-tiny")), "train": train_dict(run.train),
-            "layout": {"dp": 1, "tp": 1, "pp": 1}}
+    meta = {
+        "format": FORMAT,
+        "step": 2,
+        "model": asdict(load_model_config("gpt-tiny")),
+        "train": train_dict(run.train),
+        "layout": {"dp": 1, "tp": 1, "pp": 1},
+    }
     step = fake_checkpoint(tmp_path / "run", meta)
     argv = launch(tmp_path, "localhost slots=8\n")
-    cases = [(["--model", "gpt3-small", "--schedule", "none"], f"{step} holds a different model: n_layers=12"),
-             (["--", "--lr", "0.5"], f"{step} was trained with other settings: lr=0.5 (checkpoint: 0.001)")]
+    cases = [
+        (["--model", "gpt3-small", "--schedule", "none"], f"{step} holds a different model: n_layers=12"),
+        (["--", "--lr", "0.5"], f"{step} was trained with other settings: lr=0.5 (checkpoint: 0.001)"),
+    ]
     files = sorted((p, p.stat().st_mtime_ns) for p in (tmp_path / "run").rglob("*"))
     for extra, message in cases:
         assert cli.main([*argv, *extra]) == cli.EXIT_BAD_INPUT
@@ -162,12 +208,35 @@ def test_unreadable_checkpoint_metadata_is_one_line(capsys, tmp_path):
     assert "step-00000002/meta.json' is unreadable (Expecting property name" in err and err.count("\n") == 1, err
 
 
-@pytest.mark.parametrize("example, hosts", [("hosts.tenplex.example", "g0011:8 g0012:8 g0013:8 g0017:8 = 32"),
-                                            ("hosts.deepspeed.example", "worker-1:8 worker-2:8 worker-3:4 = 20")])
+@pytest.mark.parametrize(
+    "example, hosts",
+    [
+        ("hosts.tenplex.example", "g0011:8 g0012:8 g0013:8 g0017:8 = 32"),
+        ("hosts.deepspeed.example", "worker-1:8 worker-2:8 worker-3:4 = 20"),
+    ],
+)
 def test_example_hosts_files_dry_run(capsys, tmp_path, example, hosts):
-    argv = ["launch", "--hosts", str(PROJECT_ROOT / "launch" / example), "--run-dir", str(tmp_path / "run"),
-            "--gpus-per-host", "8", "--model", "gpt3-xl", "--schedule", "none", "--dry-run", "--",
-            "--hardware", "h100-80g", "--global-batch", "128", "--seq-len", "1024"]
+    argv = [
+        "launch",
+        "--hosts",
+        str(PROJECT_ROOT / "launch" / example),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--gpus-per-host",
+        "8",
+        "--model",
+        "gpt3-xl",
+        "--schedule",
+        "none",
+        "--dry-run",
+        "--",
+        "--hardware",
+        "h100-80g",
+        "--global-batch",
+        "128",
+        "--seq-len",
+        "1024",
+    ]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert f": {hosts} slots" in out and out.count(" (ssh): ssh -T ") == len(hosts.split()) - 2
@@ -175,11 +244,16 @@ def test_example_hosts_files_dry_run(capsys, tmp_path, example, hosts):
 
 def test_pinned_layouts_waits_and_runs_through_in_a_dry_run(tmp_path, capsys):
     path = tmp_path / "pinned.json"
-    path.write_text(json.dumps([
-        {"gpus": 4, "duration_s": 30, "layout": "1,2,2", "micro_batch": 2},
-        {"gpus": 4, "duration_s": 30, "layout": "1,2,2", "micro_batch": 2},  # the same: no restart
-        {"gpus": 0, "duration_s": 20},
-        {"gpus": 2, "duration_s": 30}]))
+    path.write_text(
+        json.dumps(
+            [
+                {"gpus": 4, "duration_s": 30, "layout": "1,2,2", "micro_batch": 2},
+                {"gpus": 4, "duration_s": 30, "layout": "1,2,2", "micro_batch": 2},  # the same: no restart
+                {"gpus": 0, "duration_s": 20},
+                {"gpus": 2, "duration_s": 30},
+            ]
+        )
+    )
     argv = launch(tmp_path, "localhost slots=4\n", "--model", "gpt-tiny", "--schedule", str(path), "--dry-run")
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
@@ -190,11 +264,18 @@ def test_pinned_layouts_waits_and_runs_through_in_a_dry_run(tmp_path, capsys):
     assert out.count("elastic_trainer.launch.agent") == 2  # one start for phases 1-2, one for phase 4
 
 
-@pytest.mark.parametrize("phases,extra,message", [
-    ([{"gpus": 3, "steps": 2, "layout": "1,3,1"}], (), "schedule phase 1 (3 GPUs): tp=3 does not divide n_heads=4"),
-    ([{"gpus": 4, "steps": 2, "layout": "2,2,1"}], ("--", "--layout", "2,2,1"), "pins layouts per phase; drop --layout"),
-    ([{"gpus": 4, "steps": 2, "layout": "4,1,1", "micro_batch": 3}], (), "micro"),
-])
+@pytest.mark.parametrize(
+    "phases,extra,message",
+    [
+        ([{"gpus": 3, "steps": 2, "layout": "1,3,1"}], (), "schedule phase 1 (3 GPUs): tp=3 does not divide n_heads=4"),
+        (
+            [{"gpus": 4, "steps": 2, "layout": "2,2,1"}],
+            ("--", "--layout", "2,2,1"),
+            "pins layouts per phase; drop --layout",
+        ),
+        ([{"gpus": 4, "steps": 2, "layout": "4,1,1", "micro_batch": 3}], (), "micro"),
+    ],
+)
 def test_bad_pinned_layouts_are_refused_before_anything_runs(tmp_path, capsys, phases, extra, message):
     path = tmp_path / "pinned.json"
     path.write_text(json.dumps(phases))
@@ -218,5 +299,9 @@ def test_a_pinned_layout_takes_the_run_configs_mode_as_the_ranks_do(tmp_path, ca
 
 
 def test_check_is_train_s_and_launch_says_what_to_use(capsys, tmp_path):
-    assert_refused(capsys, launch(tmp_path, "localhost slots=8\n", "--", "--check"),
-                   "--check is train's; `launch --dry-run` checks the whole job", tmp_path)
+    assert_refused(
+        capsys,
+        launch(tmp_path, "localhost slots=8\n", "--", "--check"),
+        "--check is train's; `launch --dry-run` checks the whole job",
+        tmp_path,
+    )

@@ -12,12 +12,15 @@ def test_valid_layout_properties():
     assert layout.world_size == 8 and layout.global_batch == 8 and layout.local_batch == 4
 
 
-@pytest.mark.parametrize("layout, world, model, batch, message", [
-    (Layout(2, 1, 1, 4, 1), 4, TINY, 8, "does not match world size 4 (valid DP,TP,PP: 4,1,1 2,1,2 1,1,4 2,2,1"),
-    (Layout(1, 3, 1, 8, 1), 3, XL, 8, "tp=3 does not divide n_heads=16 (valid: 1, 2, 4, 8, 16)"),
-    (Layout(1, 1, 5, 8, 1), 5, TINY, 8, "pp=5 exceeds n_layers=4"),
-    (Layout(2, 1, 1, 2, 1), 2, TINY, 8, "= 4 does not equal global batch 8"),
-])
+@pytest.mark.parametrize(
+    "layout, world, model, batch, message",
+    [
+        (Layout(2, 1, 1, 4, 1), 4, TINY, 8, "does not match world size 4 (valid DP,TP,PP: 4,1,1 2,1,2 1,1,4 2,2,1"),
+        (Layout(1, 3, 1, 8, 1), 3, XL, 8, "tp=3 does not divide n_heads=16 (valid: 1, 2, 4, 8, 16)"),
+        (Layout(1, 1, 5, 8, 1), 5, TINY, 8, "pp=5 exceeds n_layers=4"),
+        (Layout(2, 1, 1, 2, 1), 2, TINY, 8, "= 4 does not equal global batch 8"),
+    ],
+)
 def test_invalid_layouts_name_value_and_choices(layout, world, model, batch, message):
     with pytest.raises(LayoutError) as err:
         layout.validate(world, model, batch)
@@ -57,8 +60,13 @@ def test_parse_degrees():
 @pytest.mark.parametrize("world", [1, 2, 6, 8, 12, 16])
 def test_factorizations_are_complete_and_exact(world):
     found = factorizations(world)
-    brute = {(d, t, p) for d in range(1, world + 1) for t in range(1, world + 1) for p in range(1, world + 1)
-             if d * t * p == world}
+    brute = {
+        (d, t, p)
+        for d in range(1, world + 1)
+        for t in range(1, world + 1)
+        for p in range(1, world + 1)
+        if d * t * p == world
+    }
     assert set(found) == brute and len(found) == len(brute)
 
 

@@ -23,9 +23,19 @@ def store():
 
 
 def handler(store: TCPStore, run_id: str, addr: str, max_nodes: int = 2, min_nodes: int = 1):
-    params = RendezvousParameters("c10d", f"127.0.0.1:{store.port}", run_id, min_nodes, max_nodes, local_addr=addr,
-                                  is_host="false", last_call_timeout=str(LAST_CALL_S), join_timeout="120",
-                                  keep_alive_interval="1", keep_alive_max_attempt="2")
+    params = RendezvousParameters(
+        "c10d",
+        f"127.0.0.1:{store.port}",
+        run_id,
+        min_nodes,
+        max_nodes,
+        local_addr=addr,
+        is_host="false",
+        last_call_timeout=str(LAST_CALL_S),
+        join_timeout="120",
+        keep_alive_interval="1",
+        keep_alive_max_attempt="2",
+    )
     return get_rendezvous_handler(params)
 
 

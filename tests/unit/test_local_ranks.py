@@ -20,15 +20,23 @@ def _report(rank, world, scale, *, offset):
     dist.all_reduce(t)
     env = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     # daemonic: a rank dies with the process that forked it rather than keep it from exiting
-    return (rank * scale + offset, t.item(), env, torch.get_num_threads(), dist.get_world_size(), world,
-            mp.current_process().daemon)
+    return (
+        rank * scale + offset,
+        t.item(),
+        env,
+        torch.get_num_threads(),
+        dist.get_world_size(),
+        world,
+        mp.current_process().daemon,
+    )
 
 
 def test_results_come_back_by_rank_with_torchrun_s_variables():
     got = run_ranks(_report, 3, 10, offset=1)
     assert [g[0] for g in got] == [1, 11, 21] and {g[1] for g in got} == {3.0}
-    assert [g[2] for g in got] == [{"RANK": str(r), "WORLD_SIZE": "3", "LOCAL_RANK": str(r),
-                                    "LOCAL_WORLD_SIZE": "3"} for r in range(3)]
+    assert [g[2] for g in got] == [
+        {"RANK": str(r), "WORLD_SIZE": "3", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "3"} for r in range(3)
+    ]
     assert {(g[3], g[4], g[5], g[6]) for g in got} == {(1, 3, 3, True)}
 
 
@@ -64,13 +72,16 @@ def test_the_report_blames_a_signalled_rank_first_then_lists_every_error(tmp_pat
     # rank 3 was killed by SIGKILL; ranks 0 and 2 then failed in a collective; rank 1 finished
     assert _failure_report(str(tmp_path), 4, {0: 1, 1: 0, 2: 1, 3: -signal.SIGKILL}) == (
         "rank 3 of 4 failed with exit code -9 (killed by signal 9)\n"
-        "--- rank 3:\nthree's\n\n--- rank 0:\nzero's traceback\n\n--- rank 2:\ntwo's traceback\n")
+        "--- rank 3:\nthree's\n\n--- rank 0:\nzero's traceback\n\n--- rank 2:\ntwo's traceback\n"
+    )
     # two signalled: the first; no signal: the first rank that failed, and a rank that exited 0 is no culprit
     assert _failure_report(str(tmp_path), 4, {0: 0, 1: -15, 3: -9}).splitlines()[0] == (
-        "rank 1 of 4 failed with exit code -15 (killed by signal 15)")
+        "rank 1 of 4 failed with exit code -15 (killed by signal 15)"
+    )
     (tmp_path / "error0.txt").unlink()  # a rank that exits 0 leaves no error
     assert _failure_report(str(tmp_path), 4, {0: 0, 1: 0, 2: 3, 3: 1}) == (
-        "rank 2 of 4 failed with exit code 3\n--- rank 2:\ntwo's traceback\n\n--- rank 3:\nthree's\n")
+        "rank 2 of 4 failed with exit code 3\n--- rank 2:\ntwo's traceback\n\n--- rank 3:\nthree's\n"
+    )
 
 
 def _topology(rank, world):

@@ -1,6 +1,7 @@
-"""train/loop.py's Trainer on a process group of one (in this process, a micro model): what a step records,
-the RNG seed it sets, the sample order and dropout keys it uses, its refusal of a diverged step, where its
-tokens come from, and the validation loss (against Hugging Face's GPT-2 with the same weights). The expectations are written out from the documented behaviour or computed with plain torch."""
+"""train/loop.py's Trainer on a process group of one (in this process, a micro model): what a step records, the RNG
+seed it sets, the sample order and dropout keys it uses, its refusal of a diverged step, where its tokens come from,
+and the validation loss (against Hugging Face's GPT-2 with the same weights). The expectations are written out from
+the documented behaviour or computed with plain torch."""
 
 from __future__ import annotations
 
@@ -73,19 +74,31 @@ def test_a_step_records_what_plain_torch_computes(group):
     assert trainer.step == 0 and trainer.last_sample_ids is None
     order = spec_order(CFG.seed, 41)
     for step in range(2):
-        ids = order[step * B:(step + 1) * B]
-        rows = torch.tensor(np.stack([TOKENS[i * T:i * T + T + 1].astype(np.int64) for i in ids]))
+        ids = order[step * B : (step + 1) * B]
+        rows = torch.tensor(np.stack([TOKENS[i * T : i * T + T + 1].astype(np.int64) for i in ids]))
         reference = copy.deepcopy(trainer.engine.model)
         logits = reference(rows[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, MODEL.vocab_size), rows[:, 1:].reshape(-1))
         loss.backward()
-        norm = math.sqrt(sum(float((p.grad ** 2).sum()) for p in reference.parameters() if p.grad is not None))
+        norm = math.sqrt(sum(float((p.grad**2).sum()) for p in reference.parameters() if p.grad is not None))
         t0, w0 = time.perf_counter(), time.time()
         record = trainer.train_step()
         wall, w1 = time.perf_counter() - t0, time.time()
         assert trainer.last_sample_ids.tolist() == ids.tolist()
-        assert set(record) == {"step", "loss", "lr", "grad_norm", "step_time_s", "phases_s", "tokens_per_s",
-                               "samples", "world_size", "layout", "time", "kept_memory_gib"}
+        assert set(record) == {
+            "step",
+            "loss",
+            "lr",
+            "grad_norm",
+            "step_time_s",
+            "phases_s",
+            "tokens_per_s",
+            "samples",
+            "world_size",
+            "layout",
+            "time",
+            "kept_memory_gib",
+        }
         with open("/proc/self/status") as f:  # one rank: its own anonymous memory, read again just after
             anon = next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
         assert record["kept_memory_gib"] == pytest.approx(anon / 2**30, abs=8 / 1024)
@@ -126,16 +139,18 @@ def test_dropout_keys_follow_the_global_sample_positions(group, monkeypatch):
 
     def capture(trainer):
         forward_backward = trainer.engine.forward_backward
-        monkeypatch.setattr(trainer.engine, "forward_backward",
-                            lambda tokens, keys=None: seen.append(keys) or forward_backward(tokens, keys))
+        monkeypatch.setattr(
+            trainer.engine,
+            "forward_backward",
+            lambda tokens, keys=None: seen.append(keys) or forward_backward(tokens, keys),
+        )
 
     plain = make()
     capture(plain)
     plain.train_step()
     assert seen == [None]  # no dropout: no keys
     seen.clear()
-    dropping = make(model=ModelConfig(n_layers=1, d_model=16, n_heads=2, vocab_size=64, context_length=16,
-                                      dropout=0.1))
+    dropping = make(model=ModelConfig(n_layers=1, d_model=16, n_heads=2, vocab_size=64, context_length=16, dropout=0.1))
     capture(dropping)
     dropping.restore(2, CFG)
     dropping.train_step()
@@ -179,14 +194,21 @@ def test_a_non_finite_step_is_not_applied(group, monkeypatch, bad):
 
 def test_bf16_computes_in_bf16_on_the_cpu_too(group):
     fp32 = make().train_step()["loss"]
-    bf16 = make(cfg=TrainConfig(global_batch=B, seq_len=T, steps=5, seed=11, lr=1e-3, warmup_steps=4,
-                                dtype="bf16")).train_step()["loss"]
+    bf16 = make(
+        cfg=TrainConfig(global_batch=B, seq_len=T, steps=5, seed=11, lr=1e-3, warmup_steps=4, dtype="bf16")
+    ).train_step()["loss"]
     assert bf16 != fp32 and bf16 == pytest.approx(fp32, rel=2e-2)
 
 
 def _corpus_cfg(tmp_path, seq_len, source, skip_bad=False):
-    return TrainConfig(global_batch=1, seq_len=seq_len, steps=1, data=(str(source),),
-                       data_cache=str(tmp_path / "cache"), skip_bad_records=skip_bad)
+    return TrainConfig(
+        global_batch=1,
+        seq_len=seq_len,
+        steps=1,
+        data=(str(source),),
+        data_cache=str(tmp_path / "cache"),
+        skip_bad_records=skip_bad,
+    )
 
 
 def test_without_tokens_the_configured_corpus_is_read_into_the_cache(group, tmp_path, monkeypatch):
@@ -205,7 +227,9 @@ def test_without_tokens_the_configured_corpus_is_read_into_the_cache(group, tmp_
     assert np.asarray(trainer.samples.tokens).tolist() == stream
     assert [p.name.startswith("a.txt-") for p in (tmp_path / "cache" / "prepared").iterdir()] == [True]
     assert not (tmp_path / "default-cache").exists()
-    with pytest.raises(DataError, match=rf"^the data has {n} tokens \(.*\); one sample of --seq-len {n} needs {n + 1} "):
+    with pytest.raises(
+        DataError, match=rf"^the data has {n} tokens \(.*\); one sample of --seq-len {n} needs {n + 1} "
+    ):
         build(_corpus_cfg(tmp_path, n, tmp_path / "a.txt"))
     good = "A record that is fine."
     (tmp_path / "b.jsonl").write_text(json.dumps({"text": good}) + "\n{not json}\n")
@@ -223,8 +247,9 @@ def hf_mean_loss(trainer: Trainer, rows: torch.Tensor) -> float:
     trainer's weights exported (model/hf.py), in eval mode."""
     transformers = pytest.importorskip("transformers")
     cfg = trainer.model_cfg
-    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        **{k: v for k, v in config_to_hf(cfg).items() if k != "architectures"})).eval()
+    hf = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(**{k: v for k, v in config_to_hf(cfg).items() if k != "architectures"})
+    ).eval()
     hf.load_state_dict(state_dict_to_hf(trainer.engine.model.state_dict(), cfg), strict=False)
     hf.tie_weights()
     with torch.no_grad():
@@ -233,7 +258,7 @@ def hf_mean_loss(trainer: Trainer, rows: torch.Tensor) -> float:
 
 
 def val_rows(ids) -> torch.Tensor:
-    return torch.tensor(np.stack([VAL[i * T:i * T + T + 1].astype(np.int64) for i in ids]))
+    return torch.tensor(np.stack([VAL[i * T : i * T + T + 1].astype(np.int64) for i in ids]))
 
 
 def test_the_validation_loss_is_gpt2_s_cross_entropy_of_two_samples_in_order(group):
@@ -241,8 +266,9 @@ def test_the_validation_loss_is_gpt2_s_cross_entropy_of_two_samples_in_order(gro
     one = Layout(1, 1, 1, 1, 2)  # two micro-batches of one sample
     dropping = ModelConfig(n_layers=1, d_model=16, n_heads=2, vocab_size=64, context_length=16, dropout=0.5)
     for model in (MODEL, dropping):  # dropout is off in evaluation, and the model is left in training mode
-        trainer = Trainer(model, cfg, one, build_mesh(one, "cpu"), torch.device("cpu"), tokens=TOKENS,
-                          val_tokens=VAL[:2 * T + 1])
+        trainer = Trainer(
+            model, cfg, one, build_mesh(one, "cpu"), torch.device("cpu"), tokens=TOKENS, val_tokens=VAL[: 2 * T + 1]
+        )
         assert (trainer.val_batches, trainer.val_samples) == (1, 2)
         want = hf_mean_loss(trainer, val_rows([0, 1]))
         assert trainer.evaluate() == pytest.approx(want, rel=1e-6)
@@ -255,8 +281,9 @@ def test_the_validation_loss_is_gpt2_s_cross_entropy_of_two_samples_in_order(gro
 def test_the_validation_loss_is_the_mean_of_whole_batches_in_order(group):
     """11 samples, batches of 4: eval_batches=4 takes the 2 whole batches there are, eval_batches=1 the first."""
     for eval_batches, n in [(4, 8), (1, 4)]:
-        trainer = make(cfg=TrainConfig(global_batch=B, seq_len=T, steps=5, seed=11, eval_batches=eval_batches),
-                       val_tokens=VAL)
+        trainer = make(
+            cfg=TrainConfig(global_batch=B, seq_len=T, steps=5, seed=11, eval_batches=eval_batches), val_tokens=VAL
+        )
         assert trainer.val_samples == n
         assert trainer.evaluate() == pytest.approx(hf_mean_loss(trainer, val_rows(range(n))), rel=1e-6)
 
@@ -281,10 +308,11 @@ def test_evaluation_leaves_the_next_step_as_it_was(group):
 
 def test_a_validation_stream_without_one_batch_is_refused_in_one_line(group):
     with pytest.raises(ConfigError) as err:
-        make(val_tokens=VAL[:3 * T + 1])  # 3 samples; a batch is 4
+        make(val_tokens=VAL[: 3 * T + 1])  # 3 samples; a batch is 4
     assert str(err.value) == (
         f"the validation data has 3 samples of {T} + 1 tokens ({3 * T + 1} tokens); one validation batch needs "
-        f"global_batch={B} (valid: more validation data, a larger --val-fraction or a smaller --global-batch)")
-    assert make(val_tokens=VAL[:4 * T + 1]).val_samples == 4  # exactly one batch
+        f"global_batch={B} (valid: more validation data, a larger --val-fraction or a smaller --global-batch)"
+    )
+    assert make(val_tokens=VAL[: 4 * T + 1]).val_samples == 4  # exactly one batch
     with pytest.raises(ValueError, match=r"needs validation data"):
         make().evaluate()

@@ -10,9 +10,8 @@ import json
 import pytest
 
 from elastic_trainer.config import load_model_config
-from elastic_trainer.plan import PlanError, Request, load_hardware, plan
+from elastic_trainer.plan import PlanError, Request, load_hardware, measured, plan
 from elastic_trainer.plan.hardware import GIB
-from elastic_trainer.plan import measured
 from elastic_trainer.plan.layout import Layout
 from elastic_trainer.plan.planner import _ranked, plan_or_none
 from elastic_trainer.plan.report import plan_dict, summary
@@ -76,8 +75,7 @@ def test_a_layout_twice_as_slow_as_predicted_gives_way_after_one_phase_and_its_f
             assert c.source == "predicted" and c.correction == 1.0
     # B then measures slower than A did: the plan after it returns to A, the faster of the two it measured
     b = after.chosen
-    back = plan(dataclasses.replace(request_4, measured=((a.layout, 2 * a.step_time_s),
-                                                          (b.layout, 3 * a.step_time_s))))
+    back = plan(dataclasses.replace(request_4, measured=((a.layout, 2 * a.step_time_s), (b.layout, 3 * a.step_time_s))))
     assert back.chosen.layout != b.layout and back.chosen.step_time_s <= 2 * a.step_time_s
 
 
@@ -87,8 +85,19 @@ def test_a_start_records_with_gpus_idle_and_not_under_another_device_s_profile(t
     from elastic_trainer import cli_parser, resolve
 
     def spec(*argv: str):
-        args = cli_parser.train_args(["--model", "gpt-tiny", "--global-batch", "6", "--seq-len", "64",
-                                      "--metrics-file", str(tmp_path / "metrics.jsonl"), *argv])
+        args = cli_parser.train_args(
+            [
+                "--model",
+                "gpt-tiny",
+                "--global-batch",
+                "6",
+                "--seq-len",
+                "64",
+                "--metrics-file",
+                str(tmp_path / "metrics.jsonl"),
+                *argv,
+            ]
+        )
         return resolve.train_spec(args, built_by="test", world_size=4, local_world_size=4, hosts_known=True)
 
     three = Layout(3, 1, 1, 2, 1, "ddp")
@@ -144,8 +153,9 @@ def test_a_layout_the_job_ran_is_judged_by_the_memory_it_measured(request_4):
     short = dataclasses.replace(wide, measured=(measured.Measurement(a.layout, 1.0, per_rank, 3),))
     assert plan_or_none(short) is None
     kept_out = next(c for c in _ranked(short).rejected if c.layout == a.layout)
-    assert kept_out.reason.endswith("(an earlier start ran it for 3 steps: 10 are needed to admit it on its "
-                                    "measured peak)")
+    assert kept_out.reason.endswith(
+        "(an earlier start ran it for 3 steps: 10 are needed to admit it on its measured peak)"
+    )
     # by hand: the model's host bytes for `a` under `wide`, scaled by the peak over its planned largest rank
     full = rank_peak_gib(wide, a) * usable / host_gib(wide, a.layout) * 1.01
     need = host_gib(wide, a.layout) * full / rank_peak_gib(wide, a)
@@ -161,8 +171,11 @@ def test_a_layout_that_took_twice_its_planned_memory_takes_its_family_out_of_a_h
     records twice the planned peak, every other layout of its family is checked at twice its planned bytes,
     and those that then exceed the host are rejected, saying why; other families keep their predictions."""
     a = plan(request_4).chosen
-    fam = [c for c in plan(request_4).candidates if measured.family(c.layout) == measured.family(a.layout)
-           and c.layout != a.layout]
+    fam = [
+        c
+        for c in plan(request_4).candidates
+        if measured.family(c.layout) == measured.family(a.layout) and c.layout != a.layout
+    ]
     assert fam, "the chosen layout's family has other micro-batches"
     # a host just big enough for the family's largest planned member, and the measured peak twice the plan
     largest = max(host_gib(request_4, c.layout) for c in fam)
@@ -176,7 +189,9 @@ def test_a_layout_that_took_twice_its_planned_memory_takes_its_family_out_of_a_h
     for c in fam:
         need = 2 * host_gib(snug, c.layout)  # every rank of the host at twice its plan
         if need > snug.hardware.usable_bytes / GIB:
-            assert out[c.layout].memory_source == "corrected" and "x2.00, as its family measured" in out[c.layout].reason
+            assert (
+                out[c.layout].memory_source == "corrected" and "x2.00, as its family measured" in out[c.layout].reason
+            )
         else:
             assert c.layout in {x.layout for x in after.candidates}
     assert any(c.layout in out for c in fam), "the doubled peak takes one of the family out"

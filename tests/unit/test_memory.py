@@ -15,8 +15,16 @@ from elastic_trainer.model.gpt import GPT, Block, lm_loss_sum
 from elastic_trainer.parallel.pipeline import split_stage
 from elastic_trainer.plan.layout import Layout
 from elastic_trainer.plan.memory import (
-    StateBytes, block_activation_bytes, head_activation_bytes, in_flight, optimizer_step_bytes, shard_state,
-    stage_memory, stage_shapes, state_bytes, working_bytes,
+    StateBytes,
+    block_activation_bytes,
+    head_activation_bytes,
+    in_flight,
+    optimizer_step_bytes,
+    shard_state,
+    stage_memory,
+    stage_shapes,
+    state_bytes,
+    working_bytes,
 )
 
 TINY = load_model_config("gpt-tiny")
@@ -79,9 +87,10 @@ def _saved_bytes(fn, *args) -> tuple[int, set]:
     return storages
 
 
-@pytest.mark.parametrize("micro_batch, seq_len, recompute, dropout",
-                         [(2, 32, False, 0.0), (3, 16, False, 0.0), (2, 32, True, 0.0), (2, 32, False, 0.1),
-                          (3, 16, True, 0.1)])
+@pytest.mark.parametrize(
+    "micro_batch, seq_len, recompute, dropout",
+    [(2, 32, False, 0.0), (3, 16, False, 0.0), (2, 32, True, 0.0), (2, 32, False, 0.1), (3, 16, True, 0.1)],
+)
 def test_block_activations_equal_saved_tensors(micro_batch, seq_len, recompute, dropout):
     model = dataclasses.replace(TINY, dropout=dropout)
     block = Block(model)
@@ -163,13 +172,16 @@ def test_zero1_state_by_hand():
     rank 1 really holds 8 + 4 + 2 + 2 + 122 = 138."""
     zero1 = Layout(2, 1, 1, 1, 1, dp_mode="zero1")
     # whole bf16 parameters and the fp32 master shard; the fp32 buffer of both shards and the reduced shard
-    assert state_bytes(SMALL, zero1, 0, dp_rank=1, dtype="bf16") == \
-        StateBytes(284 * 2 + 146 * 4, (2 + 1) * 146 * 4, 2 * 138 * 4 + 16 * 4)
-    assert state_bytes(SMALL, zero1, 0, dp_rank=0, dtype="fp32") == \
-        StateBytes(284 * 4 + 146 * 4, (2 + 1) * 146 * 4, 2 * 146 * 4 + 16 * 4)
+    assert state_bytes(SMALL, zero1, 0, dp_rank=1, dtype="bf16") == StateBytes(
+        284 * 2 + 146 * 4, (2 + 1) * 146 * 4, 2 * 138 * 4 + 16 * 4
+    )
+    assert state_bytes(SMALL, zero1, 0, dp_rank=0, dtype="fp32") == StateBytes(
+        284 * 4 + 146 * 4, (2 + 1) * 146 * 4, 2 * 146 * 4 + 16 * 4
+    )
     # on one rank the engine still keeps the master, buffer and reduced copies: four fp32 copies and AdamW's
-    assert state_bytes(SMALL, Layout(1, 1, 1, 1, 1, dp_mode="zero1"), 0) == \
-        StateBytes(2 * 284 * 4, 2 * 284 * 4, 2 * 284 * 4 + 16 * 4)
+    assert state_bytes(SMALL, Layout(1, 1, 1, 1, 1, dp_mode="zero1"), 0) == StateBytes(
+        2 * 284 * 4, 2 * 284 * 4, 2 * 284 * 4 + 16 * 4
+    )
     # against FSDP: the same AdamW state, e + 4 bytes more per parameter (the buffer padded like the shards)
     fsdp = state_bytes(SMALL, Layout(2, 1, 1, 1, 1), 0, dp_rank=1)
     assert state_bytes(SMALL, zero1, 0, dp_rank=1, dtype="bf16").total - fsdp.total == 284 * 2 + 2 * 146 * 4
@@ -185,8 +197,9 @@ def test_zero1_working_memory_end_of_backward_and_optimizer_step_by_hand():
     assert m.end_of_backward == 3 * 20 * 2
     assert m.total == m.state.total + max(m.working + m.activations + m.transient, m.optimizer_step, 3 * 20 * 2)
     two = ModelConfig(n_layers=2, d_model=4, n_heads=1, vocab_size=5, context_length=3)
-    assert [stage_memory(two, Layout(2, 1, 2, 1, 2, dp_mode="zero1"), 3, "bf16", s).end_of_backward
-            for s in range(2)] == [0, 0]  # a pipeline splits the two uses: each is a single gradient
+    assert [
+        stage_memory(two, Layout(2, 1, 2, 1, 2, dp_mode="zero1"), 3, "bf16", s).end_of_backward for s in range(2)
+    ] == [0, 0]  # a pipeline splits the two uses: each is a single gradient
     assert stage_memory(SMALL, Layout(2, 1, 1, 1, 1), 3, "bf16", 0).end_of_backward == 0  # fsdp
     # AdamW runs on the rank's real rows, as under FSDP (rank 7 of 8: only fc's weight and bias reach it)
     assert optimizer_step_bytes(SMALL, Layout(8, 1, 1, 1, 1, dp_mode="zero1"), 0, dp_rank=7) == 4 * 8
@@ -205,21 +218,24 @@ def test_first_pipeline_stage_activations_by_hand():
     assert stage_memory(two, Layout(1, 1, 2, 1, 2), 3, "fp32", 0).activations == 2 * per_micro_batch
 
 
-@pytest.mark.parametrize("layout, dropout, heads, activations, transient", [
-    # one stage, fp32, 1 x 3 tokens. A block keeps 3 x (4d + 12d) x 4 + LayerNorm statistics 2 x 2 x 3 x 4 +
-    # log-sum-exp 3 x 4 = 828 bytes; the only stage also keeps the token ids (3 x 8) and the head's
-    # 2 x 3 x 4 x 4 + 2 x 3 x 4 + 3 x 5 x 4 + 3 x 8 = 204. The transient is one block's backward (828) and the
-    # loss gradient in fp32 with its cast back, 3 x 5 x (8 + 4) = 180.
-    (Layout(1, 1, 1, 1, 1), 0.0, 1, 828 + 24 + 204, 828 + 180),
-    # recompute: the block keeps only its input (3 x 4 x 4), and its backward runs it twice
-    (Layout(1, 1, 1, 1, 1, recompute=True), 0.0, 1, 48 + 24 + 204, 2 * 828 + 180),
-    # dropout: no log-sum-exp, the 1 x 1 x 3 x 3 probabilities in fp32, their keep mask and the dropped copy
-    # (9 x 9) and the two residual masks (2 x 3 x 4): 816 + 81 + 24 = 921; the attention mask's hash keeps
-    # five int64 temporaries per probability (5 x 8 x 9 = 360) for a moment
-    (Layout(1, 1, 1, 1, 1), 0.1, 1, 921 + 24 + 204, 921 + 360 + 180),
-    # two heads: 2 x 9 probabilities (2 x 81 bytes kept, 2 x 360 of hash temporaries)
-    (Layout(1, 1, 1, 1, 1), 0.1, 2, 1002 + 24 + 204, 1002 + 720 + 180),
-])
+@pytest.mark.parametrize(
+    "layout, dropout, heads, activations, transient",
+    [
+        # one stage, fp32, 1 x 3 tokens. A block keeps 3 x (4d + 12d) x 4 + LayerNorm statistics 2 x 2 x 3 x 4 +
+        # log-sum-exp 3 x 4 = 828 bytes; the only stage also keeps the token ids (3 x 8) and the head's
+        # 2 x 3 x 4 x 4 + 2 x 3 x 4 + 3 x 5 x 4 + 3 x 8 = 204. The transient is one block's backward (828) and the
+        # loss gradient in fp32 with its cast back, 3 x 5 x (8 + 4) = 180.
+        (Layout(1, 1, 1, 1, 1), 0.0, 1, 828 + 24 + 204, 828 + 180),
+        # recompute: the block keeps only its input (3 x 4 x 4), and its backward runs it twice
+        (Layout(1, 1, 1, 1, 1, recompute=True), 0.0, 1, 48 + 24 + 204, 2 * 828 + 180),
+        # dropout: no log-sum-exp, the 1 x 1 x 3 x 3 probabilities in fp32, their keep mask and the dropped copy
+        # (9 x 9) and the two residual masks (2 x 3 x 4): 816 + 81 + 24 = 921; the attention mask's hash keeps
+        # five int64 temporaries per probability (5 x 8 x 9 = 360) for a moment
+        (Layout(1, 1, 1, 1, 1), 0.1, 1, 921 + 24 + 204, 921 + 360 + 180),
+        # two heads: 2 x 9 probabilities (2 x 81 bytes kept, 2 x 360 of hash temporaries)
+        (Layout(1, 1, 1, 1, 1), 0.1, 2, 1002 + 24 + 204, 1002 + 720 + 180),
+    ],
+)
 def test_one_stage_activations_and_transients_by_hand(layout, dropout, heads, activations, transient):
     model = dataclasses.replace(SMALL, dropout=dropout, n_heads=heads)
     got = stage_memory(model, layout, 3, "fp32", 0)

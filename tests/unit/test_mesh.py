@@ -41,10 +41,13 @@ def test_half_of_torchrun_s_variables_is_not_torchrun(calls, monkeypatch, only):
     assert calls[0][0] == ("gloo",) and isinstance(calls[0][1]["store"], dist.HashStore)
 
 
-@pytest.mark.parametrize("device, backend, device_id", [
-    (torch.device("cpu"), "gloo", None),
-    (torch.device("cuda", 1), "cuda:nccl,cpu:gloo", torch.device("cuda", 1)),
-])
+@pytest.mark.parametrize(
+    "device, backend, device_id",
+    [
+        (torch.device("cpu"), "gloo", None),
+        (torch.device("cuda", 1), "cuda:nccl,cpu:gloo", torch.device("cuda", 1)),
+    ],
+)
 def test_under_torchrun_the_env_group_with_the_device_s_backend(calls, monkeypatch, device, backend, device_id):
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")
@@ -83,8 +86,11 @@ def free_port() -> int:
 @pytest.mark.parametrize("torchrun", [False, True])
 def test_the_group_really_forms(torchrun):
     """On a forked process (the test process keeps no group): both ways give a working gloo group of one."""
-    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())} \
-        if torchrun else {}
+    env = (
+        {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        if torchrun
+        else {}
+    )
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     p = ctx.Process(target=_join_for_real, args=(env, queue))

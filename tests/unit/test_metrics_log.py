@@ -9,8 +9,14 @@ from elastic_trainer.train.metrics import MetricsLog
 
 
 def record(step: int) -> dict:
-    return {"step": step, "loss": 10.83275 - step, "lr": 3e-4 * step, "grad_norm": 1.23456,
-            "tokens_per_s": 12345.6, "step_time_s": 0.04321}
+    return {
+        "step": step,
+        "loss": 10.83275 - step,
+        "lr": 3e-4 * step,
+        "grad_norm": 1.23456,
+        "tokens_per_s": 12345.6,
+        "step_time_s": 0.04321,
+    }
 
 
 def test_every_step_goes_to_the_file_with_the_tags_and_every_nth_to_stdout(tmp_path, capsys):
@@ -39,7 +45,10 @@ def test_without_a_total_or_a_file_only_the_progress_line(tmp_path, capsys):
     log = MetricsLog(None, enabled=True)
     log.write(record(3))
     log.close()
-    assert capsys.readouterr().out == "step 3 | loss 7.8328 | lr 9.00e-04 | grad_norm 1.235 | 12,346 tok/s | 0.043 s/step\n"
+    assert (
+        capsys.readouterr().out
+        == "step 3 | loss 7.8328 | lr 9.00e-04 | grad_norm 1.235 | 12,346 tok/s | 0.043 s/step\n"
+    )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -77,8 +86,13 @@ def test_progress_lines_reach_a_pipe_while_the_job_runs():
     from elastic_trainer.train import metrics
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
-    child = subprocess.Popen([sys.executable, "-c", CHILD, metrics.__file__], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True, env=env)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, metrics.__file__],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         sel = selectors.DefaultSelector()
         sel.register(child.stdout, selectors.EVENT_READ)
@@ -88,8 +102,10 @@ def test_progress_lines_reach_a_pipe_while_the_job_runs():
             got.append(child.stdout.readline())
             child.stdin.write("\n")
             child.stdin.flush()
-        assert got == ["[train] started\n",
-                       "step 1 | loss 2.0000 | lr 1.00e-03 | grad_norm 0.500 | 10 tok/s | 0.100 s/step\n"]
+        assert got == [
+            "[train] started\n",
+            "step 1 | loss 2.0000 | lr 1.00e-03 | grad_norm 0.500 | 10 tok/s | 0.100 s/step\n",
+        ]
     finally:
         child.kill()
         child.wait()
@@ -119,7 +135,10 @@ def test_each_line_is_flushed_as_it_is_printed(monkeypatch):
     assert out.seen == "[train] starting\n" and out.pending == ""
     log.write({"step": 1, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1000.0, "step_time_s": 0.25})
     assert out.pending == ""
-    assert out.seen.splitlines()[-1] == "step 1/2 | loss 2.5000 | lr 1.00e-03 | grad_norm 0.500 | 1,000 tok/s | 0.250 s/step"
+    assert (
+        out.seen.splitlines()[-1]
+        == "step 1/2 | loss 2.5000 | lr 1.00e-03 | grad_norm 0.500 | 1,000 tok/s | 0.250 s/step"
+    )
 
 
 def test_a_step_with_a_validation_loss_prints_it_even_between_log_lines(tmp_path, capsys):

@@ -7,8 +7,14 @@ import torch
 
 from elastic_trainer.config import ConfigError, load_model_config
 from elastic_trainer.model import GPT, materialize
-from elastic_trainer.model.hf import (config_from_hf, config_to_hf, load_hf_folder, save_hf_folder,
-                                      state_dict_from_hf, state_dict_to_hf)
+from elastic_trainer.model.hf import (
+    config_from_hf,
+    config_to_hf,
+    load_hf_folder,
+    save_hf_folder,
+    state_dict_from_hf,
+    state_dict_to_hf,
+)
 
 transformers = pytest.importorskip("transformers")
 CFG = dataclasses.replace(load_model_config("gpt-tiny"), n_layers=2)
@@ -68,8 +74,12 @@ def test_hf_folder_round_trip(tmp_path):
     x = tokens()
     assert (model(x) - hf(x).logits).abs().max().item() <= 1e-5
     cfg, sd = load_hf_folder(tmp_path)
-    assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.vocab_size) == (CFG.n_layers, CFG.d_model, CFG.n_heads,
-                                                                        CFG.vocab_size)
+    assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.vocab_size) == (
+        CFG.n_layers,
+        CFG.d_model,
+        CFG.n_heads,
+        CFG.vocab_size,
+    )
     assert all(torch.equal(sd[k], v) for k, v in model.state_dict().items())
 
 
@@ -111,4 +121,3 @@ def test_recompute_gives_same_gradients():
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     for n in grads[0]:
         assert torch.allclose(grads[0][n], grads[1][n], rtol=0, atol=1e-7), n
-

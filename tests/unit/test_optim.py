@@ -3,9 +3,8 @@ import math
 import pytest
 import torch
 
-from elastic_trainer.config import TrainConfig
+from elastic_trainer.config import TrainConfig, load_model_config
 from elastic_trainer.model import GPT
-from elastic_trainer.config import load_model_config
 from elastic_trainer.train.optim import build_optimizer, lr_at, set_lr
 
 
@@ -51,7 +50,9 @@ def test_the_optimizer_takes_betas_eps_and_lr_from_the_config():
     opt = build_optimizer(model, TrainConfig(lr=0.05, beta1=0.8, beta2=0.9, eps=1e-3, weight_decay=0.2))
     assert isinstance(opt, torch.optim.AdamW)
     assert [(g["lr"], g["betas"], g["eps"], g["weight_decay"]) for g in opt.param_groups] == [
-        (0.05, (0.8, 0.9), 1e-3, 0.2), (0.05, (0.8, 0.9), 1e-3, 0.0)]
+        (0.05, (0.8, 0.9), 1e-3, 0.2),
+        (0.05, (0.8, 0.9), 1e-3, 0.0),
+    ]
 
 
 def test_weight_decay_only_on_matrices():
@@ -124,8 +125,10 @@ def test_checkpoint_state_init_follows_the_default_dtype_and_the_device_branch()
     torch.set_default_dtype(torch.float64)
     try:
         plain, captured, fused = (torch.nn.Parameter(torch.zeros(2, dtype=torch.float32)) for _ in range(3))
-        opt = torch.optim.AdamW([{"params": [plain]}, {"params": [captured], "capturable": True},
-                                 {"params": [fused], "fused": True}], lr=0.1)
+        opt = torch.optim.AdamW(
+            [{"params": [plain]}, {"params": [captured], "capturable": True}, {"params": [fused], "fused": True}],
+            lr=0.1,
+        )
         init_optimizer_state(opt)
         assert opt.state[plain]["step"].dtype == torch.float64
         assert opt.state[captured]["step"].dtype == torch.float32 and opt.state[captured]["step"].shape == ()
@@ -180,5 +183,6 @@ def test_the_clipping_s_sum_of_squares_in_chunks_is_the_whole_sum():
     exact = float(t.double().square().sum())
     assert float(sum_of_squares(t, chunk=1000)) == pytest.approx(exact, rel=1e-6)  # 3 chunks, the last of 500
     assert float(sum_of_squares(t)) == pytest.approx(exact, rel=1e-6)  # one
-    assert float(sum_of_squares(t.bfloat16(), chunk=300)) == pytest.approx(float(t.bfloat16().double().square().sum()),
-                                                                         rel=1e-6)  # squared in fp32
+    assert float(sum_of_squares(t.bfloat16(), chunk=300)) == pytest.approx(
+        float(t.bfloat16().double().square().sum()), rel=1e-6
+    )  # squared in fp32

@@ -17,13 +17,18 @@ from elastic_trainer.plan.memory import stage_numel
 from elastic_trainer.plan.step_time import Links, dp_comm_time
 
 
-@pytest.mark.parametrize("model, gpus, batch, seq, hardware, compiled", [
-    ("gpt3-small", 4, 8, 128, "cpu", False), ("gpt3-xl", 16, 64, 2048, "h100-80g", False),
-    ("gpt3-xl", 16, 64, 2048, "h100-80g", True), ("gpt-tiny", 6, 12, 64, "v100-16g", False)])
+@pytest.mark.parametrize(
+    "model, gpus, batch, seq, hardware, compiled",
+    [
+        ("gpt3-small", 4, 8, 128, "cpu", False),
+        ("gpt3-xl", 16, 64, 2048, "h100-80g", False),
+        ("gpt3-xl", 16, 64, 2048, "h100-80g", True),
+        ("gpt-tiny", 6, 12, 64, "v100-16g", False),
+    ],
+)
 def test_the_terms_add_up_to_the_planned_step_time_of_every_layout(model, gpus, batch, seq, hardware, compiled):
     hw = dataclasses.replace(load_hardware(hardware), compiled_speedup=1.25)
-    req = Request(load_model_config(model), gpus, batch, seq, hw, 8 if hardware != "cpu" else gpus,
-                  compiled=compiled)
+    req = Request(load_model_config(model), gpus, batch, seq, hw, 8 if hardware != "cpu" else gpus, compiled=compiled)
     result = plan(req)
     assert len(result.candidates) > 10
     for c in result.candidates:
@@ -56,7 +61,8 @@ def test_the_work_per_parameter_term_by_hand():
     without = dict(terms(Request(model, 4, 8, 128, dataclasses.replace(hw, microbatch_ns_per_param=0.0), 4), layout))
     slowest = stage_numel(model, layout, 3)  # the last stage, with the output head, is the slowest
     assert with_term["work per micro-batch and parameter of the stage"] == pytest.approx(
-        8 * slowest * hw.microbatch_ns_per_param * 1e-9, rel=1e-12)
+        8 * slowest * hw.microbatch_ns_per_param * 1e-9, rel=1e-12
+    )
     assert without["work per micro-batch and parameter of the stage"] == 0.0
     head = "output head and embedding gradient, gradient accumulation"  # fsdp's 8 micro-batches summed in full
     assert with_term[head] == pytest.approx(without[head])
@@ -79,19 +85,36 @@ def test_fsdp2s_copies_have_their_rows_on_cpu_ranks():
     per_microbatch = 2 * block * n * 12 + root * 12 + (root + block * n) * (8 + 6 / 2)
     tied_head = 2 * model.vocab_size * model.d_model * 4
     assert rows[copies] - bare[copies] == pytest.approx(
-        2 * (per_microbatch + tied_head) / (hw.memory_bandwidth_gbs * 1e9), rel=1e-6)
+        2 * (per_microbatch + tied_head) / (hw.memory_bandwidth_gbs * 1e9), rel=1e-6
+    )
     ddp = Layout(2, 1, 2, 2, 2, "ddp")
     hooks = "ddp's copies around its collectives and measured excess, per step"
     assert dict(terms(Request(model, 4, 8, 128, hw, 4), ddp))[hooks] > 0
 
 
 def test_plan_explain_prints_the_chosen_and_the_compared_layout(capsys):
-    code = cli.main(["plan", "--model", "gpt3-small", "--gpus", "4", "--global-batch", "8", "--seq-len", "128",
-                     "--hardware", "cpu", "--explain", "--compare", "1,1,4"])
+    code = cli.main(
+        [
+            "plan",
+            "--model",
+            "gpt3-small",
+            "--gpus",
+            "4",
+            "--global-batch",
+            "8",
+            "--seq-len",
+            "128",
+            "--hardware",
+            "cpu",
+            "--explain",
+            "--compare",
+            "1,1,4",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0 and out.count("\nexplain dp") == 2
-    block = out[out.index("explain dp"):].splitlines()
-    block = block[:next(i for i, line in enumerate(block) if line.startswith("  (predictions"))]
+    block = out[out.index("explain dp") :].splitlines()
+    block = block[: next(i for i, line in enumerate(block) if line.startswith("  (predictions"))]
     total = float(block[0].split(": ")[1].split(" s per step")[0])
     assert block[0].startswith("explain dp2 tp1 pp2, micro-batch 4 x 1, zero1: ")
     assert block[1].lstrip().startswith("transformer blocks (forward + backward)")
@@ -109,15 +132,22 @@ def test_the_phases_sum_the_terms_they_run_in():
     link_s = lambda nbytes, n: (n - 1) / n * nbytes / (hw.intra_host_gbs * 1e9) + hw.intra_host_latency_us * 1e-6  # noqa: E731
     tied = 2 * link_s(model.vocab_size * model.d_model * 4 / 2, 2)  # an all-reduce: twice a gather's terms
     assert phases["clip"] == pytest.approx(tied, rel=1e-9)
-    stage = [s for s in range(2)
-             if dp_comm_time(model, layout, "bf16", hw, Links.of(layout, hw, req.topology), s, 0.0)
-             == max(dp_comm_time(model, layout, "bf16", hw, Links.of(layout, hw, req.topology), t, 0.0)
-                    for t in range(2))][0]
+    stage = [
+        s
+        for s in range(2)
+        if dp_comm_time(model, layout, "bf16", hw, Links.of(layout, hw, req.topology), s, 0.0)
+        == max(dp_comm_time(model, layout, "bf16", hw, Links.of(layout, hw, req.topology), t, 0.0) for t in range(2))
+    ][0]
     whole = stage_numel(model, layout, stage)
-    assert phases["sync"] == pytest.approx(link_s(whole * 2, 2) + whole * 2 * 2 / (hw.memory_bandwidth_gbs * 1e9),
-                                           rel=1e-9)
-    assert sum(phases.values()) == pytest.approx(plan(dataclasses.replace(
-        req, dp_modes=("zero1",), micro_batch=4, recompute=(False,))).best_for(2, 1, 2).step_time_s, rel=1e-12)
+    assert phases["sync"] == pytest.approx(
+        link_s(whole * 2, 2) + whole * 2 * 2 / (hw.memory_bandwidth_gbs * 1e9), rel=1e-9
+    )
+    assert sum(phases.values()) == pytest.approx(
+        plan(dataclasses.replace(req, dp_modes=("zero1",), micro_batch=4, recompute=(False,)))
+        .best_for(2, 1, 2)
+        .step_time_s,
+        rel=1e-12,
+    )
     assert by_phase(req, Layout(2, 1, 2, 4, 1, "fsdp"))["sync"] == 0.0
 
 
@@ -134,27 +164,57 @@ def test_plan_run_dir_sets_the_measured_phases_beside_the_prediction(tmp_path, c
     _job_record(tmp_path / measured.FILE, layout, 0.96, {**phases, "forward_backward": 1.2})  # more starts
     _job_record(tmp_path / measured.FILE, layout, 0.96, {**phases, "forward_backward": 3.0})
     _job_record(tmp_path / measured.FILE, layout, 9.0, {**phases, "forward_backward": 9.0}, hosts=(2, 2))  # others
-    argv = ["plan", "--model", "gpt-tiny", "--gpus", "4", "--global-batch", "8", "--seq-len", "64", "--hardware",
-            "cpu", "--explain", "--compare", "1,1,4", "--micro-batch", "8", "--dp-mode", "fsdp", "--top", "6", "--run-dir",
-            str(tmp_path)]
+    argv = [
+        "plan",
+        "--model",
+        "gpt-tiny",
+        "--gpus",
+        "4",
+        "--global-batch",
+        "8",
+        "--seq-len",
+        "64",
+        "--hardware",
+        "cpu",
+        "--explain",
+        "--compare",
+        "1,1,4",
+        "--micro-batch",
+        "8",
+        "--dp-mode",
+        "fsdp",
+        "--top",
+        "6",
+        "--run-dir",
+        str(tmp_path),
+    ]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    block = out[out.index("explain dp1 tp1 pp4"):].splitlines()
+    block = out[out.index("explain dp1 tp1 pp4") :].splitlines()
     assert "measured by this job (3 start(s)" in block[-6]
     rows = {line[:70].strip(): line[70:].split() for line in block[-4:]}
-    assert rows["forward + backward of every micro-batch, with their communication"][0] == "1.2s"  # median of 0.8, 1.2, 3
+    assert (
+        rows["forward + backward of every micro-batch, with their communication"][0] == "1.2s"
+    )  # median of 0.8, 1.2, 3
     assert rows["tied embedding all-reduce, clipping, loss all-reduce, AdamW"][0] == "0.15s"  # clip + optimizer
     assert rows["reading the batch"][0] == "0.01s"
     assert rows["the whole step (the sum of the phases)"][0] == "1.36s"
-    predicted = by_phase(plan(Request(load_model_config("gpt-tiny"), 4, 8, 64, load_hardware("cpu"), 8, micro_batch=8,
-                                      dp_modes=("fsdp",))).request, layout)
+    predicted = by_phase(
+        plan(
+            Request(load_model_config("gpt-tiny"), 4, 8, 64, load_hardware("cpu"), 8, micro_batch=8, dp_modes=("fsdp",))
+        ).request,
+        layout,
+    )
     assert float(rows["tied embedding all-reduce, clipping, loss all-reduce, AdamW"][1][:-1]) == pytest.approx(
-        predicted["clip"] + predicted["optimizer"], rel=1e-3)
+        predicted["clip"] + predicted["optimizer"], rel=1e-3
+    )
     cells = [line.split() for line in out.splitlines()[2:]]
     table = {row[0]: row for row in cells if row and (row[0].isdigit() or row[0] == "cmp")}
     ran = [(k, row[3], row[-4:-1]) for k, row in table.items() if row[-1] == "measured" and k != "cmp"]
     assert [r[1:] for r in ran] == [("4", ["0.960", "533", "75.0%"])]  # pp4 at what the job measured
-    assert int(ran[0][0]) > 1 and table["1"][-1] == "predicted" and table["cmp"][-1] == "measured"  # the rest: predictions
+    assert (
+        int(ran[0][0]) > 1 and table["1"][-1] == "predicted" and table["cmp"][-1] == "measured"
+    )  # the rest: predictions
     assert cli.main(argv[:-1] + [str(tmp_path / "none")]) == 2
     assert "no measured.jsonl there" in capsys.readouterr().err
     assert cli.main([a if a != "64" else "32" for a in argv]) == 0  # another sequence length: not this job's

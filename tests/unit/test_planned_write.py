@@ -65,12 +65,14 @@ def test_a_planned_write_is_the_write_dcp_plans_on_the_spot(tmp_path, threads, a
     assert metadata.storage_data == on_the_spot.storage_data
     assert metadata.state_dict_metadata == on_the_spot.state_dict_metadata
     for piece in pieces.values():  # the tensor bytes too
-        a = (tmp_path / "planned" / piece.info.relative_path).read_bytes()[piece.info.offset:][:piece.info.length]
-        b = (tmp_path / "dcp" / piece.info.relative_path).read_bytes()[piece.info.offset:][:piece.info.length]
+        a = (tmp_path / "planned" / piece.info.relative_path).read_bytes()[piece.info.offset :][: piece.info.length]
+        b = (tmp_path / "dcp" / piece.info.relative_path).read_bytes()[piece.info.offset :][: piece.info.length]
         assert piece.is_bytes or a == b
     for name in {p.info.relative_path for p in pieces.values()}:  # as large as DCP's, written where allocated
         assert (tmp_path / "planned" / name).stat().st_size == (tmp_path / "dcp" / name).stat().st_size
-        assert (tmp_path / "planned" / name).stat().st_ino == inodes.get(name, (tmp_path / "planned" / name).stat().st_ino)
+        assert (tmp_path / "planned" / name).stat().st_ino == inodes.get(
+            name, (tmp_path / "planned" / name).stat().st_ino
+        )
     if ahead:
         allocated.remove()
         assert not (tmp_path / "shm").exists() or not any((tmp_path / "shm").iterdir())
@@ -113,8 +115,16 @@ def test_a_plan_refuses_a_state_it_was_not_made_for(tmp_path, change):
 
 
 def test_repeated_plain_values_are_serialized_once_and_keep_their_type(tmp_path):
-    values = {"int": 1, "float": 1.0, "bool": True, "ints": (1, 2), "floats": (1.0, 2.0), "none": None,
-              "again": 1.0, "w": torch.ones(3)}
+    values = {
+        "int": 1,
+        "float": 1.0,
+        "bool": True,
+        "ints": (1, 2),
+        "floats": (1.0, 2.0),
+        "none": None,
+        "again": 1.0,
+        "w": torch.ones(3),
+    }
     prepared = prepare(values, 1)
     _, metadata = write(prepared, values, tmp_path / "planned")
     got = {k: (torch.zeros(3) if k == "w" else None) for k in values}

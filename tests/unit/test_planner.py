@@ -35,13 +35,19 @@ def brute_force(req: Request) -> set:
     """Every (dp, tp, pp, micro, accumulation, mode, recompute) satisfying the rules, by exhaustive search."""
     n, b = req.world_size, req.global_batch
     found = set()
-    for dp, tp, pp, m, a in itertools.product(range(1, n + 1), range(1, n + 1), range(1, n + 1),
-                                              range(1, b + 1), range(1, b + 1)):
+    for dp, tp, pp, m, a in itertools.product(
+        range(1, n + 1), range(1, n + 1), range(1, n + 1), range(1, b + 1), range(1, b + 1)
+    ):
         hosts_of_tp = {{r // req.gpus_per_host for r in range(g, g + tp)}.__len__() for g in range(0, n, tp)}
-        if dp * tp * pp != n or dp * m * a != b or req.model.n_heads % tp or pp > req.model.n_layers \
-                or hosts_of_tp != {1}:
+        if (
+            dp * tp * pp != n
+            or dp * m * a != b
+            or req.model.n_heads % tp
+            or pp > req.model.n_layers
+            or hosts_of_tp != {1}
+        ):
             continue
-        for mode in (MODES if dp > 1 else ("fsdp",)):
+        for mode in MODES if dp > 1 else ("fsdp",):
             for rc in (False, True):
                 found.add((dp, tp, pp, m, a, mode, rc))
     return found
@@ -70,14 +76,13 @@ def brute_force_plan(req: Request) -> tuple[list, dict, set]:
     for dp, tp, pp in itertools.product(range(1, n + 1), repeat=3):
         if dp * tp * pp != n:
             continue
-        if model.n_heads % tp or not tp_within_hosts(n, req.gpus_per_host, tp) or pp > model.n_layers \
-                or batch % dp:
+        if model.n_heads % tp or not tp_within_hosts(n, req.gpus_per_host, tp) or pp > model.n_layers or batch % dp:
             bad_degrees.add((dp, tp, pp))
             continue
         for micro in range(1, batch // dp + 1):
             if (batch // dp) % micro:
                 continue
-            for mode in (MODES if dp > 1 else ("fsdp",)):
+            for mode in MODES if dp > 1 else ("fsdp",):
                 for rc in (False, True):
                     layout = Layout(dp, tp, pp, micro, batch // dp // micro, dp_mode=mode, recompute=rc)
                     key = (dp, tp, pp, micro, batch // dp // micro, mode, rc)
@@ -108,8 +113,13 @@ PLAN_REQUESTS = [
 ]
 
 
-@pytest.mark.parametrize("req", PLAN_REQUESTS, ids=lambda r: f"{r.model.name}-{r.world_size}gpus-hosts{r.gpus_per_host}"
-                                                              f"-b{r.global_batch}-{r.hardware.memory_gb:g}GB")
+@pytest.mark.parametrize(
+    "req",
+    PLAN_REQUESTS,
+    ids=lambda r: (
+        f"{r.model.name}-{r.world_size}gpus-hosts{r.gpus_per_host}-b{r.global_batch}-{r.hardware.memory_gb:g}GB"
+    ),
+)
 def test_plan_is_the_brute_force_optimum(req):
     ranked, too_big, bad_degrees = brute_force_plan(req)
     assert ranked, "the request must have valid layouts"
@@ -123,8 +133,9 @@ def test_plan_is_the_brute_force_optimum(req):
     # everything else is rejected, with its reason: the memory it needs, or the rule the degrees break
     sized = {key_of(c): c.reason for c in result.rejected if c.micro_batch is not None}
     usable = req.hardware.usable_bytes / GIB
-    assert sized == {key: f"needs {peak / GIB:.1f} GiB per GPU > {usable:.1f} GiB usable"
-                     for key, peak in too_big.items()}
+    assert sized == {
+        key: f"needs {peak / GIB:.1f} GiB per GPU > {usable:.1f} GiB usable" for key, peak in too_big.items()
+    }
     assert {c.degrees for c in result.rejected if c.micro_batch is None} == bad_degrees
     assert all(c.reason for c in result.rejected if c.micro_batch is None)
     if req.hardware in (TIGHT, TINY_TIGHT):  # the memory filter is exercised: some fit, some do not
@@ -144,8 +155,14 @@ def test_tenplex_layouts_are_evaluated_at_their_best_micro_batch(gpus):
 
 
 # gpt-tiny by hand: vocab 50257, d_model 64, 4 blocks, context 256
-TINY_BLOCK = ((64 + 64) + (3 * 64 * 64 + 3 * 64) + (64 * 64 + 64)  # ln_1, qkv_proj, o_proj
-              + (64 + 64) + (4 * 64 * 64 + 4 * 64) + (64 * 4 * 64 + 64))  # ln_2, mlp.fc, mlp.proj
+TINY_BLOCK = (
+    (64 + 64)
+    + (3 * 64 * 64 + 3 * 64)
+    + (64 * 64 + 64)  # ln_1, qkv_proj, o_proj
+    + (64 + 64)
+    + (4 * 64 * 64 + 4 * 64)
+    + (64 * 4 * 64 + 64)
+)  # ln_2, mlp.fc, mlp.proj
 TINY_EMB = 50257 * 64
 TINY_ROOT = TINY_EMB + 256 * 64 + 2 * 64  # token and position embeddings, final LayerNorm
 TINY_TENSORS = 4 + 4 * 12
@@ -176,8 +193,9 @@ def test_memory_numbers_by_hand():
     # gradient buffers (2 bytes + 4 for the fp32 reduction); ddp: the whole stage
     live = TINY_ROOT + 2 * TINY_BLOCK
     assert working_bytes(TINY, Layout(2, 1, 1, 1, 1), 0, "bf16") == live * (2 + 2 + 4) == 26_663_424
-    assert working_bytes(TINY, Layout(2, 1, 2, 1, 2, dp_mode="ddp"), 1, "bf16") == \
-        (TINY_EMB + 2 * 64 + 2 * TINY_BLOCK) * (2 + 4)
+    assert working_bytes(TINY, Layout(2, 1, 2, 1, 2, dp_mode="ddp"), 1, "bf16") == (
+        TINY_EMB + 2 * 64 + 2 * TINY_BLOCK
+    ) * (2 + 4)
     # the optimizer step on the first of 4 stages: the clipping's square of a 2^20-element chunk of the
     # embedding's gradient (fused AdamW allocates nothing); the same for GPT-3 XL on one GPU, and a block's
     # largest matrix (64 x 256) when it is alone
@@ -200,8 +218,7 @@ def test_rejected_candidates_keep_their_reasons():
     small = dataclasses.replace(H100, memory_gb=30.0)
     tight = plan(xl_request(1, hardware=small))
     assert tight.rejected and tight.candidates
-    assert all(c.reason.startswith("needs ") and "GiB per GPU > 26.0 GiB usable" in c.reason
-               for c in tight.rejected)
+    assert all(c.reason.startswith("needs ") and "GiB per GPU > 26.0 GiB usable" in c.reason for c in tight.rejected)
     assert all(c.memory.total <= small.usable_bytes for c in tight.candidates)
 
 
@@ -228,17 +245,27 @@ def test_forced_choices_are_respected():
     assert {c.dp_mode for c in mixed.candidates if c.dp > 1} == {"zero1", "ddp"}
 
 
-@pytest.mark.parametrize("req, message", [
-    (xl_request(29), "no DP,TP,PP of 29 GPUs is valid (29,1,1: dp=29 does not divide the global batch 128; "
-                     "1,1,29: pp=29 exceeds n_layers=24; 1,29,1: tp=29 does not divide n_heads=16); "
-                     "nearest GPU count that works: 28, nearest global batch that works on 29 GPUs: 116"),
-    (xl_request(100_000), "100000 GPUs are more than gpt3-xl with global batch 128 can use: at most dp=128 x "
-                          "tp=8 x pp=24 = 24576"),
-    (xl_request(1, hardware=dataclasses.replace(H100, memory_gb=12.0)),
-     "no layout of 1 GPU(s) fits in memory: the smallest (dp=1 tp=1 pp=1 micro_batch=1 recompute) needs 22.1 GiB "
-     "per GPU"),
-    (xl_request(2, micro_batch=3), "micro_batch=3 does not divide the per-replica batch 128/2 = 64"),
-])
+@pytest.mark.parametrize(
+    "req, message",
+    [
+        (
+            xl_request(29),
+            "no DP,TP,PP of 29 GPUs is valid (29,1,1: dp=29 does not divide the global batch 128; "
+            "1,1,29: pp=29 exceeds n_layers=24; 1,29,1: tp=29 does not divide n_heads=16); "
+            "nearest GPU count that works: 28, nearest global batch that works on 29 GPUs: 116",
+        ),
+        (
+            xl_request(100_000),
+            "100000 GPUs are more than gpt3-xl with global batch 128 can use: at most dp=128 x tp=8 x pp=24 = 24576",
+        ),
+        (
+            xl_request(1, hardware=dataclasses.replace(H100, memory_gb=12.0)),
+            "no layout of 1 GPU(s) fits in memory: the smallest (dp=1 tp=1 pp=1 micro_batch=1 recompute) "
+            "needs 22.1 GiB per GPU",
+        ),
+        (xl_request(2, micro_batch=3), "micro_batch=3 does not divide the per-replica batch 128/2 = 64"),
+    ],
+)
 def test_impossible_requests_say_why_in_one_line(req, message):
     with pytest.raises(PlanError) as err:
         plan(req)
@@ -295,6 +322,7 @@ def test_cpu_ranks_are_planned_with_the_heap_they_keep():
 
     assert evaluated(need / GIB + cpu.reserved_gb + 0.05).reason is None
     assert evaluated(need / GIB + cpu.reserved_gb - 0.1).reason == (
-        f"needs {need / GIB:.1f} GiB per host > {need / GIB - 0.1:.1f} GiB usable")
+        f"needs {need / GIB:.1f} GiB per host > {need / GIB - 0.1:.1f} GiB usable"
+    )
     cpu = dataclasses.replace(cpu, kept_heap=1.0, rank_base_gb=0.0)
     assert evaluated(need / GIB + cpu.reserved_gb - 0.1).reason is None

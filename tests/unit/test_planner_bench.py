@@ -20,27 +20,71 @@ _spec.loader.exec_module(bench)
 def test_calibrate_runs_the_cli_at_the_benchmark_s_model_and_sequence(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(bench.subprocess, "run", lambda cmd: calls.append(cmd) or subprocess.CompletedProcess(cmd, 0))
-    args = bench.parse_args(["--model", "gpt3-small", "--seq-len", "64", "--hardware", "base.toml", "--calibrate",
-                             "--out", str(tmp_path / "r")])
+    args = bench.parse_args(
+        [
+            "--model",
+            "gpt3-small",
+            "--seq-len",
+            "64",
+            "--hardware",
+            "base.toml",
+            "--calibrate",
+            "--out",
+            str(tmp_path / "r"),
+        ]
+    )
     assert args.calibrate and bench.calibrated(args) == str(tmp_path / "r-profile.toml")
-    assert calls == [[sys.executable, "-m", "elastic_trainer.cli", "calibrate", "--base", "base.toml", "--model",
-                      "gpt3-small", "--seq-len", "64", "--output", str(tmp_path / "r-profile.toml")]]
+    assert calls == [
+        [
+            sys.executable,
+            "-m",
+            "elastic_trainer.cli",
+            "calibrate",
+            "--base",
+            "base.toml",
+            "--model",
+            "gpt3-small",
+            "--seq-len",
+            "64",
+            "--output",
+            str(tmp_path / "r-profile.toml"),
+        ]
+    ]
 
 
 def test_a_failed_calibrate_stops_the_benchmark_with_one_line_not_a_traceback(tmp_path):
     """calibrate's own error (here: a model that does not exist) is printed by calibrate; the benchmark adds one
     line and exits with calibrate's code (2: bad input) before measuring anything."""
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "planner" / "run.py"), "--model", "no-such-model",
-                           "--calibrate", "--out", str(tmp_path / "r")], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "planner" / "run.py"),
+            "--model",
+            "no-such-model",
+            "--calibrate",
+            "--out",
+            str(tmp_path / "r"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "elastic-trainer: error: unknown model 'no-such-model'" in proc.stderr
     assert "[bench] calibrate exited 2" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("content, reason", [
-    (None, "FileNotFoundError"), ("{not json", "JSONDecodeError"), ('{"summary": []}', "KeyError: 'layouts'"),
-    ('{"layouts": [1, 2]}', "ValueError: its layouts are not rows of this benchmark"), ("[]", "TypeError")])
+@pytest.mark.parametrize(
+    "content, reason",
+    [
+        (None, "FileNotFoundError"),
+        ("{not json", "JSONDecodeError"),
+        ('{"summary": []}', "KeyError: 'layouts'"),
+        ('{"layouts": [1, 2]}', "ValueError: its layouts are not rows of this benchmark"),
+        ("[]", "TypeError"),
+    ],
+)
 def test_a_screening_that_is_not_a_results_file_is_refused_in_one_line(tmp_path, capsys, content, reason):
     path = tmp_path / "earlier.json"
     if content is not None:
@@ -50,13 +94,25 @@ def test_a_screening_that_is_not_a_results_file_is_refused_in_one_line(tmp_path,
     assert exit_.value.code == 2
     last = capsys.readouterr().err.splitlines()[-1]  # "PROG: error: ...", PROG whatever runs the tests
     assert last.split(": error: ", 1)[1].startswith(
-        f"--screening {path}: not a results .json of this benchmark ({reason}"), last
+        f"--screening {path}: not a results .json of this benchmark ({reason}"
+    ), last
 
 
 def test_a_missing_screening_stops_the_benchmark_before_calibrate_runs(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "planner" / "run.py"), "--screening",
-                           str(tmp_path / "none.json"), "--calibrate", "--out", str(tmp_path / "r")],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "planner" / "run.py"),
+            "--screening",
+            str(tmp_path / "none.json"),
+            "--calibrate",
+            "--out",
+            str(tmp_path / "r"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "[bench]" not in proc.stdout, proc.stderr
     assert not list(tmp_path.iterdir())  # no profile, no results
 
@@ -73,14 +129,27 @@ def test_without_calibrate_the_named_profile_is_used():
 
 
 def _row(rank, mode, predicted, measured, mb=1):
-    return {"predicted_rank": rank, "dp": 2, "tp": 1, "pp": 2, "micro_batch": mb, "dp_mode": mode,
-            "predicted_s": predicted, "measured_s": measured}
+    return {
+        "predicted_rank": rank,
+        "dp": 2,
+        "tp": 1,
+        "pp": 2,
+        "micro_batch": mb,
+        "dp_mode": mode,
+        "predicted_s": predicted,
+        "measured_s": measured,
+    }
 
 
 def test_mode_orders_judge_by_the_mode_rounds_medians_where_measured_again():
     """Groups are the layouts that differ only in dp mode; without mode rounds the screening's seconds order
     them, with them the rounds' medians (by predicted rank) do."""
-    rows = [_row(1, "ddp", 4.8, 6.7), _row(2, "zero1", 5.1, 6.2), _row(3, "fsdp", 5.8, 6.4), _row(4, "ddp", 4.6, 5.6, 2)]
+    rows = [
+        _row(1, "ddp", 4.8, 6.7),
+        _row(2, "zero1", 5.1, 6.2),
+        _row(3, "fsdp", 5.8, 6.4),
+        _row(4, "ddp", 4.6, 5.6, 2),
+    ]
     assert [len(g) for g in bench.mode_groups(rows)] == [3]
     (screened,) = bench.mode_orders(rows)
     assert screened["measured"] == ["zero1", "fsdp", "ddp"] and not screened["match"]
@@ -91,15 +160,20 @@ def test_mode_orders_judge_by_the_mode_rounds_medians_where_measured_again():
     assert again["measured_s"] == {"ddp": 5.9, "zero1": 6.0, "fsdp": 6.3} and again["measured_by"] == "mode rounds"
     # a summary written with mode rounds gives them back by layout (profiles.py re-predicts with other ranks)
     assert bench.remeasured_in({"mode_orders": [again, screened]}) == {
-        (2, 1, 2, 1, "ddp"): 5.9, (2, 1, 2, 1, "zero1"): 6.0, (2, 1, 2, 1, "fsdp"): 6.3}
+        (2, 1, 2, 1, "ddp"): 5.9,
+        (2, 1, 2, 1, "zero1"): 6.0,
+        (2, 1, 2, 1, "fsdp"): 6.3,
+    }
 
 
 def test_only_modes_measured_more_than_3_percent_apart_count_as_ordered():
     """ddp 1.0 s, zero1 1.02 (2 % slower: a tie here), fsdp 1.10; the prediction puts zero1 first: the tie does
     not count against it, fsdp's place does count."""
     pairs = bench.apart_pairs(["zero1", "ddp", "fsdp"], {"ddp": 1.0, "zero1": 1.02, "fsdp": 1.10})
-    assert pairs == [{"faster": "ddp", "slower": "fsdp", "predicted": True},
-                     {"faster": "zero1", "slower": "fsdp", "predicted": True}]
+    assert pairs == [
+        {"faster": "ddp", "slower": "fsdp", "predicted": True},
+        {"faster": "zero1", "slower": "fsdp", "predicted": True},
+    ]
     pairs = bench.apart_pairs(["fsdp", "ddp"], {"ddp": 1.0, "fsdp": 1.10})
     assert pairs == [{"faster": "ddp", "slower": "fsdp", "predicted": False}]
     orders = [{"match": False, "apart": pairs}, {"match": True, "apart": []}]
@@ -116,17 +190,23 @@ def test_mode_rounds_is_off_unless_asked_and_never_negative(capsys):
 def test_an_earlier_screening_is_placed_in_this_plan_by_layout_not_by_its_old_rank(capsys):
     """--screening with another profile: the plan's order changed, so a row's old rank would name another
     layout; each row takes its own layout's rank and prediction here, and one the plan lacks is left out."""
+
     def cand(dp, pp, mode, seconds):
-        return types.SimpleNamespace(dp=dp, tp=1, pp=pp, micro_batch=1, num_microbatches=4 // dp,
-                                     dp_mode=mode, step_time_s=seconds)
+        return types.SimpleNamespace(
+            dp=dp, tp=1, pp=pp, micro_batch=1, num_microbatches=4 // dp, dp_mode=mode, step_time_s=seconds
+        )
 
     cands = [cand(2, 2, "zero1", 5.0), cand(1, 4, "fsdp", 5.5), cand(2, 2, "ddp", 6.0)]  # this plan's order
-    old = [{**bench.candidate_row(4, 1, cand(2, 2, "ddp", 4.8)), "measured_s": 6.7, "step_s": [6.7, 6.9]},
-           {**bench.candidate_row(4, 2, cand(2, 2, "zero1", 5.1)), "measured_s": 6.2, "step_s": [6.2, 6.3]},
-           {**bench.candidate_row(4, 3, cand(4, 1, "ddp", 5.2)), "measured_s": 7.0, "step_s": [7.0, 7.1]}]
+    old = [
+        {**bench.candidate_row(4, 1, cand(2, 2, "ddp", 4.8)), "measured_s": 6.7, "step_s": [6.7, 6.9]},
+        {**bench.candidate_row(4, 2, cand(2, 2, "zero1", 5.1)), "measured_s": 6.2, "step_s": [6.2, 6.3]},
+        {**bench.candidate_row(4, 3, cand(4, 1, "ddp", 5.2)), "measured_s": 7.0, "step_s": [7.0, 7.1]},
+    ]
     rows = bench.repredicted(4, old, cands)
     assert [(r["dp_mode"], r["predicted_rank"], r["predicted_s"], r["measured_s"]) for r in rows] == [
-        ("ddp", 3, 6.0, 6.7), ("zero1", 1, 5.0, 6.2)]
+        ("ddp", 3, 6.0, 6.7),
+        ("zero1", 1, 5.0, 6.2),
+    ]
     assert "[4, 1, 1, 1, 1, 'ddp'] is not in this plan: left out" in capsys.readouterr().out
 
 
@@ -139,8 +219,9 @@ def test_bench_ranks_with_mode_rounds_keeps_the_finals_medians_for_the_choice(mo
     args = bench.parse_args(["--model", "gpt-tiny", "--ranks", "4", "--finalists", "1", "--mode-rounds", "1"])
     model, hw = load_model_config("gpt-tiny"), load_hardware("cpu")
     cands = bench.plan(bench.Request(model, 4, 8, 128, hw, 4, dtype="fp32", recompute=(False,))).candidates
-    screened = [{**bench.candidate_row(4, i + 1, c), "measured_s": 1.0 + i / 100, "step_s": [1.0]}
-                for i, c in enumerate(cands)]
+    screened = [
+        {**bench.candidate_row(4, i + 1, c), "measured_s": 1.0 + i / 100, "step_s": [1.0]} for i, c in enumerate(cands)
+    ]
     calls = []
 
     def finals(world, args, model, req, finalists, tokens, rounds=0, label="final"):

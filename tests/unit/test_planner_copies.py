@@ -30,12 +30,18 @@ def probe_rest(hw, model, mode: str) -> float:
     return p["forward_backward"] + p["sync"]
 
 
-@pytest.mark.parametrize("excess", [{"fsdp_hooks_ns_per_param": 0.505, "ddp_hooks_ns_per_param": 0.875},
-                                    {"fsdp_hooks_ns_per_param": 0.0, "ddp_hooks_ns_per_param": 0.1}])
+@pytest.mark.parametrize(
+    "excess",
+    [
+        {"fsdp_hooks_ns_per_param": 0.505, "ddp_hooks_ns_per_param": 0.875},
+        {"fsdp_hooks_ns_per_param": 0.0, "ddp_hooks_ns_per_param": 0.1},
+    ],
+)
 def test_the_refitted_excess_predicts_the_probe_as_the_fitted_one_did(excess):
     model = load_model_config("gpt3-small")
-    fitted = dataclasses.replace(load_hardware("cpu"), optimizer_shapes="gpt3-small, seq_len 128",
-                                 zero1_hooks_ns_per_param=0.0, **excess)
+    fitted = dataclasses.replace(
+        load_hardware("cpu"), optimizer_shapes="gpt3-small, seq_len 128", zero1_hooks_ns_per_param=0.0, **excess
+    )
     with copies.copies_uncounted():
         before = {m: probe_rest(fitted, model, m) for m in ("fsdp", "ddp", "zero1")}
     refitted = copies.refitted(fitted)

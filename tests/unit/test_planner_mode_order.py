@@ -71,8 +71,14 @@ def test_a_pair_that_swaps_from_cycle_to_cycle_is_a_tie_with_no_order_to_match()
     steps = {"ddp": [1.00, 1.10, 1.00, 1.10, 1.00, 1.10], "zero1": [1.05] * 6}
     (pair,) = modes.judge_group(steps, {"ddp": 5.0, "zero1": 4.0})
     assert not pair["ordered"] and pair["predicted"] is None and pair["p"] > 0.5
-    groups = [{"pairs": [pair]}, {"pairs": modes.judge_group(
-        {"ddp": [1.0] * 6, "fsdp": [1.1] * 6, "zero1": [0.9] * 6}, {"zero1": 1.0, "ddp": 2.0, "fsdp": 1.5})}]
+    groups = [
+        {"pairs": [pair]},
+        {
+            "pairs": modes.judge_group(
+                {"ddp": [1.0] * 6, "fsdp": [1.1] * 6, "zero1": [0.9] * 6}, {"zero1": 1.0, "ddp": 2.0, "fsdp": 1.5}
+            )
+        },
+    ]
     # zero1 < ddp < fsdp measured; predicted zero1 < fsdp < ddp: 2 of the 3 ordered pairs agree
     assert modes.counts(groups) == "2 of 3 ordered pairs in the predicted order (1 of 4 pairs a tie at p >= 0.05)"
 
@@ -88,8 +94,24 @@ def test_a_small_run_writes_every_group_with_each_mode_s_steps_and_its_judged_pa
     """gpt-tiny on 2 forked ranks, 6 cycles: the plan's groups at dp2 (every micro-batch), each mode's 6 steps,
     and every pair of the group judged; what noise decides (which mode is faster) is not checked."""
     out = tmp_path / "modes"
-    result = modes.main(["--model", "gpt-tiny", "--ranks", "2", "--seq-len", "32", "--cycles", "6", "--warmup", "1",
-                         "--degrees", "2,1,1", "--out", str(out)])
+    result = modes.main(
+        [
+            "--model",
+            "gpt-tiny",
+            "--ranks",
+            "2",
+            "--seq-len",
+            "32",
+            "--cycles",
+            "6",
+            "--warmup",
+            "1",
+            "--degrees",
+            "2,1,1",
+            "--out",
+            str(out),
+        ]
+    )
     assert result == json.loads((tmp_path / "modes.json").read_text())
     groups = result["groups"]
     assert groups and all(g["degrees"] == [2, 1, 1] for g in groups)
@@ -101,13 +123,16 @@ def test_a_small_run_writes_every_group_with_each_mode_s_steps_and_its_judged_pa
     assert result["summary"] == modes.counts(groups)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--degrees", "2,x"], "--degrees 2,x: three positive integers DP,TP,PP"),
-    (["--degrees", "2,1"], "--degrees 2,1: three positive integers DP,TP,PP"),
-    (["--degrees", "0,1,4"], "--degrees 0,1,4: three positive integers DP,TP,PP"),
-    (["--model", "no-such-model"], "unknown model 'no-such-model'"),
-    (["--hardware", "no-such-profile"], "unknown hardware 'no-such-profile'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--degrees", "2,x"], "--degrees 2,x: three positive integers DP,TP,PP"),
+        (["--degrees", "2,1"], "--degrees 2,1: three positive integers DP,TP,PP"),
+        (["--degrees", "0,1,4"], "--degrees 0,1,4: three positive integers DP,TP,PP"),
+        (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+        (["--hardware", "no-such-profile"], "unknown hardware 'no-such-profile'"),
+    ],
+)
 def test_bad_arguments_are_refused_in_one_line_before_anything_runs(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:
         modes.parse_args(argv)
@@ -125,10 +150,18 @@ def test_degrees_without_a_group_of_modes_stop_before_measuring_and_write_nothin
 
 def _run(micro_batches: dict[int, dict[str, list[float]]], **shape) -> dict:
     """A finished mode_order.py result of gpt-tiny's dp2 groups at 2 ranks (the predictions left out)."""
-    groups = [{"degrees": [2, 1, 1], "micro_batch": mb, "steps_s": steps, "pairs": []}
-              for mb, steps in micro_batches.items()]
-    return {"model": "gpt-tiny", "ranks": 2, "global_batch": 8, "seq_len": 32, **shape,
-            "cycles": len(next(iter(micro_batches.values()))["ddp"]), "groups": groups}
+    groups = [
+        {"degrees": [2, 1, 1], "micro_batch": mb, "steps_s": steps, "pairs": []} for mb, steps in micro_batches.items()
+    ]
+    return {
+        "model": "gpt-tiny",
+        "ranks": 2,
+        "global_batch": 8,
+        "seq_len": 32,
+        **shape,
+        "cycles": len(next(iter(micro_batches.values()))["ddp"]),
+        "groups": groups,
+    }
 
 
 def test_two_runs_of_a_group_pooled_are_judged_on_all_their_cycles_under_the_profile_given():
@@ -155,8 +188,11 @@ def test_two_runs_of_a_group_pooled_are_judged_on_all_their_cycles_under_the_pro
 
 def test_runs_of_different_groups_or_shapes_are_not_pooled():
     steps = {"ddp": [1.0] * 6, "fsdp": [1.1] * 6}
-    with pytest.raises(ValueError, match=r"cannot pool runs of different groups: .*groups 2,1,1 micro 4 "
-                                         r"\(ddp/fsdp\); .*groups 2,1,1 micro 2 \(ddp/fsdp\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"cannot pool runs of different groups: .*groups 2,1,1 micro 4 "
+        r"\(ddp/fsdp\); .*groups 2,1,1 micro 2 \(ddp/fsdp\)",
+    ):
         modes.pooled([_run({4: steps}), _run({2: steps})], modes.load_hardware("cpu"))
     with pytest.raises(ValueError, match="seq_len 32.*seq_len 64"):
         modes.pooled([_run({4: steps}), _run({4: steps}, seq_len=64)], modes.load_hardware("cpu"))
@@ -233,14 +269,28 @@ def test_pool_refuses_the_options_that_measure(tmp_path, capsys, argv):
     assert exit_.value.code == 2 and f"{argv[0]} measures; --pool only judges" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("content, message", [
-    (None, "No such file"),
-    ("{not json", "Expecting property name"),
-    ('{"groups": []}', "not a finished mode_order.py result (needs model, ranks, global_batch, seq_len, cycles"),
-    ("[1, 2]", "not a finished mode_order.py result"),
-    (json.dumps({"model": "gpt-tiny", "ranks": 2, "global_batch": 8, "seq_len": 32, "cycles": 6,
-                 "groups": [{"degrees": [2, 1, 1]}]}), "groups with degrees, micro_batch and steps_s"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "No such file"),
+        ("{not json", "Expecting property name"),
+        ('{"groups": []}', "not a finished mode_order.py result (needs model, ranks, global_batch, seq_len, cycles"),
+        ("[1, 2]", "not a finished mode_order.py result"),
+        (
+            json.dumps(
+                {
+                    "model": "gpt-tiny",
+                    "ranks": 2,
+                    "global_batch": 8,
+                    "seq_len": 32,
+                    "cycles": 6,
+                    "groups": [{"degrees": [2, 1, 1]}],
+                }
+            ),
+            "groups with degrees, micro_batch and steps_s",
+        ),
+    ],
+)
 def test_pool_refuses_a_missing_unreadable_or_unfinished_result_in_one_line(tmp_path, capsys, content, message):
     path = tmp_path / "run.json"
     if content is not None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from elastic_trainer.config import load_model_config
-from elastic_trainer.plan import PlanError, Request, load_hardware
 from elastic_trainer.experiment.policy import POLICIES, Policy, choices
+from elastic_trainer.plan import PlanError, Request, load_hardware
 
 XL = load_model_config("gpt3-xl")
 
@@ -33,8 +33,11 @@ def test_dp_only_keeps_tp2_pp4_waits_below_one_replica_and_leaves_the_rest_idle(
 
 def test_fsdp_only_shards_over_every_gpu_and_static_keeps_the_smallest_allocation():
     fsdp = choices(Policy("fsdp-only"), request("v100-16g"), [16, 8, 4])
-    assert [(c.candidate.degrees, c.candidate.dp_mode) for c in fsdp] == [((16, 1, 1), "fsdp"), ((8, 1, 1), "fsdp"),
-                                                                       ((4, 1, 1), "fsdp")]
+    assert [(c.candidate.degrees, c.candidate.dp_mode) for c in fsdp] == [
+        ((16, 1, 1), "fsdp"),
+        ((8, 1, 1), "fsdp"),
+        ((4, 1, 1), "fsdp"),
+    ]
     static = choices(Policy("static", static_gpus=4), request("v100-16g"), [16, 8, 4, 2])
     assert {c.candidate.layout for c in static[:3]} == {static[2].candidate.layout}
     assert [c.used for c in static] == [4, 4, 4, 0] and static[3].waits

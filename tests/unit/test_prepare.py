@@ -20,8 +20,13 @@ from elastic_trainer.data import corpus, indexed, prepare, sources, stream, toke
 from elastic_trainer.data.pieces import CHUNK_BYTES as CHUNK
 from elastic_trainer.data.pieces import Settings, plan_source
 
-DOCS = ["First document, with some words.", "Second: more text\nover two lines.", "Third one \u00e9\u00e8 \U0001f600.",
-        "Fourth <|endoftext|> stays plain text.", "Fifth and last."]
+DOCS = [
+    "First document, with some words.",
+    "Second: more text\nover two lines.",
+    "Third one \u00e9\u00e8 \U0001f600.",
+    "Fourth <|endoftext|> stays plain text.",
+    "Fifth and last.",
+]
 
 
 def expected(docs) -> list[int]:
@@ -35,14 +40,33 @@ def tokens_of(data, tmp_path, **kw) -> list[int]:
 
 
 def run_cli(*argv, cwd, timeout=120, **kw):
-    return subprocess.run([sys.executable, "-m", "elastic_trainer.cli", *map(str, argv)], cwd=cwd, text=True,
-                          capture_output=True, timeout=timeout, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "elastic_trainer.cli", *map(str, argv)],
+        cwd=cwd,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+        **kw,
+    )
 
 
 # -- cutting text into pieces ---------------------------------------------------------------------------------
 
-TRICKY = ["word\nWord", "a \nb", "x\n\ny", "line\n  indented", "tab\t\nz", "nbsp\u00a0\nq", "end.\n\u00a0\u00a0w",
-          "crlf\r\nnext", "it's\n's", "12\n34", "\u00e9\n\u00e9", "emoji\U0001f600\nA", "!!\n??"]
+TRICKY = [
+    "word\nWord",
+    "a \nb",
+    "x\n\ny",
+    "line\n  indented",
+    "tab\t\nz",
+    "nbsp\u00a0\nq",
+    "end.\n\u00a0\u00a0w",
+    "crlf\r\nnext",
+    "it's\n's",
+    "12\n34",
+    "\u00e9\n\u00e9",
+    "emoji\U0001f600\nA",
+    "!!\n??",
+]
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64])
@@ -65,14 +89,16 @@ def test_jsonl_pieces_end_at_lines_and_keep_line_numbers(tmp_path):
     lines[250] = "{broken"
     (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
     pieces = plan_source(tmp_path / "d.jsonl", Settings(chunk_bytes=500))
-    assert len(pieces) > 10 and all(p.start == 0 or (tmp_path / "d.jsonl").read_bytes()[p.start - 1:p.start] == b"\n"
-                                    for p in pieces)
+    assert len(pieces) > 10 and all(
+        p.start == 0 or (tmp_path / "d.jsonl").read_bytes()[p.start - 1 : p.start] == b"\n" for p in pieces
+    )
     with pytest.raises(ConfigError, match=r"d\.jsonl line 251: not valid JSON"):
         prepare.prepare([tmp_path / "d.jsonl"], tmp_path / "out", chunk_bytes=500, quiet=True)
     assert not (tmp_path / "out").exists()  # a failed first preparation leaves nothing
 
 
 # -- every format gives the same stream -------------------------------------------------------------------------
+
 
 def test_every_text_format_gives_the_reference_stream(tmp_path):
     import gzip
@@ -95,8 +121,11 @@ def test_every_text_format_gives_the_reference_stream(tmp_path):
     datasets.Dataset.from_dict({"body": DOCS}).save_to_disk(str(tmp_path / "g"))
     for name in ("a.jsonl", "b.jsonl.gz", "c.jsonl.zst", "d.json", "e.parquet", "f.arrow", "g"):
         assert tokens_of([tmp_path / name], tmp_path, text_field="body") == want, name
-    with pytest.raises(ConfigError, match=r"a\.jsonl line 1: has no 'text' field \(keys: body, n; choose one with "
-                                          r"--text-field\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"a\.jsonl line 1: has no 'text' field \(keys: body, n; choose one with "
+        r"--text-field\)",
+    ):
         tokens_of([tmp_path / "a.jsonl"], tmp_path)
     with pytest.raises(ConfigError, match=r"e\.parquet has no 'text' field \(columns: body; choose one"):
         tokens_of([tmp_path / "e.parquet"], tmp_path)
@@ -127,8 +156,10 @@ def test_token_files_are_read_in_place(tmp_path):
 def test_megatron_reads_our_shards_and_we_read_megatrons_files(tmp_path):
     """The format checked by a program we did not write: megatron-core's IndexedDataset reads every shard of a
     prepared dataset as its documents; its IndexedDatasetBuilder writes files our reader takes."""
-    mc = pytest.importorskip("megatron.core.datasets.indexed_dataset",
-                             reason="megatron-core is a dev dependency (pip install megatron-core --no-deps)")
+    mc = pytest.importorskip(
+        "megatron.core.datasets.indexed_dataset",
+        reason="megatron-core is a dev dependency (pip install megatron-core --no-deps)",
+    )
     import torch
 
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
@@ -145,12 +176,15 @@ def test_megatron_reads_our_shards_and_we_read_megatrons_files(tmp_path):
     assert tokens_of([tmp_path / "m"], tmp_path) == expected(DOCS)
 
 
-@pytest.mark.parametrize("damage, message", [
-    ("odd-bin", "not a multiple of 2; a nanoGPT .bin holds uint16"),
-    ("idx-version", "Megatron index version 2; only version 1 is read"),
-    ("idx-no-bin", "a Megatron index without its t.bin beside it"),
-    ("idx-short-bin", "does not belong together"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("odd-bin", "not a multiple of 2; a nanoGPT .bin holds uint16"),
+        ("idx-version", "Megatron index version 2; only version 1 is read"),
+        ("idx-no-bin", "a Megatron index without its t.bin beside it"),
+        ("idx-short-bin", "does not belong together"),
+    ],
+)
 def test_bad_token_files_are_one_line(tmp_path, damage, message):
     np.arange(10, dtype=np.uint16).tofile(tmp_path / "t.bin")
     indexed.write_index(tmp_path / "t.idx", np.uint16, np.array([4, 6]), np.arange(3))
@@ -190,11 +224,13 @@ def test_a_damaged_or_foreign_prepared_dataset_is_refused(tmp_path):
 
 # -- resumable, incremental, interruptible ------------------------------------------------------------------------
 
+
 def _corpus(folder: Path, files: int = 6, lines: int = 3000) -> None:
     folder.mkdir()
     for f in range(files):
-        (folder / f"part-{f}.jsonl").write_text("".join(json.dumps({"text": f"file {f} line {i} " * 6}) + "\n"
-                                                        for i in range(lines)))
+        (folder / f"part-{f}.jsonl").write_text(
+            "".join(json.dumps({"text": f"file {f} line {i} " * 6}) + "\n" for i in range(lines))
+        )
 
 
 def _shard_bytes(out: Path) -> dict[str, bytes]:
@@ -219,8 +255,12 @@ def test_killed_then_run_again_gives_the_same_shards_and_a_change_rewrites_only_
     assert full.returncode == 0, full.stderr
     assert "[prepare] done: " in full.stderr and "0 reused" in full.stderr
 
-    proc = subprocess.Popen([sys.executable, "-m", "elastic_trainer.cli", *map(str, args), "--out", tmp_path / "part"],
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "elastic_trainer.cli", *map(str, args), "--out", tmp_path / "part"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     shards = tmp_path / "part" / "shards"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and len(list(shards.glob("*.json"))) < 3:
@@ -251,11 +291,27 @@ def test_killed_then_run_again_gives_the_same_shards_and_a_change_rewrites_only_
 
 def test_ctrl_c_keeps_complete_shards_and_says_one_line(tmp_path):
     _corpus(tmp_path / "c", files=8, lines=6000)
-    proc = subprocess.Popen([sys.executable, "-m", "elastic_trainer.cli", "prepare-data", str(tmp_path / "c"),
-                             "--out", str(tmp_path / "o"), "--chunk-mb", "0.1", "--workers", "2"], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            # a terminal's Ctrl-C, even when this test process ignores SIGINT (children inherit that)
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "elastic_trainer.cli",
+            "prepare-data",
+            str(tmp_path / "c"),
+            "--out",
+            str(tmp_path / "o"),
+            "--chunk-mb",
+            "0.1",
+            "--workers",
+            "2",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # a terminal's Ctrl-C, even when this test process ignores SIGINT (children inherit that)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     shards = tmp_path / "o" / "shards"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and len(list(shards.glob("*.json"))) < 2:
@@ -270,14 +326,16 @@ def test_ctrl_c_keeps_complete_shards_and_says_one_line(tmp_path):
 
 # -- splits and validation -------------------------------------------------------------------------------------
 
+
 def test_a_validation_split_beside_train_is_never_trained_on(tmp_path):
     d = tmp_path / "d"
     d.mkdir()
     (d / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in DOCS[:3]))
     (d / "validation.jsonl").write_text(json.dumps({"text": DOCS[3]}) + "\n")
     (d / "test.jsonl").write_text(json.dumps({"text": DOCS[4]}) + "\n")
-    got = corpus.load(TrainConfig(data=(str(d),), data_cache=str(tmp_path / "cache"), seq_len=2, global_batch=1),
-                      quiet=True)
+    got = corpus.load(
+        TrainConfig(data=(str(d),), data_cache=str(tmp_path / "cache"), seq_len=2, global_batch=1), quiet=True
+    )
     assert np.asarray(got.train).tolist() == expected(DOCS[:3])
     assert np.asarray(got.val).tolist() == expected(DOCS[3:4])
     assert any("left out of training: 1 file(s) of split test" in line for line in got.lines)
@@ -288,10 +346,15 @@ def test_a_validation_split_beside_train_is_never_trained_on(tmp_path):
 def test_a_datasetdict_trains_on_its_split_and_validates_on_validation(tmp_path):
     import datasets
 
-    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": DOCS[:4]}),
-                          "validation": datasets.Dataset.from_dict({"text": DOCS[4:]})}).save_to_disk(str(tmp_path / "dd"))
-    got = corpus.load(TrainConfig(data=(str(tmp_path / "dd"),), data_cache=str(tmp_path / "c"), seq_len=2,
-                                  global_batch=1), quiet=True)
+    datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"text": DOCS[:4]}),
+            "validation": datasets.Dataset.from_dict({"text": DOCS[4:]}),
+        }
+    ).save_to_disk(str(tmp_path / "dd"))
+    got = corpus.load(
+        TrainConfig(data=(str(tmp_path / "dd"),), data_cache=str(tmp_path / "c"), seq_len=2, global_batch=1), quiet=True
+    )
     assert np.asarray(got.train).tolist() == expected(DOCS[:4]) and np.asarray(got.val).tolist() == expected(DOCS[4:])
     with pytest.raises(ConfigError, match=r"a DatasetDict without the split 'test' \(valid --data-split: train, "):
         corpus.load(TrainConfig(data=(str(tmp_path / "dd"),), data_split="test", seq_len=2))
@@ -303,7 +366,7 @@ def test_val_fraction_holds_out_whole_documents_by_a_fixed_rule(tmp_path):
     cfg = TrainConfig(data=(str(tmp_path / "a.jsonl"),), data_cache=str(tmp_path / "c"), seq_len=2, val_fraction=0.1)
     got = corpus.load(cfg, quiet=True)
     # the rule, written out: document d is held out when splitmix64(d) < 0.1 * 2**64
-    held = [d for d in range(len(docs)) if int(stream._mix(np.array([d]))[0]) < int(0.1 * 2 ** 64)]
+    held = [d for d in range(len(docs)) if int(stream._mix(np.array([d]))[0]) < int(0.1 * 2**64)]
     assert 20 < len(held) < 60
     assert np.asarray(got.val).tolist() == expected([docs[d] for d in held])
     assert np.asarray(got.train).tolist() == expected([t for d, t in enumerate(docs) if d not in held])
@@ -358,8 +421,14 @@ def test_every_format_of_one_corpus_trains_the_same_losses(tmp_path, group):
     one = Layout(1, 1, 1, 4, 1)
     losses = {}
     for name in ("raw.jsonl", "prepared", "nano.bin", "mega", "hf"):
-        cfg = TrainConfig(data=(str(tmp_path / name),), data_cache=str(tmp_path / "cache"), global_batch=4, seq_len=16,
-                          steps=3, seed=5)
+        cfg = TrainConfig(
+            data=(str(tmp_path / name),),
+            data_cache=str(tmp_path / "cache"),
+            global_batch=4,
+            seq_len=16,
+            steps=3,
+            seed=5,
+        )
         trainer = Trainer(model, cfg, one, build_mesh(one, "cpu"), torch.device("cpu"))
         losses[name] = [trainer.train_step()["loss"] for _ in range(3)]
     assert len({tuple(v) for v in losses.values()}) == 1, losses
@@ -380,8 +449,9 @@ def test_identical_files_in_two_folders_are_prepared_once_and_read_twice(tmp_pat
     for folder in ("x", "y"):
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "part.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
-    manifest = prepare.prepare([tmp_path / "x" / "part.jsonl", tmp_path / "y" / "part.jsonl"], tmp_path / "ds",
-                               quiet=True, workers=None)
+    manifest = prepare.prepare(
+        [tmp_path / "x" / "part.jsonl", tmp_path / "y" / "part.jsonl"], tmp_path / "ds", quiet=True, workers=None
+    )
     assert len(manifest["shards"]) == 2 and manifest["shards"][0] == manifest["shards"][1]
     assert np.asarray(stream.TokenStream(stream.prepared_files(tmp_path / "ds"))).tolist() == expected(DOCS) * 2
 
@@ -398,13 +468,14 @@ def test_blank_lines_are_cut_and_one_long_document_is_held_out_whole(tmp_path):
         files[-1].write_text(text)
     pieces = plan_source(files[3], Settings(chunk_bytes=2000))
     assert len(pieces) > 10
-    held = [d for d in range(len(docs)) if int(stream._mix(np.array([d]))[0]) < int(0.5 * 2 ** 64)]
+    held = [d for d in range(len(docs)) if int(stream._mix(np.array([d]))[0]) < int(0.5 * 2**64)]
     assert held == [3, 4, 5]
     for chunk in (2000, CHUNK):
         manifest = prepare.prepare(files, tmp_path / f"ds{chunk}", chunk_bytes=chunk, quiet=True)
         assert (len(manifest["shards"]) > 10) == (chunk == 2000) and manifest["documents"] == len(docs)
-        got = corpus.load(TrainConfig(data=(str(tmp_path / f"ds{chunk}"),), seq_len=2, val_fraction=0.5,
-                                      global_batch=1))
+        got = corpus.load(
+            TrainConfig(data=(str(tmp_path / f"ds{chunk}"),), seq_len=2, val_fraction=0.5, global_batch=1)
+        )
         assert np.asarray(got.val).tolist() == expected([docs[d] for d in held]), chunk
         assert np.asarray(got.train).tolist() == expected([docs[d] for d in range(len(docs)) if d not in held]), chunk
 
@@ -424,6 +495,6 @@ def test_one_read_gives_the_digest_and_every_piece_s_first_line(tmp_path, monkey
         for kind in ("txt", "jsonl"):
             got, content = planning._byte_pieces(tmp_path / "f.txt", len(data), kind, int(rng.integers(1, 300)))
             assert content == xxhash.xxh3_128(data).hexdigest()
-            assert [p.line for p in got] == [data[:p.start].count(b"\n") + 1 for p in got], (trial, kind)
+            assert [p.line for p in got] == [data[: p.start].count(b"\n") + 1 for p in got], (trial, kind)
             assert got[0].start == 0 and got[-1].stop == len(data)
             assert all(a.stop == b.start for a, b in zip(got, got[1:]))

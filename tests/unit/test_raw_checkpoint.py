@@ -76,7 +76,7 @@ def test_each_piece_is_its_bytes_and_reads_back_equal(tmp_path, threads):
         if piece.is_bytes:
             continue
         value = state()[index.fqn].contiguous()
-        stored = (tmp_path / piece.info.relative_path).read_bytes()[piece.info.offset:][:piece.info.length]
+        stored = (tmp_path / piece.info.relative_path).read_bytes()[piece.info.offset :][: piece.info.length]
         as_numpy = value.view(torch.int16) if value.dtype == torch.bfloat16 else value  # numpy has no bf16
         assert stored == as_numpy.numpy().tobytes(), index.fqn
     got = blank(state())
@@ -123,12 +123,17 @@ def test_a_stored_piece_is_read_in_part(tmp_path):
 
     for start in (0, 4):
         target = torch.zeros(4, 5, dtype=torch.bfloat16)
-        req = ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex("half", torch.Size([start, 0])),
-                       dest_offsets=torch.Size([0, 0]), storage_index=MetadataIndex("half", torch.Size([0, 0])),
-                       storage_offsets=torch.Size([start, 0]), lengths=torch.Size([4, 5]))
+        req = ReadItem(
+            type=LoadItemType.TENSOR,
+            dest_index=MetadataIndex("half", torch.Size([start, 0])),
+            dest_offsets=torch.Size([0, 0]),
+            storage_index=MetadataIndex("half", torch.Size([0, 0])),
+            storage_offsets=torch.Size([start, 0]),
+            lengths=torch.Size([4, 5]),
+        )
         assert isinstance(metadata.state_dict_metadata["half"].chunks[0], ChunkStorageMetadata)
         reader.read_data(type("Plan", (), {"items": [req]})(), Planner(target)).wait()
-        assert torch.equal(target, whole[start:start + 4])
+        assert torch.equal(target, whole[start : start + 4])
     # a plan whose target does not match the part (copy_ would broadcast it) is refused
     with pytest.raises(CheckpointError, match="shape"):
         reader.read_data(type("Plan", (), {"items": [req]})(), Planner(torch.zeros(1, 5, dtype=torch.bfloat16)))

@@ -37,8 +37,12 @@ WRITER = textwrap.dedent("""
 
 
 def start_writer(log, lines: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(lines)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            env={**os.environ, LOG_ENV: str(log), "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(lines)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={**os.environ, LOG_ENV: str(log), "PYTHONUNBUFFERED": "1"},
+    )
     assert proc.stdout.readline() == b"ready\n"
     return proc
 
@@ -85,10 +89,18 @@ def test_a_live_reader_gets_everything(tmp_path):
 def test_an_unwritable_log_leaves_the_output_to_the_reader(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    proc = subprocess.run([sys.executable, "-c", "from elastic_trainer.launch.relay import start_relay; "
-                           "r = start_relay(); print(r.log_error, flush=True); r.close()"],
-                          capture_output=True, text=True, env={**os.environ, LOG_ENV: str(blocker / "h.log")},
-                          timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from elastic_trainer.launch.relay import start_relay; "
+            "r = start_relay(); print(r.log_error, flush=True); r.close()",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, LOG_ENV: str(blocker / "h.log")},
+        timeout=60,
+    )
     assert proc.returncode == 0 and proc.stdout.startswith(f"cannot write the host log {blocker / 'h.log'}")
 
 

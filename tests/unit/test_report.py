@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-from elastic_trainer.elastic.report import (downtime, parts, effective, format_rows, phase_rows, plot, samples_consumed_once,
-                                            segments)
+from elastic_trainer.elastic.report import (
+    downtime,
+    effective,
+    format_rows,
+    parts,
+    phase_rows,
+    plot,
+    samples_consumed_once,
+    segments,
+)
 
 L4 = {"dp": 2, "tp": 1, "pp": 2, "micro_batch": 4, "num_microbatches": 1, "dp_mode": "ddp", "recompute": False}
 L8 = {"dp": 4, "tp": 1, "pp": 2, "micro_batch": 2, "num_microbatches": 1, "dp_mode": "fsdp", "recompute": True}
@@ -12,9 +20,18 @@ BATCH = 8
 
 def rec(step, time, step_time=2.0, phase=0, restart=0, world=4, layout=L4, attempt="first"):
     """One metrics record; step s consumed samples [(s - 1) * 8, s * 8); loss 10 - s / 10."""
-    return {"step": step, "loss": 10.0 - step / 10, "step_time_s": step_time, "time": time,
-            "samples": [(step - 1) * BATCH, step * BATCH], "world_size": world, "layout": layout, "phase": phase,
-            "restart": restart, "attempt": attempt}
+    return {
+        "step": step,
+        "loss": 10.0 - step / 10,
+        "step_time_s": step_time,
+        "time": time,
+        "samples": [(step - 1) * BATCH, step * BATCH],
+        "world_size": world,
+        "layout": layout,
+        "phase": phase,
+        "restart": restart,
+        "attempt": attempt,
+    }
 
 
 def ev(event, time, phase, **fields):
@@ -43,16 +60,33 @@ def test_effective_rollback_of_several_steps_drops_the_rolled_back_tail():
     first = [rec(s, 1000 + 2 * s) for s in range(1, 11)]
     redo = [rec(s, 1100 + 2 * s, attempt="redo") for s in (3, 4, 5)]
     kept = effective(first + redo)
-    assert [(r["step"], r["attempt"]) for r in kept] == [(1, "first"), (2, "first"), (3, "redo"), (4, "redo"),
-                                                         (5, "redo")]
+    assert [(r["step"], r["attempt"]) for r in kept] == [
+        (1, "first"),
+        (2, "first"),
+        (3, "redo"),
+        (4, "redo"),
+        (5, "redo"),
+    ]
 
 
 def test_effective_two_restarts():
-    records = ([rec(s, 1000 + s) for s in range(1, 7)] + [rec(s, 1100 + s, attempt="second") for s in (5, 6, 7, 8)]
-               + [rec(s, 1200 + s, attempt="third") for s in (7, 8, 9)])
+    records = (
+        [rec(s, 1000 + s) for s in range(1, 7)]
+        + [rec(s, 1100 + s, attempt="second") for s in (5, 6, 7, 8)]
+        + [rec(s, 1200 + s, attempt="third") for s in (7, 8, 9)]
+    )
     kept = effective(records)
-    assert [(r["step"], r["attempt"][0]) for r in kept] == [(1, "f"), (2, "f"), (3, "f"), (4, "f"), (5, "s"), (6, "s"),
-                                                            (7, "t"), (8, "t"), (9, "t")]
+    assert [(r["step"], r["attempt"][0]) for r in kept] == [
+        (1, "f"),
+        (2, "f"),
+        (3, "f"),
+        (4, "f"),
+        (5, "s"),
+        (6, "s"),
+        (7, "t"),
+        (8, "t"),
+        (9, "t"),
+    ]
 
 
 # ---------------------------------------------------------------- samples consumed once
@@ -82,28 +116,38 @@ def test_effective_records_after_a_rollback_are_consumed_once():
 # phase 0: steps 1..4, 2 s each, ending at 1002, 1004, 1006, 1008 (started at 1000)
 PHASE0 = [rec(s, 1000 + 2 * s) for s in range(1, 5)]
 # phase 1, restart 0: steps 5..8, ending 1030 (first step 3 s: started at 1027), 1032, 1034, 1036; a rank dies after 8
-PHASE1 = [rec(5, 1030, 3.0, phase=1, world=8, layout=L8)] + [rec(s, 1032 + 2 * (s - 6), phase=1, world=8, layout=L8)
-                                                             for s in (6, 7, 8)]
+PHASE1 = [rec(5, 1030, 3.0, phase=1, world=8, layout=L8)] + [
+    rec(s, 1032 + 2 * (s - 6), phase=1, world=8, layout=L8) for s in (6, 7, 8)
+]
 # phase 1, restart 1: resumes from the step-6 checkpoint, redoes 7 and 8, goes on to 10; step 7 ends at 1053 (3.5 s)
-RESTART = [rec(7, 1053, 3.5, phase=1, restart=1, world=8, layout=L8, attempt="redo")] + \
-    [rec(s, 1055 + 2 * (s - 8), phase=1, restart=1, world=8, layout=L8, attempt="redo") for s in (8, 9, 10)]
+RESTART = [rec(7, 1053, 3.5, phase=1, restart=1, world=8, layout=L8, attempt="redo")] + [
+    rec(s, 1055 + 2 * (s - 8), phase=1, restart=1, world=8, layout=L8, attempt="redo") for s in (8, 9, 10)
+]
 RECORDS = PHASE0 + PHASE1 + RESTART
 EVENTS = [
-    ev("stopping", 1008.5, 0, step=4), ev("saved", 1011.0, 0), ev("exited", 1013.0, 0), ev("launched", 1014.0, 1),
-    ev("processes_up", 1020.0, 1), ev("planned", 1022.0, 1), ev("state_loaded", 1025.0, 1, load={"total_s": 2.5}),
+    ev("stopping", 1008.5, 0, step=4),
+    ev("saved", 1011.0, 0),
+    ev("exited", 1013.0, 0),
+    ev("launched", 1014.0, 1),
+    ev("processes_up", 1020.0, 1),
+    ev("planned", 1022.0, 1),
+    ev("state_loaded", 1025.0, 1, load={"total_s": 2.5}),
     ev("first_step_done", 1030.0, 1),
     # the restart: no stop, save, exit or launch; torchrun restarts the workers
-    ev("processes_up", 1045.0, 1, restart=1), ev("planned", 1046.0, 1, restart=1),
-    ev("state_loaded", 1049.0, 1, restart=1, load={"total_s": 1.25}), ev("first_step_done", 1053.0, 1, restart=1),
+    ev("processes_up", 1045.0, 1, restart=1),
+    ev("planned", 1046.0, 1, restart=1),
+    ev("state_loaded", 1049.0, 1, restart=1, load={"total_s": 1.25}),
+    ev("first_step_done", 1053.0, 1, restart=1),
     # the final stop, after the last step: belongs to no gap
-    ev("stopping", 1059.5, 1, restart=1), ev("saved", 1061.0, 1, restart=1), ev("exited", 1062.0, 1),
+    ev("stopping", 1059.5, 1, restart=1),
+    ev("saved", 1061.0, 1, restart=1),
+    ev("exited", 1062.0, 1),
 ]
 
 
 def test_segments_split_on_phase_and_restart():
     segs = segments(RECORDS)
-    assert [(s.phase, s.restart, s.world_size, s.layout) for s in segs] == [(0, 0, 4, L4), (1, 0, 8, L8),
-                                                                           (1, 1, 8, L8)]
+    assert [(s.phase, s.restart, s.world_size, s.layout) for s in segs] == [(0, 0, 4, L4), (1, 0, 8, L8), (1, 1, 8, L8)]
     assert [[r["step"] for r in s.records] for s in segs] == [[1, 2, 3, 4], [5, 6], [7, 8, 9, 10]]
     assert all(r["attempt"] == "redo" for r in segs[2].records)
     # the failed start trained steps 7 and 8 too (redone after the restart): its training ended at 1036
@@ -113,27 +157,60 @@ def test_segments_split_on_phase_and_restart():
 def test_downtime_of_a_phase_change_and_its_stages():
     segs = segments(RECORDS)
     gap = downtime(segs[0], segs[1], EVENTS)
-    assert gap == {"downtime_s": 19.0, "warm": False,  # 1027 (1030 - 3) - 1008
-                   "save_s": 3.0, "exit_s": 2.0, "relaunch_s": 1.0, "detect_s": None, "rendezvous_s": None,
-                   "start_s": 6.0, "setup_s": 5.0, "load_s": 2.5,
-                   "first_step_s": 3.0}
+    assert gap == {
+        "downtime_s": 19.0,
+        "warm": False,  # 1027 (1030 - 3) - 1008
+        "save_s": 3.0,
+        "exit_s": 2.0,
+        "relaunch_s": 1.0,
+        "detect_s": None,
+        "rendezvous_s": None,
+        "start_s": 6.0,
+        "setup_s": 5.0,
+        "load_s": 2.5,
+        "first_step_s": 3.0,
+    }
 
 
 def test_downtime_of_a_warm_hand_over_and_its_parts():
     """The next world was started beside the old one: the old world writes its state into memory (save), the
     next one, not ready yet, finishes its start (wait), reads the state (hand-over) and sets up; its launch,
     rendezvous and process group came before the gap and are not downtime."""
-    before = [{"step": 1, "time": 100.0, "step_time_s": 1.0, "loss": 9.0, "phase": 0, "restart": 0,
-               "world_size": 4, "layout": L4, "samples": [0, 8]}]
-    after = [{"step": 2, "time": 104.0, "step_time_s": 0.5, "loss": 8.9, "phase": 1, "restart": 0,
-              "world_size": 8, "layout": L8, "samples": [8, 16]}]
-    events = [{"event": "launched", "time": 90.0, "phase": 1, "warm": True},
-              {"event": "processes_up", "time": 95.0, "phase": 1},
-              {"event": "stopping", "time": 100.0, "phase": 0}, {"event": "saved", "time": 100.5, "phase": 0},
-              {"event": "next_world_ready", "time": 101.5, "phase": 1},
-              {"event": "handover_done", "time": 103.0, "phase": 1,
-               "handover": {"total_s": 1.25, "bytes_fetched": 0}},
-              {"event": "state_loaded", "time": 103.25, "phase": 1}]
+    before = [
+        {
+            "step": 1,
+            "time": 100.0,
+            "step_time_s": 1.0,
+            "loss": 9.0,
+            "phase": 0,
+            "restart": 0,
+            "world_size": 4,
+            "layout": L4,
+            "samples": [0, 8],
+        }
+    ]
+    after = [
+        {
+            "step": 2,
+            "time": 104.0,
+            "step_time_s": 0.5,
+            "loss": 8.9,
+            "phase": 1,
+            "restart": 0,
+            "world_size": 8,
+            "layout": L8,
+            "samples": [8, 16],
+        }
+    ]
+    events = [
+        {"event": "launched", "time": 90.0, "phase": 1, "warm": True},
+        {"event": "processes_up", "time": 95.0, "phase": 1},
+        {"event": "stopping", "time": 100.0, "phase": 0},
+        {"event": "saved", "time": 100.5, "phase": 0},
+        {"event": "next_world_ready", "time": 101.5, "phase": 1},
+        {"event": "handover_done", "time": 103.0, "phase": 1, "handover": {"total_s": 1.25, "bytes_fetched": 0}},
+        {"event": "state_loaded", "time": 103.25, "phase": 1},
+    ]
     segs = segments(before + after)
     gap = downtime(segs[0], segs[1], events)
     assert gap["warm"] and gap["downtime_s"] == 3.5  # 103.5 (104 - 0.5) - 100
@@ -147,16 +224,29 @@ def test_downtime_of_a_restart_within_a_phase():
     ended (step 8, redone after the restart), so the lost steps are not downtime but `redone`."""
     segs = segments(RECORDS)
     gap = downtime(segs[1], segs[2], EVENTS)
-    assert gap == {"downtime_s": 13.5, "warm": False,  # 1049.5 (1053 - 3.5) - 1036
-                   "save_s": None, "exit_s": None, "relaunch_s": None, "detect_s": None, "rendezvous_s": None,
-                   "start_s": 9.0, "setup_s": 4.0,
-                   "load_s": 1.25, "first_step_s": 3.5}
+    assert gap == {
+        "downtime_s": 13.5,
+        "warm": False,  # 1049.5 (1053 - 3.5) - 1036
+        "save_s": None,
+        "exit_s": None,
+        "relaunch_s": None,
+        "detect_s": None,
+        "rendezvous_s": None,
+        "start_s": 9.0,
+        "setup_s": 4.0,
+        "load_s": 1.25,
+        "first_step_s": 3.5,
+    }
 
 
 def test_downtime_of_a_failure_recorded_by_the_agents():
     """The surviving agents' events split the restart's start: detection, their rendezvous, the workers' start."""
-    agents = [ev("workers_restarting", 1038.0, 1, writer="agent"), ev("workers_restarting", 1038.5, 1, writer="agent"),
-              ev("rendezvous_done", 1041.0, 1, writer="agent"), ev("rendezvous_done", 1041.2, 1, writer="agent")]
+    agents = [
+        ev("workers_restarting", 1038.0, 1, writer="agent"),
+        ev("workers_restarting", 1038.5, 1, writer="agent"),
+        ev("rendezvous_done", 1041.0, 1, writer="agent"),
+        ev("rendezvous_done", 1041.2, 1, writer="agent"),
+    ]
     segs = segments(RECORDS)
     gap = downtime(segs[1], segs[2], sorted(EVENTS + agents, key=lambda e: e["time"]))
     assert (gap["detect_s"], gap["rendezvous_s"], gap["start_s"], gap["setup_s"]) == (2.0, 3.0, 4.0, 4.0)
@@ -167,8 +257,9 @@ def test_downtime_without_events_has_no_stages():
     segs = segments(RECORDS)
     gap = downtime(segs[0], segs[1], [])
     assert gap["downtime_s"] == 19.0 and gap["first_step_s"] == 3.0 and "load_s" not in gap
-    assert [gap[k] for k in ("save_s", "exit_s", "relaunch_s", "detect_s", "rendezvous_s", "start_s",
-                             "setup_s")] == [None] * 7
+    assert [gap[k] for k in ("save_s", "exit_s", "relaunch_s", "detect_s", "rendezvous_s", "start_s", "setup_s")] == [
+        None
+    ] * 7
 
 
 def test_phase_rows_one_per_segment():
@@ -176,7 +267,8 @@ def test_phase_rows_one_per_segment():
     assert [(r["phase"], r["restart"], r["ranks"], r["layout"], r["steps"], r["loss"]) for r in rows] == [
         (0, 0, 4, "dp2 tp1 pp2, 4x1 ddp", (1, 4), 9.6),
         (1, 0, 8, "dp4 tp1 pp2, 2x1 fsdp+rc", (5, 6), 9.4),
-        (1, 1, 8, "dp4 tp1 pp2, 2x1 fsdp+rc", (7, 10), 9.0)]
+        (1, 1, 8, "dp4 tp1 pp2, 2x1 fsdp+rc", (7, 10), 9.0),
+    ]
     assert rows[0]["downtime"] is None
     assert (rows[1]["downtime"]["downtime_s"], rows[2]["downtime"]["downtime_s"]) == (19.0, 13.5)
 
@@ -186,11 +278,31 @@ def test_format_rows_table():
     assert len(lines) == 4
     assert lines[0].split("  ")[0] == "phase" and "downtime s" in lines[0] and "of which load s" in lines[0]
     cells = [[c.strip() for c in line.split("  ") if c.strip()] for line in lines[1:]]
-    assert cells == [["1", "4", "dp2 tp1 pp2, 4x1 ddp", "1-4", "9.6000", "-", "-", "-", "-"],
-                     ["2", "8", "dp4 tp1 pp2, 2x1 fsdp+rc", "5-6", "9.4000", "19.0", "2.50", "0",
-                      "restart: save 3.00 + exit 2.00 + relaunch 1.00 + start 6.00 + setup 5.00"],
-                     ["2 (restart 1)", "8", "dp4 tp1 pp2, 2x1 fsdp+rc", "7-10", "9.0000", "13.5", "1.25", "2",
-                      "restart: start 9.00 + setup 4.00"]]
+    assert cells == [
+        ["1", "4", "dp2 tp1 pp2, 4x1 ddp", "1-4", "9.6000", "-", "-", "-", "-"],
+        [
+            "2",
+            "8",
+            "dp4 tp1 pp2, 2x1 fsdp+rc",
+            "5-6",
+            "9.4000",
+            "19.0",
+            "2.50",
+            "0",
+            "restart: save 3.00 + exit 2.00 + relaunch 1.00 + start 6.00 + setup 5.00",
+        ],
+        [
+            "2 (restart 1)",
+            "8",
+            "dp4 tp1 pp2, 2x1 fsdp+rc",
+            "7-10",
+            "9.0000",
+            "13.5",
+            "1.25",
+            "2",
+            "restart: start 9.00 + setup 4.00",
+        ],
+    ]
     column = lines[0].index("downtime s")
     assert lines[2][column:].startswith("19.0") and lines[3][column:].startswith("13.5")
 
@@ -254,8 +366,9 @@ def test_the_plot_marks_the_validation_losses(tmp_path, monkeypatch):
 
     lines = []
     original = matplotlib.axes.Axes.plot
-    monkeypatch.setattr(matplotlib.axes.Axes, "plot",
-                        lambda self, *a, **k: lines.append((a, k)) or original(self, *a, **k))
+    monkeypatch.setattr(
+        matplotlib.axes.Axes, "plot", lambda self, *a, **k: lines.append((a, k)) or original(self, *a, **k)
+    )
     records = [with_val(r, 9.5 - r["step"] / 10, 0.5) if r["step"] % 3 == 0 else r for r in RECORDS]
     plot(records, str(tmp_path / "a.png"))
     assert {a[2] for a, k in lines if k.get("label") == "validation"} == {"o"}  # markers, not a line

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from elastic_trainer.experiment.policy import Choice
 from elastic_trainer.experiment.simclock import auto_scale, exchange_gb, hosts_of, reconfiguration_s, simulate
 from elastic_trainer.plan import load_hardware
-from elastic_trainer.experiment.policy import Choice
 
 
 class FakeCandidate:
@@ -101,8 +101,10 @@ def test_hand_over_within_a_host_by_hand():
     cpu = load_hardware("cpu")  # CPU ranks share the host: compute_units of its 8 ranks copy at once
     share = cpu.compute_units / 8
     assert reconfiguration_s(10**9, cpu, eight, four) == pytest.approx(
-        12 / 8 / (cpu.shm_write_gbs * share) + 12 / 4 / (cpu.shm_read_gbs * cpu.compute_units / 4)
-        + cpu.handover_setup_s)
+        12 / 8 / (cpu.shm_write_gbs * share)
+        + 12 / 4 / (cpu.shm_read_gbs * cpu.compute_units / 4)
+        + cpu.handover_setup_s
+    )
 
 
 def test_exchange_is_the_busiest_host_s_traffic():

@@ -90,8 +90,8 @@ def test_a_commit_while_another_world_removes_the_emptied_host_folder(tmp_path, 
     """The stopping world commits its durable copy (`memory.drop`) just as the world that took its state
     removes the host's emptied folder: the folder is gone between its check and its listing (CI saw this
     kill the stopping world's rank 0, whose agent then restarted it beside the next world)."""
-    from pathlib import Path
     import shutil
+    from pathlib import Path
 
     monkeypatch.setenv(memory.SHM_ENV, str(tmp_path / "shm"))
     root = memory.host_root(str(tmp_path / "ckpt"), create=True)

@@ -19,8 +19,10 @@ def test_a_state_that_cannot_be_staged_is_written_from_the_gpu(monkeypatch):
     monkeypatch.setattr(staging, "to_host", refuse)
     got, threads = staging.for_writing(state, 8, say=lambda line, flush: said.append(line))
     assert got is state and threads == 1
-    assert said == ["[checkpoint] the state could not be staged in pinned host memory (CUDA error: out of memory); "
-                    "writing it from the GPU, more slowly"]
+    assert said == [
+        "[checkpoint] the state could not be staged in pinned host memory (CUDA error: out of memory); "
+        "writing it from the GPU, more slowly"
+    ]
     monkeypatch.setattr(staging, "is_on_gpu", lambda state: False)
     assert staging.for_writing(state, 8) == (state, 1)
 

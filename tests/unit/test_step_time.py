@@ -12,18 +12,28 @@ from elastic_trainer.plan.layout import Layout
 from elastic_trainer.plan.step_time import Link, accumulation_bytes, step_time
 
 # 1 TFLOP/s, 1 GB/s inside a host, 0.5 GB/s across, no latency, no overlap, 512 GB/s memory
-HW = Hardware(name="toy", tflops=1.0, memory_bandwidth_gbs=512.0, logit_ns=0.0, optimizer_ns_per_param=0.0,
-              intra_host_gbs=1.0, inter_host_gbs=0.5, intra_host_latency_us=0.0, inter_host_latency_us=0.0,
-              overlap=0.0, gpus_per_host=8)
+HW = Hardware(
+    name="toy",
+    tflops=1.0,
+    memory_bandwidth_gbs=512.0,
+    logit_ns=0.0,
+    optimizer_ns_per_param=0.0,
+    intra_host_gbs=1.0,
+    inter_host_gbs=0.5,
+    intra_host_latency_us=0.0,
+    inter_host_latency_us=0.0,
+    overlap=0.0,
+    gpus_per_host=8,
+)
 MODEL = ModelConfig(n_layers=4, d_model=64, n_heads=4, vocab_size=1000, context_length=32)
 SEQ = 32
 # By hand, micro-batch 2 (64 tokens), in microseconds:
 BLOCK = 3 * (24 * 64 * 64**2 + 2 * 64 * 32 * 64) / 1e6  # forward + backward of a block: 19.6608
-HEAD = 3 * 2 * 64 * 64 * 1000 / 1e6                    # output head: 24.576
-EMB = 2 * 1000 * 64 * 4 / 512e3                        # embedding gradient (zero + accumulate): 1.0
-HIDDEN = 64 * 64 * 4 / 1e3                             # one (2, 32, 64) fp32 activation at 1 GB/s: 16.384
-BLOCK_PARAMS = 12 * 64**2 + 13 * 64                    # 49984
-ROOT_PARAMS = 1000 * 64 + 32 * 64 + 2 * 64             # 66176
+HEAD = 3 * 2 * 64 * 64 * 1000 / 1e6  # output head: 24.576
+EMB = 2 * 1000 * 64 * 4 / 512e3  # embedding gradient (zero + accumulate): 1.0
+HIDDEN = 64 * 64 * 4 / 1e3  # one (2, 32, 64) fp32 activation at 1 GB/s: 16.384
+BLOCK_PARAMS = 12 * 64**2 + 13 * 64  # 49984
+ROOT_PARAMS = 1000 * 64 + 32 * 64 + 2 * 64  # 66176
 
 
 def predicted_us(layout: Layout, hw: Hardware = HW, gpus_per_host: int = 8) -> float:
@@ -54,8 +64,11 @@ def test_work_per_micro_batch_and_parameter_is_charged_on_every_stage():
     plain = step_time(MODEL, Layout(1, 1, 2, 2, 3), SEQ, "fp32", HW, 8).stages
     charged = step_time(MODEL, Layout(1, 1, 2, 2, 3), SEQ, "fp32", hw, 8).stages
     assert [(c.compute - p.compute) * 1e6 for c, p in zip(charged, plain)] == pytest.approx(
-        [2 * BLOCK_PARAMS + 1000 * 64 + 32 * 64,  # the first stage: its blocks and the embeddings
-         2 * BLOCK_PARAMS + 1000 * 64 + 2 * 64])  # the last: its blocks, the tied head and the final norm
+        [
+            2 * BLOCK_PARAMS + 1000 * 64 + 32 * 64,  # the first stage: its blocks and the embeddings
+            2 * BLOCK_PARAMS + 1000 * 64 + 2 * 64,
+        ]
+    )  # the last: its blocks, the tied head and the final norm
 
 
 def test_the_gradients_summed_over_a_step_s_micro_batches_are_charged_in_every_mode_that_reduces_once():
@@ -64,6 +77,7 @@ def test_the_gradients_summed_over_a_step_s_micro_batches_are_charged_in_every_m
     (read 4, write 4) and adds 3. bf16 with fp32 reduction: FSDP2 casts the first into its fp32 accumulator (read
     2, write 4) and adds 3 (read 2 + 4, write 4), as zero1 does. fsdp without a pipeline reduces every
     micro-batch: nothing summed in full size."""
+
     def per_step(dp, pp, a, mode, dtype="fp32"):
         return accumulation_bytes(Layout(dp, 1, pp, 1, a, dp_mode=mode), dtype) * a
 
@@ -101,8 +115,10 @@ def test_tensor_parallel_halves_blocks_and_adds_four_all_reduces_per_block():
 def test_pipeline_is_sum_of_stages_plus_slowest_for_each_further_micro_batch():
     # each stage sums its gradients over the 3 micro-batches in full size (fp32, in place: 2 adds of 12 bytes
     # per parameter), a third of it per micro-batch
-    sums = [n * 2 * 12 / 3 / 512e3 for n in (2 * BLOCK_PARAMS + 1000 * 64 + 32 * 64, 2 * BLOCK_PARAMS + 1000 * 64 + 2 * 64)]
-    first = 2 * BLOCK + EMB + HIDDEN + sums[0]        # sends activations forward
+    sums = [
+        n * 2 * 12 / 3 / 512e3 for n in (2 * BLOCK_PARAMS + 1000 * 64 + 32 * 64, 2 * BLOCK_PARAMS + 1000 * 64 + 2 * 64)
+    ]
+    first = 2 * BLOCK + EMB + HIDDEN + sums[0]  # sends activations forward
     last = 2 * BLOCK + HEAD + EMB + HIDDEN + sums[1]  # sends their gradients backward
     tied = 2 * (2 - 1) / 2 * 1000 * 64 * 4 / 1e3  # all-reduce of the tied embedding's gradient
     result = step_time(MODEL, Layout(1, 1, 2, 2, 3), SEQ, "fp32", HW, 8)
@@ -121,8 +137,9 @@ def test_fsdp_without_pipeline_gathers_twice_and_reduces_every_micro_batch():
     ddp_mb = compute + params * 12 / 2 / 512e3
     assert predicted_us(Layout(2, 1, 1, 2, 2, dp_mode="ddp")) == pytest.approx(2 * ddp_mb + all_reduce)
     hidden = dataclasses.replace(HW, overlap=1.0)
-    assert predicted_us(Layout(2, 1, 1, 2, 2, dp_mode="ddp"), hidden) == \
-        pytest.approx(2 * ddp_mb + all_reduce - 2 / 3 * ddp_mb)
+    assert predicted_us(Layout(2, 1, 1, 2, 2, dp_mode="ddp"), hidden) == pytest.approx(
+        2 * ddp_mb + all_reduce - 2 / 3 * ddp_mb
+    )
 
 
 def test_fsdp_pays_latency_per_unit_and_each_collective_its_share_of_an_all_reduce():
@@ -143,7 +160,7 @@ def test_zero1_reduces_and_gathers_once_per_step_and_copies_at_memory_bandwidth(
     params = 4 * BLOCK_PARAMS + ROOT_PARAMS
     hooks = params * (8 + 12) / 2 / 512e3  # per micro-batch: the first copied into the fp32 buffer, the second added
     scatter = gather = 0.5 * params * 4 / 1e3  # fp32 buffer and master shard over 2 ranks, not overlapped
-    copy = params * (4 + 4) / 512e3    # the gathered fp32 weights into the parameters
+    copy = params * (4 + 4) / 512e3  # the gathered fp32 weights into the parameters
     compute = 4 * BLOCK + HEAD + 2 * EMB
     layout = Layout(2, 1, 1, 2, 2, dp_mode="zero1")
     assert predicted_us(layout) == pytest.approx(2 * (compute + hooks) + scatter + gather + copy)
@@ -151,8 +168,9 @@ def test_zero1_reduces_and_gathers_once_per_step_and_copies_at_memory_bandwidth(
     # reduce-scatter stays fp32)
     assert predicted_us(layout, dataclasses.replace(HW, overlap=1.0)) == pytest.approx(predicted_us(layout))
     bf16 = step_time(MODEL, layout, SEQ, "bf16", HW, 8).total * 1e6
-    assert predicted_us(layout) - bf16 == pytest.approx(2 * params * 2 / 512e3 + params * 4 / 512e3
-                                                        + 0.5 * params * 2 / 1e3)
+    assert predicted_us(layout) - bf16 == pytest.approx(
+        2 * params * 2 / 512e3 + params * 4 / 512e3 + 0.5 * params * 2 / 1e3
+    )
     # one collective each way per step, whatever the micro-batches: two latencies; each at its share of an
     # all-reduce (a ring's: 0.5)
     slow = dataclasses.replace(HW, intra_host_latency_us=10.0)
@@ -165,12 +183,18 @@ def test_zero1_reduces_and_gathers_once_per_step_and_copies_at_memory_bandwidth(
 
 def test_an_old_profile_s_reduce_scatter_as_all_reduce_reads_as_a_share_of_one(tmp_path):
     old = tmp_path / "old.toml"
-    old.write_text(load_hardware("cpu").to_toml().replace("reduce_scatter_share = ", "# ")
-                   + "reduce_scatter_as_all_reduce = true\n")
+    old.write_text(
+        load_hardware("cpu").to_toml().replace("reduce_scatter_share = ", "# ")
+        + "reduce_scatter_as_all_reduce = true\n"
+    )
     assert load_hardware(old).reduce_scatter_share == 1.0
-    old.write_text(old.read_text().replace("reduce_scatter_as_all_reduce = true", "reduce_scatter_as_all_reduce = false"))
+    old.write_text(
+        old.read_text().replace("reduce_scatter_as_all_reduce = true", "reduce_scatter_as_all_reduce = false")
+    )
     assert load_hardware(old).reduce_scatter_share == 0.5
-    old.write_text(old.read_text().replace("reduce_scatter_as_all_reduce = false", 'reduce_scatter_as_all_reduce = "yes"'))
+    old.write_text(
+        old.read_text().replace("reduce_scatter_as_all_reduce = false", 'reduce_scatter_as_all_reduce = "yes"')
+    )
     with pytest.raises(ConfigError, match="reduce_scatter_as_all_reduce='yes' must be true or false"):
         load_hardware(old)
 
@@ -211,8 +235,7 @@ def test_shared_host_bounds_the_step_by_total_work_over_cores():
     # gradient copied into the all-reduce's input (8), divided into a new buffer and copied out (16)
     copies = (4 * BLOCK_PARAMS + ROOT_PARAMS) * (8 + 8 + 16) / 512e3
     # 2 ranks on 1 core: the two replicas' work runs one after the other, and so does their communication
-    assert predicted_us(Layout(2, 1, 1, 2, 1, dp_mode="ddp"), cpu) == pytest.approx(
-        2 * (compute + all_reduce + copies))
+    assert predicted_us(Layout(2, 1, 1, 2, 1, dp_mode="ddp"), cpu) == pytest.approx(2 * (compute + all_reduce + copies))
     two = dataclasses.replace(cpu, compute_units=2)
     assert predicted_us(Layout(2, 1, 1, 2, 1, dp_mode="ddp"), two) == pytest.approx(compute + all_reduce + copies)
 
@@ -252,8 +275,10 @@ def test_a_compiled_job_runs_its_blocks_compiled_speedup_times_faster():
     model, hw = load_model_config("gpt3-xl"), dataclasses.replace(load_hardware("h100-80g"), compiled_speedup=1.25)
     layout, seq = Layout(1, 1, 1, 2, 4, "ddp"), 2048
     tokens = layout.micro_batch * seq
-    block = 3 * block_flops(model, tokens, seq, 1) / (hw.tflops * 1e12 * tokens / (tokens + hw.half_rate_tokens)) \
+    block = (
+        3 * block_flops(model, tokens, seq, 1) / (hw.tflops * 1e12 * tokens / (tokens + hw.half_rate_tokens))
         + hw.layer_overhead_ms * 1e-3
+    )
     eager = step_time(model, layout, seq, "bf16", hw, 8).total
     compiled = step_time(model, layout, seq, "bf16", hw, 8, block_speedup=1.25).total
     assert eager - compiled == pytest.approx(4 * model.n_layers * block * (1 - 1 / 1.25), rel=1e-9)
@@ -270,7 +295,7 @@ STAGE_PARAMS = 4 * BLOCK_PARAMS + ROOT_PARAMS  # the one stage's parameters (tie
 def test_the_host_s_time_per_block_bounds_a_micro_batch_when_it_exceeds_the_device_s():
     slow_host = dataclasses.replace(HW, zero1_host_block_ms=1.0)  # 4 blocks: 4 ms per micro-batch on the host
     zero1_adds = STAGE_PARAMS * (8 + 2 * 12) / 3 / 512e3  # us: copy then 2 adds into the fp32 buffer, per mb
-    copy = STAGE_PARAMS * 2 * 4 / 512e3              # us: the gathered weights into the parameters
+    copy = STAGE_PARAMS * 2 * 4 / 512e3  # us: the gathered weights into the parameters
     device = 4 * BLOCK + HEAD + 2 * EMB + zero1_adds
     assert device < 4000
     assert predicted_us(Layout(1, 1, 1, 2, 3, dp_mode="zero1"), slow_host) == pytest.approx(3 * 4000 + copy)
@@ -289,8 +314,9 @@ def test_layer_overhead_is_not_charged_where_the_host_s_time_is_known():
     assert predicted_us(Layout(1, 1, 1, 2, 1), overhead) - predicted_us(Layout(1, 1, 1, 2, 1)) == pytest.approx(4.0)
     hosted = dataclasses.replace(overhead, fsdp_host_block_ms=1e-6)
     plain_hosted = dataclasses.replace(HW, fsdp_host_block_ms=1e-6)
-    assert predicted_us(Layout(1, 1, 1, 2, 1), hosted) == pytest.approx(predicted_us(Layout(1, 1, 1, 2, 1),
-                                                                                     plain_hosted))
+    assert predicted_us(Layout(1, 1, 1, 2, 1), hosted) == pytest.approx(
+        predicted_us(Layout(1, 1, 1, 2, 1), plain_hosted)
+    )
 
 
 def test_fsdp2s_copies_are_charged_by_bytes_on_a_gpu_only_where_its_host_was_measured():
@@ -305,8 +331,9 @@ def test_fsdp2s_copies_are_charged_by_bytes_on_a_gpu_only_where_its_host_was_mea
 
     for mode, per_microbatch, per_step in [("fsdp", 2 * 14 + 22, 0), ("ddp", 14, 22)]:
         layout = Layout(1, 1, 1, 2, 3, dp_mode=mode)
-        extra = us(layout, hosted) - us(layout, dataclasses.replace(hosted, fsdp_host_block_ms=0.0,
-                                                                     ddp_host_block_ms=0.0, zero1_host_block_ms=0.0))
+        extra = us(layout, hosted) - us(
+            layout, dataclasses.replace(hosted, fsdp_host_block_ms=0.0, ddp_host_block_ms=0.0, zero1_host_block_ms=0.0)
+        )
         assert extra == pytest.approx(STAGE_PARAMS * (3 * per_microbatch + per_step) / 512e3), mode
     # with a pipeline fsdp gathers and reduces once per step: 14 + 22 on the larger stage
     two = Layout(1, 1, 2, 2, 3, dp_mode="fsdp")
@@ -315,7 +342,8 @@ def test_fsdp2s_copies_are_charged_by_bytes_on_a_gpu_only_where_its_host_was_mea
     assert step.hooks - plain.hooks == pytest.approx(larger * 36 / 512e9)
     # a data-sheet profile (no host time measured) lumps such work into its sustained rate: nothing added
     assert us(Layout(1, 1, 1, 2, 3, dp_mode="ddp"), HW) == pytest.approx(
-        step_time(MODEL, Layout(1, 1, 1, 2, 3, dp_mode="ddp"), SEQ, "bf16", HW, 8).total * 1e6)
+        step_time(MODEL, Layout(1, 1, 1, 2, 3, dp_mode="ddp"), SEQ, "bf16", HW, 8).total * 1e6
+    )
     assert step_time(MODEL, Layout(1, 1, 1, 2, 3, dp_mode="ddp"), SEQ, "bf16", HW, 8).hooks == 0.0
 
 
@@ -334,7 +362,8 @@ def test_fsdp2s_copies_on_cpu_ranks_by_hand():
 
     unshard = 8 / 2 + 8
     assert wrapper_bytes(Layout(2, 1, 1, 1, 4, dp_mode="fsdp"), "fp32", True, 0.5) == pytest.approx(
-        (1.5 * unshard + 8 + 6 * 3 / 4, 0.0))
+        (1.5 * unshard + 8 + 6 * 3 / 4, 0.0)
+    )
     assert wrapper_bytes(Layout(2, 1, 2, 1, 4, dp_mode="fsdp"), "fp32", True) == (0.0, unshard + 8)
     assert wrapper_bytes(Layout(2, 1, 1, 1, 4, dp_mode="ddp"), "fp32", True) == (8, 8 + 16)
     assert wrapper_bytes(Layout(2, 1, 2, 1, 4, dp_mode="ddp"), "fp32", True) == (0.0, 8 + 8 + 16)
@@ -349,11 +378,14 @@ def test_fsdp2s_copies_on_cpu_ranks_by_hand():
     assert step_time(MODEL, layout, SEQ, "fp32", HW, 8).hooks == 0.0  # a data-sheet GPU profile: none
     unpiped = Layout(2, 1, 1, 1, 4, dp_mode="fsdp")
     links = Links.of(unpiped, HW, Topology((8,)))
-    extra = (stage_time(MODEL, unpiped, SEQ, "fp32", cpu, links, 0).compute
-             - stage_time(MODEL, unpiped, SEQ, "fp32", HW, links, 0).compute)
+    extra = (
+        stage_time(MODEL, unpiped, SEQ, "fp32", cpu, links, 0).compute
+        - stage_time(MODEL, unpiped, SEQ, "fp32", HW, links, 0).compute
+    )
     params = 4 * BLOCK_PARAMS + ROOT_PARAMS
-    assert extra == pytest.approx((4 * BLOCK_PARAMS * 2 * unshard + ROOT_PARAMS * unshard + params * (8 + 6 * 3 / 4))
-                                  / 512e9)
+    assert extra == pytest.approx(
+        (4 * BLOCK_PARAMS * 2 * unshard + ROOT_PARAMS * unshard + params * (8 + 6 * 3 / 4)) / 512e9
+    )
 
 
 def test_the_activation_term_is_per_token_and_unit_of_width_on_each_tp_rank():
@@ -372,8 +404,14 @@ def test_on_a_shared_host_a_pipelined_stage_s_reduction_runs_in_its_schedule():
     from elastic_trainer.plan.memory import stage_elements
     from elastic_trainer.plan.shared_cores import makespan
 
-    cpu = dataclasses.replace(HW, shared_host=True, compute_units=2.0, reduce_scatter_share=1.0,
-                              all_gather_share=0.5, memory_bandwidth_gbs=512.0)
+    cpu = dataclasses.replace(
+        HW,
+        shared_host=True,
+        compute_units=2.0,
+        reduce_scatter_share=1.0,
+        all_gather_share=0.5,
+        memory_bandwidth_gbs=512.0,
+    )
     layout = Layout(2, 1, 2, 2, 1, dp_mode="zero1")
     result = step_time(MODEL, layout, SEQ, "fp32", cpu, 4)
     whole = [sum((r, b * n)) for r, b, n in (stage_elements(MODEL, layout, s) for s in range(2))]
@@ -386,4 +424,5 @@ def test_on_a_shared_host_a_pipelined_stage_s_reduction_runs_in_its_schedule():
     assert result.dp_comm == pytest.approx(max(gather) + tied) and result.tied == pytest.approx(tied)
     idle = dataclasses.replace(cpu, shared_host=False)  # dedicated devices: the reduction after the schedule
     assert step_time(MODEL, layout, SEQ, "fp32", idle, 4).dp_comm == pytest.approx(
-        max(r + 0.5 * w * 4 / 1e9 + w * 8 / 512e9 for r, w in zip(reduce, whole)) + tied)
+        max(r + 0.5 * w * 4 / 1e9 + w * 8 / 512e9 for r, w in zip(reduce, whole)) + tied
+    )

@@ -17,15 +17,23 @@ def brute_within(sizes: tuple[int, ...], size: int) -> bool:
     world = sum(sizes)
     for order in set(itertools.permutations(sizes)):
         host_of = [h for h, n in enumerate(order) for _ in range(n)]
-        if any(len(set(host_of[g:g + size])) != 1 for g in range(0, world, size)):
+        if any(len(set(host_of[g : g + size])) != 1 for g in range(0, world, size)):
             return False
     return True
 
 
-@pytest.mark.parametrize("size, world, per_host, within", [
-    (2, 16, 8, True), (8, 16, 8, True), (16, 16, 8, False), (3, 12, 8, False), (3, 6, 8, True), (6, 12, 8, False),
-    (4, 12, 8, True),
-])
+@pytest.mark.parametrize(
+    "size, world, per_host, within",
+    [
+        (2, 16, 8, True),
+        (8, 16, 8, True),
+        (16, 16, 8, False),
+        (3, 12, 8, False),
+        (3, 6, 8, True),
+        (6, 12, 8, False),
+        (4, 12, 8, True),
+    ],
+)
 def test_uniform_hosts(size, world, per_host, within):
     assert Topology.uniform(world, per_host).within(size) is within
     assert brute_within(Topology.uniform(world, per_host).sizes, size) is within

@@ -31,8 +31,19 @@ from elastic_trainer.plan.layout import Layout
 from elastic_trainer.train.loop import Trainer
 
 MODEL = ModelConfig(n_layers=2, d_model=8, n_heads=2, vocab_size=16, context_length=8, name="micro")
-CFG = TrainConfig(global_batch=4, seq_len=8, steps=9, seed=3, lr=2e-3, warmup_steps=2, weight_decay=0.05,
-                  beta1=0.8, beta2=0.97, eps=1e-7, data=("no-such-corpus.txt",))
+CFG = TrainConfig(
+    global_batch=4,
+    seq_len=8,
+    steps=9,
+    seed=3,
+    lr=2e-3,
+    warmup_steps=2,
+    weight_decay=0.05,
+    beta1=0.8,
+    beta2=0.97,
+    eps=1e-7,
+    data=("no-such-corpus.txt",),
+)
 TOKENS = np.random.default_rng(1).integers(0, MODEL.vocab_size, 40 * CFG.seq_len + 1).astype(np.uint16)
 STEP = 5
 
@@ -40,15 +51,20 @@ STEP = 5
 def values(names_shapes: dict[str, tuple[int, ...]]) -> dict[str, ParamTrainState]:
     """Random weights and moments, a different Adam step count per parameter (known, not zero)."""
     g = torch.Generator().manual_seed(11)
-    return {n: ParamTrainState(torch.randn(s, generator=g), torch.randn(s, generator=g), torch.rand(s, generator=g),
-                               step=float(STEP + i)) for i, (n, s) in enumerate(names_shapes.items())}
+    return {
+        n: ParamTrainState(
+            torch.randn(s, generator=g), torch.randn(s, generator=g), torch.rand(s, generator=g), step=float(STEP + i)
+        )
+        for i, (n, s) in enumerate(names_shapes.items())
+    }
 
 
 def _trainer_save(rank: int, world: int, root: str) -> dict:
     """The reference: a one-rank Trainer given `values`, saved by the Checkpointer."""
     layout = Layout(1, 1, 1, CFG.global_batch, 1)
-    trainer = Trainer(MODEL, CFG, layout, build_mesh(layout, "cpu"), torch.device("cpu"), tokens=TOKENS,
-                      initialize=False)
+    trainer = Trainer(
+        MODEL, CFG, layout, build_mesh(layout, "cpu"), torch.device("cpu"), tokens=TOKENS, initialize=False
+    )
     init_optimizer_state(trainer.optimizer)
     given = values({n: tuple(p.shape) for n, p in trainer.engine.model.named_parameters()})
     with torch.no_grad():
@@ -72,16 +88,21 @@ def describe(folder: Path) -> tuple[list, dict, dict, list]:
     entries, state = [], {}
     for key, item in md.state_dict_metadata.items():
         if isinstance(item, TensorStorageMetadata):
-            entries.append((key, tuple(item.size), item.properties.dtype,
-                            [(tuple(c.offsets), tuple(c.sizes)) for c in item.chunks]))
+            entries.append(
+                (
+                    key,
+                    tuple(item.size),
+                    item.properties.dtype,
+                    [(tuple(c.offsets), tuple(c.sizes)) for c in item.chunks],
+                )
+            )
             state[key] = torch.empty(item.size, dtype=item.properties.dtype)
         else:
             entries.append((key, "bytes"))
             state[key] = None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, storage_reader=storage.SafeReader(str(folder)), planner=storage.SafeLoadPlanner(),
-                 no_dist=True)
+        dcp.load(state, storage_reader=storage.SafeReader(str(folder)), planner=storage.SafeLoadPlanner(), no_dist=True)
     meta = storage.read_meta(folder)
     for key in ("time", "saved_at"):
         meta.pop(key)
@@ -133,15 +154,19 @@ def test_the_weight_decay_groups_and_settings_follow_the_config(reference):
 
 def _resume(rank: int, world: int, folder: str) -> dict:
     layout = Layout(2, 1, 1, 1, 2, dp_mode="zero1")
-    trainer = Trainer(MODEL, CFG, layout, build_mesh(layout, "cpu"), torch.device("cpu"), tokens=TOKENS,
-                      initialize=False)
+    trainer = Trainer(
+        MODEL, CFG, layout, build_mesh(layout, "cpu"), torch.device("cpu"), tokens=TOKENS, initialize=False
+    )
     checkpointer = Checkpointer(CheckpointConfig(dir=str(Path(folder).parent)), log=lambda *a, **k: None)
     try:
         stats = checkpointer.load_first(trainer, [Path(folder)], strict=True)
     finally:
         checkpointer.close()
-    return {"step": stats.step, "trainer_step": trainer.step,
-            "weights": {n: p.detach().clone() for n, p in trainer.engine.model.named_parameters()}}
+    return {
+        "step": stats.step,
+        "trainer_step": trainer.step,
+        "weights": {n: p.detach().clone() for n, p in trainer.engine.model.named_parameters()},
+    }
 
 
 def test_a_run_in_another_layout_resumes_it_with_its_values(reference, tmp_path):
@@ -158,8 +183,10 @@ def test_what_is_not_our_gpt_s_state_is_refused_in_one_line_and_nothing_is_writt
     cases = [
         ({k: v for k, v in given.items() if k != "ln_f.bias"}, r"it lacks 'ln_f.bias' \(1 missing, 0 extra\)"),
         ({**given, "head.weight": given["ln_f.bias"]}, r"it has 'head.weight', which the GPT lacks"),
-        ({**given, "ln_f.bias": dataclasses.replace(given["ln_f.bias"], exp_avg=torch.zeros(9))},
-         r"exp_avg of 'ln_f.bias' is \(9,\), but the GPT's parameter is \(8,\)"),
+        (
+            {**given, "ln_f.bias": dataclasses.replace(given["ln_f.bias"], exp_avg=torch.zeros(9))},
+            r"exp_avg of 'ln_f.bias' is \(9,\), but the GPT's parameter is \(8,\)",
+        ),
     ]
     for params, message in cases:
         with pytest.raises(ConfigError, match=message):

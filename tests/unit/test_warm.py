@@ -16,16 +16,20 @@ from elastic_trainer.plan.layout import Layout
 GIB = 1 << 30
 
 
-def fake_job(model: str, layouts: list[Layout], ranks: list[int], hardware: str | None = None,
-             metrics_file: str | None = None):
+def fake_job(
+    model: str, layouts: list[Layout], ranks: list[int], hardware: str | None = None, metrics_file: str | None = None
+):
     """What warm_refusal and builds_early read of the launcher's JobSetup: phases on one host."""
     phases = list(range(len(layouts)))
     host = SimpleNamespace(name="node1")
     return SimpleNamespace(
-        model=load_model_config(model), train=SimpleNamespace(seq_len=1024, metrics_file=metrics_file), phases=phases,
+        model=load_model_config(model),
+        train=SimpleNamespace(seq_len=1024, metrics_file=metrics_file),
+        phases=phases,
         placements=lambda phase: [SimpleNamespace(host=host, nproc=ranks[phase])],
         plans=[(SimpleNamespace(layout=layout), "") for layout in layouts],
-        spec=SimpleNamespace(hardware=load_hardware(hardware) if hardware else None))
+        spec=SimpleNamespace(hardware=load_hardware(hardware) if hardware else None),
+    )
 
 
 def test_a_small_job_starts_warm(monkeypatch):
@@ -57,11 +61,19 @@ def test_the_shared_memory_folder_must_hold_the_state(monkeypatch):
     assert "(0.0 GiB in its shared-memory folder)" in warm.warm_refusal(job, 0, 1)
 
 
-@pytest.mark.parametrize("model, hardware, early", [("gpt-tiny", None, True), ("gpt3-xl", "cpu", True),
-                                                    ("gpt-tiny", "h100-80g", True), ("gpt3-xl", "v100-16g", False)])
+@pytest.mark.parametrize(
+    "model, hardware, early",
+    [
+        ("gpt-tiny", None, True),
+        ("gpt3-xl", "cpu", True),
+        ("gpt-tiny", "h100-80g", True),
+        ("gpt3-xl", "v100-16g", False),
+    ],
+)
 def test_the_next_world_builds_before_the_hand_over_only_where_both_fit(model, hardware, early):
-    job = fake_job(model, [Layout(8, 1, 1, 1, 16, dp_mode="ddp"), Layout(4, 1, 1, 1, 32, dp_mode="ddp")], [8, 4],
-                   hardware)
+    job = fake_job(
+        model, [Layout(8, 1, 1, 1, 16, dp_mode="ddp"), Layout(4, 1, 1, 1, 32, dp_mode="ddp")], [8, 4], hardware
+    )
     assert warm.builds_early(job, 0, 1) is early
 
 
@@ -91,7 +103,6 @@ def test_gpu_ranks_need_host_memory_for_the_staged_copy_too(monkeypatch):
     assert line is not None and "twice while it is staged from the GPUs" in line
     monkeypatch.setattr(warm, "available_bytes", lambda: (40 * GIB, 64 * GIB))
     assert warm.warm_refusal(fake_job("gpt3-xl", layouts, [8, 4], "h100-80g"), 0, 1) is None
-
 
 
 def test_cpu_worlds_are_charged_the_heap_their_ranks_keep():

@@ -27,8 +27,16 @@ COUNTED = ("all_reduce", "reduce_scatter_single", "all_gather_single", "broadcas
 
 def _zero_step(rank, world, layout: Layout, tokens, dtype=torch.float32) -> dict:
     warnings.simplefilter("error", FutureWarning)  # torch 2.13 deprecates the old names of the flat collectives
-    engine = Engine(MODEL, layout, build_mesh(layout, "cpu"), CPU, seed=SEED, global_batch=layout.global_batch,
-                    seq_len=T, param_dtype=dtype)
+    engine = Engine(
+        MODEL,
+        layout,
+        build_mesh(layout, "cpu"),
+        CPU,
+        seed=SEED,
+        global_batch=layout.global_batch,
+        seq_len=T,
+        param_dtype=dtype,
+    )
     counts = dict.fromkeys(COUNTED, 0)
     originals = {k: getattr(dist, k) for k in COUNTED}
     for k in COUNTED:
@@ -37,8 +45,9 @@ def _zero_step(rank, world, layout: Layout, tokens, dtype=torch.float32) -> dict
     rows = slice(engine.coords.dp * share, (engine.coords.dp + 1) * share)
     grads_alive = []
     for block in engine.model.layers.values():  # after each block's backward: does any .grad stay set?
-        block.register_full_backward_hook(lambda *_: grads_alive.append(
-            any(p.grad is not None for p in engine.model.parameters())))
+        block.register_full_backward_hook(
+            lambda *_: grads_alive.append(any(p.grad is not None for p in engine.model.parameters()))
+        )
     try:
         local = engine.forward_backward(tokens[rows])
     finally:
@@ -47,7 +56,9 @@ def _zero_step(rank, world, layout: Layout, tokens, dtype=torch.float32) -> dict
     zero = engine.zero
     names = [s.name for s in zero.slots]
     return {
-        "dp": engine.coords.dp, "loss": engine.global_loss(local), "counts": counts,
+        "dp": engine.coords.dp,
+        "loss": engine.global_loss(local),
+        "counts": counts,
         "grads": {n: m.grad.clone() for n, m in zip(names, zero.masters)},
         "masters": {n: m.clone() for n, m in zip(names, zero.masters)},
         "param_dtypes": {p.dtype for p in engine.model.parameters()},
@@ -157,10 +168,15 @@ def _state_job(rank, world, layouts, tokens) -> dict:
         trainer = Trainer(MODEL, cfg, layout, build_mesh(layout, "cpu"), CPU, tokens=tokens)
         trainer.train_step()
         state = tensor_state(trainer)
-        out.append({part: {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in state[part].items()}
-                    for part in state})
-        out[-1]["local_shapes"] = {k: tuple(v.to_local().shape) for k, v in state["optim"].items()
-                                   if isinstance(v, DTensor)}
+        out.append(
+            {
+                part: {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in state[part].items()}
+                for part in state
+            }
+        )
+        out[-1]["local_shapes"] = {
+            k: tuple(v.to_local().shape) for k, v in state["optim"].items() if isinstance(v, DTensor)
+        }
     return out
 
 
@@ -213,8 +229,11 @@ def _narrow_job(rank, world) -> dict:
         for m in zero.masters:
             m.mul_(-1.0)
     zero.gather()
-    return {"masters": [tuple(m.shape) for m in zero.masters], "grads": [g.clone() for g in zero.grads],
-            "params": [p.detach().clone() for p in model.parameters()]}
+    return {
+        "masters": [tuple(m.shape) for m in zero.masters],
+        "grads": [g.clone() for g in zero.grads],
+        "params": [p.detach().clone() for p in model.parameters()],
+    }
 
 
 def test_a_rank_without_rows_of_a_parameter_holds_an_empty_shard():

@@ -13,6 +13,19 @@ from elastic_trainer.interop.deepspeed.names import TIED_KEY, gpt_shapes, pipeli
 from elastic_trainer.interop.deepspeed.read import DeepSpeedState, ParamState, read_deepspeed, tag_folder
 from elastic_trainer.interop.deepspeed.safe import STAND_INS, safe_load
 
-__all__ = ["DeepSpeedState", "ImportPlan", "ParamState", "STAND_INS", "TIED_KEY", "check_settings", "gpt_shapes",
-           "import_deepspeed", "pipeline_param_name", "read_deepspeed", "safe_load", "settings_of", "tag_folder",
-           "to_gpt"]
+__all__ = [
+    "DeepSpeedState",
+    "ImportPlan",
+    "ParamState",
+    "STAND_INS",
+    "TIED_KEY",
+    "check_settings",
+    "gpt_shapes",
+    "import_deepspeed",
+    "pipeline_param_name",
+    "read_deepspeed",
+    "safe_load",
+    "settings_of",
+    "tag_folder",
+    "to_gpt",
+]

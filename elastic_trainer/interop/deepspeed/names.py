@@ -59,18 +59,24 @@ def to_gpt(state: DeepSpeedState, cfg: ModelConfig) -> dict[str, ParamState]:
     elif any(n.startswith(("transformer.", "h.", "wte.")) for n in names):
         out = _from_hf(state, cfg)
     else:
-        raise ConfigError(f"unrecognized parameter names (first: {names[0]!r}): import reads DeepSpeed checkpoints "
-                          "of elastic_trainer's GPT, of Hugging Face GPT-2, or of the PipelineModule in "
-                          f"{PIPELINE}")
+        raise ConfigError(
+            f"unrecognized parameter names (first: {names[0]!r}): import reads DeepSpeed checkpoints "
+            "of elastic_trainer's GPT, of Hugging Face GPT-2, or of the PipelineModule in "
+            f"{PIPELINE}"
+        )
     missing = [n for n in want if n not in out]
     if missing:
-        raise ConfigError(f"the checkpoint lacks {len(missing)} parameter(s) of a GPT with {cfg.n_layers} layers "
-                          f"(first: {missing[0]!r}); it has {_layer_count(list(out))} layers (check --model)")
+        raise ConfigError(
+            f"the checkpoint lacks {len(missing)} parameter(s) of a GPT with {cfg.n_layers} layers "
+            f"(first: {missing[0]!r}); it has {_layer_count(list(out))} layers (check --model)"
+        )
     wrong = [(n, tuple(out[n].weight.shape), s) for n, s in want.items() if tuple(out[n].weight.shape) != s]
     if wrong:
         n, got, s = wrong[0]
-        raise ConfigError(f"parameter {n!r} is {got} in the checkpoint but {s} in the model given (check --model: "
-                          f"d_model, vocab_size, context_length)")
+        raise ConfigError(
+            f"parameter {n!r} is {got} in the checkpoint but {s} in the model given (check --model: "
+            f"d_model, vocab_size, context_length)"
+        )
     return out
 
 
@@ -78,8 +84,10 @@ def _from_ours(state: DeepSpeedState, cfg: ModelConfig, want: dict) -> dict[str,
     names = list(state.params)
     extra = [n for n in names if n not in want]
     if extra:
-        raise ConfigError(f"the checkpoint holds parameters a GPT with {cfg.n_layers} layers lacks (first: "
-                          f"{extra[0]!r}); it has {_layer_count(names)} layers (check --model)")
+        raise ConfigError(
+            f"the checkpoint holds parameters a GPT with {cfg.n_layers} layers lacks (first: "
+            f"{extra[0]!r}); it has {_layer_count(names)} layers (check --model)"
+        )
     return {n: state.params[n] for n in want if n in state.params}
 
 
@@ -88,8 +96,10 @@ def _from_pipeline(state: DeepSpeedState, cfg: ModelConfig) -> dict[str, ParamSt
     for n in state.params:
         ours = pipeline_param_name(n, cfg.n_layers)
         if ours is None:
-            raise ConfigError(f"pipeline parameter {n!r} is not a layer of {PIPELINE}'s PipelineModule for a "
-                              f"{cfg.n_layers}-layer GPT (check --model)")
+            raise ConfigError(
+                f"pipeline parameter {n!r} is not a layer of {PIPELINE}'s PipelineModule for a "
+                f"{cfg.n_layers}-layer GPT (check --model)"
+            )
         out.setdefault(ours, state.params[n])  # a tied parameter: its first stage's
     return out
 
@@ -99,14 +109,21 @@ def _from_hf(state: DeepSpeedState, cfg: ModelConfig) -> dict[str, ParamState]:
     source = _hf_names(cfg, names)
     absent = [theirs for theirs in source.values() if theirs not in state.params]
     if absent:
-        raise ConfigError(f"the checkpoint's Hugging Face GPT-2 parameters lack {absent[0]!r} for a "
-                          f"{cfg.n_layers}-layer GPT; it has {_layer_count(names)} layers (check --model)")
+        raise ConfigError(
+            f"the checkpoint's Hugging Face GPT-2 parameters lack {absent[0]!r} for a "
+            f"{cfg.n_layers}-layer GPT; it has {_layer_count(names)} layers (check --model)"
+        )
     extra = sorted(set(names) - set(source.values()))
     if extra:
-        why = ("an untied output head is not supported" if extra[0].endswith("lm_head.weight") else
-               f"it has {_layer_count(names)} layers (check --model)")
-        raise ConfigError(f"the checkpoint holds Hugging Face GPT-2 parameters a GPT with {cfg.n_layers} layers "
-                          f"lacks (first: {extra[0]!r}); {why}")
+        why = (
+            "an untied output head is not supported"
+            if extra[0].endswith("lm_head.weight")
+            else f"it has {_layer_count(names)} layers (check --model)"
+        )
+        raise ConfigError(
+            f"the checkpoint holds Hugging Face GPT-2 parameters a GPT with {cfg.n_layers} layers "
+            f"lacks (first: {extra[0]!r}); {why}"
+        )
     out = {}
     for ours, theirs in source.items():
         p = state.params[theirs]
@@ -115,8 +132,10 @@ def _from_hf(state: DeepSpeedState, cfg: ModelConfig) -> dict[str, ParamState]:
             try:
                 conv[what] = _convert_hf_tensor(ours, getattr(p, what), cfg)
             except RuntimeError:
-                raise ConfigError(f"parameter {theirs!r} is {tuple(p.weight.shape)} in the checkpoint, which "
-                                  f"does not fit the model given (check --model)") from None
+                raise ConfigError(
+                    f"parameter {theirs!r} is {tuple(p.weight.shape)} in the checkpoint, which "
+                    f"does not fit the model given (check --model)"
+                ) from None
         out[ours] = ParamState(**conv, step=p.step, hyper=p.hyper)
     return out
 
@@ -129,8 +148,12 @@ def _hf_names(cfg: ModelConfig, names: list[str]) -> dict[str, str]:
     prefix = "transformer." if any(n.startswith("transformer.") for n in names) else ""
     out = {ours: prefix + theirs.removeprefix("transformer.") for ours, theirs in hf._TOP.items()}
     for i in range(cfg.n_layers):
-        block = {**hf._BLOCK_RENAMES, **hf._BLOCK_TRANSPOSED, "attn.qkv_proj.weight": "attn.c_attn.weight",
-                 "attn.qkv_proj.bias": "attn.c_attn.bias"}
+        block = {
+            **hf._BLOCK_RENAMES,
+            **hf._BLOCK_TRANSPOSED,
+            "attn.qkv_proj.weight": "attn.c_attn.weight",
+            "attn.qkv_proj.bias": "attn.c_attn.bias",
+        }
         out.update({f"layers.{i}.{ours}": f"{prefix}h.{i}.{theirs}" for ours, theirs in block.items()})
     return out
 

@@ -84,6 +84,8 @@ def pipeline_module(cfg: ModelConfig, num_stages: int, loss_fn=lm_loss, **kwargs
 
     layers = [TiedLayerSpec(TIED_KEY, Embed, cfg, tied_weight_attr=["tok_emb.weight"]), LayerSpec(Positions, cfg)]
     layers += [LayerSpec(PipeBlock, cfg) for _ in range(cfg.n_layers)]
-    layers += [LayerSpec(FinalNorm, cfg),
-               TiedLayerSpec(TIED_KEY, Embed, cfg, forward_fn=_project, tied_weight_attr=["tok_emb.weight"])]
+    layers += [
+        LayerSpec(FinalNorm, cfg),
+        TiedLayerSpec(TIED_KEY, Embed, cfg, forward_fn=_project, tied_weight_attr=["tok_emb.weight"]),
+    ]
     return PipelineModule(layers=layers, num_stages=num_stages, loss_fn=loss_fn, **kwargs)

@@ -68,8 +68,10 @@ def tag_folder(src: str | os.PathLike) -> Path:
     """A checkpoint's tag folder: SRC itself, or the tag SRC/latest names (DeepSpeed's save_checkpoint root)."""
     src = Path(src)
     if not src.is_dir():
-        raise CheckpointError(f"{str(src)!r} is not a folder (valid: a DeepSpeed checkpoint folder, its tag "
-                              "folder such as global_step100, or a ds_to_universal output)")
+        raise CheckpointError(
+            f"{str(src)!r} is not a folder (valid: a DeepSpeed checkpoint folder, its tag "
+            "folder such as global_step100, or a ds_to_universal output)"
+        )
     if (src / "latest").is_file() and not _looks_like_tag(src):
         tag = (src / "latest").read_text().strip()
         if not tag or "/" in tag or tag in (".", ".."):
@@ -108,8 +110,10 @@ def read_deepspeed(src: str | os.PathLike) -> DeepSpeedState:
         raise
     except (KeyError, IndexError, TypeError, AttributeError, ValueError, RuntimeError) as e:
         detail = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
-        raise CheckpointError(f"{str(folder)!r} is not a DeepSpeed checkpoint of a form import reads ({detail}); "
-                              "valid: ZeRO-1/2/3, PipelineModule with ZeRO-1, or ds_to_universal's output") from None
+        raise CheckpointError(
+            f"{str(folder)!r} is not a DeepSpeed checkpoint of a form import reads ({detail}); "
+            "valid: ZeRO-1/2/3, PipelineModule with ZeRO-1, or ds_to_universal's output"
+        ) from None
 
 
 def _read(folder: Path) -> DeepSpeedState:
@@ -125,9 +129,11 @@ def _read(folder: Path) -> DeepSpeedState:
     mp = {int(m.group(1)): folder / n for n in names if (m := _MP_MODEL.match(n))}
     if not optim:
         found = ", ".join(names[:6]) + (" ..." if len(names) > 6 else "") or "nothing"
-        raise CheckpointError(f"{str(folder)!r} holds no DeepSpeed optimizer state (found: {found}); import "
-                              "needs the Adam moments: a checkpoint saved by engine.save_checkpoint with ZeRO "
-                              "stage 1-3, or its ds_to_universal form")
+        raise CheckpointError(
+            f"{str(folder)!r} holds no DeepSpeed optimizer state (found: {found}); import "
+            "needs the Adam moments: a checkpoint saved by engine.save_checkpoint with ZeRO "
+            "stage 1-3, or its ds_to_universal form"
+        )
     if zero3:
         return _read_zero3(folder, zero3, optim)
     if not mp:
@@ -141,12 +147,16 @@ def _common(model_states: dict, where: Path) -> dict:
     dims = model_states.get("checkpoint_parallel_dimensions") or {}
     tp = dims.get("tp_degree", 1)
     if tp != 1:
-        raise CheckpointError(f"{str(where)!r} was saved with tensor parallelism {tp}: import reads DeepSpeed "
-                              "checkpoints of ZeRO and PipelineModule only (tp_degree 1)")
+        raise CheckpointError(
+            f"{str(where)!r} was saved with tensor parallelism {tp}: import reads DeepSpeed "
+            "checkpoints of ZeRO and PipelineModule only (tp_degree 1)"
+        )
     if model_states.get("frozen_param_shapes"):
         frozen = list(model_states["frozen_param_shapes"])[:3]
-        raise CheckpointError(f"{str(where)!r} has frozen parameters ({', '.join(frozen)}...): elastic_trainer "
-                              "trains every parameter of its GPT")
+        raise CheckpointError(
+            f"{str(where)!r} has frozen parameters ({', '.join(frozen)}...): elastic_trainer "
+            "trains every parameter of its GPT"
+        )
     return model_states
 
 
@@ -156,10 +166,17 @@ def _shapes(model_states: dict) -> list[dict[str, torch.Size]]:
 
 
 def _state(form: str, params: dict, ms: dict, dp: int, pipeline: bool = False) -> DeepSpeedState:
-    return DeepSpeedState(form=form, params=params, global_steps=int(ms.get("global_steps", 0)),
-                          global_samples=int(ms.get("global_samples", 0)), skipped_steps=int(ms.get("skipped_steps", 0)),
-                          ds_config=dict(ms.get("ds_config") or {}), ds_version=str(ms.get("ds_version", "?")),
-                          dp_world_size=dp, pipeline=pipeline)
+    return DeepSpeedState(
+        form=form,
+        params=params,
+        global_steps=int(ms.get("global_steps", 0)),
+        global_samples=int(ms.get("global_samples", 0)),
+        skipped_steps=int(ms.get("skipped_steps", 0)),
+        ds_config=dict(ms.get("ds_config") or {}),
+        ds_version=str(ms.get("ds_version", "?")),
+        dp_world_size=dp,
+        pipeline=pipeline,
+    )
 
 
 def _ranked(files: dict[int, Path], where: Path, what: str) -> list[Path]:
@@ -178,11 +195,15 @@ def _read_zero12_stage(folder: Path, model_states: dict, optim_files: list[Path]
     for path, sd in zip(optim_files, osds):
         osd = sd.get("optimizer_state_dict") if isinstance(sd, dict) else None
         if not isinstance(osd, dict) or "single_partition_of_fp32_groups" not in osd:
-            raise CheckpointError(f"{str(path)!r} is not a ZeRO-1/2 optimizer file (no single_partition_of_fp32_groups)")
+            raise CheckpointError(
+                f"{str(path)!r} is not a ZeRO-1/2 optimizer file (no single_partition_of_fp32_groups)"
+            )
         counts = osd.get("partition_count")
         if any(c != len(optim_files) for c in (counts if isinstance(counts, list) else [counts]) if c is not None):
-            raise CheckpointError(f"{str(path)!r} was partitioned {counts} ways but {len(optim_files)} rank files "
-                                  "are there: incomplete checkpoint")
+            raise CheckpointError(
+                f"{str(path)!r} was partitioned {counts} ways but {len(optim_files)} rank files "
+                "are there: incomplete checkpoint"
+            )
         stage = osd.get("zero_stage", stage)
     for g, group_shapes in enumerate(shapes):
         pieces: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {n: [] for n in group_shapes}
@@ -193,21 +214,25 @@ def _read_zero12_stage(folder: Path, model_states: dict, optim_files: list[Path]
             base = osd["base_optimizer_state"]
             st = base["state"].get(g, base["state"].get(str(g))) if isinstance(base["state"], dict) else None
             if not st or "exp_avg" not in st:
-                raise CheckpointError(f"{str(path)!r} holds no Adam state for parameter group {g}: import needs "
-                                      "Adam or AdamW moments (a checkpoint after at least one step)")
+                raise CheckpointError(
+                    f"{str(path)!r} holds no Adam state for parameter group {g}: import needs "
+                    "Adam or AdamW moments (a checkpoint after at least one step)"
+                )
             hyper, step = _hyper(base["param_groups"][g]), _step_of(st)
             for name, frag in osd["param_slice_mappings"][g].items():
                 if name not in pieces:
                     raise CheckpointError(f"{str(path)!r} maps parameter {name!r}, which param_shapes lacks")
                 s, n = int(frag.start), int(frag.numel)
-                pieces[name].append((flat[s:s + n], st["exp_avg"][s:s + n], st["exp_avg_sq"][s:s + n]))
+                pieces[name].append((flat[s : s + n], st["exp_avg"][s : s + n], st["exp_avg_sq"][s : s + n]))
         for name, shape in group_shapes.items():
             got = pieces[name]
             numel = math.prod(shape)
             parts = [torch.cat([p[i] for p in got]) if got else torch.empty(0) for i in range(3)]
             if parts[0].numel() != numel:
-                raise CheckpointError(f"{str(folder)!r}: parameter {name!r} has {parts[0].numel()} of its {numel} "
-                                      "elements in the rank files: incomplete or inconsistent checkpoint")
+                raise CheckpointError(
+                    f"{str(folder)!r}: parameter {name!r} has {parts[0].numel()} of its {numel} "
+                    "elements in the rank files: incomplete or inconsistent checkpoint"
+                )
             if name not in params:
                 params[name] = ParamState(*(t.reshape(shape).clone() for t in parts), step=step, hyper=hyper)
     return f"ZeRO-{int(stage) if stage is not None else '1/2'}"
@@ -224,8 +249,9 @@ def _read_zero12(folder: Path, mp: dict[int, Path], optim: dict[int, dict[int, P
         if s not in optim:
             raise CheckpointError(f"{str(folder)!r} lacks the ZeRO optimizer files of model-parallel rank {s}")
         form = _read_zero12_stage(folder, ms, _ranked(optim[s], folder, "the optimizer file"), params)
-    pipeline = (first.get("checkpoint_parallel_dimensions") or {}).get("pp_degree", 1) > 1 or \
-        any(folder.glob("layer_*-model_states.pt"))
+    pipeline = (first.get("checkpoint_parallel_dimensions") or {}).get("pp_degree", 1) > 1 or any(
+        folder.glob("layer_*-model_states.pt")
+    )
     if pipeline:
         form = f"pipeline ({len(stages)} stages, {form})"
     return _state(form, params, first, len(optim[stages[0]]), pipeline)
@@ -245,8 +271,10 @@ def _read_zero3(folder: Path, model_files: list[str], optim: dict[int, dict[int,
         if not isinstance(osd, dict) or "fp32_flat_groups" not in osd:
             raise CheckpointError(f"{str(path)!r} is not a ZeRO-3 optimizer file (no fp32_flat_groups)")
         if osd.get("partition_count", world) != world:
-            raise CheckpointError(f"{str(path)!r} was partitioned {osd.get('partition_count')} ways but {world} "
-                                  "rank files are there: incomplete checkpoint")
+            raise CheckpointError(
+                f"{str(path)!r} was partitioned {osd.get('partition_count')} ways but {world} "
+                "rank files are there: incomplete checkpoint"
+            )
         osds.append((path, osd))
     params: dict[str, ParamState] = {}
     for g, group_shapes in enumerate(shapes):
@@ -256,8 +284,10 @@ def _read_zero3(folder: Path, model_files: list[str], optim: dict[int, dict[int,
             inner = osd["optimizer_state_dict"]
             st = inner["state"].get(g) if isinstance(inner.get("state"), dict) else None
             if not st or "exp_avg" not in st:
-                raise CheckpointError(f"{str(path)!r} holds no Adam state for parameter group {g}: import needs "
-                                      "Adam or AdamW moments (a checkpoint after at least one step)")
+                raise CheckpointError(
+                    f"{str(path)!r} holds no Adam state for parameter group {g}: import needs "
+                    "Adam or AdamW moments (a checkpoint after at least one step)"
+                )
             flats.append(osd["fp32_flat_groups"][g])
             avgs.append(st["exp_avg"])
             sqs.append(st["exp_avg_sq"])
@@ -267,10 +297,14 @@ def _read_zero3(folder: Path, model_files: list[str], optim: dict[int, dict[int,
             numel = math.prod(shape)
             piece = math.ceil(numel / world)
             if offset + piece > min(f.numel() for f in flats):
-                raise CheckpointError(f"{str(folder)!r}: the ZeRO-3 partitions end before parameter {name!r}: "
-                                      "incomplete or inconsistent checkpoint")
-            parts = [torch.cat([t[offset:offset + piece] for t in ts])[:numel].reshape(shape).clone()
-                     for ts in (flats, avgs, sqs)]
+                raise CheckpointError(
+                    f"{str(folder)!r}: the ZeRO-3 partitions end before parameter {name!r}: "
+                    "incomplete or inconsistent checkpoint"
+                )
+            parts = [
+                torch.cat([t[offset : offset + piece] for t in ts])[:numel].reshape(shape).clone()
+                for ts in (flats, avgs, sqs)
+            ]
             params[name] = ParamState(*parts, step=step, hyper=hyper)
             offset += piece
     return _state("ZeRO-3", params, ms, world)
@@ -279,11 +313,13 @@ def _read_zero3(folder: Path, model_files: list[str], optim: dict[int, dict[int,
 def _read_universal(folder: Path) -> DeepSpeedState:
     # ds_to_universal copies the model-states files: mp_rank_SS_... (ZeRO-1/2, one per pipeline stage) or
     # zero_pp_rank_R_mp_rank_00_... (ZeRO-3)
-    model_files = sorted(folder.glob("mp_rank_*_model_states.pt")) or \
-        sorted(folder.glob("zero_pp_rank_0_mp_rank_*_model_states.pt"))
+    model_files = sorted(folder.glob("mp_rank_*_model_states.pt")) or sorted(
+        folder.glob("zero_pp_rank_0_mp_rank_*_model_states.pt")
+    )
     if not model_files:
-        raise CheckpointError(f"{str(folder)!r} has a zero/ folder but no model-states file: not a ds_to_universal "
-                              "output")
+        raise CheckpointError(
+            f"{str(folder)!r} has a zero/ folder but no model-states file: not a ds_to_universal output"
+        )
     states = [_common(safe_load(f), f) for f in model_files]
     groups = []
     opt_path = folder / "zero" / "optimizer_state.pt"
@@ -299,8 +335,13 @@ def _read_universal(folder: Path) -> DeepSpeedState:
                     params[name] = _universal_param(folder, name, shape, hyper, ms)
     first = states[0]
     pipeline = (first.get("checkpoint_parallel_dimensions") or {}).get("pp_degree", 1) > 1
-    return _state("universal" + (f" (pipeline, {len(states)} stages)" if pipeline else ""), params, first,
-                  int(first.get("dp_world_size", 1)), pipeline)
+    return _state(
+        "universal" + (f" (pipeline, {len(states)} stages)" if pipeline else ""),
+        params,
+        first,
+        int(first.get("dp_world_size", 1)),
+        pipeline,
+    )
 
 
 def _universal_param(folder: Path, name: str, shape, hyper: dict, ms: dict) -> ParamState:

@@ -56,9 +56,19 @@ def safe_load(path: str | os.PathLike):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=False)
     except OSError as e:
         raise CheckpointError(f"DeepSpeed checkpoint file {str(path)!r} cannot be read ({e.strerror or e})") from None
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError, AttributeError,
-            KeyError, IndexError) as e:
+    except (
+        pickle.UnpicklingError,
+        RuntimeError,
+        EOFError,
+        ValueError,
+        TypeError,
+        AttributeError,
+        KeyError,
+        IndexError,
+    ) as e:
         named = re.search(r"GLOBAL (\S+)", str(e))
         reason = f"it names {named.group(1)}, which is not allowed" if named else _refusal_reason(e)
-        raise CheckpointError(f"refusing DeepSpeed checkpoint file {str(path)!r}: {reason} (only tensors, "
-                              "containers and DeepSpeed's own records are read; nothing was run)") from None
+        raise CheckpointError(
+            f"refusing DeepSpeed checkpoint file {str(path)!r}: {reason} (only tensors, "
+            "containers and DeepSpeed's own records are read; nothing was run)"
+        ) from None

@@ -93,6 +93,25 @@ def decide(spec: JobSpec, phase: PhaseSpec, topology: Topology, start: str) -> D
     return Decision(layout, f"{line} [{reason}]", "planned", reason, start, held, hosts)
 
 
+@dataclass
+class Start:
+    """One start of this rank: what each part of its life reads, gathered once by `run`."""
+
+    spec: JobSpec
+    phase: PhaseSpec
+    env: TorchrunEnv
+    device: object
+    """torch.device of this rank."""
+    stop: object
+    """The StopRequest (signals, the stop file)."""
+    events: object
+    """The EventLog (rank 0 writes)."""
+    tags: dict
+    """phase, restart and this start's id: every record and event of the start carries them."""
+    corpus: object
+    """The train and validation token streams."""
+
+
 def run(
     spec: JobSpec,
     phase_index: int | None,
@@ -108,7 +127,6 @@ def run(
     from elastic_trainer.elastic import StopRequest
     from elastic_trainer.elastic.events import EventLog
     from elastic_trainer.parallel import active, default_device, init_process_group
-    from elastic_trainer.parallel.agree import agree, gather_topology
 
     spec = for_restart(spec, env)
     if corpus is None:
@@ -120,34 +138,30 @@ def run(
     device = default_device(env.local_rank)
     init_process_group(device, env.distributed)
     phase = spec.phase(phase_index)
-    stop = StopRequest(spec.stop_file)
-    rank0, world = dist.get_rank() == 0, dist.get_world_size()
     tags = {k: v for k, v in (("phase", phase.index), ("restart", env.restart_count)) if v is not None}
     tags["start"] = uuid.uuid4().hex[:8]  # this start's records and events (only rank 0 writes them)
-    events = EventLog(spec.events_file, enabled=rank0, tags=tags)
+    rank0 = dist.get_rank() == 0
+    start = Start(
+        spec,
+        phase,
+        env,
+        device,
+        StopRequest(spec.stop_file),
+        EventLog(spec.events_file, enabled=rank0, tags=tags),
+        tags,
+        corpus,
+    )
     store, decision, status, reason, idle_code = None, None, "stopped", None, None
     try:
-        events.emit("processes_up", started=started, world_size=world)
-        topology = gather_topology(env.group_rank)
-        decision = agree(lambda: decide(spec, phase, topology, tags["start"]))
-        if rank0:
-            print(decision.line, flush=True)
-        events.emit(
-            "planned",
-            layout=decision.layout.to_dict(),
-            hosts=list(topology.sizes),
-            source=decision.source,
-            reason=decision.reason,
-            idle=decision.idle,
-            held=decision.held,
-        )
+        start.events.emit("processes_up", started=started, world_size=dist.get_world_size())
+        decision = _settle(start)
         if decision.idle:
-            store, idle_code = _narrow(decision, device, stop)
+            store, idle_code = _narrow(decision, device, start.stop)
         if idle_code is None:
-            status, reason = _train_releasing(spec, phase, decision, device, stop, events, tags, corpus, env, store)
+            status, reason = _train(start, decision, store)
     finally:
-        stop.close()
-        events.close()
+        start.stop.close()
+        start.events.close()
         if dist.is_initialized():
             dist.destroy_process_group()
     if idle_code is not None:
@@ -156,7 +170,7 @@ def run(
         code = exit_code(status, reason, under_torchrun=env.under_torchrun, peer_stop=os.environ.get(PEER_STOP_ENV))
         if store is not None and rank0:
             active.release(store, decision.start, code, decision.idle)
-    if forked and stop.reason == "SIGTERM":
+    if forked and start.stop.reason == "SIGTERM":
         # The agent is stopping its workers: it will not collect a forked worker's return value (the worker
         # would wait for that until killed), and the state is saved.
         finish_worker(0, env, force=True)
@@ -170,6 +184,28 @@ def for_restart(spec: JobSpec, env: TorchrunEnv) -> JobSpec:
     if not env.restart_count or ckpt is None or ckpt.resume == "auto":
         return spec
     return dataclasses.replace(spec, checkpoint=dataclasses.replace(ckpt, resume="auto"))
+
+
+def _settle(start: Start) -> Decision:
+    """The hosts of every rank gathered, rank 0's decision agreed by all, said and recorded."""
+    import torch.distributed as dist
+
+    from elastic_trainer.parallel.agree import agree, gather_topology
+
+    topology = gather_topology(start.env.group_rank)
+    decision = agree(lambda: decide(start.spec, start.phase, topology, start.tags["start"]))
+    if dist.get_rank() == 0:
+        print(decision.line, flush=True)
+    start.events.emit(
+        "planned",
+        layout=decision.layout.to_dict(),
+        hosts=list(topology.sizes),
+        source=decision.source,
+        reason=decision.reason,
+        idle=decision.idle,
+        held=decision.held,
+    )
+    return decision
 
 
 def _narrow(decision: Decision, device, stop):
@@ -186,68 +222,57 @@ def _narrow(decision: Decision, device, stop):
     return store, active.wait_idle(store, decision.start, lambda: stop.reason is not None) or 0
 
 
-def _train_releasing(spec, phase, decision, device, stop, events, tags, corpus, env, store):
-    """`_train`; when it raises on the trainers' rank 0 with GPUs idle, the idle ranks exit with a failure too."""
+def _train(start: Start, decision: Decision, store) -> tuple[str, str | None]:
+    """The job sequence in the settled layout: (status, reason). When it raises on the trainers' rank 0 with
+    GPUs idle (`store` set), the idle ranks are released with a failure too."""
     import torch.distributed as dist
 
+    from elastic_trainer.train import MetricsLog, run_job
+
+    spec, train, layout = start.spec, start.spec.train, decision.layout
+    rank0 = dist.get_rank() == 0
     try:
-        return _train(spec, phase, decision.layout, device, stop, events, tags, corpus, env, decision.hosts)
+        _say_host_ranks(dist.get_rank(), dist.get_world_size(), start.env)
+        board = None
+        if rank0 and train.tensorboard:
+            from elastic_trainer.train.tensorboard import TensorBoardLog
+
+            board = TensorBoardLog(train.tensorboard, train.metrics_file)
+        log = MetricsLog(
+            train.metrics_file,
+            enabled=rank0,
+            log_every=train.log_every,
+            total_steps=train.steps,
+            tags=start.tags,
+            board=board,
+        )
+        # this start's step time, recorded before its save or hand-over: the next world may plan with it
+        on_stop = None
+        if rank0 and decision.hosts:
+            on_stop = functools.partial(_record_measured, spec, layout, decision.hosts, device_type=start.device.type)
+        result = run_job(
+            spec.model,
+            train,
+            layout,
+            start.device,
+            ckpt=spec.checkpoint,
+            stop=start.stop,
+            until=start.phase.until_step,
+            log=log,
+            events=start.events,
+            tokens=start.corpus.train,
+            val_tokens=start.corpus.val,
+            handover=_handover(start.phase, start.env),
+            on_stop=on_stop,
+        )
+        log.close()
     except BaseException as e:
-        if store is not None and dist.get_rank() == 0:
+        if store is not None and rank0:
             from elastic_trainer.parallel import active
 
             bad = isinstance(e, (ConfigError, CheckpointError))
             active.release(store, decision.start, EXIT_BAD_INPUT if bad else 1, 0)
         raise
-
-
-def _train(
-    spec: JobSpec,
-    phase: PhaseSpec,
-    layout: Layout,
-    device,
-    stop,
-    events,
-    tags: dict,
-    corpus,
-    env: TorchrunEnv,
-    hosts: tuple[int, ...] = (),
-) -> tuple[str, str | None]:
-    import torch.distributed as dist
-
-    from elastic_trainer.train import MetricsLog, run_job
-
-    rank0 = dist.get_rank() == 0
-    _say_host_ranks(dist.get_rank(), dist.get_world_size(), env)
-    train = spec.train
-    board = None
-    if rank0 and train.tensorboard:
-        from elastic_trainer.train.tensorboard import TensorBoardLog
-
-        board = TensorBoardLog(train.tensorboard, train.metrics_file)
-    log = MetricsLog(
-        train.metrics_file, enabled=rank0, log_every=train.log_every, total_steps=train.steps, tags=tags, board=board
-    )
-    # this start's step time, recorded before its save or hand-over: the next world may plan with it
-    on_stop = (
-        functools.partial(_record_measured, spec, layout, hosts, device_type=device.type) if rank0 and hosts else None
-    )
-    result = run_job(
-        spec.model,
-        train,
-        layout,
-        device,
-        ckpt=spec.checkpoint,
-        stop=stop,
-        until=phase.until_step,
-        log=log,
-        events=events,
-        tokens=corpus.train,
-        val_tokens=corpus.val,
-        handover=_handover(phase, env),
-        on_stop=on_stop,
-    )
-    log.close()
     if rank0 and train.skip_bad_records:
         from elastic_trainer.data.corpus import skipped_note
 

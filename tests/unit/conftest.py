@@ -1,31 +1,37 @@
-"""Fixtures of the one-process unit tests."""
+"""Fixtures of the one-process unit tests, and the rule of this tier: a unit test forks nothing and starts no
+process. Every way a test could (os.fork and the spawn family, subprocess, multiprocessing) fails here with a
+line that says where such a test belongs, so the tier stays quick and a new test cannot slip out of it."""
 
 from __future__ import annotations
 
-import gc
+import _posixsubprocess
+import multiprocessing.process
 import os
+import subprocess
 
 import pytest
-import torch
-import torch.distributed as dist
+
+TIER_RULE = (
+    "tests/unit forks nothing and starts no process: a test with forked ranks belongs in tests/distributed, "
+    "one that runs a program in tests/e2e"
+)
 
 
-@pytest.fixture
-def group():
-    """A gloo process group of one in this process, gone after the test with its threads (torn down after
-    the test's monkeypatch, whose undo may hold the last reference to a group's user)."""
-    set_env = "GLOO_SOCKET_IFNAME" not in os.environ
-    if set_env:
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    rng = torch.random.get_rng_state()
-    try:
-        yield
-    finally:
-        torch.random.set_rng_state(rng)
-        dist.destroy_process_group()
-        # groups a test left in reference cycles: their gloo threads must not outlive it (a later fork would
-        # inherit them)
-        gc.collect()
-        if set_env:
-            del os.environ["GLOO_SOCKET_IFNAME"]
+def _refusal(what: str):
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{TIER_RULE} (called {what})")
+
+    return refuse
+
+
+@pytest.fixture(autouse=True)
+def _no_processes(monkeypatch):
+    # (os.system is left alone: the pickle tests' payloads name it, and a patched one would not pickle as
+    # posix.system; it is no way to start ranks)
+    for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp"):
+        if hasattr(os, name):
+            monkeypatch.setattr(os, name, _refusal(f"os.{name}"))
+    # multiprocessing's spawn and forkserver start methods
+    monkeypatch.setattr(_posixsubprocess, "fork_exec", _refusal("_posixsubprocess.fork_exec"))
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", _refusal("subprocess"))  # run, check_output, Popen
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _refusal("multiprocessing"))

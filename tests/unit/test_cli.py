@@ -5,6 +5,7 @@ import torch.distributed as dist
 
 from elastic_trainer import cli, rank, resolve
 from elastic_trainer.config import ConfigError, load_model_config
+from elastic_trainer.elastic.exit_codes import EXIT_BAD_INPUT
 from elastic_trainer.plan.layout import Layout
 from elastic_trainer.plan.topology import Topology
 
@@ -39,7 +40,7 @@ def no_training(monkeypatch):
 def test_bad_input_is_one_line_before_any_process_group(monkeypatch, capsys, world, argv, message):
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("RANK", "0")
-    assert cli.main(["train", *argv]) == cli.EXIT_BAD_INPUT
+    assert cli.main(["train", *argv]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err
     assert message in err, err
     assert err.count("\n") == 1 and err.startswith("elastic-trainer: error: ")
@@ -51,7 +52,7 @@ def test_bad_torchrun_environment_is_one_line(monkeypatch, capsys, name, value):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv(name, value)
-    assert cli.main(["train"]) == cli.EXIT_BAD_INPUT
+    assert cli.main(["train"]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err
     assert err == f"elastic-trainer: error: environment variable {name}={value!r} must be an integer >= 1\n"
     assert not dist.is_initialized()
@@ -111,7 +112,7 @@ def test_checkpoint_flags_bad_input(monkeypatch, capsys, tmp_path):
         (["--checkpoint-dir", str(tmp_path), "--resume", "never"], "already holds checkpoints (step-00000004, ...)")
     )
     for argv, message in cases:
-        assert cli.main(["train", *argv]) == cli.EXIT_BAD_INPUT
+        assert cli.main(["train", *argv]) == EXIT_BAD_INPUT
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, (argv, err)
     assert not dist.is_initialized()

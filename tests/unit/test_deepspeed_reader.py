@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from elastic_trainer.config import CheckpointError, ConfigError, ModelConfig, TrainConfig
+from elastic_trainer.elastic.exit_codes import EXIT_BAD_INPUT
 from elastic_trainer.interop import deepspeed as ds
 from elastic_trainer.interop.deepspeed import safe as ds_safe
 from elastic_trainer.model.hf import state_dict_to_hf
@@ -603,9 +604,9 @@ def test_the_command_imports_with_deepspeed_s_settings_as_defaults_and_refuses_i
                 *common,
             ]
         )
-        == cli.EXIT_BAD_INPUT
+        == EXIT_BAD_INPUT
     )
-    assert cli.main(argv[:4]) == cli.EXIT_BAD_INPUT
+    assert cli.main(argv[:4]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err
     assert "global batch 12 (DeepSpeed's train_batch_size: 6; pass --global-batch)" in err
     assert "one of the arguments --model --config is required" in err

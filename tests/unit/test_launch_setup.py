@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from elastic_trainer import cli
+from elastic_trainer.elastic.exit_codes import EXIT_BAD_INPUT
 from elastic_trainer.launch.job_setup import PROJECT_ROOT
 
 
@@ -63,7 +64,7 @@ INJECTION = [
 
 
 def assert_refused(capsys, argv: list[str], message: str, tmp_path: Path) -> None:
-    assert cli.main(argv) == cli.EXIT_BAD_INPUT
+    assert cli.main(argv) == EXIT_BAD_INPUT
     out, err = capsys.readouterr()
     assert message in err, err
     assert err.count("\n") == 1 and err.startswith("elastic-trainer: error: "), err
@@ -195,7 +196,7 @@ def test_checkpoint_of_another_model_or_trajectory_is_refused_before_starting(ca
     ]
     files = sorted((p, p.stat().st_mtime_ns) for p in (tmp_path / "run").rglob("*"))
     for extra, message in cases:
-        assert cli.main([*argv, *extra]) == cli.EXIT_BAD_INPUT
+        assert cli.main([*argv, *extra]) == EXIT_BAD_INPUT
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
     assert sorted((p, p.stat().st_mtime_ns) for p in (tmp_path / "run").rglob("*")) == files  # untouched
@@ -203,7 +204,7 @@ def test_checkpoint_of_another_model_or_trajectory_is_refused_before_starting(ca
 
 def test_unreadable_checkpoint_metadata_is_one_line(capsys, tmp_path):
     fake_checkpoint(tmp_path / "run", None)
-    assert cli.main(launch(tmp_path, "localhost slots=8\n")) == cli.EXIT_BAD_INPUT
+    assert cli.main(launch(tmp_path, "localhost slots=8\n")) == EXIT_BAD_INPUT
     err = capsys.readouterr().err
     assert "step-00000002/meta.json' is unreadable (Expecting property name" in err and err.count("\n") == 1, err
 
@@ -280,7 +281,7 @@ def test_bad_pinned_layouts_are_refused_before_anything_runs(tmp_path, capsys, p
     path = tmp_path / "pinned.json"
     path.write_text(json.dumps(phases))
     argv = launch(tmp_path, "localhost slots=4\n", "--model", "gpt-tiny", "--schedule", str(path), *extra)
-    assert cli.main(argv) == cli.EXIT_BAD_INPUT
+    assert cli.main(argv) == EXIT_BAD_INPUT
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
     assert not (tmp_path / "run").exists()

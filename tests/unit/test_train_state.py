@@ -152,32 +152,6 @@ def test_the_weight_decay_groups_and_settings_follow_the_config(reference):
     assert float(optim["state.tok_emb.weight.step"]) == STEP
 
 
-def _resume(rank: int, world: int, folder: str) -> dict:
-    layout = Layout(2, 1, 1, 1, 2, dp_mode="zero1")
-    trainer = Trainer(
-        MODEL, CFG, layout, build_mesh(layout, "cpu"), torch.device("cpu"), tokens=TOKENS, initialize=False
-    )
-    checkpointer = Checkpointer(CheckpointConfig(dir=str(Path(folder).parent)), log=lambda *a, **k: None)
-    try:
-        stats = checkpointer.load_first(trainer, [Path(folder)], strict=True)
-    finally:
-        checkpointer.close()
-    return {
-        "step": stats.step,
-        "trainer_step": trainer.step,
-        "weights": {n: p.detach().clone() for n, p in trainer.engine.model.named_parameters()},
-    }
-
-
-def test_a_run_in_another_layout_resumes_it_with_its_values(reference, tmp_path):
-    _, given = reference
-    folder = save_train_state(tmp_path / "ours", whole(given))
-    for got in run_ranks(_resume, 2, str(folder)):
-        assert (got["step"], got["trainer_step"]) == (STEP, STEP)
-        for name, weight in got["weights"].items():
-            assert torch.equal(weight, given[name].weight), name
-
-
 def test_what_is_not_our_gpt_s_state_is_refused_in_one_line_and_nothing_is_written(reference, tmp_path):
     _, given = reference
     cases = [

@@ -10,9 +10,10 @@ memory (tmpfs), one folder per state, each host holding only its own ranks' file
         state.json         on the host of rank 0, written last: the state is complete. The checkpoint's meta,
                            each file's host and size, the hosts' servers and the token they ask for
 
-SHM is $ELASTIC_TRAINER_SHM_DIR, else /dev/shm; JOB is a digest of the checkpoint folder, so a resumed job
-finds its states; HOST is the host's name in the hosts file, so two "hosts" on one machine (loopback tests)
-never read each other's memory. The lowest rank of each host serves its host's files (`transfer.Server`).
+SHM is $ELASTIC_TRAINER_SHM_DIR, else /dev/shm; JOB is the checkpoint folder's random id (its `.memory-id`,
+host_folders.py), so a resumed job finds its states and a folder made again never does; HOST is the host's name in
+the hosts file, so two "hosts" on one machine (loopback tests) never read each other's memory. The lowest rank of
+each host serves its host's files (`transfer.Server`).
 
 The next world reads the state resharded into its own layout: DCP's load plan names the byte range of every
 stored piece a rank needs; pieces on the rank's own host are read in place, the others are fetched from

@@ -315,7 +315,7 @@ def run_train_command(args: argparse.Namespace) -> int:
         layout = spec.phases[0].layout
         planned = layout.describe() if layout is not None else "planned at start for the hosts the ranks are on"
         print(
-            f"[check] inputs are valid: {spec.model.name} on {env.world_size} rank(s) ({planned}); data "
+            f"[check] inputs are valid: {spec.model.name} on {env.world_size} rank(s) ({planned}); "
             f"{corpus.describe()}; {preflight.resume_summary(spec.checkpoint)}; nothing was started"
         )
         return 0

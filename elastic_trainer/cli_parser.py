@@ -403,11 +403,12 @@ def _add_launch_parser(sub: argparse._SubParsersAction) -> None:
 def _add_torchrun_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "torchrun",
-        add_help=False,
         help="torchrun with one-line errors: `elastic-trainer torchrun [TORCHRUN FLAGS] train ...`",
         description="torchrun's own flags, then `train` and its flags. The inputs are checked once "
         "before any worker starts; a worker's bad-input error ends the run with that one "
         "line and exit code 2 instead of torchrun's report.",
+        usage="%(prog)s [-h] [TORCHRUN FLAGS] train [TRAIN FLAGS]",
+        epilog="torchrun's own flags: `torchrun --help`; train's: `elastic-trainer train --help`.",
     )
     p.add_argument("argv", nargs=argparse.REMAINDER, help="torchrun flags, then train and its flags")
 

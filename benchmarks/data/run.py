@@ -20,7 +20,8 @@ descendants, the maximum reported; the largest single process (ru_maxrss from wa
 The peer is benchmarks/data/nanogpt_prepare.py; its Hugging Face cache lives in the work dir and is deleted
 before and after each size, so every run does the whole work offline (HF_DATASETS_OFFLINE=1).
 
-Results: benchmarks/data/results.md and results.json (--quick: WORK_DIR/results-quick.*).
+Results: benchmarks/data/results.json (committed) and results.md, its tables for the README (--quick:
+WORK_DIR/results-quick.*).
 """
 
 from __future__ import annotations

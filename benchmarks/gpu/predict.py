@@ -31,8 +31,8 @@ from elastic_trainer.plan import load_hardware  # noqa: E402
 from elastic_trainer.plan.layout import Layout  # noqa: E402
 from elastic_trainer.plan.step_time import step_time  # noqa: E402
 
-SWEEP = ROOT / "benchmarks/gpu/results/NVIDIA-H200/padded/sweep.json"
-"""The second H200 sweep (2026-11-28, the head padded to 64 rows); the first, unpadded: ../sweep.json."""
+SWEEP = ROOT / "benchmarks/gpu/results/NVIDIA-H200/sweep.json"
+"""The H200 sweep of 2026-11-28 (the head padded to 64 rows; results/NVIDIA-H200/README.md)."""
 
 
 def predictions(sweep: dict, hw, own_host: bool = False) -> list[dict]:

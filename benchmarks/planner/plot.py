@@ -1,4 +1,5 @@
-"""Predicted against measured step time of every layout in results.json, one panel per rank count.
+"""Predicted against measured step time of every layout in a run.py result (default results.json), one panel per
+rank count.
 
 python benchmarks/planner/plot.py [results.json] [planner.png]      # needs the `bench` extra (matplotlib)
 """
@@ -24,7 +25,7 @@ def main(src: Path, dst: Path) -> None:
     fig, axes = plt.subplots(1, len(summaries), figsize=(5.5 * len(summaries), 5), squeeze=False)
     for ax, (world, s) in zip(axes[0], sorted(summaries.items())):
         rows = [r for r in result["layouts"] if r["ranks"] == world]
-        for mode, marker in (("fsdp", "o"), ("ddp", "s")):
+        for mode, marker in (("fsdp", "o"), ("ddp", "s"), ("zero1", "^")):
             pts = [r for r in rows if r["dp_mode"] == mode]
             ax.scatter(
                 [r["predicted_s"] for r in pts], [r["measured_s"] for r in pts], marker=marker, alpha=0.7, label=mode
@@ -52,9 +53,10 @@ def main(src: Path, dst: Path) -> None:
             axis.set_major_formatter(FormatStrFormatter("%g"))
             axis.set_minor_formatter(FormatStrFormatter("%g"))
         ax.legend(fontsize=8)
+    profile = "calibrated just before the run" if result.get("calibrated") else result["hardware"]
     fig.suptitle(
         f"{result['model']}, batch {result['global_batch']} x {result['seq_len']}, "
-        f"{len(result['layouts'])} layouts, profile {result['hardware']}"
+        f"{len(result['layouts'])} layouts, profile {profile}"
     )
     fig.tight_layout()
     fig.savefig(dst, dpi=110)

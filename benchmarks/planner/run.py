@@ -212,16 +212,6 @@ def order_counts(orders: list[dict]) -> str:
     )
 
 
-def remeasured_in(summary: dict) -> dict[tuple, float]:
-    """The mode rounds' medians a run's summary recorded, by mode_key (none if it judged by the screening)."""
-    return {
-        (*o["degrees"], o["micro_batch"], mode): t
-        for o in summary["mode_orders"]
-        if o.get("measured_by") == "mode rounds"
-        for mode, t in o["measured_s"].items()
-    }
-
-
 def mode_orders(rows: list[dict], remeasured: dict[tuple, float] | None = None) -> list[dict]:
     """At equal degrees and micro-batch, the dp modes ordered by prediction and by measurement: the screening's,
     or `remeasured` (median seconds by mode_key) where given."""

@@ -33,7 +33,7 @@ INIT_STD = 0.02
 VOCAB_PAD_MULTIPLE = {"cuda": 64}
 """Per device type: the output head's GEMMs run on the weight padded with zero rows to a multiple of this
 (absent: never). GPT-2's vocabulary, 50257, is odd, and cuBLAS then runs the head's three GEMMs in alignment-1
-kernels: 126 TFLOP/s on an H200 against 762 at 50304 (benchmarks/gpu/results/NVIDIA-H200/head-vocab.txt). The
+kernels: 126 TFLOP/s on an H200 against 762 at 50304 (benchmarks/gpu/results/NVIDIA-H200/README.md). The
 parameter keeps its 50257 rows (checkpoints, Hugging Face import and export and resharding are unchanged); the
 padded logits are sliced off before anything sees them, so the padded rows get no gradient. Not on the CPU,
 where the sizes cost nothing and the fp32 trajectory stays the one the tests pin."""

@@ -60,7 +60,7 @@ GPU_SEQ_LEN = 2048
 LINK_SIZES = [2**14, 2**18, 2**20, 2**22, 2**24, 2**26, 2**27]
 """Bytes per all-reduce, up to the job's (whole stages, hundreds of MB; FSDP units, tens). Up to 8 MB only, the
 fit read the caches' bandwidth (2026-11-28: 3.2 GB/s, against 1.8 at 128-256 MB on two ranks), and the planner
-ranked zero1 level with ddp where it ran 18 % slower (benchmarks/planner/README.md)."""
+ranked zero1 level with ddp where it ran 18 % slower (benchmarks/planner/README.md at commit 690c16d)."""
 
 
 def timed(fn: Callable[[], object], repeat: int, sync: Callable[[], None] = lambda: None) -> float:
@@ -145,7 +145,8 @@ CPU_HEAD_WIDTHS, CPU_HEAD_VOCAB = (256, 512), 50257
 CPU_HEAD_TOKENS = (128, 512)
 """Tokens per micro-batch the CPU head's GEMMs are timed at: gpt3-small's ran 95, 101, 103 and 102 GFLOP/s at
 128, 256, 512 and 1024 tokens (one thread, 2026-11-28), a fixed time per call of 6 d vocab h / H (h = 14 tokens);
-its pp8 last stage took 3.21 CPU s a step in 8 micro-batches of 128 tokens, 2.91 in 2 of 512 (stage_cpu.py)."""
+its pp8 last stage took 3.21 CPU s a step in 8 micro-batches of 128 tokens, 2.91 in 2 of 512
+(benchmarks/planner/stage_cpu.py, removed; benchmarks/planner/README.md at commit 690c16d)."""
 CPU_LOGIT_TOKENS = 256
 """The softmax's tokens (and the embedding's), timed apart from the head's GEMMs: in one fit of both (the GPU's
 form) it was ~7 % of each time, and seven calibrations read 2.1-7.5 ns per logit where it takes 1.0-1.3 alone
@@ -154,7 +155,7 @@ GPU_HEAD_SHAPES = [(768, 50257), (1024, 50257), (2048, 50257), (4096, 50257)]
 """4096 tokens (on an H100 the CPU shapes took 0.3-0.5 ms, launch-bound: a lease on 2026-11-26) at GPT-2's
 vocabulary through the model's own projection (`project_to_vocab`: padded to a multiple of 64 rows on CUDA).
 Unpadded, 50257 ran the head's GEMMs in alignment-1 kernels, ~120 TFLOP/s on an H200 against ~760 at 50304
-(benchmarks/gpu/profile_step.py, head-vocab.txt, 2026-11-27)."""
+(2026-11-27, benchmarks/gpu/results/NVIDIA-H200/README.md)."""
 
 
 def measure_head(device: torch.device, dtype: torch.dtype, tokens: int = 4096, repeat: int = 3) -> tuple[float, float]:

@@ -4,7 +4,8 @@ On a GPU (`measure_host`): the host's time to issue a block's forward and backwa
 mode, from the job's model trained in this process at a sequence so short that the device waits on the host.
 The rest of this docstring is the CPU ranks' measurement.
 
-Two things `calibrate`'s small shapes do not show (benchmarks/planner/README.md, gpt3-small on 4 ranks):
+Two things `calibrate`'s small shapes do not show (benchmarks/planner/README.md at commit 690c16d, gpt3-small
+on 4 ranks):
 - **The optimizer step.** Clipping squares each gradient into a temporary of its size (gpt3-small's
   embedding is 154 MB), new pages every step for large tensors, and the modes clip and update different
   shares of the stage. (Before the trainer used torch's fused AdamW, its single-tensor AdamW made two more
@@ -52,7 +53,7 @@ STEPS = 6
 
 def probe_trainer(model: ModelConfig, layout: Layout, seq_len: int, device: torch.device, dtype: str, steps: int):
     """A `Trainer` of `model` under `layout` on random tokens (seed 0), for `steps` steps: what the probes here,
-    benchmarks/gpu/sweep.py and profile_step.py time. This rank must be in a process group of the layout's size."""
+    benchmarks/gpu/sweep.py times. This rank must be in a process group of the layout's size."""
     from elastic_trainer.train.loop import Trainer
 
     cfg = TrainConfig(

@@ -245,7 +245,7 @@ def candidates_for(req: Request, dp: int, tp: int, pp: int) -> list[Candidate]:
     micros = [req.micro_batch] if req.micro_batch is not None else divisors(share)
     # with dp = 1 the model predicts fsdp and ddp alike and zero1 (its buffers) worse, so one stands in for all;
     # where the profile holds each mode's measured host time (a GPU) they differ: one H200 ran GPT-3 XL
-    # fastest in zero1 at every micro-batch (benchmarks/gpu/README.md), so every mode is a candidate
+    # fastest in zero1 at every micro-batch (benchmarks/gpu/results/NVIDIA-H200/), so every mode is a candidate
     if dp > 1 or req.hardware.host_measured:
         modes = req.dp_modes
     else:

@@ -13,7 +13,7 @@
   says (`activation_ns`), a block's memory-bound work per token and unit of width is added, and where it says
   (`microbatch_ns_per_param`), work per micro-batch and parameter of the stage: on the shared CPU host a
   job's pipeline stages spent 0.55-0.70 ns of CPU per parameter and micro-batch beyond what their blocks
-  timed alone take (gpt3-small at 8 ranks, benchmarks/planner/stage_cpu.py).
+  timed alone take (gpt3-small at 8 ranks, benchmarks/planner/README.md).
 - **The host** (GPU profiles whose host was measured, `calibrate --model` on the GPU): the device runs
   behind the host that issues its kernels, so a micro-batch on a stage takes the longer of the device's
   time and the host's (`{mode}_host_block_ms` per block; FSDP2's hooks make fsdp's 2.5x zero1's on an H200),

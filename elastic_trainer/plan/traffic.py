@@ -32,7 +32,7 @@ def wrapper_bytes(layout: Layout, dtype: str, cpu_ranks: bool = False, root_shar
     gradient (read 4 + 4, write 4). fsdp without a pipeline unshards in forward and again in backward and
     reduces every micro-batch, with one it does each once per step; ddp unshards every micro-batch and reduces
     once per step. Byte counts from FSDP2's path, not measured one by one; the sum was checked against one GPU
-    (benchmarks/gpu/README.md).
+    (benchmarks/gpu/results/NVIDIA-H200/README.md).
 
     `cpu_ranks` (gloo ranks sharing a host, whose collectives `calibrate` timed with their own writes), as torch
     2.13 runs the engine's units (parallel/data_parallel.py), counted per unshard and reduction

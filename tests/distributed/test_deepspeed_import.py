@@ -201,6 +201,8 @@ def universal_tensor(folder: str, name: str, what: str) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """kind -> (DeepSpeed's losses, its checkpoint root)."""
+    import deepspeed  # noqa: F401  (imported once here: the forked ranks inherit it, ~8 s each otherwise)
+
     out = {}
     for kind in ("hf-zero1", "zero3", "pipeline"):
         root = str(tmp_path_factory.mktemp(kind))

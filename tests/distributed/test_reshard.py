@@ -3,8 +3,9 @@
 One chain of runs: each trains 3 steps in its layout, saves, and the next run (another layout, another world size)
 loads that checkpoint. Every link checks that the gathered weights and AdamW moments (and step counts) after loading
 equal, bitwise, what was saved; all per-step losses of the chain, and the validation loss at the end of every link,
-must be within 1e-5 relative of one uninterrupted single-process run. The 16 links change every dimension up and down,
-the micro-batch split, and the data-parallel mode both ways between sharded, replicated and ZeRO-1.
+must be within 1e-5 relative of one uninterrupted single-process run. The 9 links change every dimension up and down
+(to degrees of 2 and 4), the micro-batch split, and the data-parallel mode each way between sharded (FSDP2),
+replicated and ZeRO-1 (all six changes).
 """
 
 from __future__ import annotations
@@ -27,20 +28,13 @@ CHAIN = [  # dp, tp, pp, micro_batch, dp_mode
     (1, 1, 1, 8, "fsdp"),
     (2, 2, 2, 2, "fsdp"),  # every dimension up
     (1, 1, 1, 4, "fsdp"),  # every dimension down, another micro-batch split
-    (4, 1, 1, 2, "fsdp"),  # dp up
-    (1, 4, 1, 8, "fsdp"),  # dp down, tp up
-    (1, 1, 4, 2, "fsdp"),  # tp down, pp up
-    (2, 1, 2, 2, "fsdp"),  # dp up, pp down
-    (2, 1, 2, 2, "ddp"),  # sharded -> replicated
-    (2, 2, 1, 4, "fsdp"),  # replicated -> sharded, tp up, pp down
-    (1, 2, 2, 4, "fsdp"),  # dp down, pp up
-    (2, 2, 2, 1, "ddp"),  # dp up, micro-batch split
-    (4, 1, 2, 1, "fsdp"),  # tp down, dp up
-    (1, 1, 4, 1, "fsdp"),  # dp down, pp up
-    (2, 1, 1, 4, "ddp"),  # pp down, dp up
-    (2, 2, 2, 2, "zero1"),  # replicated -> ZeRO-1, every dimension up
-    (4, 1, 1, 1, "zero1"),  # ZeRO-1 with other dp and tp, pp down
-    (2, 2, 1, 2, "fsdp"),  # ZeRO-1 -> sharded
+    (1, 4, 1, 8, "fsdp"),  # tp up to 4
+    (4, 1, 2, 1, "ddp"),  # sharded -> replicated; dp up to 4, tp down, pp up
+    (2, 2, 2, 2, "zero1"),  # replicated -> ZeRO-1; dp down, tp up
+    (1, 1, 4, 2, "fsdp"),  # ZeRO-1 -> sharded; pp up to 4, dp and tp down
+    (4, 1, 1, 1, "zero1"),  # sharded -> ZeRO-1; dp up, pp down
+    (2, 2, 1, 4, "ddp"),  # ZeRO-1 -> replicated
+    (2, 1, 2, 2, "fsdp"),  # replicated -> sharded
 ]
 
 

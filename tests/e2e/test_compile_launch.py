@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from elastic_trainer.elastic.events import read_jsonl
-from tests.e2e.test_launch import assert_on_trajectory, env, launch_argv, reference  # noqa: F401
+from tests.e2e.test_launch import assert_on_trajectory, env, launch_argv
 
 pytestmark = pytest.mark.slow
 

@@ -45,12 +45,6 @@ DEFAULT = load_run_config(configs_dir() / "runs" / "default.toml")
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def reference(sotu_tokens):
-    """The default job's 32 steps in one plain process, layout 1,1,1."""
-    return static_run(sotu_tokens, DEFAULT.train, DEFAULT.train.steps)
-
-
 def env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 

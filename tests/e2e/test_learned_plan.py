@@ -11,7 +11,7 @@ import pytest
 
 from elastic_trainer.elastic.events import read_jsonl
 from elastic_trainer.plan.layout import Layout
-from tests.e2e.test_launch import assert_on_trajectory, env, launch_argv, reference, schedule  # noqa: F401
+from tests.e2e.test_launch import assert_on_trajectory, env, launch_argv, schedule
 
 pytestmark = pytest.mark.slow
 

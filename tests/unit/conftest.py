@@ -24,8 +24,16 @@ def _refusal(what: str):
     return refuse
 
 
-@pytest.fixture(autouse=True)
-def _no_processes(monkeypatch):
+@pytest.fixture(autouse=True, scope="module")
+def _no_processes():
+    """Module-scoped, so that a module's own fixtures are held to the rule too (the session's, such as the
+    tokenized corpus shared by every tier, are made before it)."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _refuse_processes(monkeypatch)
+        yield
+
+
+def _refuse_processes(monkeypatch):
     # (os.system is left alone: the pickle tests' payloads name it, and a patched one would not pickle as
     # posix.system; it is no way to start ranks)
     for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp"):

@@ -355,7 +355,7 @@ def test_files_allocated_for_a_hand_over_that_does_not_come_are_removed(tmp_path
     assert not list(shm.rglob(".spare-*")) and not list(shm.rglob("*.distcp"))
 
 
-def test_the_newest_state_wins_and_commits_remove_what_they_cover(tmp_path, shm, tokens):
+def test_the_newest_state_wins_and_commits_remove_what_they_cover(tmp_path, shm, tokens, monkeypatch):
     ckpt, counts = str(tmp_path / "ckpt"), str(tmp_path / "counts.txt")
     hosts = [HOST_A, HOST_B]
     _, record = run_ranks(write_state, 2, Layout(2, 1, 1, 4, 1), ckpt, hosts, tokens, 4, durable_step=2)[0]
@@ -372,7 +372,7 @@ def test_the_newest_state_wins_and_commits_remove_what_they_cover(tmp_path, shm,
     loaded, _ = run_ranks(read_state, 2, Layout(2, 1, 1, 4, 1), str(tmp_path / "c2"), hosts, tokens, 5, counts)[0]
     assert loaded == f"memory:{again['name']}"
     for host in hosts:
-        os.environ["ELASTIC_TRAINER_HOST"] = host
+        monkeypatch.setenv("ELASTIC_TRAINER_HOST", host)  # (undone after the test: later jobs name their hosts)
         assert memory.drop(str(tmp_path / "c2"), 4, keep=again["name"]) == []  # the one being read is kept
         assert memory.drop(str(tmp_path / "c2"), 4) == [again["name"]]
 

@@ -57,7 +57,7 @@ MISSING_PATHS_OK = {
 # Long flags of programs that are not this project's, by program (only what the docs use).
 OTHER_PROGRAM_FLAGS = {
     "sbatch": {"--nodes", "--gpus-per-node", "--cpus-per-task", "--requeue", "--signal"},  # Slurm's sbatch
-    "pytest": set(),  # ./scripts/test.sh passes its arguments to pytest; the docs use only -x and -k
+    "pytest": {"--durations"},  # ./scripts/test.sh passes its arguments to pytest
     "pip": {"--no-build-isolation"},  # pip install's
     "tensorboard": {"--logdir"},  # TensorBoard's server
     "ruff": {"--check"},  # `ruff format --check`
@@ -66,6 +66,7 @@ OTHER_PROGRAM_FLAGS = {
 OTHER_FLAGS = {
     "--append-eod": "Megatron-LM's preprocess_data.py (data.md)",
     "--data-path": "Megatron-LM's training flag (data.md)",
+    "--durations": "pytest's (testing.md: an argument of ./scripts/test.sh)",
 }
 
 # ------------------------------------------------------------------------------------------------ markdown parts

@@ -1,10 +1,14 @@
-"""Shared fixtures: the default corpus tokenized once per session into a private cache."""
+"""Shared fixtures (the default corpus tokenized once into a private cache; a gloo group of one) and the turns
+of tests under pytest-xdist: a test marked `solo` runs while no other test runs."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import gc
 import logging
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,10 +18,25 @@ import torch.distributed as dist
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
+def _shared_dir(config) -> Path | None:
+    """The folder every worker of this pytest-xdist run sees (the parent of the workers' base temp folders),
+    or None when the tests run in one process."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return None
+    return config._tmp_path_factory.getbasetemp().parent
+
+
 @pytest.fixture(scope="session")
-def data_cache(tmp_path_factory) -> str:
-    path = os.environ.get("ET_TEST_DATA_CACHE") or str(tmp_path_factory.mktemp("data-cache"))
-    return path
+def data_cache(tmp_path_factory, pytestconfig) -> str:
+    """One cache for the whole run: under xdist the workers share it (preparing a folder is locked, so the
+    first worker prepares the corpus and the other waits and reads it, as two hosts of a job do)."""
+    if os.environ.get("ET_TEST_DATA_CACHE"):
+        return os.environ["ET_TEST_DATA_CACHE"]
+    shared = _shared_dir(pytestconfig)
+    if shared is None:
+        return str(tmp_path_factory.mktemp("data-cache"))
+    (shared / "data-cache").mkdir(exist_ok=True)
+    return str(shared / "data-cache")
 
 
 @pytest.fixture(scope="session")
@@ -46,3 +65,32 @@ def group():
         gc.collect()
         if set_env:
             del os.environ["GLOO_SOCKET_IFNAME"]
+
+
+@contextlib.contextmanager
+def _turn(shared: Path, solo: bool):
+    """Hold the run's test lock: shared for an ordinary test, exclusive for a solo one. A solo test waiting for
+    its turn holds the gate, so the other workers start nothing new until it has run (no starvation)."""
+    with open(shared / "tests.gate", "a") as gate, open(shared / "tests.lock", "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if solo else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under pytest-xdist, a test marked `solo` (its claim rests on wall-clock bounds that a second test beside
+    it would stretch) runs alone. The lock is held over the whole protocol, module and session fixtures that
+    the test sets up or tears down included, so no other worker computes while a solo test runs."""
+    shared = _shared_dir(item.config)
+    if shared is None:
+        yield
+        return
+    with _turn(shared, item.get_closest_marker("solo") is not None):
+        yield

@@ -158,6 +158,7 @@ dp_only = "2,2"
 """
 
 
+@pytest.mark.solo  # wall-clock phases: a test beside it would take their steps
 def test_real_clock_runs_wall_time_phases_and_waits(tmp_path, data_cache, sotu_tokens):
     """The real clock on this machine's CPU ranks: ours re-planned by the runtime, dp-only waiting through the
     2-GPU phase; times are wall seconds, the downtime measured, the losses those of one plain process."""

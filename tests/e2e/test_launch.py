@@ -90,13 +90,15 @@ def assert_on_trajectory(run_dir: Path, reference: list[float], steps: int) -> l
     return kept
 
 
-def processes(marker: str) -> list[int]:
-    """PIDs whose command line contains every part of `marker` (NUL-separated arguments)."""
+def processes(marker: str, *more: str) -> list[int]:
+    """PIDs whose command line contains `marker` and each of `more` (each NUL-separated arguments). Tests that
+    may run beside others name their run folder among them, so that only their own job's processes match."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                line = (entry / "cmdline").read_bytes().decode(errors="replace")
+                if all(m in line for m in (marker, *more)):
                     found.append(int(entry.name))
             except OSError:
                 continue
@@ -107,9 +109,10 @@ def parent(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
-def agent_of(host: str) -> int:
-    """The agent started for `host` (its forked workers share its command line; they are its children)."""
-    found = [p for p in processes("elastic_trainer.launch.agent\0") if p in processes(f"--local-addr\0{host}\0")]
+def agent_of(host: str, run_dir: Path) -> int:
+    """The agent started for `host` by the job of `run_dir` (its forked workers share its command line; they are
+    its children)."""
+    found = processes("elastic_trainer.launch.agent\0", f"--local-addr\0{host}\0", str(run_dir))
     agents = [p for p in found if parent(p) not in found]
     assert len(agents) == 1, found
     return agents[0]
@@ -235,7 +238,7 @@ def test_lost_host_then_back(tmp_path, data_cache, sotu_tokens):
     try:
         wait_for(run_dir, proc, lambda r: r["step"] >= 5)
         assert "(host 0): ranks 0-1 of 4" in (run_dir / "hosts" / "127.0.0.1.log").read_text()
-        agent = agent_of("127.0.0.1")
+        agent = agent_of("127.0.0.1", run_dir)
         command = Path(f"/proc/{agent}/cmdline").read_bytes().decode().split("\0")[:-1]
         environ = dict(
             kv.split("=", 1) for kv in Path(f"/proc/{agent}/environ").read_bytes().decode().split("\0") if "=" in kv
@@ -285,7 +288,7 @@ def test_lost_host_then_back(tmp_path, data_cache, sotu_tokens):
     # restart count starts at 0 again
     assert [w for w, _ in itertools.groupby(r["world_size"] for r in kept)] == [4, 2, 4]
     assert [k for k, _ in itertools.groupby(r.get("restart") for r in kept)] == [0, 1, 0]
-    assert not processes("--local-addr\x00127.0.0.1\x00")
+    assert not processes("--local-addr\x00127.0.0.1\x00", str(run_dir))
 
 
 def dry_run_plans(argv: list[str]) -> list[str]:
@@ -374,7 +377,7 @@ def test_uneven_hosts_leave_a_gpu_idle_then_lose_one(tmp_path, data_cache, sotu_
     )
     try:
         wait_for(run_dir, proc, lambda r: r["step"] >= 3)
-        os.kill(agent_of("127.0.0.2"), signal.SIGKILL)
+        os.kill(agent_of("127.0.0.2", run_dir), signal.SIGKILL)
         lost = time.time()
         wait_for(run_dir, proc, lambda r: r["world_size"] == 3 and r["time"] > lost)
         (run_dir / "stop").touch()
@@ -446,7 +449,7 @@ def test_second_host_through_ssh_saves_when_the_launcher_dies(tmp_path, data_cac
             proc.kill()
             proc.wait(timeout=30)
             deadline = time.monotonic() + 120
-            while processes(f"--local-addr\x00{server.host}\x00") or processes("--local-addr\x00127.0.0.1\x00"):
+            while processes("--local-addr\x00", str(run_dir)):
                 assert time.monotonic() < deadline, "the job's processes outlived the launcher"
                 time.sleep(0.2)
         finally:
@@ -459,7 +462,7 @@ def test_second_host_through_ssh_saves_when_the_launcher_dies(tmp_path, data_cac
         assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-2000:]
         assert f"{server.host} (ssh)" not in resumed.stdout  # a real run, not a dry run
         assert_on_trajectory(run_dir, reference, 12)
-        assert not processes(f"--local-addr\x00{server.host}\x00")
+        assert not processes(f"--local-addr\x00{server.host}\x00", str(run_dir))
 
 
 def test_crash_then_resume(tmp_path, data_cache, reference):
@@ -517,6 +520,7 @@ if os.environ.get("ET_TEST_STEP_AT_LEAST_S"):
 """
 
 
+@pytest.mark.solo  # duration_s phases: both must train on the wall clock
 def test_timed_phases_stop_on_request(tmp_path, data_cache, reference):
     """duration_s phases: the next phase's world starts beside the current one; when the phase's time is up
     the launcher asks the ranks (through its store) to stop after their step, they hand their state over in

@@ -28,7 +28,7 @@ from tests.e2e.test_handover import (
 )
 from tests.e2e.test_launch import DEFAULT, launch_argv, metrics, schedule, static_run
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.solo]  # re-forms timed against a running job's steps
 
 STEPS = 150
 """Room for two re-forms before the schedule's end (the job is stopped two steps after the second): each

@@ -6,6 +6,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+pytestmark = pytest.mark.solo  # a key seen within a poll of being set, timed
+
 PROGRAM = textwrap.dedent("""
     import threading, time
     from torch.distributed import TCPStore

@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup.sh dev,deepspeed
-exec "$ET_PY" -m pytest -q -n "${ET_TEST_WORKERS:-2}" --dist loadfile "$@"
+exec "$ET_PY" -m pytest -q -n "${ET_TEST_WORKERS:-3}" --dist loadfile "$@"

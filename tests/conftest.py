@@ -18,6 +18,20 @@ import torch.distributed as dist
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
+TIER_ORDER = {"e2e": 0, "distributed": 1, "unit": 2}
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slowest tier first: pytest-xdist hands files out in this order, so the many short unit tests fill
+    the workers' ends instead of one long e2e file running alone at the end. (Order within a file is kept.)"""
+
+    def tier(item) -> int:
+        parts = Path(str(item.path)).parts
+        return next((TIER_ORDER[p] for p in parts[::-1] if p in TIER_ORDER), len(TIER_ORDER))
+
+    items.sort(key=tier)
+
+
 def _shared_dir(config) -> Path | None:
     """The folder every worker of this pytest-xdist run sees (the parent of the workers' base temp folders),
     or None when the tests run in one process."""

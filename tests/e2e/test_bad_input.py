@@ -4,10 +4,17 @@ where it came from and what would be valid, no traceback, no file created or cha
 "Nothing started" is checked, not timed: every process of a case imports a sitecustomize hook that turns the
 first call of torch.distributed.init_process_group, or a TorchElastic agent's run, into exit code 99 with a
 marker file. A case that reached either (a process group forming, a torchrun agent starting workers) fails.
+
+The first case of each command, every `run.sh` and `torchrun` case and every case that sets the environment run
+as users run them, a new `python -m elastic_trainer.cli` process (so a warning printed while torch or the
+package imports is a second line, and fails). The others run `cli.main` in a child forked from this process,
+where torch is imported already, with the same guard, folder, environment and streams: the same code path
+from the parser on, without an interpreter start per case.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -15,7 +22,9 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -544,6 +553,80 @@ CASES = [
 ]
 
 
+def _as_a_process() -> set[str]:
+    seen, ids = set(), set()
+    for case in CASES:
+        if case.argv[0] not in seen or case.argv[0] in ("run.sh", "torchrun") or case.env:
+            ids.add(case.id)
+        seen.add(case.argv[0])
+    return ids
+
+
+AS_A_PROCESS = _as_a_process()
+
+
+def forked_cli(argv: list[str], cwd: Path, env: dict, marker: Path) -> subprocess.CompletedProcess:
+    """`elastic-trainer ARGV` as `cli.main(ARGV)` in a forked child: its own folder, environment, stdout and
+    stderr, GUARD's refusals patched in; an uncaught exception prints its traceback and exits 1, SystemExit
+    ends it with its code, as the interpreter would."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into pytest
+            code = 1
+            try:
+                os.dup2(out.fileno(), 1)
+                os.dup2(err.fileno(), 2)
+                sys.stdout = open(1, "w", closefd=False)
+                sys.stderr = open(2, "w", closefd=False)
+                os.chdir(cwd)
+                os.environ.clear()
+                os.environ.update(env)
+                _refuse_starts(marker)
+                from elastic_trainer import cli
+
+                sys.argv = ["elastic-trainer", *argv]
+                code = cli.main(argv) or 0
+            except SystemExit as e:
+                if e.code is None or isinstance(e.code, int):
+                    code = e.code or 0
+                else:
+                    print(e.code, file=sys.stderr)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                with contextlib.suppress(BaseException):
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(
+            argv,
+            os.waitstatus_to_exitcode(status),
+            out.read().decode(errors="replace"),
+            err.read().decode(errors="replace"),
+        )
+
+
+def _refuse_starts(marker: Path) -> None:
+    """GUARD in a child whose torch is imported already: the same refusals, patched in place."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    from torch.distributed.elastic.agent.server import api
+
+    def refuse(what):
+        def started(*args, **kwargs):
+            with open(marker, "a") as f:
+                f.write(what + "\n")
+            os._exit(99)
+
+        return started
+
+    dist.init_process_group = c10d.init_process_group = refuse("init_process_group")
+    api.SimpleElasticAgent.run = refuse("torchrun agent run")
+
+
 def test_the_table_covers_every_command_and_kind():
     assert len(CASES) >= 30 and len({case.id for case in CASES}) == len(CASES)
     commands = {case.argv[0] for case in CASES}
@@ -571,7 +654,10 @@ def test_bad_input_is_one_line_before_anything_starts(case, tmp_path, checkpoint
     command = [str(ROOT / "run.sh"), *argv[1:]] if argv[0] == "run.sh" else CLI + argv
     before = tree(t)
     start = time.perf_counter()
-    run = subprocess.run(command, cwd=t, env=env, capture_output=True, text=True, timeout=300)
+    if case.id in AS_A_PROCESS:
+        run = subprocess.run(command, cwd=t, env=env, capture_output=True, text=True, timeout=300)
+    else:
+        run = forked_cli(argv, t, env, marker)
     seconds = time.perf_counter() - start
     report = f"exit {run.returncode} in {seconds:.1f} s\nstdout:\n{run.stdout[-2000:]}\nstderr:\n{run.stderr[-3000:]}"
     assert not marker.exists(), f"started {marker.read_text().strip()} before failing\n{report}"

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 def test_the_cpu_form_runs_every_case_and_says_it_is_not_gpu_figures(tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu" / "checkup.py"), "--out", str(tmp_path)],
+        [sys.executable, str(ROOT / "benchmarks" / "gpu" / "checkup.py"), "--out", str(tmp_path), "--sweep", "1"],
         capture_output=True,
         text=True,
         timeout=900,
@@ -38,10 +38,8 @@ def test_the_cpu_form_runs_every_case_and_says_it_is_not_gpu_figures(tmp_path):
         "tp2",
         "pp2",
         "1 rank mb1",
-        "1 rank mb2",
         "1 rank mb1 compiled",
-        "1 rank mb2 compiled",
-    } <= set(cases)
+    } == set(cases)  # the sweep of micro-batches is --sweep's: one size here (each compiled size compiles anew)
     for case in cases.values():
         assert case["ok"] and case["returncode"] == 0, case
         assert case["step_s"] > 0 and case["predicted_step_s"] > 0 and case["predicted_memory_gib"] > 0

@@ -67,6 +67,21 @@ _et_setup() {
         "$ET_PY" -m pip install -q --no-build-isolation "$DEEPSPEED_SPEC" \
             || _et_log "warning: DeepSpeed did not install; its tests will skip (pip install --no-build-isolation $DEEPSPEED_SPEC)"
     fi
+    # DeepSpeed compiles its shared-memory collective op the first time a process group uses it (about a minute
+    # of gcc on 2 cores): build it here, once per environment, so no test or job pays it.
+    local ops_stamp="$ET_VENV/.deepspeed_ops_built"
+    if [ "$_et_deepspeed" = 1 ] && [ ! -e "$ops_stamp" ] \
+        && "$ET_PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("deepspeed") is None)'; then
+        _et_log "building DeepSpeed's shared-memory collective op (once; about a minute)"
+        if "$ET_PY" -c '
+from deepspeed.accelerator import get_accelerator
+builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+builder is None or builder.load()' >"$ET_VENV/.deepspeed_ops_build.log" 2>&1; then
+            touch "$ops_stamp"
+        else
+            _et_log "warning: it did not build ($ET_VENV/.deepspeed_ops_build.log); DeepSpeed builds it when first used"
+        fi
+    fi
 }
 
 _et_setup || { _et_log "set-up failed"; return 1 2>/dev/null || exit 1; }

@@ -565,7 +565,7 @@ def _as_a_process() -> set[str]:
 AS_A_PROCESS = _as_a_process()
 
 
-def forked_cli(argv: list[str], cwd: Path, env: dict, marker: Path) -> subprocess.CompletedProcess:
+def forked_cli(argv: list[str], cwd: Path, env: dict) -> subprocess.CompletedProcess:
     """`elastic-trainer ARGV` as `cli.main(ARGV)` in a forked child: its own folder, environment, stdout and
     stderr, GUARD's refusals patched in; an uncaught exception prints its traceback and exits 1, SystemExit
     ends it with its code, as the interpreter would."""
@@ -581,7 +581,7 @@ def forked_cli(argv: list[str], cwd: Path, env: dict, marker: Path) -> subproces
                 os.chdir(cwd)
                 os.environ.clear()
                 os.environ.update(env)
-                _refuse_starts(marker)
+                _refuse_starts()
                 from elastic_trainer import cli
 
                 sys.argv = ["elastic-trainer", *argv]
@@ -609,22 +609,15 @@ def forked_cli(argv: list[str], cwd: Path, env: dict, marker: Path) -> subproces
         )
 
 
-def _refuse_starts(marker: Path) -> None:
-    """GUARD in a child whose torch is imported already: the same refusals, patched in place."""
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
-    from torch.distributed.elastic.agent.server import api
+def _refuse_starts() -> None:
+    """GUARD in a child whose torch is imported already: its own patches (reading the marker from
+    ET_TEST_STARTED, as in a new process), applied to the modules in place instead of on import."""
+    import importlib
 
-    def refuse(what):
-        def started(*args, **kwargs):
-            with open(marker, "a") as f:
-                f.write(what + "\n")
-            os._exit(99)
-
-        return started
-
-    dist.init_process_group = c10d.init_process_group = refuse("init_process_group")
-    api.SimpleElasticAgent.run = refuse("torchrun agent run")
+    guard: dict = {}
+    exec(GUARD, guard)
+    for name, patch in guard["PATCHES"].items():
+        patch(importlib.import_module(name))
 
 
 def test_the_table_covers_every_command_and_kind():
@@ -657,7 +650,7 @@ def test_bad_input_is_one_line_before_anything_starts(case, tmp_path, checkpoint
     if case.id in AS_A_PROCESS:
         run = subprocess.run(command, cwd=t, env=env, capture_output=True, text=True, timeout=300)
     else:
-        run = forked_cli(argv, t, env, marker)
+        run = forked_cli(argv, t, env)
     seconds = time.perf_counter() - start
     report = f"exit {run.returncode} in {seconds:.1f} s\nstdout:\n{run.stdout[-2000:]}\nstderr:\n{run.stderr[-3000:]}"
     assert not marker.exists(), f"started {marker.read_text().strip()} before failing\n{report}"

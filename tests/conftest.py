@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import gc
+import json
 import logging
 import os
 from pathlib import Path
@@ -38,6 +39,22 @@ def _shared_dir(config) -> Path | None:
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return None
     return config._tmp_path_factory.getbasetemp().parent
+
+
+def computed_once(config, name: str, compute):
+    """compute() once for the whole run: under pytest-xdist the first worker to ask computes it (the others
+    wait on a lock) and leaves it as JSON in the shared folder, where the others read it."""
+    shared = _shared_dir(config)
+    if shared is None:
+        return compute()
+    path = shared / f"{name}.json"
+    with open(shared / f"{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            value = compute()
+            path.with_suffix(".tmp").write_text(json.dumps(value))
+            os.replace(path.with_suffix(".tmp"), path)
+        return json.loads(path.read_text())
 
 
 @pytest.fixture(scope="session")

@@ -350,6 +350,7 @@ def _run(sources, out, shards, settings, skip_bad, workers, previous, progress, 
         progress.counters = mp.get_context("spawn").Array("q", 3)  # shared with the worker processes
     else:
         tokenizer.gpt2_encoding()  # built once here (about 1 s), shared by the thread workers
+        progress.t0 = progress.last = time.monotonic()  # what is held back is judged by the work, not this
     try:
         for record in _map(tasks, workers, processes, progress.counters, progress):
             done[record["name"]] = record

@@ -14,7 +14,7 @@ import pytest
 from elastic_trainer.config import ConfigError, TrainConfig
 from elastic_trainer.data import corpus, indexed, prepare, sources, stream, tokenizer
 from elastic_trainer.data.pieces import CHUNK_BYTES as CHUNK
-from elastic_trainer.data.pieces import Settings, plan_source
+from elastic_trainer.data.pieces import PROGRESS_EVERY_S, Settings, plan_source
 
 DOCS = [
     "First document, with some words.",
@@ -194,6 +194,26 @@ def test_a_damaged_or_foreign_prepared_dataset_is_refused(tmp_path):
     (tmp_path / "ds" / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ConfigError, match=r"prepared with another tokenizer \(vocab_size=32000, ours 50257\)"):
         corpus.load(data)
+
+
+def test_a_slow_tokenizer_build_does_not_make_a_quick_preparation_talk(tmp_path, monkeypatch, capsys):
+    """Progress lines are held back for the first PROGRESS_EVERY_S of the preparation's work: building the
+    tokenizer before it (about 1 s, several on a loaded machine) is not counted, so a tiny corpus says nothing
+    and a bad one only its error (tests/e2e/test_bad_input.py's data-too-short)."""
+    clock = [1000.0]
+    monkeypatch.setattr(prepare.time, "monotonic", lambda: clock[0])
+    build, built = tokenizer.gpt2_encoding, []
+
+    def slow_build():
+        if not built:  # the first build takes ten progress periods of the (frozen) clock
+            clock[0] += 10 * PROGRESS_EVERY_S
+            built.append(True)
+        return build()
+
+    monkeypatch.setattr(prepare.tokenizer, "gpt2_encoding", slow_build)
+    (tmp_path / "a.txt").write_text("A few words.\n")
+    prepare.prepare([tmp_path / "a.txt"], tmp_path / "ds")
+    assert built and capsys.readouterr().err == ""
 
 
 # -- resumable, incremental, interruptible ------------------------------------------------------------------------

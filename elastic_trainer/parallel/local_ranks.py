@@ -1,9 +1,11 @@
 """Run a function on N gloo ranks forked from this process (which has already imported torch).
 
 Used by `elastic-trainer calibrate`, the benchmarks and the distributed tests. Forking takes ~0.15 s for
-8 ranks where spawning takes ~8 s. Each rank gets a process group over a FileStore, one intra-op thread and
-torchrun's environment variables, and returns its result through a file; a failing rank's traceback is
-re-raised in the parent and the other ranks are killed instead of hanging in a collective.
+8 ranks where spawning takes ~8 s; the parent imports torch._dynamo first (DTensor, FSDP2 and meta-device
+initialisation import it on first use), so the ranks inherit it instead of each importing it again. Each rank
+gets a process group over a FileStore, one intra-op thread and torchrun's environment variables, and returns
+its result through a file; a failing rank's traceback is re-raised in the parent and the other ranks are
+killed instead of hanging in a collective.
 """
 
 from __future__ import annotations

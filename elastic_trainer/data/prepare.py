@@ -171,6 +171,10 @@ class Progress:
         self.done = 0
         self._held: list[str] = []
 
+    def restart_clock(self) -> None:
+        """Time the hold-back window and the rate from now (after a set-up that is not the preparation's work)."""
+        self.t0 = self.last = time.monotonic()
+
     def say(self, message: str, summary: bool = False) -> None:
         if self.quiet:
             return
@@ -350,7 +354,7 @@ def _run(sources, out, shards, settings, skip_bad, workers, previous, progress, 
         progress.counters = mp.get_context("spawn").Array("q", 3)  # shared with the worker processes
     else:
         tokenizer.gpt2_encoding()  # built once here (about 1 s), shared by the thread workers
-        progress.t0 = progress.last = time.monotonic()  # what is held back is judged by the work, not this
+        progress.restart_clock()  # what is held back is judged by the work, not by this build
     try:
         for record in _map(tasks, workers, processes, progress.counters, progress):
             done[record["name"]] = record

@@ -161,6 +161,7 @@ dp_only = "2,2"
 WAIT_S = 5
 """The 2-GPU phase, which dp-only waits through. The first world trains its first step about 4 s after the
 launch on this machine (the phases are sized to a few seconds of steps each)."""
+REAL_PHASES = [{"gpus": 4, "duration_s": 9}, {"gpus": 2, "duration_s": WAIT_S}, {"gpus": 4, "duration_s": 6}]
 
 
 @pytest.mark.solo  # wall-clock phases: a test beside it would take their steps
@@ -168,9 +169,7 @@ def test_real_clock_runs_wall_time_phases_and_waits(tmp_path, data_cache, sotu_t
     """The real clock on this machine's CPU ranks: ours re-planned by the runtime, dp-only waiting through the
     2-GPU phase; times are wall seconds, the downtime measured, the losses those of one plain process."""
     (tmp_path / "experiment.toml").write_text(REAL)
-    (tmp_path / "schedule.json").write_text(
-        json.dumps([{"gpus": 4, "duration_s": 9}, {"gpus": 2, "duration_s": WAIT_S}, {"gpus": 4, "duration_s": 6}])
-    )
+    (tmp_path / "schedule.json").write_text(json.dumps(REAL_PHASES))
     hosts = tmp_path / "hosts.txt"
     hosts.write_text("localhost slots=4\n")
     out = tmp_path / "results"
@@ -210,7 +209,7 @@ def test_real_clock_runs_wall_time_phases_and_waits(tmp_path, data_cache, sotu_t
         entry = summary["policies"][name]
         assert [row["step"] for row in r] == list(range(1, len(r) + 1)) and entry["steps"] == len(r) > 0
         assert entry["downtime_s"] == pytest.approx(sum(row["downtime_s"] for row in r), abs=1e-3)
-        assert 0 < r[-1]["time_s"] < 9 + WAIT_S + 6 + 60  # wall seconds from the first launch
+        assert 0 < r[-1]["time_s"] < sum(p["duration_s"] for p in REAL_PHASES) + 60  # wall s from the first launch
     assert {row["ranks"] for row in rows["ours"]} == {4, 2}
     assert {row["ranks"] for row in rows["dp-only"]} == {4}
     r = rows["dp-only"]  # one layout: its step time is the median gap between steps in it with no restart (a step

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -201,7 +202,7 @@ def test_a_slow_tokenizer_build_does_not_make_a_quick_preparation_talk(tmp_path,
     tokenizer before it (about 1 s, several on a loaded machine) is not counted, so a tiny corpus says nothing
     and a bad one only its error (tests/e2e/test_bad_input.py's data-too-short)."""
     clock = [1000.0]
-    monkeypatch.setattr(prepare.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])  # for every caller, during this test
     build, built = tokenizer.gpt2_encoding, []
 
     def slow_build():

@@ -64,11 +64,18 @@ if [ "$report_only" = 0 ]; then
     export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}"
     start=$(date +%s)
     # mutmut's exit status is 0 whatever survives; the report below decides. When its stats or clean run
-    # fails it hides pytest's output (the fork server): run the selection in mutants/ to see it.
+    # fails it hides pytest's output (the fork server); scripts/mutmut_plugin.py keeps the failed tests.
+    rm -f mutants/mutation-failures.txt
     if ! "$MUTMUT" run --max-children "${MUTATION_JOBS:-1}" "${names[@]}"; then
-        echo "[mutation] mutmut failed; to see a failing test: (cd mutants && PYTHONPATH=. $ET_PY -m pytest" \
-             "-x -p scripts.mutmut_plugin tests/unit tests/distributed)  (plus the --deselect options of" \
-             "[tool.mutmut] in pyproject.toml)" >&2
+        if [ -s mutants/mutation-failures.txt ]; then
+            echo "[mutation] mutmut failed; the tests that failed inside mutants/:" >&2
+            cat mutants/mutation-failures.txt >&2
+        else
+            echo "[mutation] mutmut failed; to see a failing test, run the selection of [tool.mutmut] in" \
+                 "mutants/: (cd mutants && MUTANT_UNDER_TEST=stats PYTHONPATH=. $ET_PY -m pytest -p" \
+                 "scripts.mutmut_plugin -n 2 --dist loadfile tests/unit tests/distributed" \
+                 "tests/e2e/test_metrics_pipe.py --deselect ...)" >&2
+        fi
         exit 1
     fi
     echo "[mutation] mutmut run took $(( $(date +%s) - start )) s"

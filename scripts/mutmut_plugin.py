@@ -1,7 +1,7 @@
 """pytest plugin for mutation runs; mutmut loads it through `pytest_add_cli_args` in pyproject.toml.
 
 mutmut 3 runs pytest in-process (in forks of itself) inside mutants/, and this plugin is imported there from
-the copy of scripts/ (`also_copy`). It does four things the distributed tests need:
+the copy of scripts/ (`also_copy`). What it does for the distributed tests and the runs around them:
 
 1. Test selection sees the forked ranks. In the stats run mutmut learns which tests reach which function from
    trampoline hits recorded in the pytest process; a rank forked by parallel/local_ranks.py records its hits
@@ -24,6 +24,8 @@ the copy of scripts/ (`also_copy`). It does four things the distributed tests ne
    of the mutants to run) is cut the same way.
 
 5. Each pytest session removes its temporary folders when it ends (a mutant's never would: see 4.'s os._exit).
+6. A test that fails in mutmut's stats or clean run (which stop the whole run, their output thrown away) is
+   written with the end of its report to mutants/mutation-failures.txt, which scripts/mutation.sh prints.
 
 Outside mutmut (no MUTANT_UNDER_TEST) the plugin does nothing.
 """
@@ -205,9 +207,21 @@ def pytest_collection_modifyitems(session, config, items) -> None:
         item.add_marker(pytest.mark.timeout(limit, method="signal"), append=False)
 
 
+FAILURES_FILE = "mutation-failures.txt"
+"""In mutants/: the tests that failed in mutmut's stats or clean run, each with the end of its report."""
+
+
 def pytest_runtest_logreport(report) -> None:
-    if report.failed and _mode() not in _NOT_A_MUTANT and "Timeout" in (report.longreprtext or ""):
+    mode = _mode()
+    if not report.failed:
+        return
+    if mode not in _NOT_A_MUTANT and "Timeout" in (report.longreprtext or ""):
         _state["timed_out"].append(report.nodeid)
+    elif mode in ("stats", "") and _os_getpid() == _state["main_pid"]:
+        # mutmut sends the pytest output of these runs to /dev/null and says only "runner returned 1"
+        tail = "\n".join((report.longreprtext or "").splitlines()[-15:])
+        with open(FAILURES_FILE, "a") as f:
+            f.write(f"{mode or 'clean'} run: {report.nodeid} failed ({report.when})\n{tail}\n\n")
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:

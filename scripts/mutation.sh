@@ -5,9 +5,11 @@
 #   scripts/mutation.sh elastic_trainer/data/order.py elastic_trainer/plan/memory.py   # only these
 #   scripts/mutation.sh --report-only [MODULE ...]                                     # score the last results
 #   scripts/mutation.sh --not-killed [MODULE ...]   # run again every mutant not killed (after adding tests)
+#   scripts/mutation.sh --names GLOB ...            # these mutants (mutmut's names: elastic_trainer.data.order.x_f__mutmut_*)
+#   scripts/mutation.sh --names - < FILE             # the globs in FILE, one a line (scripts/mutation_diff.py select)
 #
 # The configuration is [tool.mutmut] in pyproject.toml: what gets mutants (only_mutate), the tests (tests/unit and
-# tests/distributed less two slow or timing-dependent ones; never e2e), the timeout, the fork server. mutmut
+# tests/distributed and one e2e file; less the structure check), the timeout, the fork server. mutmut
 # copies the tree into mutants/, collects which tests reach which function (once; cached in mutants/), then
 # runs each mutant with only those tests, fastest first, stopping at the first failure.
 #   - No arguments: an incremental run; only mutants of functions changed since the last run are run again.
@@ -26,12 +28,22 @@ MUTMUT="$(dirname "$ET_PY")/mutmut"
 
 report_only=0
 not_killed=0
+given_names=()
 if [ "${1:-}" = "--report-only" ]; then
     report_only=1
     shift
 elif [ "${1:-}" = "--not-killed" ]; then
     not_killed=1
     shift
+elif [ "${1:-}" = "--names" ]; then
+    shift
+    if [ "${1:-}" = "-" ]; then
+        mapfile -t given_names
+    else
+        given_names=("$@")
+    fi
+    [ ${#given_names[@]} -gt 0 ] || { echo "mutation.sh: --names needs mutant-name globs" >&2; exit 2; }
+    set --
 fi
 
 DEFAULT_MODULES=(elastic_trainer/parallel/ elastic_trainer/checkpoint/ elastic_trainer/plan/memory.py
@@ -49,6 +61,7 @@ if [ "$report_only" = 0 ]; then
         m="${m%/__init__}"
         names+=("${m//\//.}.*")
     done
+    [ ${#given_names[@]} -gt 0 ] && names=("${given_names[@]}")
     [ "${MUTATION_FRESH:-0}" = 1 ] && rm -rf mutants
     if [ "$not_killed" = 1 ]; then
         # mutmut keeps a survivor's or a "no tests" verdict until its function changes; new tests only reach

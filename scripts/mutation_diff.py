@@ -31,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mutation_report import KILLED, load_results  # noqa: E402
+from mutmut_plugin import judging_tests  # noqa: E402
 
 BUDGET_S = float(os.environ.get("MUTATION_TEST_BUDGET_S", "15"))
 FUNCTION_SEPARATOR = "\u01c1"  # mutmut's between a class and its method in a mangled name
@@ -115,17 +116,6 @@ def _key(test_id: str) -> str:
     return f"{os.path.basename(file)}::{rest}"
 
 
-def judging(tests: list[str], durations: dict[str, float]) -> list[str]:
-    """The tests that judge a mutant: scripts/mutmut_plugin.py's cut (one-process tests first, fastest first)."""
-    kept, spent = [], 0.0
-    for test in sorted(tests, key=lambda t: (not t.startswith("tests/unit/"), durations.get(t, 0.0))):
-        spent += durations.get(test, 0.0)
-        if kept and spent > BUDGET_S:
-            break
-        kept.append(test)
-    return kept
-
-
 def _stats(root: Path) -> dict:
     path = root / "mutants" / "mutmut-stats.json"
     if not path.exists():
@@ -146,8 +136,8 @@ def differing(before: Path, after: Path) -> dict[str, list[str]]:
         why = []
         if fa.get(fn) != fb[fn]:
             why.append("new" if fn not in fa else "code changed")
-        ja = judging(ta.get(fn, []), sa["duration_by_test"])
-        jb = judging(tb.get(fn, []), sb["duration_by_test"])
+        ja = judging_tests(ta.get(fn, []), sa["duration_by_test"], BUDGET_S)
+        jb = judging_tests(tb.get(fn, []), sb["duration_by_test"], BUDGET_S)
         ka, kb = {_key(t) for t in ja}, {_key(t) for t in jb}
         if ka != kb:
             why.append(f"judging tests {len(ka)} -> {len(kb)}: {len(ka - kb)} left, {len(kb - ka)} came")

@@ -151,9 +151,12 @@ def pytest_sessionstart(session) -> None:
     _state["timed_out"] = []
 
 
-def _cut(tests: list[str], durations: dict, budget: float) -> list[str]:
-    """The fastest of `tests` whose clean times add up to at most `budget` seconds (at least one); the
-    one-process tests first."""
+def judging_tests(tests: list[str], durations: dict, budget: float) -> list[str]:
+    """The tests of `tests` that judge a mutant: the fastest whose clean times add up to at most `budget` seconds
+    (at least one), the one-process tests first; all of them when `budget` is 0 (scripts/mutation_diff.py
+    reads the same rule)."""
+    if budget <= 0:
+        return list(tests)
     kept, spent = [], 0.0
     for test in sorted(tests, key=lambda t: (not t.startswith("tests/unit/"), durations.get(t, 0.0))):
         spent += durations.get(test, 0.0)
@@ -191,9 +194,9 @@ def pytest_collection_modifyitems(session, config, items) -> None:
             wanted = set()
             for tests in by_function.values():
                 if present.intersection(tests):
-                    wanted.update(_cut([t for t in tests if t in present], durations, budget))
+                    wanted.update(judging_tests([t for t in tests if t in present], durations, budget))
         else:
-            wanted = set(_cut([item.nodeid for item in items], durations, budget))
+            wanted = set(judging_tests([item.nodeid for item in items], durations, budget))
         if len(wanted) < len(items):
             config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in wanted])
             items[:] = [item for item in items if item.nodeid in wanted]

@@ -52,3 +52,11 @@ def test_a_forked_rank_records_nothing(plugin, monkeypatch):
     monkeypatch.setitem(plugin._state, "main_pid", os.getpid() + 1)
     plugin.pytest_runtest_logreport(report("tests/unit/test_a.py::test_b", True, "AssertionError"))
     assert not Path(plugin.FAILURES_FILE).exists()
+
+
+def test_the_judging_tests_are_the_fastest_within_the_budget_one_process_tests_first(plugin):
+    durations = {"tests/unit/a": 9.0, "tests/unit/b": 5.0, "tests/distributed/c": 1.0, "tests/unit/d": 30.0}
+    tests = list(durations)
+    assert plugin.judging_tests(tests, durations, 15.0) == ["tests/unit/b", "tests/unit/a"]
+    assert plugin.judging_tests(["tests/unit/d", "tests/unit/a"], durations, 1.0) == ["tests/unit/a"]  # at least one
+    assert plugin.judging_tests(tests, durations, 0) == tests  # 0 keeps them all

@@ -119,7 +119,8 @@ def _key(test_id: str) -> str:
 def _stats(root: Path) -> dict:
     path = root / "mutants" / "mutmut-stats.json"
     if not path.exists():
-        raise SystemExit(f"mutation_diff: no {path}; run mutmut's stats there first (scripts/mutation.sh)")
+        print(f"mutation_diff: no {path}; run mutmut's stats there first (scripts/mutation.sh)", file=sys.stderr)
+        raise SystemExit(2)
     return json.loads(path.read_text())
 
 

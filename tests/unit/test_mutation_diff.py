@@ -150,8 +150,11 @@ def test_compare_scores_the_selected_part_and_names_each_mutant_judged_different
     assert f"{M}.x_changed__mutmut_1: killed -> survived" in out
 
 
-def test_a_checkout_without_stats_is_one_line(tmp_path):
+def test_a_checkout_without_stats_is_one_line_and_exit_code_2(tmp_path, capsys):
     before, after = pair(tmp_path)
     (after / "mutants" / "mutmut-stats.json").unlink()
-    with pytest.raises(SystemExit, match="no .*mutmut-stats.json; run mutmut's stats there first"):
+    with pytest.raises(SystemExit) as stop:
         mutation_diff.differing(before, after)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "mutmut-stats.json; run mutmut's stats there first" in err

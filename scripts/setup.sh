@@ -73,13 +73,16 @@ _et_setup() {
     if [ "$_et_deepspeed" = 1 ] && [ ! -e "$ops_stamp" ] \
         && "$ET_PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("deepspeed") is None)'; then
         _et_log "building DeepSpeed's shared-memory collective op (once; about a minute)"
-        if "$ET_PY" -c '
+        # A bound: torch's build lock (~/.cache/torch_extensions/.../lock) outlives a build that was killed, and
+        # every later build waits on it without end; past the bound the set-up goes on with the warning below.
+        if timeout 900 "$ET_PY" -c '
 from deepspeed.accelerator import get_accelerator
 builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
 builder is None or builder.load()' >"$ET_VENV/.deepspeed_ops_build.log" 2>&1; then
             touch "$ops_stamp"
         else
-            _et_log "warning: it did not build ($ET_VENV/.deepspeed_ops_build.log); DeepSpeed builds it when first used"
+            _et_log "warning: it did not build in 15 min ($ET_VENV/.deepspeed_ops_build.log; a hang there is a" \
+                "killed build's lock under ~/.cache/torch_extensions, delete it); DeepSpeed builds it when first used"
         fi
     fi
 }

@@ -61,7 +61,8 @@ def _faults(rank: int, world: int) -> dict[str, int]:
 
 def test_no_temporary_the_size_of_the_buffer():
     for faults in run_ranks(_faults, 2):
-        assert faults["reduce-scatter"] < 1000 and faults["all-gather"] < 1000, faults
+        # half the pages of the smallest temporary (the 16 MB part); coverage tracing alone costs ~1,100
+        assert faults["reduce-scatter"] < 2048 and faults["all-gather"] < 2048, faults
         assert faults["gloo all-gather"] > 4000, faults  # what this module is for (torch 2.13's gloo)
 
 

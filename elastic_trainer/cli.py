@@ -127,6 +127,7 @@ def run_launch(args: argparse.Namespace) -> int:
         remote_root=args.remote_root,
         warm_start=not args.no_warm_start,
         notice_grace_s=args.notice_grace_s,
+        hang_timeout_s=args.hang_timeout_s,
         train_argv=tuple(train_argv),
     )
     return launch(JobSetup(opts), dry_run=args.dry_run)

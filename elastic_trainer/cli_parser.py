@@ -31,10 +31,17 @@ class Parser(argparse.ArgumentParser):
 
 
 class Number:
-    """argparse type: an int or a finite float in [low, high] (`low_open`: > low)."""
+    """argparse type: an int or a finite float in [low, high] (`low_open`: > low; `zero_off`: 0 too, for off)."""
 
-    def __init__(self, kind: type, low: float | None = None, high: float | None = None, low_open: bool = False):
-        self.kind, self.low, self.high, self.low_open = kind, low, high, low_open
+    def __init__(
+        self,
+        kind: type,
+        low: float | None = None,
+        high: float | None = None,
+        low_open: bool = False,
+        zero_off: bool = False,
+    ):
+        self.kind, self.low, self.high, self.low_open, self.zero_off = kind, low, high, low_open, zero_off
         what = "an integer" if kind is int else "a finite number"
         if low is not None and high is not None:
             self.text = f"{what} in {'(' if low_open else '['}{low}, {high}]"
@@ -42,6 +49,8 @@ class Number:
             self.text = f"{what} {'>' if low_open else '>='} {low}"
         else:
             self.text = what
+        if zero_off:
+            self.text = f"0 (off) or {self.text}"
 
     def __call__(self, text: str):
         try:
@@ -50,6 +59,8 @@ class Number:
             raise argparse.ArgumentTypeError(f"{text!r} is not {self.text}") from None
         if self.kind is float and not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"{text!r} is not {self.text}")
+        if self.zero_off and value == 0:
+            return value
         too_low = self.low is not None and (value <= self.low if self.low_open else value < self.low)
         if too_low or (self.high is not None and value > self.high):
             raise argparse.ArgumentTypeError(f"{text!r} is not {self.text}")
@@ -61,6 +72,11 @@ NON_NEGATIVE = Number(int, 0, MAX_COUNT)
 STEP = Number(int, 1, MAX_STEPS)
 STEPS = Number(int, 0, MAX_STEPS)
 SEED = Number(int, 0, MAX_SEED)
+
+HANG_TIMEOUT = Number(float, 3.0, 86400.0, zero_off=True)
+"""--hang-timeout-s: 0 (off) or a few heartbeats (launch/heartbeat.py) up to a day."""
+
+
 PORT = Number(int, 0, 65535)
 POSITIVE_FLOAT = Number(float, 0, low_open=True)
 NON_NEGATIVE_FLOAT = Number(float, 0)
@@ -396,6 +412,15 @@ def _add_launch_parser(sub: argparse._SubParsersAction) -> None:
         help="seconds a scheduler gives a host between its SIGTERM and SIGKILL: an agent that gets "
         "SIGTERM tells this launcher, which re-forms the job without the host within half of it "
         "(default 30, Kubernetes' default grace)",
+    )
+    r.add_argument(
+        "--hang-timeout-s",
+        type=HANG_TIMEOUT,
+        default=10.0,
+        metavar="S",
+        help="seconds without a host's heartbeat after which it is taken as frozen (stopped processes, a lost "
+        "network) and the other hosts go on without it; slow steps never stop the heartbeat "
+        "(default 10; 0: off, a frozen host then blocks the others until the backend's timeout)",
     )
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then `train` arguments for every rank")
 

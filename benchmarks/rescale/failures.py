@@ -1,4 +1,4 @@
-"""What an unplanned loss costs: a worker, a host, or the host of rank 0 SIGKILLed in a running job.
+"""What an unplanned loss costs: a worker, a host or the host of rank 0 SIGKILLed, or a host frozen, mid-run.
 
     python benchmarks/rescale/failures.py [--repeats 3] [--out benchmarks/rescale/failures.json]
 
@@ -7,10 +7,13 @@ launch` with the launcher's default settings, saving every step. Once step 6 is 
 
 - worker: one rank process of 127.0.0.2 is SIGKILLed (its agent restarts its workers, the job stays at 4 ranks);
 - host: 127.0.0.2's agent is SIGKILLed (its ranks die with it; the job goes on with 2 ranks);
-- first host: 127.0.0.1's agent, the host of rank 0, is SIGKILLed (the same, with the other host).
+- first host: 127.0.0.1's agent, the host of rank 0, is SIGKILLed (the same, with the other host);
+- frozen host: 127.0.0.2's agent and workers are SIGSTOPped (no process exits, its connections stay open): the
+  launcher cuts it off after its heartbeat has been silent for the hang timeout (launch/heartbeat.py).
 
 **Recovery** is from the kill to the start of the first step after it, from the job's events, in stages:
-detect (kill -> the first surviving agent restarts its workers), rendezvous (-> the last agent's rendezvous
+detect (kill or freeze -> the first surviving agent restarts its workers; for a frozen host this includes
+the hang timeout, and `cut_s` is the freeze -> the launcher's `host_lost`), rendezvous (-> the last agent's rendezvous
 completed), start (-> process group formed, `processes_up`), setup (-> state loaded: plan, build, load). The first
 step after a restart is reported apart (gloo connects lazily), as are the steps redone. Medians of the repeats.
 """
@@ -31,7 +34,7 @@ from pathlib import Path
 from elastic_trainer.elastic.events import read_jsonl
 
 HERE = Path(__file__).resolve().parent
-KINDS = ("worker", "host", "first host")
+KINDS = ("worker", "host", "first host", "frozen host")
 EXTRA = [a for a in os.environ.get("ET_BENCH_LAUNCH_ARGS", "").split() if a]
 STAGES = ("detect_s", "rendezvous_s", "start_s", "setup_s")
 
@@ -105,7 +108,10 @@ def trial(folder: Path, kind: str, data_cache: str) -> dict:
         agent = agent_of(proc.pid, "127.0.0.1" if kind == "first host" else "127.0.0.2")
         victim = children(agent)[0] if kind == "worker" else agent
         killed = time.time()
-        os.kill(victim, signal.SIGKILL)
+        if kind == "frozen host":
+            os.killpg(victim, signal.SIGSTOP)  # the agent and its workers: one process group
+        else:
+            os.kill(victim, signal.SIGKILL)
         world = 4 if kind == "worker" else 2
         first = wait(
             lambda: next(
@@ -122,6 +128,11 @@ def trial(folder: Path, kind: str, data_cache: str) -> dict:
         proc.communicate(timeout=300)
     finally:
         proc.kill()
+        if kind == "frozen host":
+            try:
+                os.killpg(victim, signal.SIGCONT)
+            except ProcessLookupError:  # the launcher killed it when it cut it off
+                pass
     events = [e for e in read_jsonl(run_dir / "events.jsonl") if killed <= e["time"] <= first["time"]]
 
     def at(name: str, pick=min) -> float | None:
@@ -138,6 +149,7 @@ def trial(folder: Path, kind: str, data_cache: str) -> dict:
         "kind": kind,
         "recovery_s": first["time"] - first["step_time_s"] - killed,
         **stages,
+        "cut_s": (at("host_lost") - killed) if kind == "frozen host" and at("host_lost") else None,
         "load_s": (loaded.get("load") or {}).get("total_s"),
         "first_step_s": first["step_time_s"],
         "redone": before - first["step"] + 1,
@@ -164,11 +176,11 @@ def main() -> None:
                 row = trial(Path(tmp) / f"{kind.replace(' ', '-')}-{r}", kind, cache)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    keys = ("recovery_s", *STAGES, "load_s", "first_step_s", "redone")
+    keys = ("recovery_s", "cut_s", *STAGES, "load_s", "first_step_s", "redone")
     summary = {kind: {k: median([x for x in rows if x["kind"] == kind], k) for k in keys} for kind in kinds}
-    print(f"{'lost':<11}" + "".join(f"{k:>14}" for k in keys))
+    print(f"{'lost':<12}" + "".join(f"{k:>14}" for k in keys))
     for kind, values in summary.items():
-        print(f"{kind:<11}" + "".join(f"{'-' if values[k] is None else values[k]:>14}" for k in keys))
+        print(f"{kind:<12}" + "".join(f"{'-' if values[k] is None else values[k]:>14}" for k in keys))
     Path(args.out).write_text(json.dumps({"medians": summary, "runs": rows}, indent=1) + "\n")
 
 

@@ -140,6 +140,9 @@ def _agent_class() -> None:
                     file=sys.stderr,
                     flush=True,
                 )
+            from elastic_trainer.launch import heartbeat
+
+            self._heartbeat = heartbeat.start_for_agent(self, _rdzv_endpoint)
 
         def _restarts(self) -> int:
             return self._worker_group.spec.max_restarts - self._remaining_restarts
@@ -151,6 +154,11 @@ def _agent_class() -> None:
             ):
                 self._remaining_restarts = 0
             return result
+
+        def _start_workers(self, worker_group):
+            if self._heartbeat is not None:
+                self._heartbeat.acknowledge()
+            return super()._start_workers(worker_group)
 
         def _restart_workers(self, worker_group):
             state = worker_group.state

@@ -25,7 +25,7 @@ from elastic_trainer.elastic.exit_codes import EXIT_BAD_INPUT
 from elastic_trainer.elastic.handover import HOSTS_CHANGE, PHASE_END, WARM_ENV, Control
 from elastic_trainer.elastic.report import summary_lines
 from elastic_trainer.elastic.schedule import Phase, run_end
-from elastic_trainer.launch import live_hosts
+from elastic_trainer.launch import heartbeat, live_hosts
 from elastic_trainer.launch.hosts import default_slots
 from elastic_trainer.launch.job_setup import JobSetup
 from elastic_trainer.launch.notices import NOTICE_GRACE_ENV, Notices
@@ -225,6 +225,7 @@ class Driver:
         env = {
             **Control.environment(f"{job.endpoint_host()}:{store.port}", self.job_id),
             NOTICE_GRACE_ENV: f"{job.opts.notice_grace_s:g}",
+            heartbeat.ENV: f"{job.opts.hang_timeout_s:g}",
             **({WARM_ENV: "early" if early else "late"} if warm else {}),
         }
         agents = [self.processes.start(p, spec, env) for p in placements]
@@ -238,9 +239,11 @@ class Driver:
             hosts=[[p.host.name, p.nproc] for p in placements],
             **({"reform": reform} if reform else {}),
         )
-        return World(
+        world = World(
             index, spec.run_id, prefix, agents, [(p.host.name, p.nproc) for p in placements], time.time(), warm
         )
+        world.watch = heartbeat.Watch(store, prefix, [a.host for a in agents], job.opts.hang_timeout_s)
+        return world
 
     def _watch(self, world: World, store) -> None:
         """One look at a world's agents: a lost host, a bad-input exit (the others get a grace period)."""
@@ -251,6 +254,18 @@ class Driver:
                 self.events.emit("host_lost", phase=world.index, host=a.host, code=a.proc.returncode, hosts_left=left)
                 if a.proc.returncode != EXIT_BAD_INPUT and world.alive():
                     self.say(f"{_codes({a.host: a.proc.returncode})}: the other hosts go on without it")
+        for host, silent_s in world.watch.silent(exclude=world.gone).items() if world.watch else ():
+            world.gone.add(host)  # before the cut: the survivors' next round must not wait for it
+            left = live_hosts.lost(store, world.prefix)
+            world.watch.cut(host)
+            self.processes.kill([a for a in world.agents if a.host == host])
+            self.events.emit(
+                "host_lost", phase=world.index, host=host, reason="frozen", silent_s=round(silent_s, 1), hosts_left=left
+            )
+            if world.alive():
+                self.say(
+                    f"agent on {host}: no heartbeat for {silent_s:.1f} s: cut off, the other hosts go on without it"
+                )
         if world.bad_since is None and any(a.proc.poll() == EXIT_BAD_INPUT for a in world.agents):
             world.bad_since = time.time()
         if world.bad_since is not None and time.time() - world.bad_since > BAD_INPUT_GRACE_S:

@@ -68,6 +68,8 @@ class LaunchOptions:
     """Start the next phase's world beside the current one and hand the state over in memory (launch/warm.py)."""
     notice_grace_s: float = 30.0
     """Seconds between a scheduler's SIGTERM to a host's agent and its SIGKILL (launch/notices.py)."""
+    hang_timeout_s: float = 10.0
+    """Seconds without a host's heartbeat before the launcher cuts it off (launch/heartbeat.py); 0: never."""
     train_argv: tuple[str, ...] = ()
     """`train` arguments for every rank (model, data and training settings)."""
 

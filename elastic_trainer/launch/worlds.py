@@ -44,6 +44,8 @@ class World:
     """Its hosts changed (launch/notices.py): stop it once its replacement is ready, at the latest then."""
     leaving: list[str] = field(default_factory=list)
     """Its hosts that the change takes away."""
+    watch: object = None
+    """Its agents' heartbeats (launch/heartbeat.Watch)."""
 
     def alive(self) -> bool:
         return any(a.proc.poll() is None for a in self.agents)
@@ -119,6 +121,16 @@ class Processes:
             if a.proc.poll() is None:
                 a.proc.send_signal(LAUNCHER_GONE)
                 a.proc.stdin.close()
+
+    @staticmethod
+    def kill(agents: list[Agent]) -> None:
+        """SIGKILL agents and whatever shares their process group (a local agent's workers; ssh for a remote
+        one): for hosts cut off, which may be stopped and would never act on a gentler signal."""
+        for a in agents:
+            try:
+                os.killpg(a.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def close(self) -> None:
         """The parked agents still waiting: their stdin closed, they exit without starting anything."""

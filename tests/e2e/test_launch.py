@@ -10,7 +10,7 @@ same steps (fp32, 1e-5 relative) and checks from the metrics that every global s
 - any GPU count runs: 8 -> 5 -> 7 -> 3 GPUs where 5 and 7 leave one idle, every layout the dry run's, every
   event a warm start with the state handed over in memory (no rank reads the checkpoint folder);
 - hosts of different sizes (3 + 2) train as one job with one plan, tp inside a host, one GPU idle; then the
-  2-slot host is lost and the survivors re-plan;
+  2-slot host freezes (SIGSTOP), is cut off after 10 s without a heartbeat, and the survivors re-plan;
 - the second host reached through a real sshd, both agents' output in the driver's log; the launcher
   SIGKILLed: both hosts save the step in flight, and a resumed launch finishes on the trajectory;
 - a crash of the whole job, then `launch --resume`.
@@ -18,6 +18,7 @@ same steps (fp32, 1e-5 relative) and checks from the metrics that every global s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -362,10 +363,12 @@ def test_any_gpu_count_runs_as_the_dry_run_said(tmp_path, data_cache, sotu_token
     assert proc.stdout.count("memory: save") == 3 and not (shm.exists() and any(shm.iterdir()))
 
 
-def test_uneven_hosts_leave_a_gpu_idle_then_lose_one(tmp_path, data_cache, sotu_tokens):
+def test_uneven_hosts_leave_a_gpu_idle_then_one_freezes(tmp_path, data_cache, sotu_tokens):
     """Hosts of 3 and 2 slots (5 ranks), global batch 12: one plan for both hosts (tp inside a host) on 4 ranks,
-    one idle, taken from job.json. Then the 2-slot host's agent is SIGKILLed: the 3 survivors re-plan for the
-    hosts they really have (saying why) and resume from the last periodic checkpoint, on the trajectory."""
+    one idle, taken from job.json. Then the 2-slot host freezes (its agent and workers SIGSTOPped: no process
+    exits, its connections stay open): the launcher cuts it off after 10 s without its heartbeat, the survivors'
+    blocked workers are restarted, re-plan for the hosts they really have (saying why) and resume from the last
+    periodic checkpoint, on the trajectory. Woken up later, the frozen host has nothing left to do anything."""
     run_dir = tmp_path / "uneven"
     argv = launch_argv(run_dir, "127.0.0.1 slots=3\n127.0.0.2 slots=2\n", "--schedule", "none", cache=data_cache)
     proc = subprocess.Popen(
@@ -375,16 +378,30 @@ def test_uneven_hosts_leave_a_gpu_idle_then_lose_one(tmp_path, data_cache, sotu_
         text=True,
         env=env(),
     )
+    frozen = None
     try:
         wait_for(run_dir, proc, lambda r: r["step"] >= 3)
-        os.kill(agent_of("127.0.0.2", run_dir), signal.SIGKILL)
+        frozen = agent_of("127.0.0.2", run_dir)
+        group = [p for p in processes("--local-addr\x00127.0.0.2\x00", str(run_dir)) if os.getpgid(p) == frozen]
+        os.killpg(frozen, signal.SIGSTOP)
         lost = time.time()
         wait_for(run_dir, proc, lambda r: r["world_size"] == 3 and r["time"] > lost)
         (run_dir / "stop").touch()
         out, _ = proc.communicate(timeout=300)
     finally:
         proc.kill()
+        if frozen is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(frozen, signal.SIGCONT)
     assert proc.returncode == 0, out[-4000:]
+    assert len(group) > 1  # its workers share the agent's process group: all stopped
+    assert not processes("--local-addr\x00127.0.0.2\x00", str(run_dir))
+    events = read_jsonl(run_dir / "events.jsonl")
+    (cut,) = [e for e in events if e["event"] == "host_lost"]
+    assert (cut["host"], cut["reason"], cut["hosts_left"]) == ("127.0.0.2", "frozen", 1)
+    assert 10.0 <= cut["silent_s"] < 12.0 and "agent on 127.0.0.2: no heartbeat for " in out
+    after = [e for e in events if e["time"] >= cut["time"]]
+    assert [e["host"] for e in after if e["event"] == "workers_restarting"] == ["127.0.0.1"]
     planned = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "planned"]
     first, last = planned[0], planned[-1]
     assert sorted(first["hosts"]) == [2, 3] and first["source"] == "spec" and (first["held"], first["idle"]) == (5, 1)

@@ -53,8 +53,13 @@ def test_silent_after_the_timeout_from_the_last_beat(store):
         clock.now += 1.0
         a.beat_once()
         assert watch.silent() == ({"b": pytest.approx(clock.now - 100.0)} if clock.now - 100.0 > 10 else {})
+    clock.now += 0.5
     assert watch.silent(exclude={"b"}) == {}
+    assert watch.silent() == {}  # read at most every READ_EVERY_S: the same instant reads nothing
+    clock.now += 0.5
+    assert watch.silent() == {"b": pytest.approx(clock.now - 100.0)}
     b.beat_once()  # it answers again before it was cut: it is not silent any more
+    clock.now += 0.5
     assert watch.silent() == {}
 
 
@@ -78,6 +83,7 @@ def test_a_cut_reaches_the_others_once_and_fences_the_cut_host(store):
     beats["a"].beat_once(), beats["b"].beat_once()
     assert watch.silent() == {"c": pytest.approx(11.0)}
     watch.cut("c")
+    clock.now += 0.5
     assert watch.silent() == {}  # a cut host is no longer watched
     assert beats["a"].beat_once() and beats["b"].beat_once()
     assert beats["a"].beat_once()  # the same cut only once

@@ -2,6 +2,8 @@
 
     python scripts/mutation_diff.py select BEFORE AFTER > /tmp/names    # mutants whose verdict can differ
     python scripts/mutation_diff.py compare BEFORE AFTER                # their verdicts at both, and the score
+    python scripts/mutation_diff.py sample BEFORE AFTER N > /tmp/names  # N mutants of the whole scope at random
+    python scripts/mutation_diff.py compare BEFORE AFTER --names /tmp/names  # the score of those at both
 
 BEFORE and AFTER are checkouts of the two revisions (a `git worktree` for the older one), each with mutants/
 after mutmut's stats run (`scripts/mutation.sh` there collects them; `select` needs only the stats).
@@ -17,6 +19,13 @@ of this differs, each with why on stderr; run those at both revisions (`scripts/
 functions' mutants side by side, each mutant judged differently by name, and the score of the selected part
 at both. What it leaves out is the same at both by the argument above, within the spread of test times at the
 budget's edge (a test whose clean time moves across the cut changes the selection, and is then selected).
+
+Where the tests themselves were reorganized (moved between tiers, which orders them differently in the cut, or
+into files of other names), nearly every function is selected, and the whole scope at both revisions is hours of
+work. `sample` then draws N mutants of the whole scope (seeded; only names both revisions have), to be run at
+both; `compare --names` scores exactly those, each revision's verdict beside the other's, counting only mutants
+checked at both. The difference of two scores on the same mutants is paired, so it needs far fewer mutants than
+either score alone: the share judged differently is what moves it.
 """
 
 from __future__ import annotations
@@ -24,7 +33,9 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import math
 import os
+import random
 import sys
 from collections import Counter
 from pathlib import Path
@@ -155,29 +166,56 @@ def _mangled(mutant: str) -> str:
     return mutant.partition("__mutmut_")[0]
 
 
-def compare(before: Path, after: Path, selected: set[str]) -> int:
-    ra, rb = load_results(before), load_results(after)
-    va = {m: s for per_file in ra.values() for m, s in per_file.items()}
-    vb = {m: s for per_file in rb.values() for m, s in per_file.items()}
+def _verdicts(root: Path) -> dict[str, str]:
+    return {m: s for per_file in load_results(root).values() for m, s in per_file.items()}
+
+
+def sample(before: Path, after: Path, count: int, seed: int = 0) -> list[str]:
+    """`count` mutant names drawn at random from those both revisions have, sorted."""
+    common = sorted(set(_verdicts(before)) & set(_verdicts(after)))
+    return sorted(random.Random(seed).sample(common, min(count, len(common))))
+
+
+def compare(before: Path, after: Path, selected: set[str], names: set[str] | None = None) -> int:
+    """The selected functions' mutants (or exactly `names`, those checked at both) scored at both revisions."""
+    va, vb = _verdicts(before), _verdicts(after)
+    if names is not None:
+        unchecked = {
+            m for m in names if va.get(m, "not checked") == "not checked" or vb.get(m, "not checked") == "not checked"
+        }
+        va = {m: s for m, s in va.items() if m in names and m not in unchecked}
+        vb = {m: s for m, s in vb.items() if m in names and m not in unchecked}
+
+    def counted(m: str) -> bool:
+        return m in vb if names is not None else _mangled(m) in selected
+
     pairs = Counter()
     differ = []
     score = {"before": [0, 0], "after": [0, 0]}
     for side, verdicts in (("before", va), ("after", vb)):
         for m, s in verdicts.items():
-            if _mangled(m) in selected:
+            if counted(m):
                 score[side][0] += s in KILLED
                 score[side][1] += 1
     for m in sorted(vb):
-        if _mangled(m) not in selected:
+        if not counted(m):
             continue
         a, b = va.get(m, "absent"), vb[m]
         pairs[(a, b)] += 1
         if (a in KILLED) != (b in KILLED):
             differ.append((m, a, b))
-    print(f"{len(selected)} functions selected")
+    if names is not None:
+        print(f"{len(names)} mutants named, {len(unchecked)} not checked at both (left out)")
+    else:
+        print(f"{len(selected)} functions selected")
     for side, (killed, total) in score.items():
         pct = 100.0 * killed / total if total else 0.0
-        print(f"  {side}: {killed} / {total} killed ({pct:.1f}%)")
+        # Wilson's 95 % interval of a share, for a sample
+        z, p = 1.96, (killed / total if total else 0.0)
+        half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / (1 + z * z / total) if total else 0
+        mid = (p + z * z / (2 * total)) / (1 + z * z / total) if total else 0
+        interval = f"; 95 % {100 * (mid - half):.1f}-{100 * (mid + half):.1f}%" if names is not None else ""
+        print(f"  {side}: {killed} / {total} killed ({pct:.1f}%{interval})")
     print("verdicts (before -> after), mutants that exist after:")
     for (a, b), n in sorted(pairs.items(), key=lambda x: -x[1]):
         print(f"  {a:>12} -> {b:<12} {n}")
@@ -189,10 +227,22 @@ def compare(before: Path, after: Path, selected: set[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=["select", "compare"])
+    parser.add_argument("what", choices=["select", "compare", "sample"])
     parser.add_argument("before", type=Path)
     parser.add_argument("after", type=Path)
+    parser.add_argument("count", type=int, nargs="?", help="sample: how many mutants")
+    parser.add_argument("--seed", type=int, default=0, help="sample: the random draw's seed (default 0)")
+    parser.add_argument("--names", type=Path, help="compare: score exactly the mutants named in this file")
     args = parser.parse_args(argv)
+    if args.what == "sample":
+        if not args.count or args.count < 1:
+            parser.error("sample needs a count of mutants >= 1")
+        _stats(args.before), _stats(args.after)
+        print("\n".join(sample(args.before, args.after, args.count, args.seed)))
+        return 0
+    if args.what == "compare" and args.names is not None:
+        names = {line.strip() for line in args.names.read_text().splitlines() if line.strip()}
+        return compare(args.before, args.after, set(), names)
     reasons = differing(args.before, args.after)
     if args.what == "select":
         for fn, why in reasons.items():

@@ -158,3 +158,24 @@ def test_a_checkout_without_stats_is_one_line_and_exit_code_2(tmp_path, capsys):
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "mutmut-stats.json; run mutmut's stats there first" in err
+
+
+def test_a_sample_draws_only_mutants_both_revisions_have_and_is_seeded(tmp_path):
+    only_after = f"{M}.x_changed__mutmut_2"
+    results = {f"{M}.x_kept__mutmut_1": 1, f"{M}.x_changed__mutmut_1": 1, f"{M}.x{SEP}Box{SEP}size__mutmut_1": 1}
+    before, after = pair(tmp_path, results_after={**results, only_after: 1})
+    assert mutation_diff.sample(before, after, 10) == sorted(results)
+    two = mutation_diff.sample(before, after, 2, seed=3)
+    assert len(two) == 2 and set(two) < set(results) and two == mutation_diff.sample(before, after, 2, seed=3)
+
+
+def test_compare_of_named_mutants_counts_those_checked_at_both(tmp_path, capsys):
+    kept, changed, size = f"{M}.x_kept__mutmut_1", f"{M}.x_changed__mutmut_1", f"{M}.x{SEP}Box{SEP}size__mutmut_1"
+    before, after = pair(tmp_path, results_after={kept: 0, changed: 1, size: None})
+    (tmp_path / "names").write_text(f"{kept}\n{changed}\n{size}\n")
+    assert mutation_diff.main(["compare", str(before), str(after), "--names", str(tmp_path / "names")]) == 0
+    out = capsys.readouterr().out
+    assert "3 mutants named, 1 not checked at both (left out)" in out
+    assert "before: 2 / 2 killed (100.0%; 95 % 34.2-100.0%)" in out
+    assert "after: 1 / 2 killed (50.0%; 95 % 9.5-90.5%)" in out
+    assert f"{kept}: killed -> survived" in out and size not in out.split("judged differently")[1]

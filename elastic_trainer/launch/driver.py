@@ -254,7 +254,8 @@ class Driver:
                 self.events.emit("host_lost", phase=world.index, host=a.host, code=a.proc.returncode, hosts_left=left)
                 if a.proc.returncode != EXIT_BAD_INPUT and world.alive():
                     self.say(f"{_codes({a.host: a.proc.returncode})}: the other hosts go on without it")
-        for host, silent_s in world.watch.silent(exclude=world.gone).items() if world.watch else ():
+        exited = {a.host for a in world.agents if a.proc.poll() is not None}  # done, or seen lost above
+        for host, silent_s in world.watch.silent(exclude=world.gone | exited).items() if world.watch else ():
             world.gone.add(host)  # before the cut: the survivors' next round must not wait for it
             left = live_hosts.lost(store, world.prefix)
             world.watch.cut(host)

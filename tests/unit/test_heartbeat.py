@@ -121,3 +121,45 @@ def test_hang_timeout_flag():
     for bad in ("2", "-1", "nan", "x", "1e9"):
         with pytest.raises(argparse.ArgumentTypeError, match="is not 0 \\(off\\) or a finite number in"):
             HANG_TIMEOUT(bad)
+
+
+class FakeProc:
+    def __init__(self, code=None):
+        self.returncode = code
+
+    def poll(self):
+        return self.returncode
+
+
+def test_the_launcher_cuts_a_silent_host_and_not_one_that_finished(store):
+    """driver._watch on a world of three agents: b stops beating (frozen), c exits 0 and so stops too (its
+    workers finished before the others'); only b is cut off, killed, counted out and reported."""
+    from elastic_trainer.launch import driver as driver_module
+    from elastic_trainer.launch import live_hosts
+    from elastic_trainer.launch.worlds import Agent, World
+
+    clock = Clock()
+    agents = {h: Agent(h, FakeProc(), None) for h in "abc"}
+    world = World(0, "job-p0", PREFIX, list(agents.values()), [(h, 1) for h in "abc"], 0.0, False)
+    world.watch = heartbeat.Watch(store, PREFIX, list(agents), 10.0, clock)
+    live_hosts.publish(store, PREFIX, 3)
+    calls = {h: Calls() for h in "abc"}
+    beats = {h: beat(store, h, calls[h]) for h in "abc"}
+    events, lines, killed = [], [], []
+    d = driver_module.Driver.__new__(driver_module.Driver)
+    d.events = type("Events", (), {"emit": lambda self, name, **f: events.append((name, f))})()
+    d.say = lines.append
+    d.processes = type("Processes", (), {"kill": staticmethod(lambda agents: killed.extend(a.host for a in agents))})()
+    for b in beats.values():
+        b.beat_once()
+    d._watch(world, store)
+    agents["c"].proc.returncode = 0
+    for _ in range(11):
+        clock.now += 1.0
+        beats["a"].beat_once()
+        d._watch(world, store)
+    assert killed == ["b"] and world.gone == {"b"}
+    assert store.add(f"{PREFIX}/hosts", 0) == 2
+    assert events == [("host_lost", {"phase": 0, "host": "b", "reason": "frozen", "silent_s": 11.0, "hosts_left": 2})]
+    assert lines == ["agent on b: no heartbeat for 11.0 s: cut off, the other hosts go on without it"]
+    assert beats["a"].beat_once() and calls["a"].cuts == 1  # a's blocked workers are killed

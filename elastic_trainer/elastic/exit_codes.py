@@ -6,6 +6,7 @@
 | EXIT_BAD_INPUT (2) | any | one line naming the bad input (or a diverged run); never restarted |
 | EXIT_STOPPED (3) | a plain process | stopped on request after saving |
 | EXIT_REJOIN (75) | a torchrun worker | stopped only because its peers were, and asks its agent to re-form the group |
+| EXIT_FENCED (76) | a launcher's agent | woke after its host was cut off (launch/heartbeat.py); workers unsaved |
 | 128 + N | an agent | stopped by signal N (its ranks saved) |
 
 A bad-input line starts with ERROR_MARK wherever it is printed (the CLI, the agent, a rank's error file), which
@@ -17,6 +18,7 @@ from __future__ import annotations
 EXIT_BAD_INPUT = 2
 EXIT_STOPPED = 3
 EXIT_REJOIN = 75
+EXIT_FENCED = 76
 ERROR_MARK = "elastic-trainer: error: "
 PEER_STOP_ENV = "ELASTIC_TRAINER_PEER_STOP"
 PEER_REASON = "requested on another rank"

@@ -20,7 +20,7 @@ blocked in a collective with the frozen host and would wait out the backend's ti
 the next round, without the frozen host, and they resume as after any lost host (where the frozen workers were
 killed, their reset connections usually fail the survivors' workers first). An agent on another host that wakes
 after it was cut off reads its own `gone` key at its next beat, kills its workers and exits without letting them
-save (`FENCED_EXIT`): it never rejoins the world that went on without it, and a new launch may take the host
+save (`EXIT_FENCED`): it never rejoins the world that went on without it, and a new launch may take the host
 again.
 """
 
@@ -38,8 +38,6 @@ ENV = "ELASTIC_TRAINER_HANG_TIMEOUT_S"
 """Set by the launcher for its agents: the hang timeout in seconds (0 or unset: no heartbeat)."""
 BEAT_S = 1.0
 """Seconds between an agent's beats. The launcher's hang timeout must be a few of them (the CLI's least: 3)."""
-FENCED_EXIT = 75
-"""An agent's exit code after it found itself cut off: its job went on without it."""
 
 
 def beat_key(prefix: str, host: str) -> str:
@@ -162,6 +160,7 @@ def start_for_agent(agent, endpoint: str) -> Beat | None:
     for one (ENV, and the live-hosts prefix); None otherwise."""
     from torch.distributed import TCPStore
 
+    from elastic_trainer.elastic.exit_codes import EXIT_FENCED
     from elastic_trainer.elastic.handover import host_name
     from elastic_trainer.launch import live_hosts
 
@@ -170,13 +169,6 @@ def start_for_agent(agent, endpoint: str) -> Beat | None:
     if not prefix or timeout <= 0:
         return None
     host, _, port = endpoint.rpartition(":")
-    try:
-        store = TCPStore(
-            host.strip("[]"), int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout)
-        )
-    except Exception as e:  # noqa: BLE001 - without it the job runs, only a hang goes unnoticed
-        print(f"[agent] warning: no heartbeat, a hang of this host goes unnoticed: {e}", file=sys.stderr, flush=True)
-        return None
 
     def workers() -> list[int]:
         context = getattr(agent, "_pcontext", None)
@@ -193,8 +185,16 @@ def start_for_agent(agent, endpoint: str) -> Beat | None:
             flush=True,
         )
         kill_workers(workers())
-        os._exit(FENCED_EXIT)
+        os._exit(EXIT_FENCED)
 
-    beat = Beat(store, prefix, host_name(), on_cut, on_fenced)
+    try:
+        store = TCPStore(
+            host.strip("[]"), int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout)
+        )
+        beat = Beat(store, prefix, host_name(), on_cut, on_fenced)
+    except Exception as e:  # noqa: BLE001 - without it the job runs, only a hang goes unnoticed
+        why = " ".join(str(e).split())[:200]
+        print(f"[agent] warning: no heartbeat, a hang of this host goes unnoticed: {why}", file=sys.stderr, flush=True)
+        return None
     beat.start()
     return beat

@@ -24,6 +24,8 @@ from pathlib import Path
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 DAEMONS = {"slurmctld": "/usr/sbin/slurmctld", "slurmd": "/usr/sbin/slurmd", "munged": "/usr/sbin/munged"}
 CPUS = 8
+APT_WAIT = ("-o", "DPkg::Lock::Timeout=600")
+"""Wait for dpkg's lock: another test (sshd's, Slurm's) may be installing its packages at the same time."""
 
 
 def ensure_slurm() -> str | None:
@@ -45,11 +47,11 @@ def ensure_slurm() -> str | None:
     if not shutil.which("apt-get"):
         return "Slurm is not installed and there is no apt-get"
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    install = ["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES]
+    install = ["apt-get", *APT_WAIT, "install", "-y", "--no-install-recommends", *PACKAGES]
     try:
         proc = subprocess.run(install, env=env, capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
-            subprocess.run(["apt-get", "update"], env=env, capture_output=True, timeout=900)
+            subprocess.run(["apt-get", *APT_WAIT, "update"], env=env, capture_output=True, timeout=900)
             proc = subprocess.run(install, env=env, capture_output=True, text=True, timeout=900)
     except subprocess.TimeoutExpired:
         return "apt-get timed out installing Slurm"

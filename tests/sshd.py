@@ -49,6 +49,10 @@ class SshServer:
         return ["ssh", *self.ssh_options(), "-p", str(self.port), "-i", self.identity, self.host, "--", *cmd]
 
 
+APT_WAIT = ("-o", "DPkg::Lock::Timeout=600")
+"""Wait for dpkg's lock: another test (sshd's, Slurm's) may be installing its packages at the same time."""
+
+
 def ensure_sshd() -> str | None:
     """None when sshd and ssh are usable (apt-installing them as root if missing), else why to skip."""
     if os.path.exists(SSHD) and shutil.which("ssh") and shutil.which("ssh-keygen"):
@@ -58,12 +62,12 @@ def ensure_sshd() -> str | None:
     if not shutil.which("apt-get"):
         return f"{SSHD} or ssh missing and no apt-get"
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    install = ["apt-get", "install", "-y", "--no-install-recommends", "openssh-server", "openssh-client"]
+    install = ["apt-get", *APT_WAIT, "install", "-y", "--no-install-recommends", "openssh-server", "openssh-client"]
     try:
         proc = subprocess.run(install, env=env, capture_output=True, text=True, timeout=600)
         stale = ("Unable to locate package", "no installation candidate", "404")  # no or old package lists
         if proc.returncode != 0 and any(m in proc.stderr for m in stale):
-            subprocess.run(["apt-get", "update"], env=env, capture_output=True, timeout=600)
+            subprocess.run(["apt-get", *APT_WAIT, "update"], env=env, capture_output=True, timeout=600)
             proc = subprocess.run(install, env=env, capture_output=True, text=True, timeout=600)
     except subprocess.TimeoutExpired:
         return "apt-get timed out installing openssh-server"

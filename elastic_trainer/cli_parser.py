@@ -72,11 +72,8 @@ NON_NEGATIVE = Number(int, 0, MAX_COUNT)
 STEP = Number(int, 1, MAX_STEPS)
 STEPS = Number(int, 0, MAX_STEPS)
 SEED = Number(int, 0, MAX_SEED)
-
 HANG_TIMEOUT = Number(float, 3.0, 86400.0, zero_off=True)
 """--hang-timeout-s: 0 (off) or a few heartbeats (launch/heartbeat.py) up to a day."""
-
-
 PORT = Number(int, 0, 65535)
 POSITIVE_FLOAT = Number(float, 0, low_open=True)
 NON_NEGATIVE_FLOAT = Number(float, 0)

@@ -235,6 +235,14 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
         help="save every K steps (default: only at the end and on stop requests)",
     )
     c.add_argument("--save-interval-s", type=NON_NEGATIVE_FLOAT, default=0.0, help="also save every S seconds")
+    c.add_argument(
+        "--memory-snapshot-every",
+        type=NON_NEGATIVE,
+        default=0,
+        metavar="K",
+        help="keep the state of every K-th step in host memory, with a copy on another host, so that a lost "
+        "host costs at most the step in flight (0: off, the default)",
+    )
     c.add_argument("--keep", type=NON_NEGATIVE, default=3, help="keep the newest K checkpoints (0: all)")
     c.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
     c.add_argument("--no-verify", action="store_true", help="skip checksum verification on load")

@@ -240,6 +240,9 @@ class CheckpointConfig:
     """Write in the background; training continues after the state is staged in host memory."""
     verify: bool = True
     """Check every file's size and checksum before loading."""
+    memory_snapshot_every: int = 0
+    """Keep the state of every K-th step in this host's and another host's memory (checkpoint/snapshot.py;
+    0: off)."""
 
     resume: str = "auto"
     """auto: continue from the newest complete checkpoint in dir, if any; never: start fresh (dir must hold
@@ -248,10 +251,11 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if not math.isfinite(self.save_interval_s):
             raise ConfigError(f"--save-interval-s {self.save_interval_s} must be a finite number")
-        if self.save_every < 0 or self.save_interval_s < 0 or self.keep < 0:
+        if self.save_every < 0 or self.save_interval_s < 0 or self.keep < 0 or self.memory_snapshot_every < 0:
             raise ConfigError(
                 f"checkpoint settings must be >= 0 (save_every={self.save_every}, "
-                f"save_interval_s={self.save_interval_s}, keep={self.keep})"
+                f"save_interval_s={self.save_interval_s}, keep={self.keep}, "
+                f"memory_snapshot_every={self.memory_snapshot_every})"
             )
         if self.resume not in ("auto", "never") and not Path(self.resume).is_dir():
             raise ConfigError(f"--resume {self.resume!r} is neither auto, never nor a checkpoint folder")

@@ -77,6 +77,7 @@ def checkpoint_config(
         keep=args.keep,
         async_save=args.async_save,
         verify=not args.no_verify,
+        memory_snapshot_every=args.memory_snapshot_every,
         resume=resume,
     )
     if cfg.resume == "never":

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from elastic_trainer.checkpoint import hashing, memory, planned, raw, spare, storage
+from elastic_trainer.checkpoint import hashing, memory, planned, raw, snapshot, spare, storage
 from elastic_trainer.checkpoint import state as ckpt_state
 from elastic_trainer.checkpoint.storage import first_failure as _first_failure
 from elastic_trainer.config import CheckpointConfig
@@ -81,6 +81,11 @@ class Checkpointer:
         self._prepared = None  # the hand-over's write, planned ahead (prepare_memory)
         self._spares: spare.Spares | None = None  # its files, allocated ahead (allocate_memory)
         self._last_save_time = time.monotonic()
+        self.snapshots: snapshot.Snapshots | None = None
+        """The state of every K-th step in memory (cfg.memory_snapshot_every), on a gloo group of its own."""
+        if cfg.memory_snapshot_every:
+            group = dist.new_group(backend="gloo")
+            self.snapshots = snapshot.Snapshots(group, cfg.dir, self.run_id, cfg.memory_snapshot_every, self.log)
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
 
@@ -91,6 +96,10 @@ class Checkpointer:
         if self.cfg.save_every and step % self.cfg.save_every == 0:
             return True
         return bool(self.cfg.save_interval_s) and time.monotonic() - self._last_save_time >= self.cfg.save_interval_s
+
+    def snapshot_due(self, step: int) -> bool:
+        """Whether the state after `step` is kept in memory (cfg.memory_snapshot_every; the same on every rank)."""
+        return self.snapshots is not None and self.snapshots.due(step)
 
     def save(self, trainer, *, blocking: bool | None = None) -> SaveStats:
         """Checkpoint `trainer` at its current step (a collective: every rank calls it)."""
@@ -224,7 +233,7 @@ class Checkpointer:
 
     def in_memory(self, live: dict | None = None) -> list[memory.Found]:
         """Complete in-memory states this world can read, newest first (a collective)."""
-        return memory.discover(self.pg, self.cfg.dir, live)
+        return memory.discover(self.pg, self.cfg.dir, live, say=self.log)
 
     def load_memory(self, trainer, found: memory.Found) -> tuple[LoadStats, memory.HandoverStats]:
         """Reshard an in-memory state into `trainer` (a collective)."""
@@ -251,7 +260,9 @@ class Checkpointer:
         ), stats
 
     def wait(self) -> None:
-        """Join an in-flight asynchronous save (re-raising its error)."""
+        """Join an in-flight asynchronous save (re-raising its error) and snapshot."""
+        if self.snapshots is not None:
+            self.snapshots.wait()
         if self._pending is not None:
             pending, self._pending = self._pending, None
             pending.result()
@@ -264,6 +275,9 @@ class Checkpointer:
                 self._spares.remove()
         if self._executor is not None:
             self._executor.shutdown()
+        if self.snapshots is not None:
+            self.snapshots.close()
+            dist.destroy_process_group(self.snapshots.pg)
         dist.destroy_process_group(self.pg)
 
     # -- load -------------------------------------------------------------------------------------

@@ -49,6 +49,8 @@ from elastic_trainer.config import CheckpointError
 from elastic_trainer.elastic.handover import host_name
 
 STATE_FILE = "state.json"
+HASH = storage.HASH
+"""The digest a snapshot's record carries for each file (the durable checkpoints' own)."""
 FORMAT = 2
 """state.json's format: 2, each piece stored as its bytes (`raw`); 1 (before), DCP's torch.save framing."""
 READERS = {1: storage.SafeReader, FORMAT: raw.Reader}
@@ -85,6 +87,30 @@ class Written:
         return self.record["step"]
 
 
+@dataclass
+class Staged:
+    """A rank's state taken at a step, ready to be written (`write`)."""
+
+    step: int
+    meta: dict
+    state: dict
+    threads: int
+    """The writer's threads (and files) for it."""
+
+
+def stage(trainer, local_ranks: int, copy: bool = False) -> Staged:
+    """`trainer`'s state now: a GPU state staged in host memory (staging.for_writing); with `copy` a CPU
+    state is copied too, so that training on while it is written (snapshot.py) changes nothing in it."""
+    state = ckpt_state.tensor_state(trainer)
+    if copy:  # a failure to copy is raised: writing the live tensors while they train would tear them
+        on_gpu = staging.is_on_gpu(state)
+        staged = staging.to_host(state) if on_gpu else staging.cloned(state)
+        threads = staging.writer_threads(local_ranks) if on_gpu else 1
+    else:
+        staged, threads = staging.for_writing(state, local_ranks)
+    return Staged(trainer.step, ckpt_state.build_meta(trainer), staged, threads)
+
+
 def write(
     pg,
     trainer,
@@ -93,13 +119,17 @@ def write(
     prepared: planned.Prepared | None = None,
     say=print,
     spares: dict[str, Path] | None = None,
+    staged: Staged | None = None,
+    checksums: bool = False,
 ) -> Written:
-    """Write `trainer`'s state into each rank's host memory (a collective of `pg`); rank 0 records it.
-    `prepared`: the write planned ahead (`prepare`), used when it still fits the state; `spares`: its files,
-    allocated ahead (spare.py)."""
+    """Write `trainer`'s state (or the one `staged` earlier) into each rank's host memory (a collective of
+    `pg`); rank 0 records it. `prepared`: the write planned ahead (`prepare`), used when it still fits the
+    state; `spares`: its files, allocated ahead (spare.py); `checksums`: each file's digest in the record,
+    checked by every later reader of the file (a snapshot's copies, snapshot.py)."""
     t0 = time.perf_counter()
     rank, world, host = dist.get_rank(), dist.get_world_size(), host_name()
-    name = f"step-{trainer.step:08d}-{run_id}"
+    step = trainer.step if staged is None else staged.step
+    name = f"step-{step:08d}-{run_id}"
     error = None
     try:
         folder = host_folders.state_folder(checkpoint_dir, name)
@@ -113,40 +143,46 @@ def write(
     server = Server(folder.parent, host, {name: token}) if hosts.index(host) == rank else None
     address = server.start() if server else None
     try:
-        state, threads = staging.for_writing(ckpt_state.tensor_state(trainer), hosts.count(host))
-        late, pieces = planned.write_files(pg, state, threads, folder, prepared, say, spares)
+        if staged is None:
+            staged = stage(trainer, hosts.count(host))
+        late, pieces = planned.write_files(pg, staged.state, staged.threads, folder, prepared, say, spares)
     except BaseException:
         if server:
             server.stop()
         raise
-    del state  # a staged copy: host memory the size of the rank's state
-    faults.fault("in_memory", trainer.step)
+    meta, staged = staged.meta, None  # a staged copy: host memory the size of the rank's state
+    faults.fault("in_memory", step)
     mine = {p.name: p.stat().st_size for p in folder.glob(f"__{rank}_*.distcp")}
+    sums = {n: storage.file_digest(folder / n) for n in mine} if checksums else {}
     second = [None] * world if rank == 0 else None
-    dist.gather_object((mine, address, late), second, dst=0, group=pg)
+    dist.gather_object((mine, address, late, sums), second, dst=0, group=pg)
     outcome = [None]
     if rank == 0:  # the record, made and written here, reaches every rank through the broadcast
         files = {
-            f: {"bytes": size, "host": hosts[r]} for r, (got, _, _) in enumerate(second) for f, size in got.items()
+            f: {"bytes": size, "host": hosts[r], **({HASH: got_sums[f]} if f in got_sums else {})}
+            for r, (got, _, _, got_sums) in enumerate(second)
+            for f, size in got.items()
         }
         outcome = [
             {
                 "format": FORMAT,
                 "name": name,
-                "step": trainer.step,
+                "step": step,
                 "token": token,
-                "meta": ckpt_state.build_meta(trainer),
+                "meta": meta,
                 "files": files,
-                "servers": {hosts[r]: a for r, (_, a, _) in enumerate(second) if a},
+                "servers": {hosts[r]: a for r, (_, a, _, _) in enumerate(second) if a},
                 "written": time.time(),
             }
         ]
         try:
             if late is not None:  # planned: the metadata is completed and written here
-                done = planned.metadata(prepared, [got for _, _, got in second], raw.Writer(folder).storage_meta())
+                done = planned.metadata(prepared, [got for _, _, got, _ in second], raw.Writer(folder).storage_meta())
                 with open(folder / ".metadata", "wb") as f:
                     pickle.dump(done, f)
             files[".metadata"] = {"bytes": (folder / ".metadata").stat().st_size, "host": host}
+            if checksums:
+                files[".metadata"][HASH] = storage.file_digest(folder / ".metadata")
             storage.write_json_atomic(folder / STATE_FILE, outcome[0])
         except (OSError, CheckpointError) as e:
             outcome = [f"writing the state to memory failed: {e}"]
@@ -181,6 +217,9 @@ class Found:
     """Each rank's host in this world (by rank)."""
     servers: dict[str, str] = field(default_factory=dict)
     """{host: address} of the servers its files come from."""
+    holders: dict[str, str] = field(default_factory=dict)
+    """{file: host} that each file is read from: the host that wrote it, else a host holding its replica
+    (snapshot.py); the host that wrote it when it is served by the stopping world."""
 
     @property
     def step(self) -> int:
@@ -191,7 +230,9 @@ class Found:
         return self.record["name"]
 
 
-def _listing(root: Path) -> dict:
+def _listing(root: Path, verify: bool) -> dict:
+    """{state: {"files": {name: bytes}, "record", "damaged": [names]}} of this host's folders. With `verify`,
+    a file whose record carries its digest is checked: one that does not match is left out (damaged)."""
     out = {}
     for folder in host_folders.entries(root):
         if not NAME.match(folder.name) or not folder.is_dir():
@@ -204,45 +245,84 @@ def _listing(root: Path) -> dict:
             files = {p.name: p.stat().st_size for p in folder.iterdir() if p.is_file()}
         except FileNotFoundError:  # dropped meanwhile by the world that wrote it
             continue
-        out[folder.name] = {"files": files, "record": record}
+        damaged = []
+        for name, info in (record or {}).get("files", {}).items() if verify else ():
+            if HASH in info and files.get(name) == info["bytes"] and _digest(folder / name) != info[HASH]:
+                damaged.append(name)
+                del files[name]
+        out[folder.name] = {"files": files, "record": record, "damaged": damaged}
     return out
 
 
-def discover(pg, checkpoint_dir: str, live: dict | None = None) -> list[Found]:
+def _digest(path: Path) -> str | None:
+    try:
+        return storage.file_digest(path)
+    except OSError:
+        return None
+
+
+def discover(pg, checkpoint_dir: str, live: dict | None = None, say=None) -> list[Found]:
     """The complete in-memory states this world can read, newest first (a collective).
     `live`: the stopping world's record of the state it has just written (its servers are still up), which
     may hold files of hosts this world has no rank on. Folders of states that can never complete here (no
-    record anywhere) are removed."""
+    record anywhere) are removed. `say`: told in one line when the newest state recorded has files no host
+    of this world holds (their host and its partner lost together)."""
     root, host = host_root(checkpoint_dir), host_name()
-    mine = _listing(root) if root else {}
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, host, group=pg)
+    lowest = hosts.index(host) == dist.get_rank()  # lists and checks the host's folders for all its ranks
+    mine = _listing(root, verify=True) if root and lowest else {}
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (host, mine), group=pg)
-    hosts = [h for h, _ in gathered]
+    dist.all_gather_object(gathered, mine, group=pg)
     records, present = {}, {}
-    for h, listing in gathered:
+    for h, listing in zip(hosts, gathered):
         for name, entry in listing.items():
             if entry["record"]:
                 records[name] = entry["record"]
             for f, size in entry["files"].items():
                 present.setdefault(name, {}).setdefault(f, {})[h] = size
+            for f in entry["damaged"] if say is not None else ():
+                step = step_of(name)
+                say(
+                    f"[checkpoint] {h}'s copy of {f} of the state of step {step} in memory does not match its "
+                    "checksum; it is not read",
+                    flush=True,
+                )
     if live:
         records[live["name"]] = live
-    found = []
+    found, lacking = [], {}
     for name, record in records.items():
         if record.get("format") not in READERS:  # written by a version whose files this one cannot read
             continue
         serving = record["servers"] if live and name == live["name"] else {}  # the stopping world's, still up
-        if all(
-            present.get(name, {}).get(f, {}).get(info["host"]) == info["bytes"] or info["host"] in serving
-            for f, info in record["files"].items()
-        ):
-            # this world's hosts serve their own files (load starts their servers); the stopping world's
-            # servers are asked only for the files of hosts this world has no rank on
-            found.append(Found(record, hosts, {h: a for h, a in serving.items() if h not in hosts}))
-    if root and hosts.index(host) == dist.get_rank():
+        holders = {f: _holder(info, present.get(name, {}).get(f, {}), serving) for f, info in record["files"].items()}
+        if all(holders.values()):
+            # this world's hosts serve their own files and the replicas they hold (load starts their servers);
+            # the stopping world's servers are asked only for the files of hosts this world has no rank on
+            found.append(Found(record, hosts, {h: a for h, a in serving.items() if h not in hosts}, holders))
+        else:
+            lacking[record["step"]] = sorted({record["files"][f]["host"] for f, h in holders.items() if h is None})
+    newest = max((s.step for s in found), default=-1)
+    if say is not None and lacking and max(lacking) > newest:
+        step = max(lacking)
+        say(
+            f"[checkpoint] the state of step {step} in memory cannot be read: no host of this world holds the "
+            f"files of {', '.join(lacking[step])} (a host and its partner lost together); "
+            + (f"reading step {newest} instead" if found else "reading the newest durable checkpoint instead"),
+            flush=True,
+        )
+    if root and lowest:
         for name in set(mine) - set(records):
             shutil.rmtree(root / name, ignore_errors=True)
     return sorted(found, key=lambda s: s.step, reverse=True)
+
+
+def _holder(info: dict, sizes: dict[str, int], serving: dict) -> str | None:
+    """The host a file of a state is read from: the one that wrote it when that host has it whole (or serves
+    it from the stopping world), else any host holding a whole replica; None when no host has it."""
+    if sizes.get(info["host"]) == info["bytes"] or info["host"] in serving:
+        return info["host"]
+    return next((h for h, size in sorted(sizes.items()) if size == info["bytes"]), None)
 
 
 @dataclass
@@ -272,7 +352,8 @@ def load(pg, trainer, found: Found, checkpoint_dir: str, run_id: str) -> Handove
     root = host_root(checkpoint_dir)
     servers = dict(found.servers)
     serving = None
-    needs = {info["host"] for info in record["files"].values()} - set(servers)
+    holders = found.holders or {f: info["host"] for f, info in record["files"].items()}
+    needs = set(holders.values()) - set(servers)
     if hosts.index(host) == rank and host in needs:  # this host's files, for the ranks of other hosts
         serving = Server(root, host, {found.name: record["token"]})
     addresses = [None] * len(hosts)
@@ -291,7 +372,7 @@ def load(pg, trainer, found: Found, checkpoint_dir: str, run_id: str) -> Handove
     folder = root / f"{LOAD_PREFIX}{found.name}-{run_id}"
     folder.mkdir(parents=True, exist_ok=True)
     t1 = time.perf_counter()
-    fetched = gather_pieces(pg, record, ranges, hosts, servers, root / found.name, folder)
+    fetched = gather_pieces(pg, record, ranges, hosts, servers, root / found.name, folder, holders)
     t2 = time.perf_counter()
     error = None
     try:  # each rank's plan is its own (DCP's global load plan changes nothing): no collective of DCP's
@@ -339,7 +420,7 @@ class _PlannedOnce(storage.SafeLoadPlanner):
 
 def _metadata(pg, found: Found, hosts: list[str], root: Path):
     """DCP's metadata, read by a rank on its host (or fetched from its server) and sent to every rank."""
-    owner = found.record["files"][".metadata"]["host"]
+    owner = found.holders.get(".metadata") or found.record["files"][".metadata"]["host"]
     src = hosts.index(owner) if owner in hosts else 0
     box = [None]
     if dist.get_rank() == src:

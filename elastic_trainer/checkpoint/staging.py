@@ -45,6 +45,25 @@ def to_host(state: dict, pin: bool = True) -> dict:
     return host
 
 
+def cloned(state):
+    """A copy of a CPU `state`, its structure and DTensor placements unchanged: each tensor's own elements
+    copied (DCP's helper above deep-copies a view's whole storage, and fails on ZeRO-1's flat buffers)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, dict):
+        return {k: cloned(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(cloned(v) for v in state)
+    if isinstance(state, DTensor):
+        local = state.to_local().detach().clone()
+        return DTensor.from_local(
+            local, state.device_mesh, state.placements, run_check=False, shape=state.shape, stride=state.stride()
+        )
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    return state
+
+
 def writer_threads(local_ranks: int) -> int:
     """Threads (and files) per rank for a staged write: up to 8, sharing the host's cores with its ranks."""
     return max(1, min(MAX_WRITER_THREADS, (os.cpu_count() or 1) // max(1, local_ranks)))

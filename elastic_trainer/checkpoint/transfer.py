@@ -184,16 +184,20 @@ def _merged(ranges: list[tuple[str, int, int]], gap: int = raw.ALIGN) -> list[tu
     return out
 
 
-def gather_pieces(pg, record: dict, ranges, hosts: list[str], servers: dict, here: Path, folder: Path) -> int:
-    """Put every piece this host's ranks need into `folder`: a link to a file of this host, or the piece
-    fetched from its host's server into a sparse file of the same name (each piece once per host, by the
-    host's lowest rank needing it). Bytes fetched by this rank."""
+def gather_pieces(
+    pg, record: dict, ranges, hosts: list[str], servers: dict, here: Path, folder: Path, holders: dict | None = None
+) -> int:
+    """Put every piece this host's ranks need into `folder`: a link to a file this host holds, or the piece
+    fetched from the server of the host holding its file into a sparse file of the same name (each piece once
+    per host, by the host's lowest rank needing it). `holders`: {file: host} to read each file from (default:
+    the host that wrote it). Bytes fetched by this rank."""
     rank, host = dist.get_rank(), host_name()
+    holders = holders or {name: info["host"] for name, info in record["files"].items()}
     wanted = [None] * len(hosts)
-    dist.all_gather_object(wanted, [r for r in ranges if record["files"][r[0]]["host"] != host], group=pg)
+    dist.all_gather_object(wanted, [r for r in ranges if holders[r[0]] != host], group=pg)
     before = {r for other in range(rank) if hosts[other] == host for r in wanted[other]}
     mine = _merged([r for r in wanted[rank] if r not in before])
-    for name in {r[0] for r in ranges if record["files"][r[0]]["host"] == host}:
+    for name in {r[0] for r in ranges if holders[r[0]] == host}:
         try:
             os.symlink(here / name, folder / name)
         except FileExistsError:
@@ -205,9 +209,7 @@ def gather_pieces(pg, record: dict, ranges, hosts: list[str], servers: dict, her
             try:
                 for start in range(offset, offset + length, PIECE_BYTES):
                     n = min(PIECE_BYTES, offset + length - start)
-                    client.fetch_into(
-                        servers[record["files"][name]["host"]], record["token"], record["name"], name, start, n, fd
-                    )
+                    client.fetch_into(servers[holders[name]], record["token"], record["name"], name, start, n, fd)
                     fetched += n
             finally:
                 os.close(fd)

@@ -259,6 +259,13 @@ class Job:
                 reason = (stop.reason if stop is not None else None) or (asked or {}).get("why") or PEER_REASON
             elif save_due:
                 checkpointer.save(trainer)
+            if (
+                not stop_now
+                and trainer.step < last
+                and checkpointer is not None
+                and checkpointer.snapshot_due(trainer.step)
+            ):
+                checkpointer.snapshots.take(trainer)  # the copy here, the write in the background
         self.profiler.close()  # a run that stops inside the window: the steps it traced
         if not self.records and self.handover is not None and dist.get_rank() == 0:
             self.handover.first_step_done()  # nothing to train: whoever waits for a first step waits no more

@@ -229,7 +229,7 @@ def test_lost_host_then_back(tmp_path, data_cache, sotu_tokens):
     run_dir = tmp_path / "lost"
     argv = launch_argv(run_dir, "127.0.0.1 slots=2\n127.0.0.2 slots=2\n", "--schedule", "none", cache=data_cache)
     proc = subprocess.Popen(
-        [*argv, "--save-every", "2", "--steps", "400"],
+        [*argv, "--save-every", "2", "--memory-snapshot-every", "1", "--steps", "400"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -282,7 +282,10 @@ def test_lost_host_then_back(tmp_path, data_cache, sotu_tokens):
     loads = [e for e in events if e["event"] == "state_loaded"][1:]  # the two restarts
     assert [Layout.from_dict(e["load"]["saved_layout"]).world_size for e in loads] == [4, 2]
     lost_at, back_at = loads[0]["step"], loads[1]["step"]
-    assert lost_at % 2 == 0 and lost_at >= 4  # the newest periodic checkpoint before the loss
+    # the snapshot in memory of the last step done, or of the one before when the loss came while it was copied:
+    # 127.0.0.1's files from 127.0.0.2's copy
+    done = max(r["step"] for r in metrics(run_dir) if r["world_size"] == 4 and r["time"] < killed)
+    assert done - 1 <= lost_at <= done and loads[0]["load"]["path"].startswith("memory:"), (done, loads[0])
     sigterm = [e for e in events if e["event"] == "stopping" and e["reason"] == "SIGTERM"]
     assert sigterm and sigterm[-1]["step"] == back_at  # the joiner's restart lost no step
     # rank 0 (whose records these are) moved to 127.0.0.2 and back to the new agent of 127.0.0.1, whose own

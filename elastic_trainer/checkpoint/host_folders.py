@@ -22,6 +22,20 @@ def shm_base() -> Path:
     return Path(os.environ.get(SHM_ENV) or "/dev/shm")
 
 
+def available_bytes() -> tuple[int, int]:
+    """(memory this machine can still give (MemAvailable), free space of the shared-memory folder)."""
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        available = 1 << 62
+    base = shm_base()
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    stat = os.statvfs(base)
+    return available, stat.f_bavail * stat.f_frsize
+
+
 def _identity(checkpoint_dir: str, create: bool) -> str | None:
     """The checkpoint folder's random id (ID_FILE), written by the first save to memory: a folder deleted and
     made again never finds the states in memory of the job that used it before. None: never written."""

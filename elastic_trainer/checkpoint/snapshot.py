@@ -33,10 +33,14 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from elastic_trainer.checkpoint import memory, storage
+from elastic_trainer.checkpoint import state as ckpt_state
+from elastic_trainer.checkpoint.host_folders import available_bytes
 from elastic_trainer.checkpoint.transfer import fetch_file
 from elastic_trainer.config import CheckpointError
 from elastic_trainer.elastic.handover import host_name
@@ -66,6 +70,20 @@ def partner_of(hosts: list[str], host: str) -> str | None:
     return ring[ring.index(host) - 1]
 
 
+GENERATIONS = 2
+"""Complete snapshots a host may hold at once: the newest, and the one kept while the next is written."""
+
+
+def _tensors(state):
+    if isinstance(state, dict):
+        for v in state.values():
+            yield from _tensors(v)
+    elif isinstance(state, DTensor):
+        yield state.to_local()
+    elif isinstance(state, torch.Tensor):
+        yield state
+
+
 class Snapshots:
     """A checkpointer's snapshots every `every` steps (`take` after a step that is `due`)."""
 
@@ -93,6 +111,9 @@ class Snapshots:
         self.wait()
         t0 = time.perf_counter()
         if self._prepared is None:
+            if not self._fits(trainer):
+                self.every = 0
+                return
             self._prepared = memory.prepare(self.pg, trainer)
         try:
             staged = memory.stage(trainer, self.local_ranks, copy=True)
@@ -106,6 +127,32 @@ class Snapshots:
             self._failed(trainer.step, next(e for e in errors if e))
             return
         self._pending = self._executor.submit(self._write, staged, t0, stall)
+
+    def _fits(self, trainer) -> bool:
+        """Whether every host has the memory for its snapshots (a collective, at the first one): two generations
+        of its ranks' files and its partner's, in its shared-memory folder, and the copies its ranks make. If
+        not, snapshots are off, said in one line."""
+        mine = sum(t.numel() * t.element_size() for t in _tensors(ckpt_state.tensor_state(trainer)))
+        gathered = [None] * len(self.hosts)
+        dist.all_gather_object(gathered, (mine, *available_bytes()), group=self.pg)
+        state = {h: 0 for h in self.hosts}
+        for h, (bytes_, _, _) in zip(self.hosts, gathered):
+            state[h] += bytes_
+        for h in dict.fromkeys(self.hosts):
+            _, available, shm_free = gathered[self.hosts.index(h)]
+            partner = partner_of(self.hosts, h)
+            files = GENERATIONS * (state[h] + (state[partner] if partner else 0))
+            if files > shm_free or files + state[h] > available:
+                gib = 1 << 30
+                self.log(
+                    f"[checkpoint] --memory-snapshot-every {self.every}: no snapshots in memory: {h} would hold "
+                    f"~{files / gib:.2f} GiB of them ({GENERATIONS} generations of its own and its partner's "
+                    f"state) and copy ~{state[h] / gib:.2f} GiB for each, with {available / gib:.2f} GiB "
+                    f"available and {shm_free / gib:.2f} GiB free in its shared-memory folder",
+                    flush=True,
+                )
+                return False
+        return True
 
     def _write(self, staged: memory.Staged, t0: float, stall: float) -> SnapshotStats:
         step = staged.step

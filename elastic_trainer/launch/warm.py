@@ -9,9 +9,9 @@ in memory need together would not fit: then the next world starts after the curr
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
+from elastic_trainer.checkpoint.host_folders import available_bytes
 from elastic_trainer.config import ModelConfig
 from elastic_trainer.plan.hardware import Hardware, load_hardware
 from elastic_trainer.plan.layout import Layout
@@ -67,22 +67,6 @@ def world_bytes(
             peak = max(m.total for m in stage_memories(model, layout, seq_len, "fp32"))
             per_rank += int(hw.kept_factor(layout) * peak)
     return ranks * per_rank
-
-
-def available_bytes() -> tuple[int, int]:
-    """(memory this machine can still give (MemAvailable), free space of the shared-memory folder)."""
-    from elastic_trainer.checkpoint.host_folders import shm_base
-
-    try:
-        with open("/proc/meminfo") as f:
-            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        available = 1 << 62
-    base = shm_base()
-    while not base.exists() and base != base.parent:
-        base = base.parent
-    stat = os.statvfs(base)
-    return available, stat.f_bavail * stat.f_frsize
 
 
 def memory_need(

@@ -129,3 +129,23 @@ def test_a_lost_host_resumes_from_its_partners_copy_in_a_new_layout(tmp_path, mo
         f"the state of step 3 in memory cannot be read: no host of this world holds the files of {HOST_B} "
         "(a host and its partner lost together); reading the newest durable checkpoint instead"
     ) in out, out
+
+
+def short_of_memory(rank, world, ckpt, tokens):
+    os.environ["ELASTIC_TRAINER_HOST"] = [HOST_A, HOST_B][rank]
+    snapshot.available_bytes = lambda: (1 << 40, 1 << 20)  # 1 MiB free in the shared-memory folder
+    cfg = CheckpointConfig(dir=ckpt, memory_snapshot_every=1)
+    log = MetricsLog(None, enabled=rank == 0)
+    with Job(MODEL, config(3), Layout(2, 1, 1, 4, 1), torch.device("cpu"), ckpt=cfg, tokens=tokens, log=log) as job:
+        job.fit(until=2)
+        return job.checkpointer.snapshot_due(2), job.checkpointer.snapshots.history
+
+
+def test_snapshots_that_would_not_fit_in_memory_are_off_in_one_line(tmp_path, monkeypatch, tokens, capfd):
+    monkeypatch.setenv(memory.SHM_ENV, str(tmp_path / "shm"))
+    due, history = run_ranks(short_of_memory, 2, str(tmp_path / "ckpt"), tokens)[0]
+    assert not due and history == []
+    out = capfd.readouterr().out
+    line = "[checkpoint] --memory-snapshot-every 1: no snapshots in memory: localhost would hold ~0.08 GiB of them"
+    assert line in out, out
+    assert "(2 generations of its own and its partner's state)" in out and "0.00 GiB free in its shared-memory" in out

@@ -4,13 +4,15 @@ same steps (fp32, 1e-5 relative) and checks from the metrics that every global s
 - the default job (4 -> 8 -> 2 -> 4 ranks) through ./run.sh, every event through the warm start and the
   hand-over in memory;
 - two hosts on one machine (127.0.0.1 and 127.0.0.2), the agent of rank 0's host SIGKILLed mid-run: the
-  other host re-plans for 2 ranks and resumes from the last periodic checkpoint; then the host comes back and
+  other host re-plans for 2 ranks and resumes from the snapshot in memory of the last step done (or the one
+  before), rank 0's files from its own copy; then the host comes back and
   the job grows to 4 again (torchrun SIGTERMs the workers, they save, all re-plan);
 - time-based phases (the launcher's stop file); a crashing rank naming itself in the launch log;
 - any GPU count runs: 8 -> 5 -> 7 -> 3 GPUs where 5 and 7 leave one idle, every layout the dry run's, every
   event a warm start with the state handed over in memory (no rank reads the checkpoint folder);
 - hosts of different sizes (3 + 2) train as one job with one plan, tp inside a host, one GPU idle; then the
-  2-slot host freezes (SIGSTOP), is cut off after 10 s without a heartbeat, and the survivors re-plan;
+  2-slot host freezes (SIGSTOP), is cut off after 10 s without a heartbeat, and the survivors re-plan and
+  resume from the snapshot in memory (127.0.0.2's files from 127.0.0.1's copy);
 - the second host reached through a real sshd, both agents' output in the driver's log; the launcher
   SIGKILLed: both hosts save the step in flight, and a resumed launch finishes on the trajectory;
 - a crash of the whole job, then `launch --resume`.
@@ -223,7 +225,8 @@ def wait_for(run_dir: Path, proc: subprocess.Popen, what, timeout: float = 300) 
 def test_lost_host_then_back(tmp_path, data_cache, sotu_tokens):
     """127.0.0.1 and 127.0.0.2 (2 ranks each) form one job, ranks 0-1 on 127.0.0.1. Its agent is SIGKILLed:
     the rendezvous is the launcher's, so it stays up; 127.0.0.2 re-forms the job alone, re-planned for 2 ranks,
-    from the last periodic checkpoint. Then the host comes back (its agent restarted by hand with the same
+    from the snapshot in memory (`--memory-snapshot-every 1`: 127.0.0.1's files from 127.0.0.2's copy), at
+    most one step back. Then the host comes back (its agent restarted by hand with the same
     command, which the launcher does not know of): torchrun stops the workers (SIGTERM: they save), and all
     re-plan for 4 and resume from that save. Every step on the single-process trajectory; every sample once."""
     run_dir = tmp_path / "lost"
@@ -372,12 +375,13 @@ def test_uneven_hosts_leave_a_gpu_idle_then_one_freezes(tmp_path, data_cache, so
     """Hosts of 3 and 2 slots (5 ranks), global batch 12: one plan for both hosts (tp inside a host) on 4 ranks,
     one idle, taken from job.json. Then the 2-slot host freezes (its agent and workers SIGSTOPped: no process
     exits, its connections stay open): the launcher cuts it off after 10 s without its heartbeat, the survivors'
-    blocked workers are restarted, re-plan for the hosts they really have (saying why) and resume from the last
-    periodic checkpoint, on the trajectory. Woken up later, the frozen host has nothing left to do anything."""
+    blocked workers are restarted, re-plan for the hosts they really have (saying why) and resume from the
+    snapshot in memory (127.0.0.2's files from 127.0.0.1's copy), at most one step back, on the trajectory.
+    Woken up later, the frozen host has nothing left to do anything."""
     run_dir = tmp_path / "uneven"
     argv = launch_argv(run_dir, "127.0.0.1 slots=3\n127.0.0.2 slots=2\n", "--schedule", "none", cache=data_cache)
     proc = subprocess.Popen(
-        [*argv, "--save-every", "2", "--steps", "400", "--global-batch", "12", "--hardware", "h100-80g"],
+        [*argv, "--memory-snapshot-every", "1", "--steps", "400", "--global-batch", "12", "--hardware", "h100-80g"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -420,6 +424,11 @@ def test_uneven_hosts_leave_a_gpu_idle_then_one_freezes(tmp_path, data_cache, so
         assert abs(r["loss"] - reference[r["step"] - 1]) / reference[r["step"] - 1] <= 1e-5, r
     assert [r["step"] for r in kept] == list(range(1, steps + 1)) and samples_consumed_once(kept)
     assert [w for w, _ in itertools.groupby(r["world_size"] for r in kept)] == [4, 3]
+    # from the snapshot in memory of the last step done before the cut (or the one before, if the freeze came
+    # while it was copied): 127.0.0.2's files from 127.0.0.1's copy, no durable checkpoint
+    (resumed,) = [e for e in events if e["event"] == "state_loaded" and e["time"] > cut["time"]]
+    done = max(r["step"] for r in metrics(run_dir) if r["time"] < lost)
+    assert resumed["load"]["path"].startswith("memory:") and done - 1 <= resumed["step"] <= done, (done, resumed)
 
 
 def test_second_host_through_ssh_saves_when_the_launcher_dies(tmp_path, data_cache, reference):

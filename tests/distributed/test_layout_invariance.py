@@ -53,12 +53,6 @@ def train_job(
         for n, p in trainer.engine.model.named_parameters()
     }
     coords = trainer.engine.coords
-    compiled = None
-    if cfg.compile:  # what this rank compiled, and whether every block is compiled
-        from elastic_trainer.parallel.compile import report
-
-        blocks = [b._compiled_call_impl is not None for b in trainer.engine.model.layers.values()]
-        compiled = {**report(), "blocks": len(blocks), "all_compiled": all(blocks)}
     return {
         "loss": [r["loss"] for r in records],
         "grad_norm": [r["grad_norm"] for r in records],
@@ -66,7 +60,6 @@ def train_job(
         "ids": ids,
         "coords": (coords.pp, coords.dp, coords.tp),
         "val": val,
-        "compile": compiled,
     }
 
 
@@ -92,7 +85,6 @@ def run(layout: Layout, tokens, cfg: TrainConfig = CFG, model=MODEL, val_tokens=
         "params": params,
         "ids": steps,
         "val": results[0]["val"],
-        "compile": results[0]["compile"],
     }
 
 

@@ -28,7 +28,8 @@ from elastic_trainer.checkpoint import host_folders
 
 PREFIX = ".spare-"
 CHUNK = 64 << 20
-NAME = re.compile(r"^\.spare-(\d+)$")
+NAME = re.compile(r"^\.spare-(\d+)(?:-snapshot)?$")
+"""A process's spare folder: of a hand-over (spare.Spares), or of its snapshots (snapshot.py)."""
 
 
 class Spares:

@@ -159,12 +159,16 @@ class Client:
 # -- a world's pieces --------------------------------------------------------------------------------------
 
 
-def fetch_file(address: str, record: dict, name: str, path: Path) -> None:
-    """The whole file `name` of the state `record` from the server at `address`, into `path`."""
+def fetch_file(address: str, record: dict, name: str, path: Path, truncate: bool = True) -> None:
+    """The whole file `name` of the state `record` from the server at `address`, into `path` (`truncate`
+    False: written over what `path` holds, then cut to the file's size)."""
     client = Client()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    size = record["files"][name]["bytes"]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else 0), 0o600)
     try:
-        client.fetch_into(address, record["token"], record["name"], name, 0, record["files"][name]["bytes"], fd)
+        client.fetch_into(address, record["token"], record["name"], name, 0, size, fd)
+        if not truncate:
+            os.ftruncate(fd, size)
     finally:
         os.close(fd)
         client.close()

@@ -118,8 +118,13 @@ def downtime(before: Segment, after: Segment, events: list[dict]) -> dict:
     """The gap between two segments, when no step ran (steps redone after it are counted apart, in
     `after.redone`), and its stages (seconds; None where the event was not recorded)."""
     window = [e for e in events if before.end <= e["time"] <= after.records[0]["time"]]
-    warm = any(e["event"] == "handover_done" for e in window)
+    from_memory = any(e["event"] == "handover_done" for e in window)
+    # a restart after a failure may read a snapshot in memory: it is still a restart, not a warm start
+    warm = from_memory and not any(e["event"] == "workers_restarting" for e in window)
     out: dict = {"downtime_s": after.start - before.end, "warm": warm}
+    if not warm:
+        loaded = next((e for e in window if e["event"] == "state_loaded"), None)
+        out["source"] = "memory" if from_memory else "disk" if loaded and loaded.get("load") else None
     last = before.end
     for name, event in WARM_STAGES if warm else STAGES:
         hit = next((e for e in window if e["event"] == event and e["time"] >= last), None)
@@ -134,14 +139,16 @@ def downtime(before: Segment, after: Segment, events: list[dict]) -> dict:
 
 
 def parts(gap: dict) -> str:
-    """The downtime's parts in one short string: "memory: save 0.29 + hand-over 0.64 + setup 0.01" or
-    "disk: save 0.30 + exit 0.43 + ..." (the stages recorded, in order)."""
+    """The downtime's parts in one short string: "memory: save 0.29 + hand-over 0.64 + setup 0.01" (a warm
+    start) or "restart: save 0.30 + exit 0.43 + ... , from disk" (the stages recorded, in order, and where a
+    restart's state came from: a snapshot in memory or a checkpoint on disk)."""
     named = [
         f"{PART_NAMES[k]} {gap[k]:.2f}"
         for k, _ in (WARM_STAGES if gap.get("warm") else STAGES)
         if gap.get(k) is not None
     ]
-    return ("memory: " if gap.get("warm") else "restart: ") + " + ".join(named)
+    source = {"memory": ", from memory", "disk": ", from disk"}.get(gap.get("source"), "")
+    return ("memory: " if gap.get("warm") else "restart: ") + " + ".join(named) + source
 
 
 def _resumed(before: Segment, after: Segment) -> bool:

@@ -29,9 +29,9 @@ CHAIN = [  # dp, tp, pp, micro_batch, dp_mode: six links, the six changes of dp 
     (2, 2, 2, 2, "ddp"),  # every dimension up; sharded -> replicated
     (1, 1, 1, 4, "zero1"),  # every dimension down, another micro-batch split; replicated -> ZeRO-1
     (1, 4, 1, 8, "fsdp"),  # tp up to 4; ZeRO-1 -> sharded
-    (4, 1, 2, 1, "zero1"),  # dp up to 4, tp down, pp up; sharded -> ZeRO-1
-    (1, 1, 4, 2, "ddp"),  # pp up to 4, dp down; ZeRO-1 -> replicated
-    (2, 2, 1, 4, "fsdp"),  # replicated -> sharded
+    (2, 2, 2, 2, "zero1"),  # dp and pp up, tp down; sharded -> ZeRO-1 with tp-sharded rows
+    (1, 1, 4, 2, "ddp"),  # pp up to 4, dp and tp down; ZeRO-1 -> replicated
+    (4, 1, 1, 2, "fsdp"),  # dp up to 4, pp down; replicated -> sharded
 ]
 
 

@@ -169,6 +169,7 @@ def test_downtime_of_a_phase_change_and_its_stages():
         "setup_s": 5.0,
         "load_s": 2.5,
         "first_step_s": 3.0,
+        "source": "disk",
     }
 
 
@@ -236,6 +237,7 @@ def test_downtime_of_a_restart_within_a_phase():
         "setup_s": 4.0,
         "load_s": 1.25,
         "first_step_s": 3.5,
+        "source": "disk",
     }
 
 
@@ -251,6 +253,21 @@ def test_downtime_of_a_failure_recorded_by_the_agents():
     gap = downtime(segs[1], segs[2], sorted(EVENTS + agents, key=lambda e: e["time"]))
     assert (gap["detect_s"], gap["rendezvous_s"], gap["start_s"], gap["setup_s"]) == (2.0, 3.0, 4.0, 4.0)
     assert gap["downtime_s"] == 13.5 and gap["save_s"] is None
+
+
+def test_a_restart_that_reads_a_snapshot_in_memory_is_a_restart_from_memory():
+    """A loss's restart that loads a snapshot (its `handover_done` event) keeps the restart's stages and says
+    where the state came from; it is not taken for a warm start."""
+    agents = [
+        ev("workers_restarting", 1038.0, 1, writer="agent"),
+        ev("rendezvous_done", 1041.0, 1, writer="agent"),
+        ev("handover_done", 1048.0, 1, handover={"total_s": 0.4}),
+    ]
+    segs = segments(RECORDS)
+    gap = downtime(segs[1], segs[2], sorted(EVENTS + agents, key=lambda e: e["time"]))
+    assert gap["warm"] is False and gap["source"] == "memory"
+    assert (gap["detect_s"], gap["rendezvous_s"], gap["start_s"], gap["setup_s"]) == (2.0, 3.0, 4.0, 4.0)
+    assert parts(gap) == "restart: detect 2.00 + rendezvous 3.00 + start 4.00 + setup 4.00, from memory"
 
 
 def test_downtime_without_events_has_no_stages():
@@ -289,7 +306,7 @@ def test_format_rows_table():
             "19.0",
             "2.50",
             "0",
-            "restart: save 3.00 + exit 2.00 + relaunch 1.00 + start 6.00 + setup 5.00",
+            "restart: save 3.00 + exit 2.00 + relaunch 1.00 + start 6.00 + setup 5.00, from disk",
         ],
         [
             "2 (restart 1)",
@@ -300,7 +317,7 @@ def test_format_rows_table():
             "13.5",
             "1.25",
             "2",
-            "restart: start 9.00 + setup 4.00",
+            "restart: start 9.00 + setup 4.00, from disk",
         ],
     ]
     column = lines[0].index("downtime s")

@@ -77,4 +77,4 @@ def test_a_commit_while_another_world_removes_the_emptied_host_folder(tmp_path, 
 
     monkeypatch.setattr(Path, "iterdir", removed_first)
     assert memory.drop(str(tmp_path / "ckpt"), 10) == []
-    assert memory._listing(root) == {}
+    assert memory._listing(root, verify=True) == {}

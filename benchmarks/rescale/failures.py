@@ -1,9 +1,11 @@
-"""What an unplanned loss costs: a worker, a host or the host of rank 0 SIGKILLed, or a host frozen, mid-run.
+"""What an unplanned loss costs: a worker, a host or the host of rank 0 SIGKILLed, or a host frozen, mid-run,
+with in-memory snapshots every step and without them.
 
     python benchmarks/rescale/failures.py [--repeats 3] [--out benchmarks/rescale/failures.json]
 
 Two hosts on this machine (127.0.0.1 and 127.0.0.2, 2 ranks each) run the default model through `elastic-trainer
-launch` with the launcher's default settings, saving every step. Once step 6 is in the metrics, one of:
+launch` with the launcher's default settings (no periodic durable save), once with `--memory-snapshot-every 1`
+and once without (`off`). Once step 6 is in the metrics, one of:
 
 - worker: one rank process of 127.0.0.2 is SIGKILLed (its agent restarts its workers, the job stays at 4 ranks);
 - host: 127.0.0.2's agent is SIGKILLed (its ranks die with it; the job goes on with 2 ranks);
@@ -15,7 +17,9 @@ launch` with the launcher's default settings, saving every step. Once step 6 is 
 detect (kill or freeze -> the first surviving agent restarts its workers; for a frozen host this includes
 the hang timeout, and `cut_s` is the freeze -> the launcher's `host_lost`), rendezvous (-> the last agent's rendezvous
 completed), start (-> process group formed, `processes_up`), setup (-> state loaded: plan, build, load). The first
-step after a restart is reported apart (gloo connects lazily), as are the steps redone. Medians of the repeats.
+step after a restart is reported apart (gloo connects lazily), as are the steps redone (steps done before the
+loss and trained again after it) and where the state came from. Medians of the repeats; the kinds and modes
+alternate, so the machine's noise hits each alike.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from elastic_trainer.elastic.events import read_jsonl
 
 HERE = Path(__file__).resolve().parent
 KINDS = ("worker", "host", "first host", "frozen host")
+MODES = {"snapshots": ["--memory-snapshot-every", "1"], "off": []}
 EXTRA = [a for a in os.environ.get("ET_BENCH_LAUNCH_ARGS", "").split() if a]
 STAGES = ("detect_s", "rendezvous_s", "start_s", "setup_s")
 
@@ -71,7 +76,7 @@ def wait(what, proc: subprocess.Popen, timeout: float = 300.0):
     raise SystemExit("timed out")
 
 
-def trial(folder: Path, kind: str, data_cache: str) -> dict:
+def trial(folder: Path, kind: str, mode: str, data_cache: str) -> dict:
     folder.mkdir(parents=True)
     (folder / "hosts.txt").write_text("127.0.0.1 slots=2\n127.0.0.2 slots=2\n")
     run_dir = folder / "run"
@@ -90,10 +95,9 @@ def trial(folder: Path, kind: str, data_cache: str) -> dict:
         "--",
         "--steps",
         "400",
-        "--save-every",
-        "1",
         "--data-cache",
         data_cache,
+        *MODES[mode],
     ]
     proc = subprocess.Popen(
         cmd,
@@ -145,8 +149,11 @@ def trial(folder: Path, kind: str, data_cache: str) -> dict:
     }
     loaded = next((e for e in events if e["event"] == "state_loaded"), {})
     before = max(r["step"] for r in read_jsonl(metrics) if r["time"] <= killed)
+    path = str((loaded.get("load") or {}).get("path", ""))
     return {
         "kind": kind,
+        "mode": mode,
+        "source": "memory" if path.startswith("memory:") else "durable" if path else "none (from the start)",
         "recovery_s": first["time"] - first["step_time_s"] - killed,
         **stages,
         "cut_s": (at("host_lost") - killed) if kind == "frozen host" and at("host_lost") else None,
@@ -165,22 +172,41 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated, from: " + ", ".join(KINDS))
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, from: " + ", ".join(MODES))
     parser.add_argument("--out", default=str(HERE / "failures.json"))
     args = parser.parse_args()
     kinds = [k.strip() for k in args.kinds.split(",")]
+    modes = [m.strip() for m in args.modes.split(",")]
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         cache = str(Path(tmp) / "data-cache")
         for r in range(args.repeats):
-            for kind in kinds:  # the kinds alternate, so the machine's noise hits each alike
-                row = trial(Path(tmp) / f"{kind.replace(' ', '-')}-{r}", kind, cache)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+            for kind in kinds:
+                for mode in modes:
+                    row = trial(Path(tmp) / f"{kind.replace(' ', '-')}-{mode}-{r}", kind, mode, cache)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
     keys = ("recovery_s", "cut_s", *STAGES, "load_s", "first_step_s", "redone")
-    summary = {kind: {k: median([x for x in rows if x["kind"] == kind], k) for k in keys} for kind in kinds}
-    print(f"{'lost':<12}" + "".join(f"{k:>14}" for k in keys))
-    for kind, values in summary.items():
-        print(f"{kind:<12}" + "".join(f"{'-' if values[k] is None else values[k]:>14}" for k in keys))
+    summary = {}
+    for kind in kinds:
+        for mode in modes:
+            mine = [x for x in rows if x["kind"] == kind and x["mode"] == mode]
+            summary[f"{kind}, {mode}"] = {
+                **{k: median(mine, k) for k in keys},
+                "sources": sorted({x["source"] for x in mine}),
+                "recovery_range_s": [
+                    round(min(x["recovery_s"] for x in mine), 3),
+                    round(max(x["recovery_s"] for x in mine), 3),
+                ],
+            }
+    print(f"{'lost':<24}" + "".join(f"{k:>14}" for k in keys) + "  source")
+    for name, values in summary.items():
+        print(
+            f"{name:<24}"
+            + "".join(f"{'-' if values[k] is None else values[k]:>14}" for k in keys)
+            + "  "
+            + "/".join(values["sources"])
+        )
     Path(args.out).write_text(json.dumps({"medians": summary, "runs": rows}, indent=1) + "\n")
 
 

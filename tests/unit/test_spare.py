@@ -78,3 +78,15 @@ def test_a_commit_while_another_world_removes_the_emptied_host_folder(tmp_path, 
     monkeypatch.setattr(Path, "iterdir", removed_first)
     assert memory.drop(str(tmp_path / "ckpt"), 10) == []
     assert memory._listing(root, verify=True) == {}
+
+
+def test_a_file_is_read_from_its_writer_else_from_a_whole_replica():
+    """memory._holder: the host that wrote a file when it holds it whole (or the stopping world serves it), else
+    any host holding a copy of the recorded size (a snapshot's partner), else None."""
+    info = {"bytes": 100, "host": "a"}
+    assert memory._holder(info, {"a": 100, "b": 100}, {}) == "a"
+    assert memory._holder(info, {"b": 100}, {}) == "b"
+    assert memory._holder(info, {"a": 60, "b": 100}, {}) == "b"  # a's own copy cut short
+    assert memory._holder(info, {"b": 99, "c": 100}, {}) == "c"
+    assert memory._holder(info, {"b": 99}, {}) is None
+    assert memory._holder(info, {}, {"a": "a:1234"}) == "a"

@@ -104,7 +104,7 @@ def trial(folder: Path, kind: str, mode: str, data_cache: str) -> dict:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", ELASTIC_TRAINER_SHM_DIR=str(folder / "shm")),
     )
     try:
         metrics = run_dir / "metrics.jsonl"

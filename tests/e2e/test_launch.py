@@ -236,7 +236,7 @@ def test_lost_host_then_back(tmp_path, data_cache, sotu_tokens):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=env(),
+        env=dict(env(), ELASTIC_TRAINER_SHM_DIR=str(tmp_path / "shm")),  # the lost host's snapshots stay there
     )
     joiner = None
     try:
@@ -385,7 +385,7 @@ def test_uneven_hosts_leave_a_gpu_idle_then_one_freezes(tmp_path, data_cache, so
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=env(),
+        env=dict(env(), ELASTIC_TRAINER_SHM_DIR=str(tmp_path / "shm")),  # the frozen host's snapshots stay there
     )
     frozen = None
     try:

@@ -76,7 +76,10 @@ def wait(what, proc: subprocess.Popen, timeout: float = 300.0):
     raise SystemExit("timed out")
 
 
-def trial(folder: Path, kind: str, mode: str, data_cache: str) -> dict:
+def start_on_two_hosts(folder: Path, launch: list[str], train: list[str]) -> tuple[subprocess.Popen, Path]:
+    """A job on 127.0.0.1 and 127.0.0.2 (2 ranks each) through `elastic-trainer launch --schedule none LAUNCH --
+    TRAIN`, its hosts file, run folder (`run`) and shared-memory folder (`shm`) in `folder`: the process, its
+    output piped, and the run folder. The other benchmarks of two hosts start theirs here too."""
     folder.mkdir(parents=True)
     (folder / "hosts.txt").write_text("127.0.0.1 slots=2\n127.0.0.2 slots=2\n")
     run_dir = folder / "run"
@@ -91,13 +94,9 @@ def trial(folder: Path, kind: str, mode: str, data_cache: str) -> dict:
         str(run_dir),
         "--schedule",
         "none",
-        *EXTRA,
+        *launch,
         "--",
-        "--steps",
-        "400",
-        "--data-cache",
-        data_cache,
-        *MODES[mode],
+        *train,
     ]
     proc = subprocess.Popen(
         cmd,
@@ -106,6 +105,12 @@ def trial(folder: Path, kind: str, mode: str, data_cache: str) -> dict:
         text=True,
         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", ELASTIC_TRAINER_SHM_DIR=str(folder / "shm")),
     )
+    return proc, run_dir
+
+
+def trial(folder: Path, kind: str, mode: str, data_cache: str) -> dict:
+    train = ["--steps", "400", "--data-cache", data_cache, *MODES[mode]]
+    proc, run_dir = start_on_two_hosts(folder, EXTRA, train)
     try:
         metrics = run_dir / "metrics.jsonl"
         wait(lambda: any(r["step"] >= 6 for r in read_jsonl(metrics)), proc)

@@ -36,42 +36,13 @@ from elastic_trainer.elastic.report import downtime, segments
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from failures import agent_of, median, wait  # noqa: E402  (the sibling benchmark's helpers)
+from failures import agent_of, median, start_on_two_hosts, wait  # noqa: E402  (the sibling benchmark's helpers)
 
 PARTS = ("save_s", "wait_s", "handover_s", "setup_s", "first_step_s")
 
 
 def start(folder: Path, data_cache: str) -> tuple[subprocess.Popen, Path]:
-    folder.mkdir(parents=True)
-    (folder / "hosts.txt").write_text("127.0.0.1 slots=2\n127.0.0.2 slots=2\n")
-    run_dir = folder / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "elastic_trainer.cli",
-        "launch",
-        "--hosts",
-        str(folder / "hosts.txt"),
-        "--run-dir",
-        str(run_dir),
-        "--schedule",
-        "none",
-        "--",
-        "--steps",
-        "600",
-        "--save-every",
-        "10",
-        "--data-cache",
-        data_cache,
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", ELASTIC_TRAINER_SHM_DIR=str(folder / "shm")),
-    )
-    return proc, run_dir
+    return start_on_two_hosts(folder, [], ["--steps", "600", "--save-every", "10", "--data-cache", data_cache])
 
 
 def stepped(run_dir: Path, after: float, world: int):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,9 @@ from pathlib import Path
 from elastic_trainer.elastic.events import read_jsonl
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from failures import start_on_two_hosts  # noqa: E402  (the sibling benchmark's helper)
+
 MODES = {"snapshots every step": ["--memory-snapshot-every", "1"], "off": []}
 
 
@@ -41,46 +43,19 @@ def held_bytes(shm: Path) -> dict[str, int]:
 
 
 def job(folder: Path, model: str, steps: int, extra: list[str], data_cache: str) -> dict:
-    folder.mkdir(parents=True)
-    (folder / "hosts.txt").write_text("127.0.0.1 slots=2\n127.0.0.2 slots=2\n")
+    train = ["--steps", str(steps), "--global-batch", "8", "--seq-len", "128", "--data-cache", data_cache, *extra]
+    proc, run_dir = start_on_two_hosts(folder, ["--model", model], train)
     shm = folder / "shm"
-    run_dir = folder / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "elastic_trainer.cli",
-        "launch",
-        "--hosts",
-        str(folder / "hosts.txt"),
-        "--run-dir",
-        str(run_dir),
-        "--schedule",
-        "none",
-        "--model",
-        model,
-        "--",
-        "--steps",
-        str(steps),
-        "--global-batch",
-        "8",
-        "--seq-len",
-        "128",
-        "--data-cache",
-        data_cache,
-        *extra,
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", ELASTIC_TRAINER_SHM_DIR=str(shm))
     # the job's last snapshot is removed by its final durable save: the memory held is read while it trains
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     held: dict[str, int] = {}
-    while proc.poll() is None:
+    while True:
         try:
-            proc.wait(timeout=0.5)
+            out, _ = proc.communicate(timeout=0.5)  # reading the output meanwhile: a full pipe would stop the job
+            break
         except subprocess.TimeoutExpired:
             now = held_bytes(shm)
             if sum(now.values()) > sum(held.values()):
                 held = now
-    out = proc.stdout.read()
     if proc.returncode != 0:
         raise SystemExit(f"the job failed:\n{out[-3000:]}")
     records = read_jsonl(run_dir / "metrics.jsonl")

@@ -9,13 +9,12 @@ planned at the first snapshot), and the lowest rank of each host fetches whole t
 host before it in the order of the world's hosts, a ring, so every file is held on the host that wrote it and
 on the next one, and no single host's loss takes both copies (the record, state.json, goes on every host).
 Once every host has its own and its partner's files, the snapshot is complete and the generations before it
-are removed; until then the previous complete one is kept, so a failure while a snapshot is written leaves a
-whole one.
+go; until then the previous complete one is kept, so a failure while a snapshot is written leaves a whole one.
 
-The background thread uses the checkpointer's own gloo group (as an asynchronous durable save does), one
-snapshot at a time: the next one, a durable save and a hand-over first wait for it (`wait`). A snapshot that
-fails (no shared memory, a partner that stopped answering) is said in one line and training goes on; the
-previous complete one stays.
+The background thread uses a gloo group of its own (beside the checkpointer's, which an asynchronous durable
+save uses from its own thread), one snapshot at a time: the next one, a durable save and a hand-over first wait
+for it (`wait`). A snapshot that fails (no shared memory, a partner that stopped answering) is said in one line
+and training goes on; the previous complete one stays.
 
 Every file's digest (xxh3-128, the durable checkpoints' own) is in the record, and every copy is checked before
 a restart reads it; a damaged copy is said in one line and not read, so the other copy is (or, with none left,
@@ -193,7 +192,7 @@ class Snapshots:
         if any(errors):
             return self._failed(step, next(e for e in errors if e), stats)
         self._recycle(step, written.record)  # the older generations: this one is whole on every host
-        dist.all_gather_object([None] * len(self.hosts), None, group=self.pg)  # every rank has taken its files
+        dist.barrier(group=self.pg)  # every rank has taken its files before the host's folders go
         if self.serves:
             stats.removed = memory.drop(self.dir, step - 1)
         self.last_complete = step

@@ -215,11 +215,11 @@ class Found:
     record: dict
     hosts: list[str]
     """Each rank's host in this world (by rank)."""
-    servers: dict[str, str] = field(default_factory=dict)
-    """{host: address} of the servers its files come from."""
-    holders: dict[str, str] = field(default_factory=dict)
+    holders: dict[str, str]
     """{file: host} that each file is read from: the host that wrote it, else a host holding its replica
     (snapshot.py); the host that wrote it when it is served by the stopping world."""
+    servers: dict[str, str] = field(default_factory=dict)
+    """{host: address} of the servers its files come from."""
 
     @property
     def step(self) -> int:
@@ -299,7 +299,7 @@ def discover(pg, checkpoint_dir: str, live: dict | None = None, say=None) -> lis
         if all(holders.values()):
             # this world's hosts serve their own files and the replicas they hold (load starts their servers);
             # the stopping world's servers are asked only for the files of hosts this world has no rank on
-            found.append(Found(record, hosts, {h: a for h, a in serving.items() if h not in hosts}, holders))
+            found.append(Found(record, hosts, holders, {h: a for h, a in serving.items() if h not in hosts}))
         else:
             lacking[record["step"]] = sorted({record["files"][f]["host"] for f, h in holders.items() if h is None})
     newest = max((s.step for s in found), default=-1)
@@ -352,7 +352,7 @@ def load(pg, trainer, found: Found, checkpoint_dir: str, run_id: str) -> Handove
     root = host_root(checkpoint_dir)
     servers = dict(found.servers)
     serving = None
-    holders = found.holders or {f: info["host"] for f, info in record["files"].items()}
+    holders = found.holders
     needs = set(holders.values()) - set(servers)
     if hosts.index(host) == rank and host in needs:  # this host's files, for the ranks of other hosts
         serving = Server(root, host, {found.name: record["token"]})
@@ -420,7 +420,7 @@ class _PlannedOnce(storage.SafeLoadPlanner):
 
 def _metadata(pg, found: Found, hosts: list[str], root: Path):
     """DCP's metadata, read by a rank on its host (or fetched from its server) and sent to every rank."""
-    owner = found.holders.get(".metadata") or found.record["files"][".metadata"]["host"]
+    owner = found.holders[".metadata"]
     src = hosts.index(owner) if owner in hosts else 0
     box = [None]
     if dist.get_rank() == src:

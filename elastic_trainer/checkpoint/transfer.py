@@ -189,14 +189,13 @@ def _merged(ranges: list[tuple[str, int, int]], gap: int = raw.ALIGN) -> list[tu
 
 
 def gather_pieces(
-    pg, record: dict, ranges, hosts: list[str], servers: dict, here: Path, folder: Path, holders: dict | None = None
+    pg, record: dict, ranges, hosts: list[str], servers: dict, here: Path, folder: Path, holders: dict
 ) -> int:
     """Put every piece this host's ranks need into `folder`: a link to a file this host holds, or the piece
     fetched from the server of the host holding its file into a sparse file of the same name (each piece once
-    per host, by the host's lowest rank needing it). `holders`: {file: host} to read each file from (default:
-    the host that wrote it). Bytes fetched by this rank."""
+    per host, by the host's lowest rank needing it). `holders`: {file: host} to read each file from
+    (`memory.Found.holders`). Bytes fetched by this rank."""
     rank, host = dist.get_rank(), host_name()
-    holders = holders or {name: info["host"] for name, info in record["files"].items()}
     wanted = [None] * len(hosts)
     dist.all_gather_object(wanted, [r for r in ranges if holders[r[0]] != host], group=pg)
     before = {r for other in range(rank) if hosts[other] == host for r in wanted[other]}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -53,9 +54,20 @@ APT_WAIT = ("-o", "DPkg::Lock::Timeout=600")
 """Wait for dpkg's lock: another test (sshd's, Slurm's) may be installing its packages at the same time."""
 
 
+def _installed() -> bool:
+    """sshd, ssh and ssh-keygen present and sshd's privilege-separation user made: dpkg unpacks the binaries
+    before the package's script adds the user, so a binary alone may be an install another test has under way
+    (an sshd started then exits with "Privilege separation user sshd does not exist")."""
+    try:
+        pwd.getpwnam("sshd")
+    except KeyError:
+        return False
+    return os.path.exists(SSHD) and bool(shutil.which("ssh")) and bool(shutil.which("ssh-keygen"))
+
+
 def ensure_sshd() -> str | None:
     """None when sshd and ssh are usable (apt-installing them as root if missing), else why to skip."""
-    if os.path.exists(SSHD) and shutil.which("ssh") and shutil.which("ssh-keygen"):
+    if _installed():
         return None
     if os.geteuid() != 0:
         return f"{SSHD} or ssh missing and not root to install openssh"
@@ -71,7 +83,7 @@ def ensure_sshd() -> str | None:
             proc = subprocess.run(install, env=env, capture_output=True, text=True, timeout=600)
     except subprocess.TimeoutExpired:
         return "apt-get timed out installing openssh-server"
-    if proc.returncode != 0 or not os.path.exists(SSHD):
+    if proc.returncode != 0 or not _installed():
         lines = (proc.stderr or proc.stdout).strip().splitlines() or ["no output"]
         return f"apt-get install openssh-server failed: {lines[-1]}"
     return None

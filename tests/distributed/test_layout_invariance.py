@@ -219,7 +219,7 @@ def test_recompute_matches(mode, reference, sotu_tokens):
 def test_bf16_mixed_precision_runs_the_same_code(reference, sotu_tokens):
     """The GPU path (bf16 parameters, fp32 reductions) on CPU: close to fp32, not equal. Between them the two
     runs take bf16 through each dimension and both kinds of master weights (FSDP's, ZeRO-1's) on 4 ranks each
-    (bf16 matmuls are slow on these CPUs: an 8-rank dp2 tp2 pp2 run of each took 4 min together)."""
+    (bf16 matmuls are slow on these CPUs: an 8-rank dp2 tp2 pp2 run of each took 270 s in a loaded full run)."""
     cfg = dataclasses.replace(CFG, dtype="bf16", eval_every=0)
     for degrees, mode in (((2, 2, 1, 2), "fsdp"), ((2, 1, 2, 2), "zero1")):
         result = run(make_layout(*degrees, mode), sotu_tokens, cfg)
